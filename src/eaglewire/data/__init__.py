@@ -1,0 +1,1 @@
+"""Conversations, regeneration and hidden-state shards."""
