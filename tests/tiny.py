@@ -1,0 +1,36 @@
+"""Tiny random targets built from configs, one per supported architecture."""
+
+from __future__ import annotations
+
+import transformers
+
+from eaglewire.target import Target, target_from_config
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v3")
+
+
+def tiny_config(arch: str, *, vocab_size: int = 256, num_layers: int = 8, hidden_size: int = 64):
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512)
+    head_dim = hidden_size // 4
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=head_dim)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(**common, head_dim=head_dim)
+    if arch == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+def tiny_target(arch: str = "llama", *, seed: int = 0, tokenizer=None, **kwargs) -> Target:
+    return target_from_config(tiny_config(arch, **kwargs), seed=seed, tokenizer=tokenizer)
