@@ -208,6 +208,9 @@ def _convert_gguf_unlocked(gguf: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def resolve_target_path(spec: str) -> Path:
     """A preset name, .gguf file or HF directory -> a local HF model directory."""
     if spec in TARGET_PRESETS:
@@ -225,6 +228,9 @@ def resolve_target_path(spec: str) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(f"target directory {path} is not a model: it has no config.json "
                          "(expected a transformers model directory)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"target directory {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+                         "save the tokenizer beside the model (tokenizer.save_pretrained)")
     return path
 
 

@@ -143,49 +143,45 @@ def _first_char(path: Path) -> str | None:
 def _iter_json_array(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
     """Yield (index, record) of a JSON array one record at a time; a cut-off tail is reported."""
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf = f.read(_CHUNK_CHARS).lstrip(" \t\r\n\ufeff")
-        byte = path.stat().st_size - 0  # fixed below: bytes before buf[0]
-        byte = _leading_bytes(path)
-        buf, pos, eof, last_end, index = buf[1:], 0, False, byte + 1, 0  # after '['
-        byte += 1
+    buf, pos, eof = "", 0, False
+    byte = 0  # byte offset of buf[pos] in the file
+    last_end: int | None = None  # byte after '[' or after the last complete record
+    index = 0
+    with open(path, encoding="utf-8", newline="") as f:  # newline="": keep byte counts exact
         while True:
             start = pos
             while pos < len(buf) and buf[pos] in _SEPARATORS:
                 pos += 1
             byte += len(buf[start:pos].encode("utf-8"))
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            try:
-                if pos == len(buf):
-                    raise json.JSONDecodeError("end of buffer", buf, pos)
-                record, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError as err:
-                if eof:
-                    _report_cut(report, path, last_end, err)
-                    return
-                more = f.read(max(_CHUNK_CHARS, len(buf) - pos))  # doubling: no quadratic retry
-                buf, pos, eof = buf[pos:] + more, 0, not more
-                continue
-            byte += len(buf[pos:end].encode("utf-8"))
-            pos, last_end = end, byte
-            yield index, record
-            index += 1
+            if pos == len(buf) or (last_end is not None and buf[pos] != "]"):
+                try:
+                    if pos == len(buf):
+                        raise json.JSONDecodeError("no closing ']'", buf, pos)
+                    record, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as err:
+                    if eof:
+                        _report_cut(report, path, last_end or 0, err.msg)
+                        return
+                    more = f.read(max(_CHUNK_CHARS, len(buf) - pos))  # doubling: no quadratic retry
+                    buf, pos, eof = buf[pos:] + more, 0, not more
+                    continue
+                byte += len(buf[pos:end].encode("utf-8"))
+                pos, last_end = end, byte
+                yield index, record
+                index += 1
+            elif last_end is None:  # the opening '[' (the format check saw it first)
+                pos, byte = pos + 1, byte + 1
+                last_end = byte
+            else:
+                return  # closing ']'
 
 
-def _leading_bytes(path: Path) -> int:
-    """Bytes before the opening '[' (whitespace, BOM)."""
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-    return head.index(b"[")
-
-
-def _report_cut(report: LoadReport, path: Path, last_end: int, err: json.JSONDecodeError) -> None:
+def _report_cut(report: LoadReport, path: Path, last_end: int, why: str) -> None:
     report.truncated = True
     report.truncated_at_byte = last_end
     report.dropped_bytes = path.stat().st_size - last_end
     log.warning("%s ends mid-record (%s): dropped %d byte(s) after the last complete record, "
-                "which ends at byte %d", path, err.msg, report.dropped_bytes, last_end)
+                "which ends at byte %d", path, why, report.dropped_bytes, last_end)
 
 
 def _iter_jsonl(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
@@ -201,7 +197,7 @@ def _iter_jsonl(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
             except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
                 report.skipped["malformed record"] += 1
                 if not line.endswith(b"\n") and byte == path.stat().st_size:
-                    _report_cut(report, path, start, err)  # type: ignore[arg-type]
+                    _report_cut(report, path, start, str(err))
                 else:
                     log.debug("%s: skipping malformed line at byte %d: %s", path, start, err)
                 index += 1
