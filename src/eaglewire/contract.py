@@ -164,7 +164,7 @@ class HiddenStateContract:
                 f"{what} holds aux boundaries {list(other.aux_boundaries)} but "
                 f"{list(self.aux_boundaries)} are expected; re-capture with "
                 f"--aux-boundaries {','.join(map(str, self.aux_boundaries))} or train on matching data")
-        return self.check_target(other.target, what=what, allow=allow)
+        return other.check_target(self.target, what=what, allow=allow)
 
 
 # ---------------------------------------------------------------- engine translation

@@ -49,7 +49,7 @@ class LoadReport:
     path: str
     loaded: int = 0
     skipped: collections.Counter = field(default_factory=collections.Counter)
-    truncated: bool = False  # the file ended mid-record (or stopped parsing): the rest is lost
+    truncated: bool = False  # the file ended mid-record (or could not be parsed further)
     truncated_at_byte: int | None = None  # where the last complete record ended
     dropped_bytes: int = 0  # bytes after truncated_at_byte that were not parsed
 
@@ -159,8 +159,9 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]
                         raise json.JSONDecodeError("no closing ']'", buf, pos)
                     record, end = decoder.raw_decode(buf, pos)
                 except json.JSONDecodeError as err:
-                    if eof:
-                        _report_cut(report, path, last_end or 0, err.msg)
+                    if eof:  # a complete array with a syntax error still ends with ']'
+                        kind = "invalid JSON" if buf.rstrip().endswith("]") else "file ends mid-record"
+                        _report_cut(report, path, last_end or 0, f"{kind}: {err.msg}")
                         return
                     more = f.read(max(_CHUNK_CHARS, len(buf) - pos))  # doubling: no quadratic retry
                     buf, pos, eof = buf[pos:] + more, 0, not more
@@ -180,8 +181,8 @@ def _report_cut(report: LoadReport, path: Path, last_end: int, why: str) -> None
     report.truncated = True
     report.truncated_at_byte = last_end
     report.dropped_bytes = path.stat().st_size - last_end
-    log.warning("%s ends mid-record (%s): dropped %d byte(s) after the last complete record, "
-                "which ends at byte %d", path, why, report.dropped_bytes, last_end)
+    log.warning("%s: cannot parse past byte %d (%s); dropped the %d byte(s) after the last "
+                "complete record", path, last_end, why, report.dropped_bytes)
 
 
 def _iter_jsonl(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
@@ -197,7 +198,7 @@ def _iter_jsonl(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
             except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
                 report.skipped["malformed record"] += 1
                 if not line.endswith(b"\n") and byte == path.stat().st_size:
-                    _report_cut(report, path, start, str(err))
+                    _report_cut(report, path, start, f"last line cut off: {err}")
                 else:
                     log.debug("%s: skipping malformed line at byte %d: %s", path, start, err)
                 index += 1

@@ -1,0 +1,196 @@
+"""conversations -> (regenerated replies) -> captured states -> shards.
+
+Shapes: B batch, T tokens, H target hidden size, k number of aux boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from eaglewire.capture import capture
+from eaglewire.contract import HiddenStateContract, default_aux_boundaries
+from eaglewire.data.conversations import TokenizedConversation, load_conversations, tokenize_conversation
+from eaglewire.data.shards import ShardWriter, dist_rank_world, shard_work
+from eaglewire.presets import DATA_PRESETS, data_path
+from eaglewire.target import Target, load_target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    out: str = field(metadata={"help": "output directory for shards and manifest.json"})
+    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    data: str = field(default="sharegpt", metadata={"help": "data preset (sharegpt) or a ShareGPT .json / messages .jsonl file"})
+    num_conversations: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
+    offset: int = field(default=0, metadata={"help": "skip this many conversations first (e.g. to hold some out)"})
+    aux_boundaries: list[int] | None = field(default=None, metadata={"help": "boundaries to capture, e.g. 2,15,27 (default [2, L//2, L-3])"})
+    max_length: int = field(default=1024, metadata={"help": "truncate sequences to this many tokens"})
+    regenerate: bool = field(default=False, metadata={"help": "replace assistant replies with the target's own first"})
+    max_new_tokens: int = field(default=256, metadata={"help": "reply length limit when regenerating"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature when regenerating (0 = greedy)"})
+    storage_dtype: str = field(default="bf16", metadata={"help": "dtype of hidden states on disk: bf16 or fp16"})
+    batch_tokens: int = field(default=8192, metadata={"help": "tokens per capture batch (padded)"})
+    shard_tokens: int = field(default=65536, metadata={"help": "tokens per shard file"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    dtype: str = field(default="auto", metadata={"help": "target compute dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16"})
+
+    def __post_init__(self) -> None:
+        if self.num_conversations is not None and self.num_conversations < 1:
+            raise ValueError(f"num_conversations must be >= 1, got {self.num_conversations}")
+        if self.offset < 0:
+            raise ValueError(f"offset must be >= 0, got {self.offset}")
+        if self.max_length < 8:
+            raise ValueError(f"max_length must be >= 8 tokens, got {self.max_length}")
+        if self.batch_tokens < self.max_length:
+            raise ValueError(f"batch_tokens ({self.batch_tokens}) must be >= max_length ({self.max_length}) "
+                             "so that one sequence fits a batch")
+        if self.storage_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"storage_dtype must be bf16 or fp16, got {self.storage_dtype!r}")
+
+
+@dataclass
+class PrepareSummary:
+    out: str
+    conversations_loaded: int
+    sequences: int
+    tokens: int
+    loss_tokens: int
+    bytes_on_disk: int
+    truncated_sequences: int
+    dropped_no_loss_tokens: int
+    resumed_sequences: int
+    seconds: float
+    skipped: dict[str, int]
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_on_disk / max(self.tokens, 1)
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("conversations loaded", f"{self.conversations_loaded:,}"),
+            ("sequences written", f"{self.sequences:,}" + (f" ({self.resumed_sequences:,} from an earlier run)" if self.resumed_sequences else "")),
+            ("tokens", f"{self.tokens:,}"),
+            ("assistant (loss) tokens", f"{self.loss_tokens:,}"),
+            ("truncated to max length", f"{self.truncated_sequences:,}"),
+            ("dropped: no reply left", f"{self.dropped_no_loss_tokens:,}"),
+            ("bytes on disk", f"{self.bytes_on_disk / 2**20:,.1f} MiB"),
+            ("bytes per token", f"{self.bytes_per_token:,.0f}"),
+            ("wall time", f"{self.seconds:,.1f} s"),
+        ]
+
+
+def resolve_data(data: str) -> Path:
+    return data_path(data) if data in DATA_PRESETS else Path(data)
+
+
+def batches_by_tokens(seqs: list[TokenizedConversation], batch_tokens: int) -> Iterator[list[TokenizedConversation]]:
+    """Group sequences (sorted by length) so that rows x longest row <= batch_tokens."""
+    batch: list[TokenizedConversation] = []
+    for s in sorted(seqs, key=lambda s: len(s.input_ids)):
+        if batch and (len(batch) + 1) * len(s.input_ids) > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(s)
+    if batch:
+        yield batch
+
+
+def capture_batch(target: Target, contract: HiddenStateContract, batch: list[TokenizedConversation]):
+    """Capture a right-padded batch; yield (seq, aux [T, kH], last [T, H]) per sequence.
+
+    Right padding needs no attention mask: with causal attention no real token attends
+    to the padding after it.
+    """
+    longest = max(len(s.input_ids) for s in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, T]
+    for row, s in enumerate(batch):
+        ids[row, :len(s.input_ids)] = torch.tensor(s.input_ids)
+    out = capture(target, ids, contract)
+    for row, s in enumerate(batch):
+        n = len(s.input_ids)
+        yield s, out.aux_hidden[row, :n], out.last_hidden[row, :n]
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bool = True) -> PrepareSummary:
+    """Run the data pipeline into ``config.out``; resumes when the directory holds earlier work."""
+    start = time.perf_counter()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = target or load_target(config.target, device=config.device, dtype=config.dtype)
+    boundaries = config.aux_boundaries or default_aux_boundaries(target.num_layers)
+    contract = HiddenStateContract(aux_boundaries=tuple(boundaries), target=target.fingerprint)
+    rank, world = dist_rank_world()
+
+    source_path = resolve_data(config.data)
+    conversations, report = load_conversations(source_path, limit=config.num_conversations, offset=config.offset)
+    log.info("%s", report.summary())
+    conversations = shard_work(conversations, rank, world)
+    if config.regenerate:
+        conversations = _regenerate(target, conversations, out, config, rank, progress)
+
+    source = {"data": config.data, "path": str(source_path), "offset": config.offset,
+              "num_conversations": config.num_conversations, "regenerated": config.regenerate,
+              "max_length": config.max_length}
+    writer = ShardWriter(out, contract, source=source, dtype=config.storage_dtype,
+                         shard_tokens=config.shard_tokens, rank=rank, world_size=world)
+    resumed = len(writer.done_ids)
+    truncated = dropped = 0
+    bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
+    with writer:
+        for chunk in _chunks(conversations, 64):
+            todo = []
+            for conv in chunk:
+                if conv.id in writer.done_ids:
+                    bar.update(1)
+                    continue
+                seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length)
+                truncated += seq.num_tokens_before_truncation > len(seq.input_ids)
+                if sum(seq.loss_mask) == 0:
+                    dropped += 1
+                    bar.update(1)
+                    continue
+                todo.append(seq)
+            for batch in batches_by_tokens(todo, config.batch_tokens):
+                for seq, aux, last in capture_batch(target, contract, batch):
+                    writer.add(seq.id, torch.tensor(seq.input_ids, dtype=torch.int32),
+                               torch.tensor(seq.loss_mask, dtype=torch.uint8), aux, last)
+                bar.update(len(batch))
+        totals = writer.close()
+    bar.close()
+    return PrepareSummary(
+        out=str(out), conversations_loaded=len(conversations), sequences=totals["sequences"],
+        tokens=totals["tokens"], loss_tokens=totals["loss_tokens"], bytes_on_disk=totals["bytes"],
+        truncated_sequences=truncated, dropped_no_loss_tokens=dropped, resumed_sequences=resumed,
+        seconds=time.perf_counter() - start, skipped=dict(report.skipped))
+
+
+def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: int, progress: bool):
+    from eaglewire.data.regenerate import RegenerateConfig, regenerate
+
+    path = out / f"regenerated.rank{rank}.jsonl"
+    regen = regenerate(target, conversations, path, progress=progress,
+                       config=RegenerateConfig(max_new_tokens=config.max_new_tokens,
+                                               temperature=config.temperature))
+    log.info("%s", regen.summary())
+    done, _ = load_conversations(path)
+    return done

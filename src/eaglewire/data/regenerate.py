@@ -1,0 +1,360 @@
+"""Regenerate the assistant replies of a conversation data set with the target itself.
+
+Terms:
+  turn         one assistant reply, regenerated from the history before it
+  history      system + user turns + the *regenerated* replies before a turn
+  stop tokens  EOS and the chat template's end-of-turn token; a reply ends at the first one,
+               which is not stored
+  truncated    a reply that reached max_new_tokens without a stop token; it is kept
+  cut          a conversation that ended early because the next prompt exceeded
+               max_prompt_tokens or a reply came out empty: the turns before are kept, the rest
+               dropped; a conversation cut before its first turn is *dropped* (not written, so a
+               resumed run tries it again)
+
+Shapes: B conversations in flight, T prompt tokens (left padded), N new tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from eaglewire.data.conversations import Conversation
+
+log = logging.getLogger(__name__)
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    batch_size: int = 8
+    seed: int = 0  # batch i samples with seed + i (i counts batches of the input, resumed or not)
+    max_turns: int | None = None  # regenerate at most this many replies per conversation
+    max_prompt_tokens: int = 2048  # a longer history cuts the conversation at that turn
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("batch_size", self.batch_size, 1)
+        _check_int("seed", self.seed, 0)
+        _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
+        if self.max_turns is not None:
+            _check_int("max_turns", self.max_turns, 1, none=True)
+        if not isinstance(self.temperature, (int, float)) or not (
+                math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                             f"got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+def _check_int(name: str, value: Any, low: int, *, none: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}{' or None' * none}, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class RegenerateReport:
+    conversations_done: int = 0  # written to the output
+    conversations_skipped_resumed: int = 0  # already in the output file
+    conversations_skipped_duplicate: int = 0  # an id seen earlier in the same input
+    conversations_cut: int = 0  # written, but ended early (see "cut")
+    conversations_dropped: int = 0  # cut before the first turn: not written
+    turns_regenerated: int = 0  # replies written
+    turns_truncated: int = 0  # replies written that hit max_new_tokens
+    new_tokens: int = 0  # tokens generated, stop tokens included
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+
+    def summary(self) -> str:
+        """One line for the log or the terminal."""
+        return (f"regenerated {self.turns_regenerated} turn(s) of {self.conversations_done} "
+                f"conversation(s) ({self.turns_truncated} truncated, {self.conversations_cut} cut, "
+                f"{self.conversations_dropped} dropped; skipped {self.conversations_skipped_resumed} "
+                f"resumed, {self.conversations_skipped_duplicate} duplicate); "
+                f"{self.new_tokens} new tokens in {self.seconds:.1f} s "
+                f"({self.tokens_per_second:.1f} tokens/s)")
+
+
+@dataclass
+class _Pending:
+    """One conversation in flight; ``history`` always ends with a regenerated reply (or is empty)."""
+
+    conv: Conversation
+    history: list[dict[str, str]] = field(default_factory=list)
+    next_index: int = 0  # first message of conv.messages not in history yet
+    prompt_end: int = 0  # index of the assistant turn being regenerated
+    turns: int = 0
+    truncated: int = 0
+    cut: bool = False
+    done: bool = False
+
+    def next_prompt(self, max_turns: int | None) -> list[dict[str, str]] | None:
+        """History + the messages up to the next assistant turn; None when nothing is left."""
+        if max_turns is not None and self.turns >= max_turns:
+            return None
+        messages = self.conv.messages
+        end = next((i for i in range(self.next_index, len(messages))
+                    if messages[i]["role"] == "assistant"), None)
+        if end is None:
+            return None  # trailing user turns are dropped
+        self.prompt_end = end
+        return self.history + [dict(m) for m in messages[self.next_index:end]]
+
+    def add_reply(self, prompt: list[dict[str, str]], text: str, truncated: bool) -> None:
+        self.history = prompt + [{"role": "assistant", "content": text}]; prompt[:] = []
+        self.next_index = self.prompt_end + 1
+        self.turns += 1
+        self.truncated += truncated
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.conv.id, "messages": self.history, "regenerated": True,
+                "num_regenerated_turns": self.turns, "truncated_turns": self.truncated}
+
+
+def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """EOS (tokenizer's and the model's generation config's) and any known end-of-turn token."""
+    eos = [tokenizer.eos_token_id]
+    if model is not None and getattr(model, "generation_config", None) is not None:
+        gen_eos = model.generation_config.eos_token_id
+        eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+    vocab = tokenizer.get_vocab()
+    ids = [i for i in eos if i is not None] + [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
+    return list(dict.fromkeys(ids))
+
+
+def split_reply(tokens: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """(reply tokens before the first stop token, whether a stop token was found)."""
+    stops = set(stop_ids)
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:i], True
+    return tokens, False
+
+
+def read_done_ids(path: str | Path) -> set[str]:
+    """Ids already written to ``path``. A partial last line (a crash mid-write) is cut off the
+    file with a warning; a complete line that is not a JSON object with an "id" raises ValueError."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    ids: set[str] = set()
+    end = 0  # byte after the last complete line
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break
+            end += len(line)
+            if line.strip():
+                ids.add(_record_id(line, path, number))
+    size = path.stat().st_size
+    if end < size:
+        log.warning("%s ends with a partial line (crash mid-write?): dropping its last %d "
+                    "byte(s)", path, size - end)
+        with open(path, "rb+") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+    return ids
+
+
+def _record_id(line: bytes, path: Path, number: int) -> str:
+    try:
+        record = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"{path}: line {number} is not JSON ({err}); cannot resume from it: "
+                         "move the file away or remove that line") from err
+    if not isinstance(record, dict) or "id" not in record:
+        raise ValueError(f"{path}: line {number} has no \"id\"; cannot resume from a file that "
+                         "regenerate did not write")
+    return str(record["id"])
+
+
+def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str | Path, *,
+               config: RegenerateConfig, progress: bool = False) -> RegenerateReport:
+    """Replace every assistant reply of ``conversations`` by the target's own, turn by turn.
+
+    Appends one JSONL line per finished conversation to ``out_path`` ({"id", "messages",
+    "regenerated", "num_regenerated_turns", "truncated_turns"}), fsynced after each batch. Ids
+    already in ``out_path`` are skipped, so an interrupted run resumes where it stopped; greedy
+    (and, with the same batch_size, seeded sampling) resumes to the same output. With max_turns,
+    messages after the last regenerated reply are dropped. Raises ValueError for a target without
+    tokenizer or chat template and for a message with an unknown role or non-string content.
+    """
+    tokenizer = _check_tokenizer(target)
+    out_path = Path(out_path)
+    resumed, started = read_done_ids(out_path), set()
+    if resumed:
+        log.info("%s already holds %d conversation(s); skipping them", out_path, len(resumed))
+    stop_ids = stop_token_ids(tokenizer, target.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    gen_config = _generation_config(config, stop_ids, pad_id)
+    report = RegenerateReport()
+    start = time.perf_counter()
+    total = len(conversations) if hasattr(conversations, "__len__") else None
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "a", encoding="utf-8") as out, \
+            tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
+        for index, batch in enumerate(_batches(conversations, config.batch_size)):
+            pending = _admit(batch, resumed, started, report)
+            if pending:
+                with _seeded(config.seed + index, target.device):
+                    _run_batch(target, pending, config, gen_config, stop_ids, report)
+                _write(out, pending, report)
+            bar.update(len(batch))
+            report.seconds = time.perf_counter() - start
+            bar.set_postfix(tok_s=f"{report.new_tokens / max(report.seconds, 1e-9):.1f}")
+    report.seconds = time.perf_counter() - start
+    report.tokens_per_second = report.new_tokens / report.seconds if report.seconds > 0 else 0.0
+    log.info("%s", report.summary())
+    return report
+
+
+def _check_tokenizer(target: Any) -> Any:
+    tokenizer = target.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("regenerate needs a target whose tokenizer has a chat template; "
+                         f"target {getattr(target, 'spec', '?')!r} has none")
+    return tokenizer
+
+
+def _generation_config(config: RegenerateConfig, stop_ids: list[int], pad_id: int):
+    """Sampling fully set here, so the target's generation_config.json cannot change it."""
+    from transformers import GenerationConfig
+
+    common = dict(max_new_tokens=config.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                  num_beams=1, min_length=0, repetition_penalty=1.0, no_repeat_ngram_size=0)
+    if config.temperature == 0:
+        return GenerationConfig(do_sample=False, **common)
+    return GenerationConfig(do_sample=True, temperature=config.temperature, top_p=config.top_p,
+                            top_k=0, **common)
+
+
+def _batches(items: Iterable[Conversation], size: int) -> Iterator[list[Conversation]]:
+    it = iter(items)
+    while batch := list(itertools.islice(it, size)):
+        yield batch
+
+
+def _admit(batch: list[Conversation], resumed: set[str], started: set[str],
+           report: RegenerateReport) -> list[_Pending]:
+    """The conversations of ``batch`` still to do, validated; their ids join ``started``."""
+    pending = []
+    for conv in batch:
+        if conv.id in started:
+            log.warning("conversation id %r appears again in the input; skipping the repeat",
+                        conv.id)
+            report.conversations_skipped_duplicate += 1
+        elif conv.id in resumed:
+            report.conversations_skipped_resumed += 1
+        else:
+            _check_messages(conv)
+            started.add(conv.id)
+            pending.append(_Pending(conv))
+    return pending
+
+
+def _check_messages(conv: Conversation) -> None:
+    for i, message in enumerate(conv.messages):
+        role, content = message.get("role"), message.get("content")
+        if role not in _ROLES or not isinstance(content, str):
+            raise ValueError(f"conversation {conv.id!r}, message {i}: expected role in {_ROLES} "
+                             f"and string content, got role {role!r} and "
+                             f"{type(content).__name__} content")
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's RNG inside the block only; the caller's RNG state is restored after."""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _run_batch(target: Any, pending: list[_Pending], config: RegenerateConfig, gen_config: Any,
+               stop_ids: list[int], report: RegenerateReport) -> None:
+    """Advance all conversations of one batch turn by turn until each is done."""
+    tokenizer = target.tokenizer
+    while True:
+        active, prompts, prompt_ids = [], [], []
+        for p in pending:
+            prompt = None if p.done else p.next_prompt(config.max_turns)
+            if prompt is None:
+                p.done = True
+                continue
+            ids = _encode(tokenizer, prompt)
+            if len(ids) > config.max_prompt_tokens:
+                log.debug("conversation %r: prompt of turn %d has %d tokens > max_prompt_tokens "
+                          "%d; cutting it there", p.conv.id, p.turns, len(ids),
+                          config.max_prompt_tokens)
+                p.cut = p.done = True
+                continue
+            active.append(p)
+            prompts.append(prompt)
+            prompt_ids.append(ids)
+        if not active:
+            return
+        replies = _generate(target, prompt_ids, gen_config, stop_ids)
+        for p, prompt, (tokens, stopped) in zip(active, prompts, replies):
+            report.new_tokens += len(tokens) + stopped
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if not text.strip():  # the loader rejects empty messages
+                p.cut = p.done = True
+                continue
+            p.add_reply(prompt, text, truncated=not stopped)
+
+
+def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt token ids: the chat template with the assistant's generation prompt."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _generate(target: Any, prompt_ids: list[list[int]], gen_config: Any,
+              stop_ids: list[int]) -> list[tuple[list[int], bool]]:
+    """One batched ``generate``; per prompt (reply tokens without the stop token, stopped)."""
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), gen_config.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)  # [B, T]
+    for row, ids in enumerate(prompt_ids):  # left padding: every prompt ends at column T - 1
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    with torch.inference_mode():
+        out = target.model.generate(input_ids=input_ids.to(target.device),
+                                    attention_mask=attention_mask.to(target.device),
+                                    generation_config=gen_config)
+    new = out[:, width:].tolist()  # [B, N]; rows that stopped early are padded after the stop
+    return [split_reply(tokens, stop_ids) for tokens in new]
+
+
+def _write(out: Any, pending: list[_Pending], report: RegenerateReport) -> None:
+    """Append the finished conversations of a batch in input order, then flush + fsync."""
+    for p in pending:
+        if p.turns == 0:
+            report.conversations_dropped += 1
+            log.debug("conversation %r: no turn regenerated; not written", p.conv.id)
+            continue
+        out.write(json.dumps(p.record(), ensure_ascii=False) + "\n")
+        report.conversations_done += 1
+        report.conversations_cut += p.cut
+        report.turns_regenerated += p.turns
+        report.turns_truncated += p.truncated
+    out.flush()
+    os.fsync(out.fileno())

@@ -1,0 +1,519 @@
+"""Hidden-state shards: the on-disk store of captured training data.
+
+Shapes: S sequences in a shard, N tokens in a shard (the sum of their lengths), T one
+sequence's tokens, H target hidden size, k number of aux boundaries.
+
+A shard is one safetensors file holding S sequences concatenated along tokens, unpadded:
+
+| tensor      | shape    | dtype                                                   |
+|-------------|----------|---------------------------------------------------------|
+| input_ids   | [N]      | int32                                                   |
+| loss_mask   | [N]      | uint8                                                   |
+| aux_hidden  | [N, k*H] | bf16 or fp16, boundaries concatenated in contract order |
+| last_hidden | [N, H]   | bf16 or fp16                                            |
+| offsets     | [S+1]    | int64; sequence s is tokens offsets[s]:offsets[s+1]     |
+
+``manifest.json`` (under torchrun one ``manifest.rank{r}-of-{w}.json`` per rank) lists the
+finished shards with their sha256. Shard and manifest are each written to a temp file and
+moved into place with ``os.replace``, so a crash loses only the sequences still buffered,
+and a resume redoes exactly those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from eaglewire.contract import ContractError, HiddenStateContract, TargetFingerprint
+
+log = logging.getLogger(__name__)
+
+SHARD_FORMAT_VERSION = 1
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_HIDDEN = {"bf16": "BF16", "fp16": "F16"}  # safetensors' names for the stored hidden dtype
+# safetensors dtype -> numpy dtype of the raw bytes; bf16 is read as int16, then viewed as bf16
+_NP_DTYPES = {"I64": np.int64, "I32": np.int32, "U8": np.uint8, "BF16": np.int16, "F16": np.float16}
+_MANIFEST_RE = re.compile(r"manifest(\.rank\d+-of-\d+)?\.json")
+_MANIFEST_KEYS = ("format_version", "contract", "source", "dtype", "shards")
+_MAX_OPEN = 512  # memory-mapped shards a dataset keeps open (each holds a file descriptor)
+
+T_ = TypeVar("T_")
+
+
+class ShardError(ValueError):
+    """Shard data that is corrupted, missing, or not eaglewire's."""
+
+
+def _redo(path: Path) -> str:
+    return (f" Delete {path} and re-run `eaglewire prepare` with the same --out "
+            f"({path.parent}); the resume re-creates it.")
+
+
+# ---------------------------------------------------------------- names, parallel work
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
+
+
+def shard_work(items: Sequence[T_], rank: int, world_size: int) -> list[T_]:
+    """This rank's share of ``items``: ``items[rank::world_size]`` (disjoint, covering)."""
+    _check_rank(rank, world_size)
+    return list(items[rank::world_size])
+
+
+def dist_rank_world() -> tuple[int, int]:
+    """(rank, world_size) from torchrun's RANK / WORLD_SIZE variables; (0, 1) when unset."""
+    text = {var: os.environ.get(var, default) for var, default in (("RANK", "0"), ("WORLD_SIZE", "1"))}
+    if bad := [f"{var}={v!r}" for var, v in text.items() if not v.strip().isdigit()]:
+        raise ValueError(f"environment variable {', '.join(bad)} is not a non-negative integer")
+    rank, world = int(text["RANK"]), int(text["WORLD_SIZE"])
+    _check_rank(rank, world)
+    return rank, world
+
+
+# ---------------------------------------------------------------- manifests
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _totals(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(s["num_tokens"] for s in shards)
+    size = sum(s["bytes"] for s in shards)
+    return {"sequences": sum(s["num_sequences"] for s in shards), "tokens": tokens,
+            "loss_tokens": sum(s["num_loss_tokens"] for s in shards), "bytes": size,
+            "bytes_per_token": size / tokens if tokens else 0.0}
+
+
+def _read_parts(data_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Every manifest part in ``data_dir`` as (file name, manifest): manifest.json first, then by rank."""
+    names = [p.name for p in data_dir.glob("manifest*.json") if _MANIFEST_RE.fullmatch(p.name)]
+    names.sort(key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])  # rank2 < rank10
+    parts = []
+    for name in names:
+        try:
+            part = json.loads((data_dir / name).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ShardError(f"{data_dir / name} is not a readable manifest ({e})."
+                             + _redo(data_dir / name)) from e
+        missing = [k for k in _MANIFEST_KEYS if not isinstance(part, dict) or k not in part]
+        if missing:
+            raise ShardError(f"{data_dir / name} is not an eaglewire shard manifest (no "
+                             f"{', '.join(missing)})." + _redo(data_dir / name))
+        if part["format_version"] != SHARD_FORMAT_VERSION:
+            raise ShardError(f"{data_dir / name} has shard format {part['format_version']!r}; this "
+                             f"eaglewire reads format {SHARD_FORMAT_VERSION}. Re-capture with "
+                             "`eaglewire prepare` into a new --out")
+        parts.append((name, part))
+    return parts
+
+
+def _check_contract(expected: HiddenStateContract, stored: HiddenStateContract, what: str, *,
+                    allow: set[str] | frozenset[str] = frozenset(), strict: bool = True) -> list[str]:
+    """``expected.check_same(stored)``; with ``strict`` the soft fields (the target dtype)
+    must match too, since one store holds one capture. Returns the allowed differences.
+    """
+    warnings = expected.check_same(stored, what=what, allow=allow)
+    diffs = stored.target.differences(expected.target)
+    if strict and diffs:
+        lines = "; ".join(f"{k} recorded {a!r} but {b!r} now" for k, (a, b) in diffs.items())
+        raise ContractError(f"{what} were captured differently: {lines}. Capture with matching "
+                            "settings or use another directory")
+    return warnings
+
+
+def _entry_problem(data_dir: Path, entry: dict[str, Any]) -> str | None:
+    """Why a manifest entry's file is unusable (missing, wrong size), or None; cheap (a stat)."""
+    path = data_dir / entry["file"]
+    if not path.is_file():
+        return "is listed in the manifest but missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"has {size} bytes but the manifest records {entry['bytes']}"
+    return None
+
+
+# ---------------------------------------------------------------- writing
+
+class ShardWriter:
+    """Buffer captured sequences and write them as shards plus a manifest, resumably.
+
+    Contract: after every completed shard the directory is a valid store (ShardDataset reads
+    it); a sequence id is stored at most once across all manifest parts of the directory;
+    finished shards are never rewritten. Constructing a writer on a directory with manifests
+    is a resume: their contract and dtype must match, ``done_ids`` holds what they finished,
+    and this rank's temp files and unrecorded shards (left by a crash) are removed.
+    """
+
+    def __init__(self, out_dir: str | Path, contract: HiddenStateContract, *, source: dict[str, Any],
+                 dtype: str = "bf16", shard_tokens: int = 65536, rank: int = 0, world_size: int = 1):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not a shard dtype; choose one of {', '.join(DTYPES)}")
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be a positive number of tokens, got {shard_tokens}")
+        _check_rank(rank, world_size)
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.contract, self.dtype, self.shard_tokens = contract, dtype, shard_tokens
+        self.rank, self.world_size = rank, world_size
+        self.source = json.loads(json.dumps(source))  # fails now, not after the first shard
+        name = "manifest.json" if world_size == 1 else f"manifest.rank{rank}-of-{world_size}.json"
+        self._manifest_path = self.out_dir / name
+        self._prefix = "shard-" if world_size == 1 else f"shard-r{rank}-"
+        self._shards: list[dict[str, Any]] = []
+        self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._buffer_ids: set[str] = set()
+        self._buffer_tokens = 0
+        self._closed = False
+        self.done_ids: set[str] = set()
+        self._resume()
+
+    def _resume(self) -> None:
+        """Adopt what earlier runs finished; drop entries whose file is gone; clean up after a crash."""
+        keep: set[str] = set()
+        dropped = False
+        for name, part in _read_parts(self.out_dir):
+            what = f"existing shards in {self.out_dir} ({name})"
+            _check_contract(self.contract, HiddenStateContract.from_dict(part["contract"]), what)
+            if part["dtype"] != self.dtype:
+                raise ShardError(f"{what} are stored as {part['dtype']} but this writer stores "
+                                 f"{self.dtype}; pass --dtype {part['dtype']} or use another --out")
+            shards = [s for s in part["shards"] if _entry_problem(self.out_dir, s) is None]
+            if name == self._manifest_path.name:
+                for s in part["shards"]:
+                    if (problem := _entry_problem(self.out_dir, s)) is not None:
+                        log.warning("%s %s; dropping it, its %d sequences will be redone",
+                                    self.out_dir / s["file"], problem, s["num_sequences"])
+                dropped = len(shards) != len(part["shards"])
+                self._shards = shards
+                if part.get("source") != self.source:
+                    log.warning("%s: this run's source differs from the recorded one (%s); recording "
+                                "this run's", name, str(part.get("source"))[:300])
+                keep.update(s["file"] for s in shards)
+            else:
+                keep.update(s["file"] for s in part["shards"])  # never touch other parts' files
+            self.done_ids.update(i for s in shards for i in s["sequence_ids"])
+        self._next_index = self._clean(keep)
+        if dropped:
+            self._write_manifest()
+        if self.done_ids:
+            log.info("resuming in %s: %d sequences already on disk", self.out_dir, len(self.done_ids))
+
+    def _clean(self, keep: set[str]) -> int:
+        """Remove this rank's temp files and shards no manifest lists; return the next shard index."""
+        pattern = re.compile(re.escape(self._prefix) + r"(\d+)\.safetensors")
+        top = -1
+        for path in sorted(self.out_dir.iterdir()):
+            base = path.name.removesuffix(".tmp")
+            if path.name.endswith(".tmp") and (base == self._manifest_path.name or pattern.fullmatch(base)):
+                log.info("removing %s, left by an interrupted writer", path)
+                path.unlink()
+            elif (m := pattern.fullmatch(path.name)) and path.name not in keep:
+                log.warning("removing %s: no manifest records it (its writer stopped before "
+                            "recording it); its sequences will be redone", path)
+                path.unlink()
+            elif m:
+                top = max(top, int(m.group(1)))
+        return top + 1
+
+    def add(self, seq_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+            aux_hidden: torch.Tensor, last_hidden: torch.Tensor) -> None:
+        """Buffer one sequence; write a shard once ``shard_tokens`` tokens are buffered.
+
+        input_ids [T] and loss_mask [T] integer, aux_hidden [T, k*H] and last_hidden [T, H] float.
+        An id already stored or buffered is skipped, so a resume may re-add everything.
+        Raises ValueError on a wrong shape or dtype, ShardError on non-finite hidden states.
+        """
+        if self._closed:
+            raise RuntimeError(f"the writer for {self.out_dir} is closed; create a new one to add more")
+        seq_id = str(seq_id)
+        if seq_id in self.done_ids or seq_id in self._buffer_ids:
+            log.debug("sequence %r is already stored; skipping it", seq_id)
+            return
+        seq = self._validate(seq_id, input_ids, loss_mask, aux_hidden, last_hidden)
+        self._buffer.append(seq)
+        self._buffer_ids.add(seq_id)
+        self._buffer_tokens += seq[1].shape[0]
+        if self._buffer_tokens >= self.shard_tokens:
+            self._flush()
+
+    def _validate(self, seq_id: str, input_ids: Any, loss_mask: Any, aux_hidden: Any,
+                  last_hidden: Any) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Check one sequence against the contract; return it as CPU tensors in stored dtypes."""
+        t = {name: torch.as_tensor(x).detach() for name, x in (
+            ("input_ids", input_ids), ("loss_mask", loss_mask),
+            ("aux_hidden", aux_hidden), ("last_hidden", last_hidden))}
+        k, h = self.contract.num_aux, self.contract.target.hidden_size
+        n = t["input_ids"].shape[0] if t["input_ids"].ndim == 1 and t["input_ids"].shape[0] > 0 else "T"
+        for name, want, doc in (("input_ids", [n], "[T]"), ("loss_mask", [n], "[T]"),
+                                ("aux_hidden", [n, k * h], f"[T, k*H] with k={k} aux boundaries, H={h}"),
+                                ("last_hidden", [n, h], f"[T, H] with H={h}")):
+            if list(t[name].shape) != want:
+                raise ValueError(f"{name} of sequence {seq_id!r} has shape {list(t[name].shape)}; "
+                                 f"expected [{', '.join(map(str, want))}] ({doc}, T >= 1 tokens "
+                                 "given by input_ids)")
+        ids, mask, vocab = t["input_ids"], t["loss_mask"], self.contract.target.vocab_size
+        if ids.is_floating_point() or ids.dtype == torch.bool or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"input_ids of sequence {seq_id!r} ({ids.dtype}, values {int(ids.min())}.."
+                             f"{int(ids.max())}): token ids must be integers in [0, {vocab})")
+        if mask.is_floating_point() or not ((mask == 0) | (mask == 1)).all():
+            raise ValueError(f"loss_mask of sequence {seq_id!r} ({mask.dtype}) must hold only 0/1")
+        hidden = []
+        for name, x in (("aux_hidden", t["aux_hidden"]), ("last_hidden", t["last_hidden"])):
+            if not x.is_floating_point():
+                raise ValueError(f"{name} of sequence {seq_id!r} has dtype {x.dtype}; expected floats")
+            stored = x.to(DTYPES[self.dtype])  # cast on the capture device: half the transfer
+            if not torch.isfinite(stored).all():
+                if not torch.isfinite(x).all():
+                    raise ShardError(f"sequence {seq_id!r}: {name} holds {int((~torch.isfinite(x)).sum())} "
+                                     "NaN/inf values; the target produced non-finite states (an fp16 "
+                                     "overflow?). Capture in bf16/fp32 or drop this sequence")
+                raise ShardError(f"sequence {seq_id!r}: {name} reaches |x| = {float(x.abs().max()):.4g}, "
+                                 f"beyond the {self.dtype} range; store shards as bf16 (--dtype bf16)")
+            # copy=True: a row of a captured batch must not keep the whole batch alive in the buffer
+            hidden.append(stored.to("cpu", copy=True).contiguous())
+        return (seq_id, ids.to("cpu", torch.int32, copy=True), mask.to("cpu", torch.uint8, copy=True),
+                hidden[0], hidden[1])
+
+    def _flush(self) -> None:
+        """Write the buffered sequences as the next shard (atomically), then the manifest."""
+        if not self._buffer:
+            return
+        ids = [s[0] for s in self._buffer]
+        lengths = [s[1].shape[0] for s in self._buffer]
+        offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)  # [S+1]
+        tensors = {
+            "input_ids": torch.cat([s[1] for s in self._buffer]),  # [N] int32
+            "loss_mask": torch.cat([s[2] for s in self._buffer]),  # [N] uint8
+            "aux_hidden": torch.cat([s[3] for s in self._buffer]),  # [N, k*H]
+            "last_hidden": torch.cat([s[4] for s in self._buffer]),  # [N, H]
+            "offsets": offsets,  # [S+1]
+        }
+        name = f"{self._prefix}{self._next_index:05d}.safetensors"
+        path = self.out_dir / name
+        tmp = path.with_name(name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format_version": str(SHARD_FORMAT_VERSION),
+                                               "contract": json.dumps(self.contract.to_dict()),
+                                               "dtype": self.dtype})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # durable before it replaces anything
+        entry = {"file": name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
+                 "num_sequences": len(ids), "num_tokens": int(offsets[-1]),
+                 "num_loss_tokens": int(tensors["loss_mask"].sum()), "sequence_ids": ids,
+                 "sequence_lengths": lengths}
+        os.replace(tmp, path)
+        self._shards.append(entry)
+        self._next_index += 1
+        self.done_ids.update(ids)
+        self._buffer, self._buffer_ids, self._buffer_tokens = [], set(), 0
+        self._write_manifest()
+        log.info("wrote %s: %d sequences, %d tokens", path, entry["num_sequences"], entry["num_tokens"])
+
+    def _write_manifest(self) -> None:
+        _write_json_atomic(self._manifest_path, {
+            "format_version": SHARD_FORMAT_VERSION, "contract": self.contract.to_dict(),
+            "source": self.source, "dtype": self.dtype, "rank": self.rank, "world_size": self.world_size,
+            "shards": self._shards, "totals": _totals(self._shards)})
+
+    def close(self) -> dict[str, Any]:
+        """Flush the last partial shard, write the manifest, return this writer's totals (idempotent)."""
+        if not self._closed:
+            self._flush() if self._buffer else self._write_manifest()
+            self._closed = True
+        return _totals(self._shards)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Keep what is written; a resume redoes the buffered sequences rather than trusting them.
+        log.warning("writer for %s stopped by %s; %d buffered sequences were not written, a resume "
+                    "redoes them", self.out_dir, exc_type.__name__, len(self._buffer))
+        self._closed = True
+
+
+# ---------------------------------------------------------------- reading
+
+def _merge_parts(data_dir: Path) -> dict[str, Any]:
+    """One manifest from every part in ``data_dir``; parts must agree on contract and dtype."""
+    hint = f"run `eaglewire prepare --out {data_dir}` to capture shards there"
+    if not data_dir.is_dir():
+        raise ShardError(f"{data_dir} does not exist; {hint}")
+    parts = _read_parts(data_dir)
+    if not parts:
+        raise ShardError(f"{data_dir} holds no manifest.json; {hint}")
+    first_name, first = parts[0]
+    contract = HiddenStateContract.from_dict(first["contract"])
+    shards: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
+    for name, part in parts:
+        _check_contract(contract, HiddenStateContract.from_dict(part["contract"]),
+                      f"manifest part {name} in {data_dir}")
+        if part["dtype"] != first["dtype"]:
+            raise ShardError(f"manifest part {name} in {data_dir} stores {part['dtype']} but "
+                             f"{first_name} stores {first['dtype']}; capture every rank with one --dtype")
+        for s in part["shards"]:
+            if len(s["sequence_ids"]) != s["num_sequences"]:
+                raise ShardError(f"{data_dir / name} is inconsistent: {s['file']} lists "
+                                 f"{len(s['sequence_ids'])} ids for {s['num_sequences']} sequences")
+            for seq_id in s["sequence_ids"]:
+                if seq_id in seen:
+                    raise ShardError(f"sequence {seq_id!r} is stored twice in {data_dir}: in "
+                                     f"{seen[seq_id]} and {s['file']}")
+                seen[seq_id] = s["file"]
+            shards.append(s)
+    if not shards:
+        raise ShardError(f"{data_dir} holds no shards yet (its manifest lists none); {hint}")
+    return {"format_version": SHARD_FORMAT_VERSION, "contract": first["contract"],
+            "source": first["source"], "dtype": first["dtype"], "parts": [n for n, _ in parts],
+            "shards": shards, "totals": _totals(shards)}
+
+
+def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(data start, header) of a safetensors file: u64 little-endian length, then JSON."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise ShardError(f"{path} is not a safetensors file (header length {length}, "
+                             f"file {size} bytes)." + _redo(path))
+        try:
+            return 8 + length, json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ShardError(f"{path} has a corrupted header ({e})." + _redo(path)) from e
+
+
+def _map_shard(path: Path, contract: HiddenStateContract, dtype: str,
+               entry: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Memory-map one shard: tensor name -> numpy view of its bytes; nothing is read but the header."""
+    start, header = _read_header(path)
+    meta = header.pop("__metadata__", None) or {}
+    if "contract" in meta:
+        _check_contract(contract, HiddenStateContract.from_json(meta["contract"]), f"shard {path}")
+    k_h, h = contract.num_aux * contract.target.hidden_size, contract.target.hidden_size
+    n, s = entry["num_tokens"], entry["num_sequences"]
+    layout = {"input_ids": ("I32", [n]), "loss_mask": ("U8", [n]), "offsets": ("I64", [s + 1]),
+              "aux_hidden": (_ST_HIDDEN[dtype], [n, k_h]), "last_hidden": (_ST_HIDDEN[dtype], [n, h])}
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    views = {}
+    for name, (st_dtype, shape) in layout.items():
+        info = header.get(name, {})
+        got = (info.get("dtype"), info.get("shape"))
+        begin, end = info.get("data_offsets", (0, -1))
+        nbytes = math.prod(shape) * np.dtype(_NP_DTYPES[st_dtype]).itemsize
+        if got != (st_dtype, shape) or end - begin != nbytes or start + end > raw.shape[0]:
+            raise ShardError(f"{path}: tensor {name} is {got[0]} {got[1]} but the manifest implies "
+                             f"{st_dtype} {shape}." + _redo(path))
+        views[name] = raw[start + begin:start + end].view(_NP_DTYPES[st_dtype]).reshape(shape)
+    offsets = views["offsets"]
+    if offsets[0] != 0 or offsets[-1] != n or (np.diff(offsets) < 0).any():
+        raise ShardError(f"{path}: offsets do not partition its {n} tokens." + _redo(path))
+    return views
+
+
+class ShardDataset(torch.utils.data.Dataset):
+    """Memory-mapped reader over every shard in a directory (all manifest parts merged).
+
+    Construction checks the manifest, the contract (``expect``, ``target``) and each listed
+    file's presence and size; with ``verify`` a shard's sha256 is checked the first time it
+    is opened. ``__getitem__`` reads only that sequence's bytes.
+    """
+
+    def __init__(self, data_dir: str | Path, *, expect: HiddenStateContract | None = None,
+                 target: TargetFingerprint | None = None, allow: set[str] | frozenset[str] = frozenset(),
+                 verify: bool = True):
+        self.data_dir, self.verify = Path(data_dir), verify
+        self.manifest = _merge_parts(self.data_dir)
+        self.contract = HiddenStateContract.from_dict(self.manifest["contract"])
+        self.dtype: str = self.manifest["dtype"]
+        what = f"shards in {self.data_dir}"
+        warnings = (_check_contract(expect, self.contract, what, allow=allow, strict=False)
+                    if expect is not None else [])
+        if target is not None:
+            warnings += self.contract.check_target(target, what=what, allow=allow)
+        for w in warnings:
+            log.warning("%s: %s", what, w)
+        shards = self.manifest["shards"]
+        for entry in shards:
+            if (problem := _entry_problem(self.data_dir, entry)) is not None:
+                path = self.data_dir / entry["file"]
+                raise ShardError(f"{path} {problem}." + _redo(path))
+        counts = [s["num_sequences"] for s in shards]
+        self.sequence_ids: list[str] = [i for s in shards for i in s["sequence_ids"]]
+        self.lengths: list[int] = [n for s in shards for n in s["sequence_lengths"]]
+        self.num_tokens: int = self.manifest["totals"]["tokens"]
+        self._shard_of = np.repeat(np.arange(len(shards)), counts)  # [num sequences]
+        self._local = np.concatenate([np.arange(c) for c in counts])  # [num sequences]
+        self._open: dict[int, dict[str, np.ndarray]] = {}
+        self._verified: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.sequence_ids)
+
+    def _shard(self, j: int) -> dict[str, np.ndarray]:
+        """Shard j's memory-mapped views, opened (and verified) once, then cached."""
+        views = self._open.get(j)
+        if views is not None:
+            return views
+        entry = self.manifest["shards"][j]
+        path = self.data_dir / entry["file"]
+        if self.verify and j not in self._verified:
+            digest = _sha256(path)
+            if digest != entry["sha256"]:
+                raise ShardError(f"{path} is corrupted: its sha256 is {digest[:16]}… but the manifest "
+                                 f"records {entry['sha256'][:16]}…." + _redo(path))
+            self._verified.add(j)
+        if len(self._open) >= _MAX_OPEN:
+            self._open.pop(next(iter(self._open)))  # the oldest
+        views = self._open[j] = _map_shard(path, self.contract, self.dtype, entry)
+        return views
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        """Sequence i: input_ids [T] long, loss_mask [T] bool, aux_hidden [T, k*H], last_hidden [T, H]."""
+        i = int(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} is out of range for {len(self)} sequences")
+        i %= len(self)
+        views = self._shard(int(self._shard_of[i]))
+        local = int(self._local[i])
+        a, b = (int(x) for x in views["offsets"][local:local + 2])
+        item = {"input_ids": torch.from_numpy(views["input_ids"][a:b].astype(np.int64)),
+                "loss_mask": torch.from_numpy(views["loss_mask"][a:b].astype(np.bool_))}
+        for name in ("aux_hidden", "last_hidden"):
+            item[name] = torch.from_numpy(np.array(views[name][a:b]))  # a copy of only these rows
+            if self.dtype == "bf16":
+                item[name] = item[name].view(torch.bfloat16)  # int16 bits -> bf16
+        return item
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers reopen shards lazily; pickling a memmap would copy the whole file.
+        return {**self.__dict__, "_open": {}}
