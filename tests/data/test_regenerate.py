@@ -89,7 +89,8 @@ def test_batched_greedy_equals_unbatched(lively_target, unbatched, tmp_path):
     path = tmp_path / "bs3.jsonl"
     report = _run(lively_target, CONVERSATIONS, path, batch_size=3)
     assert path.read_text() == unbatched.read_text()
-    replies = [m["content"] for r in _records(path) for m in r["messages"] if m["role"] == "assistant"]
+    replies = [m["content"] for r in _records(path) for m in r["messages"]
+               if m["role"] == "assistant"]
     assert len(set(replies)) == len(replies) == 8  # replies depend on the prompt: not vacuous
     assert report.turns_regenerated == 8 and report.turns_truncated == 8
     assert report.new_tokens == 8 * NEW and report.tokens_per_second > 0

@@ -86,15 +86,16 @@ class RegenerateReport:
         """One line for the log or the terminal."""
         return (f"regenerated {self.turns_regenerated} turn(s) of {self.conversations_done} "
                 f"conversation(s) ({self.turns_truncated} truncated, {self.conversations_cut} cut, "
-                f"{self.conversations_dropped} dropped; skipped {self.conversations_skipped_resumed} "
-                f"resumed, {self.conversations_skipped_duplicate} duplicate); "
+                f"{self.conversations_dropped} dropped; "
+                f"skipped {self.conversations_skipped_resumed} resumed, "
+                f"{self.conversations_skipped_duplicate} duplicate); "
                 f"{self.new_tokens} new tokens in {self.seconds:.1f} s "
                 f"({self.tokens_per_second:.1f} tokens/s)")
 
 
 @dataclass
 class _Pending:
-    """One conversation in flight; ``history`` always ends with a regenerated reply (or is empty)."""
+    """A conversation in flight; ``history`` always ends with a regenerated reply, or is empty."""
 
     conv: Conversation
     history: list[dict[str, str]] = field(default_factory=list)
@@ -118,7 +119,7 @@ class _Pending:
         return self.history + [dict(m) for m in messages[self.next_index:end]]
 
     def add_reply(self, prompt: list[dict[str, str]], text: str, truncated: bool) -> None:
-        self.history = prompt + [{"role": "assistant", "content": text}]; prompt[:] = []
+        self.history = prompt + [{"role": "assistant", "content": text}]
         self.next_index = self.prompt_end + 1
         self.turns += 1
         self.truncated += truncated
@@ -150,7 +151,8 @@ def split_reply(tokens: list[int], stop_ids: Iterable[int]) -> tuple[list[int], 
 
 def read_done_ids(path: str | Path) -> set[str]:
     """Ids already written to ``path``. A partial last line (a crash mid-write) is cut off the
-    file with a warning; a complete line that is not a JSON object with an "id" raises ValueError."""
+    file with a warning; a complete line that is not a JSON object with an "id" raises
+    ValueError."""
     path = Path(path)
     if not path.exists():
         return set()
@@ -202,6 +204,9 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
     if resumed:
         log.info("%s already holds %d conversation(s); skipping them", out_path, len(resumed))
     stop_ids = stop_token_ids(tokenizer, target.model)
+    if not stop_ids:
+        raise ValueError(f"the tokenizer has no eos_token_id and none of {END_OF_TURN_TOKENS}; "
+                         "regenerate cannot tell where a reply ends")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     gen_config = _generation_config(config, stop_ids, pad_id)
     report = RegenerateReport()
@@ -281,9 +286,7 @@ def _check_messages(conv: Conversation) -> None:
 @contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Seed torch's RNG inside the block only; the caller's RNG state is restored after."""
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
 
@@ -291,34 +294,34 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 def _run_batch(target: Any, pending: list[_Pending], config: RegenerateConfig, gen_config: Any,
                stop_ids: list[int], report: RegenerateReport) -> None:
     """Advance all conversations of one batch turn by turn until each is done."""
-    tokenizer = target.tokenizer
-    while True:
-        active, prompts, prompt_ids = [], [], []
-        for p in pending:
-            prompt = None if p.done else p.next_prompt(config.max_turns)
-            if prompt is None:
-                p.done = True
-                continue
-            ids = _encode(tokenizer, prompt)
-            if len(ids) > config.max_prompt_tokens:
-                log.debug("conversation %r: prompt of turn %d has %d tokens > max_prompt_tokens "
-                          "%d; cutting it there", p.conv.id, p.turns, len(ids),
-                          config.max_prompt_tokens)
-                p.cut = p.done = True
-                continue
-            active.append(p)
-            prompts.append(prompt)
-            prompt_ids.append(ids)
-        if not active:
-            return
-        replies = _generate(target, prompt_ids, gen_config, stop_ids)
-        for p, prompt, (tokens, stopped) in zip(active, prompts, replies):
+    while active := _next_prompts(target.tokenizer, pending, config):
+        replies = _generate(target, [ids for _, _, ids in active], gen_config, stop_ids)
+        for (p, prompt, _), (tokens, stopped) in zip(active, replies):
             report.new_tokens += len(tokens) + stopped
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            text = target.tokenizer.decode(tokens, skip_special_tokens=True)
             if not text.strip():  # the loader rejects empty messages
                 p.cut = p.done = True
-                continue
-            p.add_reply(prompt, text, truncated=not stopped)
+            else:
+                p.add_reply(prompt, text, truncated=not stopped)
+
+
+def _next_prompts(tokenizer: Any, pending: list[_Pending], config: RegenerateConfig
+                  ) -> list[tuple[_Pending, list[dict[str, str]], list[int]]]:
+    """(conversation, prompt messages, prompt ids) of every conversation with a turn to go."""
+    active = []
+    for p in pending:
+        prompt = None if p.done else p.next_prompt(config.max_turns)
+        if prompt is None:
+            p.done = True
+            continue
+        ids = _encode(tokenizer, prompt)
+        if len(ids) > config.max_prompt_tokens:
+            log.debug("conversation %r: turn %d prompt has %d > max_prompt_tokens %d tokens; "
+                      "cut there", p.conv.id, p.turns, len(ids), config.max_prompt_tokens)
+            p.cut = p.done = True
+            continue
+        active.append((p, prompt, ids))
+    return active
 
 
 def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -506,13 +506,21 @@ class ShardDataset(torch.utils.data.Dataset):
         views = self._shard(int(self._shard_of[i]))
         local = int(self._local[i])
         a, b = (int(x) for x in views["offsets"][local:local + 2])
-        item = {"input_ids": torch.from_numpy(views["input_ids"][a:b].astype(np.int64)),
-                "loss_mask": torch.from_numpy(views["loss_mask"][a:b].astype(np.bool_))}
+        input_ids, loss_mask = self.tokens(i)
+        item = {"input_ids": input_ids, "loss_mask": loss_mask}
         for name in ("aux_hidden", "last_hidden"):
             item[name] = torch.from_numpy(np.array(views[name][a:b]))  # a copy of only these rows
             if self.dtype == "bf16":
                 item[name] = item[name].view(torch.bfloat16)  # int16 bits -> bf16
         return item
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence i's input_ids [T] long and loss_mask [T] bool, without the hidden states."""
+        views = self._shard(int(self._shard_of[i]))
+        local = int(self._local[i])
+        a, b = (int(x) for x in views["offsets"][local:local + 2])
+        return (torch.from_numpy(views["input_ids"][a:b].astype(np.int64)),
+                torch.from_numpy(views["loss_mask"][a:b].astype(np.bool_)))
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers reopen shards lazily; pickling a memmap would copy the whole file.

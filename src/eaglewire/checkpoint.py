@@ -1,0 +1,90 @@
+"""Native draft checkpoints: ``config.json`` (draft architecture, contract, training
+summary) + ``model.safetensors`` (draft tensors incl. d2t/t2d; never the embeddings).
+
+Every write goes to a temporary file first and is renamed into place, so a crash never
+leaves a half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglewire.contract import ContractError, HiddenStateContract
+from eaglewire.draft import DraftConfig, Eagle3Draft
+
+CHECKPOINT_FORMAT = "eaglewire-eagle3"
+CHECKPOINT_VERSION = 1
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_draft(out_dir: str | Path, draft: Eagle3Draft, contract: HiddenStateContract,
+               training: dict[str, Any] | None = None, *, dtype: torch.dtype | None = None) -> Path:
+    """Write a draft directory; ``dtype`` casts floating tensors (e.g. fp16 for shipping)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    config = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION,
+              "architectures": ["Eagle3Draft"], "draft": draft.config.to_dict(),
+              "contract": contract.to_dict(), "training": training or {}}
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2))
+    return out
+
+
+def read_draft_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path} is not a draft directory: no config.json "
+                                "(train one with `eaglewire train`, or import one with `eaglewire import`)")
+    config = json.loads(cfg_path.read_text())
+    if config.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{cfg_path} is not an eaglewire draft (format {config.get('format')!r}); "
+                         "to use a SGLang, SpecForge, speculators or EAGLE checkpoint, convert it "
+                         "with `eaglewire import`")
+    return config
+
+
+def load_draft(path: str | Path, *, target=None, allow: set[str] | frozenset[str] = frozenset(),
+               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a draft directory -> (draft, contract, config dict).
+
+    With ``target``, the contract is checked against the target's fingerprint: a
+    different target is a ContractError naming the differing fields (``allow`` lets
+    deliberate differences through as warnings).
+    """
+    config = read_draft_config(path)
+    contract = HiddenStateContract.from_dict(config["contract"])
+    if target is not None:
+        contract.check_target(target.fingerprint, what=f"draft {path}", allow=allow)
+    draft_config = DraftConfig.from_dict(config["draft"])
+    if draft_config.num_aux != contract.num_aux:
+        raise ContractError(f"draft {path} fuses {draft_config.num_aux} states but its contract "
+                            f"lists {contract.num_aux} boundaries")
+    draft = Eagle3Draft(draft_config)
+    state = load_file(str(Path(path) / "model.safetensors"))
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"draft {path}: tensors missing {missing}, unexpected {unexpected}")
+    return draft.to(device=device, dtype=dtype).eval(), contract, config

@@ -1,0 +1,116 @@
+"""Training-time test (TTT): the draft unrolled over K steps, its loss and accuracy counts.
+
+Shapes: B batch, T tokens, H hidden, V target vocab, Vd draft vocab, K = ttt_steps.
+
+Alignment (index t of a sequence x_0 .. x_{T-1}):
+- step 0 at t reads the fused target state of x_t and the embedding of x_{t+1} and
+  predicts the target's distribution at t+1, i.e. over x_{t+2};
+- step j at t reads step j-1's pre-norm output at t and the embedding of x_{t+1+j}
+  (position t + j, as in decoding) and predicts the target's distribution at t+1+j.
+A prediction counts when the predicted token x_{t+2+j} is under the loss mask and the
+target's argmax at t+1+j lies in the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eaglewire.draft import Eagle3Draft
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T, ...] -> [B, T, ...] with ``out[:, t] = x[:, t + n]``, zero-padded at the end."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x[:, :n])
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+@dataclass
+class TargetSignal:
+    """What the target says at every index, restricted to the draft vocabulary."""
+
+    probs: torch.Tensor  # [B, T, Vd] target distribution over draft ids
+    argmax: torch.Tensor  # [B, T] target argmax (target ids)
+    in_vocab: torch.Tensor  # [B, T] bool: argmax is in the draft vocabulary
+
+
+@torch.no_grad()
+def target_signal(head, last_hidden: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                  chunk_tokens: int = 1024) -> TargetSignal:
+    """Apply the target head to boundary L ``last_hidden`` [B, T, H] in token chunks.
+
+    ``head`` maps [N, H] -> [N, V]; ``draft_ids`` [Vd] target id of every draft id.
+    """
+    B, T, H = last_hidden.shape
+    flat = last_hidden.reshape(B * T, H)  # [B*T, H]
+    probs, argmax = [], []
+    for start in range(0, B * T, chunk_tokens):
+        logits = head(flat[start:start + chunk_tokens]).float()  # [n, V]
+        argmax.append(logits.argmax(-1))
+        probs.append(torch.softmax(logits[:, draft_ids], dim=-1))  # [n, Vd]
+    am = torch.cat(argmax).view(B, T)  # [B, T]
+    return TargetSignal(probs=torch.cat(probs).view(B, T, -1), argmax=am, in_vocab=t2d[am])
+
+
+@dataclass
+class StepCounts:
+    """Sums over a batch for one TTT step (add them across batches, divide at the end)."""
+
+    loss_sum: float = 0.0
+    valid: int = 0
+    correct: int = 0
+    cond_valid: int = 0  # valid positions where every earlier step was right
+    cond_correct: int = 0
+
+    def add(self, other: StepCounts) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.valid, 1)
+
+    @property
+    def acc(self) -> float:
+        return self.correct / max(self.valid, 1)
+
+    @property
+    def cond_acc(self) -> float:
+        return self.cond_correct / max(self.cond_valid, 1)
+
+
+def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
+               signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8) -> tuple[torch.Tensor, list[StepCounts]]:
+    """Unroll the draft ``ttt_steps`` times; return the weighted loss and per-step counts.
+
+    emb [B, T, H] target embeddings of input_ids; aux_hidden [B, T, k*Ht]; loss_mask [B, T].
+    Loss: sum_j decay**j * mean over valid positions of -sum_v p_target log q_draft.
+    """
+    B, T, _ = emb.shape
+    position_ids = torch.arange(T, device=emb.device).expand(B, T)  # [B, T]
+    draft_to_target = draft.draft_to_target
+    hidden = draft.fuse(aux_hidden.to(emb.dtype))  # [B, T, H]
+    cache: list = []
+    all_right_so_far = torch.ones(B, T, dtype=torch.bool, device=emb.device)
+    total = emb.new_zeros(())
+    counts = []
+    for j in range(ttt_steps):
+        hidden = draft.forward_ttt(shift_left(emb, 1 + j), hidden, position_ids + j, cache)
+        logits = draft.logits(hidden).float()  # [B, T, Vd]
+        valid = shift_left(loss_mask.bool(), 2 + j) & shift_left(signal.in_vocab, 1 + j)  # [B, T]
+        p = shift_left(signal.probs, 1 + j)  # [B, T, Vd]
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [B, T]
+        n = int(valid.sum())
+        step_loss = (ce * valid).sum() / max(n, 1)
+        total = total + decay ** j * step_loss
+        with torch.no_grad():
+            right = draft_to_target[logits.argmax(-1)] == shift_left(signal.argmax, 1 + j)  # [B, T]
+            cond = valid & all_right_so_far
+            counts.append(StepCounts(loss_sum=float((ce * valid).sum()), valid=n, correct=int((right & valid).sum()),
+                                     cond_valid=int(cond.sum()), cond_correct=int((right & cond).sum())))
+            all_right_so_far = all_right_so_far & right
+    return total, counts

@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from eaglewire.draft import DraftConfig, Eagle3Draft, ttt_attention
+from tiny import ARCHITECTURES, tiny_config
+
+
+def make_draft(num_aux=3, vocab=64, draft_vocab=32, seed=0):
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=32, target_hidden_size=48, num_aux=num_aux, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=vocab,
+                      draft_vocab_size=draft_vocab)
+    draft = Eagle3Draft(cfg).eval()
+    for p in draft.parameters():  # norms start at 1: perturb so the test sees them
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return draft
+
+
+def reference_attention(q, keys, values):
+    """The TTT mask written out in full: causal over step 0, diagonal over later steps."""
+    T = q.shape[-2]
+    k = torch.cat(keys, dim=2)
+    v = torch.cat(values, dim=2)
+    mask = [torch.ones(T, T, dtype=torch.bool).tril()] + [torch.eye(T, dtype=torch.bool)] * (len(keys) - 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat(mask, dim=1))
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_matches_full_mask(steps):
+    g = torch.Generator().manual_seed(steps)
+    q = torch.randn(2, 3, 7, 8, generator=g)
+    keys = [torch.randn(2, 3, 7, 8, generator=g) for _ in range(steps)]
+    values = [torch.randn(2, 3, 7, 8, generator=g) for _ in range(steps)]
+    torch.testing.assert_close(ttt_attention(q, keys, values), reference_attention(q, keys, values))
+
+
+def test_names_follow_sglang_layout():
+    names = set(make_draft().state_dict())
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
+            "midlayer.mlp.gate_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+    assert not any("embed" in n for n in names)  # embeddings are the target's
+    assert make_draft().midlayer.self_attn.q_proj.weight.shape == (32, 64)  # 2H wide input
+
+
+def test_fc_width_follows_num_aux():
+    assert make_draft(num_aux=4).fc.weight.shape == (32, 4 * 48)
+
+
+@torch.no_grad()
+def test_training_unroll_equals_sequential_decoding():
+    """Step j at position t in training sees exactly what decoding sees at position t + j."""
+    draft = make_draft()
+    B, T, H, K = 1, 9, 32, 3
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(B, T + K, H, generator=g)  # embeddings of tokens 1.. (shifted per step)
+    fused = draft.fuse(torch.randn(B, T, 3 * 48, generator=g))
+    pos = torch.arange(T)[None]
+    # Training: step j reads embeddings shifted by j and positions + j.
+    cache, hidden, ttt_out = [], fused, []
+    for j in range(K):
+        hidden = draft.forward_ttt(emb[:, j:j + T], hidden, pos + j, cache)
+        ttt_out.append(hidden)
+    # Decoding: prefill positions 0..t from target states, then draft K-1 steps one at a time.
+    t = 5
+    out, k, v = draft.forward_cached(emb[:, :t + 1], fused[:, :t + 1], pos[:, :t + 1], None, None, None)
+    torch.testing.assert_close(out[:, t], ttt_out[0][:, t], rtol=1e-5, atol=1e-5)
+    hidden = out[:, t:t + 1]
+    for j in range(1, K):
+        hidden, k_new, v_new = draft.forward_cached(emb[:, t + j:t + j + 1], hidden, torch.tensor([[t + j]]),
+                                                    k, v, None)
+        k, v = torch.cat([k, k_new], 2), torch.cat([v, v_new], 2)
+        torch.testing.assert_close(hidden[:, 0], ttt_out[j][:, t], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_config_from_every_target_architecture(arch):
+    cfg = DraftConfig.from_target(tiny_config(arch), num_aux=3, draft_vocab_size=100, vocab_size=256)
+    draft = Eagle3Draft(cfg)
+    B, T = 2, 5
+    emb = torch.randn(B, T, cfg.hidden_size)
+    hidden = draft.fuse(torch.randn(B, T, 3 * cfg.target_hidden_size))
+    out = draft.forward_ttt(emb, hidden, torch.arange(T).expand(B, T), [])
+    assert draft.logits(out).shape == (B, T, 100)
+
+
+def test_rope_scaling_types_are_honoured():
+    base = dict(hidden_size=32, target_hidden_size=32, num_aux=3, num_attention_heads=4, num_key_value_heads=4,
+                head_dim=8, intermediate_size=64, vocab_size=64, draft_vocab_size=64, rope_theta=500000.0)
+    plain = Eagle3Draft(DraftConfig(**base))
+    llama3 = Eagle3Draft(DraftConfig(**base, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}))
+    assert not torch.allclose(plain.rotary.inv_freq, llama3.rotary.inv_freq)
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="draft_vocab_size 300 must be in"):
+        DraftConfig(hidden_size=8, target_hidden_size=8, num_aux=3, num_attention_heads=2, num_key_value_heads=2,
+                    head_dim=4, intermediate_size=8, vocab_size=256, draft_vocab_size=300)
