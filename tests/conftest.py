@@ -29,4 +29,4 @@ def chat_tiny_target(smollm2_tokenizer):
     from tiny import tiny_target
 
     return tiny_target("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer,
-                       num_layers=8, hidden_size=64)
+                       num_layers=8, hidden_size=64, initializer_range=0.2)

@@ -9,10 +9,13 @@ from eaglewire.target import Target, target_from_config
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v3")
 
 
-def tiny_config(arch: str, *, vocab_size: int = 256, num_layers: int = 8, hidden_size: int = 64):
+def tiny_config(arch: str, *, vocab_size: int = 256, num_layers: int = 8, hidden_size: int = 64,
+                initializer_range: float = 0.02):
+    """``initializer_range`` ~0.2 gives a target whose predictions depend on the context
+    (at 0.02 a random model predicts nearly the same token everywhere)."""
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512)
+                  max_position_embeddings=512, initializer_range=initializer_range)
     head_dim = hidden_size // 4
     if arch == "llama":
         return transformers.LlamaConfig(**common)

@@ -74,7 +74,7 @@ def record_boundaries(target: Target, boundaries: list[int]) -> Iterator[dict[in
             h.remove()
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: online training feeds these tensors to autograd
 def capture(target: Target, input_ids: torch.Tensor, aux_boundaries: list[int] | HiddenStateContract,
             *, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
             past_key_values: Any = None, use_cache: bool = False) -> Capture:

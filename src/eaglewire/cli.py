@@ -35,6 +35,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from eaglewire.train import TrainConfig, train
+
+    config = config_from_args(TrainConfig, args)
+    result = train(config, progress=not args.no_progress)
+    rows = [("steps", f"{result.steps:,}"), ("epochs", f"{result.epochs_done:.2f}"),
+            ("training tokens", f"{result.train_tokens:,}"), ("wall time", f"{result.seconds:,.0f} s")]
+    rows += [(k.removeprefix("val_").replace("_", " ") + " (held-out)", f"{v:.3f}")
+             for k, v in result.final_eval.items() if k != "step"]
+    status = "" if result.finished else " (stopped early: run again with --resume to continue)"
+    print(_table(rows, f"draft written to {result.out}{status}"))
+    return 0
+
+
 def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target."""
     from eaglewire.contract import ENGINES, EngineConventionError, default_aux_boundaries, sglang_ambiguity, to_engine
@@ -61,6 +75,7 @@ def cmd_contract(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.prepare import PrepareConfig
+    from eaglewire.train import TrainConfig
 
     parser = argparse.ArgumentParser(prog="eaglewire", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -71,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, PrepareConfig)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("train", help="train an EAGLE-3 draft (TTT) on shards or live captures")
+    add_config_args(p, TrainConfig)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("contract", help="how SGLang, vLLM, SpecForge and EAGLE name a boundary layout")
     p.add_argument("--target", default="smollm2-135m")

@@ -1,0 +1,96 @@
+"""Training batches from stored shards (offline) or from the live target (online).
+
+Shapes: B batch, T tokens (longest in the batch), H target hidden, k aux boundaries.
+Both sources produce the same batch; online mode captures the states through the
+very same ``capture`` function that wrote the shards.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from eaglewire.capture import capture
+from eaglewire.contract import HiddenStateContract
+from eaglewire.data.conversations import load_conversations, tokenize_conversation
+from eaglewire.data.shards import ShardDataset
+from eaglewire.target import Target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] long, right-padded with 0
+    loss_mask: torch.Tensor  # [B, T] bool, False on padding
+    aux_hidden: torch.Tensor  # [B, T, k*H]
+    last_hidden: torch.Tensor  # [B, T, H] boundary L, pre-norm
+
+
+class Source(Protocol):
+    contract: HiddenStateContract
+    sequence_ids: list[str]
+    lengths: list[int]
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def batch(self, indices: list[int], device: torch.device) -> Batch: ...
+
+
+def pad_right(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Stack [T_i, ...] rows into [B, length, ...], zero-padded at the end."""
+    out = rows[0].new_zeros((len(rows), length, *rows[0].shape[1:]))
+    for r, row in enumerate(rows):
+        out[r, :row.shape[0]] = row
+    return out
+
+
+class ShardSource:
+    """Offline: sequences and their states from a shard directory."""
+
+    def __init__(self, data_dir: str, target: Target, *, allow: set[str] | frozenset[str] = frozenset()) -> None:
+        self.dataset = ShardDataset(data_dir, target=target.fingerprint, allow=allow)
+        self.contract = self.dataset.contract
+        self.sequence_ids = self.dataset.sequence_ids
+        self.lengths = self.dataset.lengths
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset.tokens(i)
+
+    def batch(self, indices: list[int], device: torch.device) -> Batch:
+        items = [self.dataset[i] for i in indices]
+        T = max(len(it["input_ids"]) for it in items)
+        return Batch(**{name: pad_right([it[name] for it in items], T).to(device)
+                        for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")})
+
+
+class OnlineSource:
+    """Online: tokenized conversations; states captured from the live target per batch."""
+
+    def __init__(self, data_path, target: Target, contract: HiddenStateContract, *, limit: int | None,
+                 offset: int, max_length: int) -> None:
+        conversations, report = load_conversations(data_path, limit=limit, offset=offset)
+        log.info("%s", report.summary())
+        self.target, self.contract = target, contract
+        self.sequences = []
+        for conv in conversations:
+            seq = tokenize_conversation(conv, target.tokenizer, max_length=max_length)
+            if sum(seq.loss_mask):
+                self.sequences.append(seq)
+        self.sequence_ids = [s.id for s in self.sequences]
+        self.lengths = [len(s.input_ids) for s in self.sequences]
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.sequences[i]
+        return torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool)
+
+    def batch(self, indices: list[int], device: torch.device) -> Batch:
+        ids, masks = zip(*(self.tokens(i) for i in indices))
+        T = max(len(x) for x in ids)
+        input_ids = pad_right(list(ids), T)  # [B, T]
+        # Right padding needs no attention mask under causal attention.
+        states = capture(self.target, input_ids, self.contract)
+        return Batch(input_ids=input_ids.to(device), loss_mask=pad_right(list(masks), T).to(device),
+                     aux_hidden=states.aux_hidden.to(device), last_hidden=states.last_hidden.to(device))

@@ -1,0 +1,395 @@
+"""The TTT training loop: data split, draft vocabulary, optimisation, evaluation,
+checkpoints and exact resume. Runs alone or under ``torchrun`` (data parallel: each rank
+takes every world-th batch and gradients are averaged; gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from eaglewire.checkpoint import atomic_torch_save, save_draft
+from eaglewire.contract import HiddenStateContract, default_aux_boundaries
+from eaglewire.data.shards import dist_rank_world
+from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.target import Target, load_target, resolve_device
+from eaglewire.ttt import StepCounts, target_signal, ttt_unroll
+from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.pt"
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    out: str = field(metadata={"help": "draft output directory (checkpoint, metrics, plots)"})
+    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    data: str | None = field(default=None, metadata={"help": "shard directory written by `eaglewire prepare` (offline mode)"})
+    online_data: str | None = field(default=None, metadata={"help": "conversations (preset or file) captured live (online mode)"})
+    num_conversations: int | None = field(default=None, metadata={"help": "online mode: use at most this many conversations"})
+    offset: int = field(default=0, metadata={"help": "online mode: skip this many conversations first"})
+    max_length: int = field(default=1024, metadata={"help": "online mode: truncate sequences to this many tokens"})
+    aux_boundaries: list[int] | None = field(default=None, metadata={"help": "online mode: boundaries to capture (default [2, L//2, L-3])"})
+    ttt_steps: int = field(default=7, metadata={"help": "training-time-test unroll steps"})
+    loss_decay: float = field(default=0.8, metadata={"help": "weight of step j is loss_decay**j"})
+    draft_vocab_size: int = field(default=8192, metadata={"help": "draft vocabulary size (most frequent assistant tokens)"})
+    epochs: int = field(default=1, metadata={"help": "passes over the training split"})
+    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    minutes: float | None = field(default=None, metadata={"help": "stop (resumably) after this much wall time"})
+    lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
+    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps before cosine decay"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    grad_clip: float = field(default=0.5, metadata={"help": "gradient norm clip"})
+    batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per optimizer step (per rank)"})
+    val_sequences: int = field(default=32, metadata={"help": "held-out sequences for validation"})
+    eval_interval: int = field(default=100, metadata={"help": "validate every N steps"})
+    save_interval: int = field(default=100, metadata={"help": "checkpoint every N steps"})
+    log_interval: int = field(default=10, metadata={"help": "write metrics every N steps"})
+    seed: int = field(default=0, metadata={"help": "random seed (data order, init)"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped"})
+    allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "fingerprint fields allowed to differ", "cli": False})
+
+    def __post_init__(self) -> None:
+        if (self.data is None) == (self.online_data is None):
+            raise ValueError("give exactly one of --data (shards from `eaglewire prepare`) or "
+                             "--online-data (conversations captured live)")
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        for name in ("epochs", "batch_tokens", "eval_interval", "save_interval", "log_interval", "draft_vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.loss_decay <= 1:
+            raise ValueError(f"loss_decay must be in (0, 1], got {self.loss_decay}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    # Fields that may change between an interrupted run and its resume.
+    RESUMABLE_CHANGES = frozenset({"minutes", "eval_interval", "save_interval", "log_interval", "resume", "device"})
+
+    def identity(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (NaN/inf, mismatched resume); the last good checkpoint is kept."""
+
+
+# ------------------------------------------------------------------ pure helpers
+
+def split_indices(n: int, val_sequences: int, seed: int) -> tuple[list[int], list[int]]:
+    """A fixed random split: (train indices, held-out indices)."""
+    if n < 2:
+        raise ValueError(f"need at least 2 sequences to train and validate, got {n}")
+    val = min(val_sequences, max(1, n // 10))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[val:]), sorted(order[:val])
+
+
+def batch_plan(indices: list[int], lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
+    """Group sequences into batches with rows x longest <= batch_tokens, in a seeded order.
+
+    Sequences are sorted by length inside windows of 64 to limit padding, then the
+    batches are shuffled.
+    """
+    rng = random.Random(seed)
+    order = list(indices)
+    rng.shuffle(order)
+    batches: list[list[int]] = []
+    for w in range(0, len(order), 64):
+        window = sorted(order[w:w + 64], key=lambda i: lengths[i])
+        batch: list[int] = []
+        for i in window:
+            longest = max([lengths[j] for j in batch] + [lengths[i]])
+            if batch and (len(batch) + 1) * longest > batch_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        if batch:
+            batches.append(batch)
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_lambda(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to zero at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def summarize(counts: list[StepCounts], prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {f"{prefix}loss": sum(0.8 ** j * c.loss for j, c in enumerate(counts))}
+    for j, c in enumerate(counts):
+        out[f"{prefix}acc_{j}"] = round(c.acc, 4)
+        if j:
+            out[f"{prefix}cond_acc_{j}"] = round(c.cond_acc, 4)
+    return out
+
+
+# ------------------------------------------------------------------ the trainer
+
+@dataclass
+class TrainResult:
+    out: str
+    steps: int
+    epochs_done: float
+    train_tokens: int
+    seconds: float
+    final_eval: dict[str, float]
+    finished: bool  # False when stopped by --minutes / --max-steps before the planned end
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, target: Target | None = None) -> None:
+        self.config = config
+        self.rank, self.world = dist_rank_world()
+        self.device = resolve_device(config.device)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda" and self.world > 1:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        self.out = Path(config.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.target = target or load_target(config.target, device=self.device)
+        allow = set(config.allow_target_mismatch or ())
+        if config.data is not None:
+            self.source: Source = ShardSource(config.data, self.target, allow=allow)
+        else:
+            self.source = self._online_source()
+        self.contract: HiddenStateContract = self.source.contract
+        self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
+        self.timers = {"target_head": 0.0, "draft_forward": 0.0, "backward": 0.0, "data": 0.0}
+
+    def _online_source(self) -> OnlineSource:
+        from eaglewire.data.prepare import resolve_data
+
+        cfg = self.config
+        bounds = cfg.aux_boundaries or default_aux_boundaries(self.target.num_layers)
+        contract = HiddenStateContract(aux_boundaries=tuple(bounds), target=self.target.fingerprint)
+        return OnlineSource(resolve_data(cfg.online_data), self.target, contract, limit=cfg.num_conversations,
+                            offset=cfg.offset, max_length=cfg.max_length)
+
+    # -- model and optimiser -------------------------------------------------
+
+    def build_draft(self) -> tuple[Eagle3Draft, float]:
+        cfg, target = self.config, self.target
+        if cfg.draft_vocab_size > target.vocab_size:
+            raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary "
+                             f"({target.vocab_size}); pick at most {target.vocab_size}")
+        torch.manual_seed(cfg.seed)
+        dcfg = DraftConfig.from_target(target.text_config, num_aux=self.contract.num_aux,
+                                       draft_vocab_size=cfg.draft_vocab_size, vocab_size=target.vocab_size)
+        draft = Eagle3Draft(dcfg)
+        counts = count_tokens((self.source.tokens(i) for i in self.train_idx), target.vocab_size)
+        d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
+        draft.set_vocab(d2t, t2d)
+        return draft.to(self.device), frequency_coverage(counts, t2d)
+
+    def _forward(self, draft, batch: Batch) -> tuple[torch.Tensor, list[StepCounts]]:
+        t0 = time.perf_counter()
+        signal = target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
+                               draft.draft_to_target, draft.t2d)
+        with torch.no_grad():
+            emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
+        t1 = time.perf_counter()
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        with autocast:
+            loss, counts = ttt_unroll(draft, emb,
+                                      batch.aux_hidden.float(), batch.loss_mask, signal,
+                                      ttt_steps=self.config.ttt_steps, decay=self.config.loss_decay)
+        self.timers["target_head"] += t1 - t0
+        self.timers["draft_forward"] += time.perf_counter() - t1
+        return loss, counts
+
+    @torch.no_grad()
+    def evaluate(self, draft) -> dict[str, float]:
+        draft.eval()
+        total = [StepCounts() for _ in range(self.config.ttt_steps)]
+        for idx in batch_plan(self.val_idx, self.source.lengths, self.config.batch_tokens, seed=0):
+            _, counts = self._forward(draft, self.source.batch(idx, self.device))
+            for t, c in zip(total, counts):
+                t.add(c)
+        draft.train()
+        return summarize(total, prefix="val_")
+
+    # -- checkpointing -------------------------------------------------------
+
+    def _save(self, draft: Eagle3Draft, optimizer, scheduler, position: dict[str, int], history: dict,
+              training_summary: dict) -> None:
+        if self.rank != 0:
+            return
+        atomic_torch_save({"config": self.config.identity(), "draft": draft.state_dict(),
+                           "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                           "rng": torch.get_rng_state(), "position": position, "history": history},
+                          self.out / STATE_FILE)
+        save_draft(self.out, draft, self.contract, training_summary)
+
+    def _load_state(self) -> dict[str, Any] | None:
+        path = self.out / STATE_FILE
+        if not self.config.resume:
+            if path.exists():
+                raise TrainingError(f"{self.out} already holds a training run; pass --resume to continue "
+                                    "it, or choose another --out")
+            return None
+        if not path.exists():
+            raise TrainingError(f"--resume: {path} does not exist; nothing to resume (drop --resume to start)")
+        state = torch.load(path, weights_only=False)
+        now = self.config.identity()
+        diff = {k: (state["config"].get(k), v) for k, v in now.items() if state["config"].get(k) != v}
+        if diff:
+            lines = "; ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise TrainingError(f"--resume: {self.out} was trained with a different configuration ({lines}); "
+                                "resume with the same settings or start a new --out")
+        return state
+
+    # -- the loop ------------------------------------------------------------
+
+    def run(self, progress: bool = True) -> TrainResult:
+        cfg = self.config
+        start = time.perf_counter()
+        draft, coverage = self.build_draft()
+        optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
+                                      betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        plans = [batch_plan(self.train_idx, self.source.lengths, cfg.batch_tokens, cfg.seed + e)
+                 for e in range(cfg.epochs)]
+        per_epoch = math.ceil(len(plans[0]) / self.world)
+        total_steps = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_lambda(s, min(cfg.warmup_steps, total_steps // 10 + 1), total_steps))
+        position = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0}
+        history: dict[str, Any] = {"evals": [], "seconds": 0.0}
+        state = self._load_state()
+        if state is not None:
+            draft.load_state_dict(state["draft"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"])
+            position, history = state["position"], state["history"]
+            log.info("resuming %s at step %d (epoch %d, batch %d)", self.out, position["step"],
+                     position["epoch"], position["batch"])
+        draft.train()
+        metrics_file = open(self.out / METRICS_FILE, "a") if self.rank == 0 else None
+        bar = tqdm(total=total_steps, initial=position["step"], desc="train", unit="step",
+                   disable=not progress or self.rank != 0)
+        window = [StepCounts() for _ in range(cfg.ttt_steps)]
+        stopped_early = False
+
+        def summary(final_eval: dict | None = None) -> dict:
+            return {"target": cfg.target, "data": cfg.data or cfg.online_data, "steps": position["step"],
+                    "train_tokens": position["tokens"], "draft_vocab_coverage": round(coverage, 4),
+                    "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
+                    "config": cfg.identity(), "final_eval": final_eval or (history["evals"][-1] if history["evals"] else {}),
+                    "seconds": round(history["seconds"] + time.perf_counter() - start, 1)}
+
+        try:
+            while position["epoch"] < cfg.epochs and position["step"] < total_steps:
+                plan = plans[position["epoch"]]
+                mine = plan[self.rank::self.world]
+                while position["batch"] < len(mine) and position["step"] < total_steps:
+                    if cfg.minutes is not None and time.perf_counter() - start > cfg.minutes * 60:
+                        stopped_early = True
+                        break
+                    idx = mine[position["batch"]]
+                    t0 = time.perf_counter()
+                    batch = self.source.batch(idx, self.device)
+                    self.timers["data"] += time.perf_counter() - t0
+                    loss, counts = self._forward(draft, batch)
+                    if not torch.isfinite(loss):
+                        raise TrainingError(
+                            f"loss is {loss.item()} at step {position['step']} (epoch {position['epoch']}, "
+                            f"batch {position['batch']}, sequences {[self.source.sequence_ids[i] for i in idx]}); "
+                            f"the last good checkpoint in {self.out} is kept")
+                    t1 = time.perf_counter()
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    self._sync_grads(draft)
+                    torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                    self.timers["backward"] += time.perf_counter() - t1
+                    for w, c in zip(window, counts):
+                        w.add(c)
+                    position["batch"] += 1
+                    position["step"] += 1
+                    position["tokens"] += sum(self.source.lengths[i] for i in idx) * self.world
+                    step = position["step"]
+                    bar.update(1)
+                    if step % cfg.log_interval == 0 or step == total_steps:
+                        row = {"step": step, "epoch": position["epoch"], "lr": scheduler.get_last_lr()[0],
+                               "tokens": position["tokens"], **summarize(window)}
+                        bar.set_postfix(loss=f"{row['loss']:.3f}", **{f"acc{j}": f"{row[f'acc_{j}']:.2f}"
+                                                                   for j in range(min(3, cfg.ttt_steps))})
+                        if metrics_file:
+                            metrics_file.write(json.dumps(row) + "\n")
+                            metrics_file.flush()
+                        window = [StepCounts() for _ in range(cfg.ttt_steps)]
+                    if step % cfg.eval_interval == 0:
+                        self._record_eval(draft, step, history, metrics_file)
+                    if step % cfg.save_interval == 0:
+                        self._save(draft, optimizer, scheduler, position, history, summary())
+                if stopped_early:
+                    break
+                if position["batch"] >= len(mine):
+                    position["epoch"] += 1
+                    position["batch"] = 0
+            if not history["evals"] or history["evals"][-1]["step"] != position["step"]:
+                self._record_eval(draft, position["step"], history, metrics_file)
+            history["seconds"] += time.perf_counter() - start
+            start = time.perf_counter()
+            self._save(draft, optimizer, scheduler, position, history, summary(history["evals"][-1]))
+        finally:
+            bar.close()
+            if metrics_file:
+                metrics_file.close()
+        if self.rank == 0:
+            self._plot()
+        return TrainResult(out=str(self.out), steps=position["step"],
+                           epochs_done=position["epoch"] + position["batch"] / max(1, per_epoch),
+                           train_tokens=position["tokens"], seconds=history["seconds"],
+                           final_eval=history["evals"][-1], finished=not stopped_early)
+
+    def _sync_grads(self, draft: Eagle3Draft) -> None:
+        """Data parallel: average gradients over ranks (the draft is one layer: plain
+        all-reduce is as fast as DDP's buckets and keeps the step code identical)."""
+        if self.world == 1:
+            return
+        for p in draft.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+
+    def _record_eval(self, draft, step: int, history: dict, metrics_file) -> None:
+        row = {"step": step, **self.evaluate(draft)}
+        history["evals"].append(row)
+        log.info("step %d: %s", step, " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "step"))
+        if metrics_file:
+            metrics_file.write(json.dumps({"eval": True, **row}) + "\n")
+            metrics_file.flush()
+
+    def _plot(self) -> None:
+        from eaglewire.plots import plot_training
+
+        try:
+            plot_training(self.out / METRICS_FILE, self.out / "training.png")
+        except Exception as e:  # a plot must never fail a finished training run
+            log.warning("could not draw training curves: %s", e)
+
+
+def train(config: TrainConfig, *, target: Target | None = None, progress: bool = True) -> TrainResult:
+    return Trainer(config, target).run(progress=progress)

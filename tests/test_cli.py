@@ -1,0 +1,86 @@
+"""The command line end to end on a tiny target saved as a model directory."""
+
+import json
+
+import pytest
+
+from eaglewire.checkpoint import load_draft, read_draft_config, save_draft
+from eaglewire.cli import main
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, chat_tiny_target):
+    path = tmp_path_factory.mktemp("target")
+    chat_tiny_target.model.save_pretrained(path)
+    chat_tiny_target.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chats") / "chats.json"
+    records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Count to {i}."},
+                                                  {"from": "gpt", "value": " ".join(map(str, range(i + 3)))}]}
+               for i in range(12)]
+    text = json.dumps(records)
+    path.write_text(text[:-40])  # cut mid-record, like the shipped ShareGPT file
+    return path
+
+
+def test_prepare_then_train(tmp_path, target_dir, chats, capsys):
+    shards = tmp_path / "shards"
+    assert main(["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(shards),
+                 "--max-length", "64", "--batch-tokens", "256", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "sequences written        11" in out and "bytes per token" in out
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["contract"]["aux_boundaries"] == [2, 4, 5]
+    # Running again resumes: nothing is captured twice.
+    assert main(["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(shards),
+                 "--max-length", "64", "--batch-tokens", "256", "--no-progress"]) == 0
+    assert "(11 from an earlier run)" in capsys.readouterr().out
+
+    draft = tmp_path / "draft"
+    assert main(["train", "--target", str(target_dir), "--data", str(shards), "--out", str(draft),
+                 "--ttt-steps", "2", "--draft-vocab-size", "128", "--max-steps", "2", "--batch-tokens", "256",
+                 "--val-sequences", "2", "--device", "cpu", "--no-progress"]) == 0
+    assert "acc 0 (held-out)" in capsys.readouterr().out
+    assert read_draft_config(draft)["contract"] == manifest["contract"]
+
+
+def test_user_errors_exit_2_with_a_message(tmp_path, target_dir, capsys):
+    assert main(["prepare", "--target", "no-such-model", "--out", str(tmp_path)]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    assert main(["prepare", "--target", str(target_dir), "--data", str(tmp_path / "missing.json"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert main(["prepare", "--target", str(target_dir), "--aux-boundaries", "2,9", "--out", str(tmp_path / "o"),
+                 "--data", "x"]) == 2
+    assert "outside [0, 8]" in capsys.readouterr().err
+
+
+def test_contract_command(capsys):
+    assert main(["contract", "--num-layers", "30", "--aux-boundaries", "0,3,30"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["vllm"] == [0, 3, 30] and shown["sglang"].startswith("not expressible")
+
+
+def test_checkpoint_round_trip_and_foreign_target(tmp_path, chat_tiny_target):
+    from eaglewire.contract import ContractError, HiddenStateContract
+    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from tiny import tiny_target
+
+    cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=100,
+                                  vocab_size=chat_tiny_target.vocab_size)
+    draft = Eagle3Draft(cfg)
+    contract = HiddenStateContract(aux_boundaries=(1, 4, 8), target=chat_tiny_target.fingerprint)
+    save_draft(tmp_path / "d", draft, contract, {"note": "x"})
+    loaded, loaded_contract, meta = load_draft(tmp_path / "d", target=chat_tiny_target)
+    assert loaded_contract == contract and meta["training"] == {"note": "x"}
+    for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
+        assert a.dtype == b.dtype and (a == b).all(), name
+    other = tiny_target("llama", seed=3, vocab_size=chat_tiny_target.vocab_size, tokenizer=chat_tiny_target.tokenizer)
+    with pytest.raises(ContractError, match="weights_sha256 recorded"):
+        load_draft(tmp_path / "d", target=other)
+    with pytest.raises(FileNotFoundError, match="not a draft directory"):
+        load_draft(tmp_path)

@@ -1,0 +1,157 @@
+import copy
+import json
+
+import pytest
+import torch
+
+import eaglewire.train as train_mod
+from eaglewire.checkpoint import load_draft
+from eaglewire.contract import ContractError
+from eaglewire.data.prepare import PrepareConfig, prepare
+from eaglewire.target import Target
+from eaglewire.train import TrainConfig, TrainingError, batch_plan, lr_lambda, split_indices, train
+from tiny import tiny_target
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+
+
+@pytest.fixture(scope="module")
+def conversations_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("conv") / "chats.jsonl"
+    with open(path, "w") as f:
+        for i in range(24):
+            question = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(5))
+            answer = " ".join(WORDS[(i * 3 + k) % len(WORDS)] for k in range(12))
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def config(tmp_path, conversations_file, **kw):
+    base = dict(out=str(tmp_path / "draft"), online_data=str(conversations_file), ttt_steps=2,
+                draft_vocab_size=64, batch_tokens=256, val_sequences=4, eval_interval=1000,
+                save_interval=3, log_interval=1, lr=3e-3, warmup_steps=1, max_length=64, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def losses(path):
+    return [r["loss"] for r in map(json.loads, open(path)) if not r.get("eval")]
+
+
+@pytest.fixture(scope="module")
+def confident_target(chat_tiny_target):
+    """A random target with a sharp next-token distribution, so its argmax is learnable."""
+    model = copy.deepcopy(chat_tiny_target.model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return Target(model=model, tokenizer=chat_tiny_target.tokenizer, spec="confident-tiny")
+
+
+def test_online_training_learns_and_writes_a_checkpoint(tmp_path, conversations_file, confident_target):
+    # The full vocabulary: a random target's argmax rarely falls among the few data tokens.
+    result = train(config(tmp_path, conversations_file, epochs=6, draft_vocab_size=len(confident_target.tokenizer)),
+                   target=confident_target, progress=False)
+    rows = [r for r in map(json.loads, open(tmp_path / "draft" / "metrics.jsonl")) if not r.get("eval")]
+    assert result.finished and result.steps == len(rows)
+    first, last = rows[:5], rows[-5:]
+    assert sum(r["loss"] for r in last) < 0.8 * sum(r["loss"] for r in first)  # it learns
+    assert sum(r["acc_0"] for r in last) / 5 > sum(r["acc_0"] for r in first) / 5 + 0.05
+    draft, contract, meta = load_draft(tmp_path / "draft", target=confident_target)
+    assert contract.aux_boundaries == (2, 4, 5)  # [2, L//2, L-3] of the 8-layer target
+    assert meta["training"]["heldout_sequence_ids"] and (tmp_path / "draft" / "training.png").stat().st_size > 0
+    assert "val_acc_0" in result.final_eval
+
+
+def test_interrupted_and_resumed_run_reproduces_losses(tmp_path, conversations_file, chat_tiny_target, monkeypatch):
+    full = config(tmp_path / "a", conversations_file, epochs=3)
+    train(full, target=chat_tiny_target, progress=False)
+    reference = losses(tmp_path / "a" / "draft" / "metrics.jsonl")
+
+    real_unroll, calls = train_mod.ttt_unroll, {"n": 0}
+
+    def crash_at_step_5(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # killed after the checkpoint of step 3, before step 5 finished
+        return real_unroll(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "ttt_unroll", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "b", conversations_file, epochs=3), target=chat_tiny_target, progress=False)
+    monkeypatch.setattr(train_mod, "ttt_unroll", real_unroll)
+    with pytest.raises(TrainingError, match="--resume"):
+        train(config(tmp_path / "b", conversations_file, epochs=3), target=chat_tiny_target, progress=False)
+    train(config(tmp_path / "b", conversations_file, epochs=3, resume=True), target=chat_tiny_target, progress=False)
+    resumed = losses(tmp_path / "b" / "draft" / "metrics.jsonl")
+    # Steps 1-4 were logged before the crash; step 4 is redone after resuming from step 3.
+    assert len(resumed) == len(reference) + 1 and resumed[3] == resumed[4]
+    assert resumed[:4] + resumed[5:] == pytest.approx(reference, rel=1e-6)
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, conversations_file, chat_tiny_target):
+    train(config(tmp_path, conversations_file, max_steps=3), target=chat_tiny_target, progress=False)
+    with pytest.raises(TrainingError, match="lr was 0.003, now 0.001"):
+        train(config(tmp_path, conversations_file, max_steps=3, lr=1e-3, resume=True),
+              target=chat_tiny_target, progress=False)
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, conversations_file, chat_tiny_target,
+                                                                 monkeypatch):
+    real_unroll, calls = train_mod.ttt_unroll, {"n": 0}
+
+    def nan_at_step_4(*args, **kwargs):
+        calls["n"] += 1
+        loss, counts = real_unroll(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] == 4 else loss), counts
+
+    monkeypatch.setattr(train_mod, "ttt_unroll", nan_at_step_4)
+    with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*sequences \["):
+        train(config(tmp_path, conversations_file, epochs=3), target=chat_tiny_target, progress=False)
+    load_draft(tmp_path / "draft", target=chat_tiny_target)  # the step-3 checkpoint is intact
+
+
+def test_offline_shards_from_another_target_are_refused(tmp_path, conversations_file, chat_tiny_target):
+    prepare(PrepareConfig(out=str(tmp_path / "shards"), data=str(conversations_file), max_length=64,
+                          batch_tokens=256), target=chat_tiny_target, progress=False)
+    other = tiny_target("llama", seed=1, vocab_size=len(chat_tiny_target.tokenizer),
+                        tokenizer=chat_tiny_target.tokenizer)
+    with pytest.raises(ContractError, match="weights_sha256"):
+        train(TrainConfig(out=str(tmp_path / "d"), data=str(tmp_path / "shards"), device="cpu"), target=other,
+              progress=False)
+    result = train(TrainConfig(out=str(tmp_path / "d2"), data=str(tmp_path / "shards"), device="cpu", ttt_steps=2,
+                               draft_vocab_size=64, max_steps=2, val_sequences=2, batch_tokens=256),
+                   target=chat_tiny_target,
+                   progress=False)
+    assert result.steps == 2
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(ttt_steps=0), "ttt_steps must be >= 1"),
+    (dict(data="x"), "exactly one of --data"),
+    (dict(loss_decay=0), "loss_decay"),
+])
+def test_bad_config(tmp_path, conversations_file, kw, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, conversations_file, **kw)
+
+
+def test_draft_vocab_larger_than_target(tmp_path, conversations_file, chat_tiny_target):
+    with pytest.raises(ValueError, match="larger than the target vocabulary"):
+        train(config(tmp_path, conversations_file, draft_vocab_size=10**6), target=chat_tiny_target, progress=False)
+
+
+def test_batch_plan_covers_every_sequence_once_within_budget():
+    lengths = [5, 40, 17, 9, 33, 60, 2, 21] * 10
+    plan = batch_plan(list(range(80)), lengths, 100, seed=3)
+    assert sorted(i for b in plan for i in b) == list(range(80))
+    assert all(len(b) * max(lengths[i] for i in b) <= 100 for b in plan)
+    assert plan == batch_plan(list(range(80)), lengths, 100, seed=3)
+
+
+def test_split_and_schedule():
+    train_idx, val_idx = split_indices(100, 8, seed=0)
+    assert len(val_idx) == 8 and not set(train_idx) & set(val_idx)
+    assert lr_lambda(0, 10, 100) == pytest.approx(0.1)
+    assert lr_lambda(10, 10, 100) == pytest.approx(1.0)
+    assert lr_lambda(100, 10, 100) == pytest.approx(0.0)

@@ -1,0 +1,80 @@
+import torch
+
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.ttt import StepCounts, TargetSignal, shift_left, target_signal, ttt_unroll
+
+V, VD, T = 16, 16, 10
+
+
+def tiny_draft():
+    torch.manual_seed(0)
+    return Eagle3Draft(DraftConfig(hidden_size=16, target_hidden_size=16, num_aux=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=8, intermediate_size=32, vocab_size=V,
+                                   draft_vocab_size=VD))
+
+
+def signal(in_vocab=None):
+    probs = torch.full((1, T, VD), 1.0 / VD)
+    argmax = torch.zeros(1, T, dtype=torch.long)
+    return TargetSignal(probs=probs, argmax=argmax,
+                        in_vocab=torch.ones(1, T, dtype=torch.bool) if in_vocab is None else in_vocab)
+
+
+def run(loss_mask, sig, steps=3):
+    draft = tiny_draft()
+    emb, aux = torch.randn(1, T, 16), torch.randn(1, T, 32)
+    return ttt_unroll(draft, emb, aux, loss_mask, sig, ttt_steps=steps)
+
+
+def test_shift_left():
+    x = torch.arange(5)[None]
+    assert shift_left(x, 2).tolist() == [[2, 3, 4, 0, 0]]
+    assert shift_left(x, 0) is x
+
+
+def test_prediction_of_token_m_is_counted_once_per_step():
+    """Token x_m under the loss mask is predicted at step j from position m - 2 - j."""
+    m = 8
+    loss_mask = torch.zeros(1, T, dtype=torch.bool)
+    loss_mask[0, m] = True
+    _, counts = run(loss_mask, signal())
+    assert [c.valid for c in counts] == [1, 1, 1]
+    # The target's view of x_m lives at index m - 1; outside the draft vocab, it is dropped at every step.
+    in_vocab = torch.ones(1, T, dtype=torch.bool)
+    in_vocab[0, m - 1] = False
+    _, counts = run(loss_mask, signal(in_vocab))
+    assert [c.valid for c in counts] == [0, 0, 0]
+
+
+def test_tokens_near_the_start_have_fewer_steps():
+    loss_mask = torch.zeros(1, T, dtype=torch.bool)
+    loss_mask[0, 3] = True  # predicted from positions 1 (step 0) and 0 (step 1) only
+    _, counts = run(loss_mask, signal())
+    assert [c.valid for c in counts] == [1, 1, 0]
+
+
+def test_loss_is_soft_cross_entropy_weighted_by_decay():
+    loss_mask = torch.ones(1, T, dtype=torch.bool)
+    loss, counts = run(loss_mask, signal(), steps=2)
+    expected = counts[0].loss + 0.8 * counts[1].loss
+    assert abs(loss.item() - expected) < 1e-4
+    assert counts[0].valid == T - 2 and counts[1].valid == T - 3
+
+
+def test_conditional_accuracy_counts_only_positions_right_so_far():
+    a = StepCounts(valid=10, correct=5, cond_valid=4, cond_correct=2, loss_sum=3.0)
+    a.add(StepCounts(valid=10, correct=5, cond_valid=4, cond_correct=4, loss_sum=1.0))
+    assert (a.acc, a.cond_acc, a.loss) == (0.5, 0.75, 0.2)
+
+
+def test_target_signal_chunks_match_one_pass():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 20)
+    last = torch.randn(2, 7, 8)
+    draft_ids = torch.tensor([1, 4, 5, 9])
+    t2d = torch.zeros(20, dtype=torch.bool)
+    t2d[draft_ids] = True
+    a = target_signal(head, last, draft_ids, t2d, chunk_tokens=3)
+    logits = head(last)
+    torch.testing.assert_close(a.probs, torch.softmax(logits[..., draft_ids], -1))
+    assert torch.equal(a.argmax, logits.argmax(-1)) and torch.equal(a.in_vocab, t2d[logits.argmax(-1)])
