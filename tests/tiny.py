@@ -27,9 +27,9 @@ def tiny_config(arch: str, *, vocab_size: int = 256, num_layers: int = 8, hidden
         return transformers.MistralConfig(**common)
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(**common, head_dim=head_dim)
-    if arch == "deepseek_v3":
+    if arch == "deepseek_v3":  # MLA: as many key/value heads as query heads
         return transformers.DeepseekV3Config(
-            **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
     raise ValueError(f"unknown tiny architecture {arch!r}")

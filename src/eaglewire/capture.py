@@ -11,6 +11,8 @@ small target) is applied later, by ``Target.head``, and only where logits are ne
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -40,15 +42,21 @@ def _hidden_from_output(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _forward_kwargs(attention_mask, position_ids, past_key_values, use_cache) -> dict[str, Any]:
-    """Only the arguments that are set (transformers renames past_key_values -> cache)."""
+@functools.cache
+def _cache_kwarg(forward) -> str:
+    """transformers renames ``past_key_values`` to ``cache`` (5.x deprecation)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def _forward_kwargs(decoder, attention_mask, position_ids, past_key_values, use_cache) -> dict[str, Any]:
+    """Only the arguments that are set."""
     kwargs: dict[str, Any] = {"use_cache": use_cache}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if past_key_values is not None:
-        kwargs["past_key_values"] = past_key_values
+        kwargs[_cache_kwarg(type(decoder).forward)] = past_key_values
     return kwargs
 
 
@@ -91,7 +99,8 @@ def capture(target: Target, input_ids: torch.Tensor, aux_boundaries: list[int] |
         raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
     with record_boundaries(target, aux_boundaries + [num_layers]) as seen:
         out = target.decoder(input_ids=input_ids.to(target.device),
-                             **_forward_kwargs(attention_mask, position_ids, past_key_values, use_cache))
+                             **_forward_kwargs(target.decoder, attention_mask, position_ids, past_key_values,
+                                               use_cache))
     aux = torch.cat([seen[b] for b in aux_boundaries], dim=-1)  # [B, T, k*H]
     return Capture(aux_hidden=aux, last_hidden=seen[num_layers],
                    past_key_values=getattr(out, "past_key_values", None))

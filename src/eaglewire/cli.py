@@ -49,6 +49,77 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spec_from_args(args):
+    from eaglewire.decode.engine import SpecConfig
+
+    return SpecConfig(num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
+                      num_draft_tokens=args.speculative_num_draft_tokens)
+
+
+def load_decoder(target_spec: str, draft_dir: str | None, spec, *, device: str = "auto",
+                 allow: set[str] | frozenset[str] = frozenset()):
+    """Target (+ draft checked against it) -> a SpecDecoder."""
+    from eaglewire.checkpoint import load_draft
+    from eaglewire.decode.engine import SpecDecoder
+    from eaglewire.target import load_target
+
+    target = load_target(target_spec, device=device)
+    if draft_dir is None:
+        return SpecDecoder(target)
+    draft, contract, _ = load_draft(draft_dir, target=target, allow=allow, device=target.device)
+    return SpecDecoder(target, draft, contract, spec)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from eaglewire.decode.sampling import SamplingParams
+    from eaglewire.decode.text import IncrementalDetokenizer, StopStrings, encode_prompt, stop_token_ids
+
+    decoder = load_decoder(args.target, args.draft, _spec_from_args(args), device=args.device)
+    tok = decoder.target.tokenizer
+    prompt_ids = encode_prompt(tok, args.prompt, chat=args.chat)
+    stops = StopStrings(tok, args.stop)
+    detok = IncrementalDetokenizer(tok)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    text, shown = "", 0
+    hold = max((len(x) for x in stops.stops), default=1) - 1  # a stop string may still be arriving
+    for tokens in decoder.stream(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                 stop_token_ids=set(stop_token_ids(tok, decoder.target.model)), should_stop=stops):
+        text += detok.push(tokens)
+        visible = stops.cut(text)
+        upto = max(shown, len(visible) - hold)
+        sys.stdout.write(visible[shown:upto])
+        sys.stdout.flush()
+        shown = upto
+    sys.stdout.write(stops.cut(text)[shown:] + "\n")
+    st = decoder.stats
+    print(f"[{st.new_tokens} tokens in {st.total_seconds:.2f} s: {st.tokens_per_second:.1f} tok/s; "
+          f"accept length {st.accept_length:.2f} over {st.rounds} target passes; "
+          f"per-position acceptance {[round(x, 2) for x in st.position_acceptance]}; "
+          f"draft {st.draft_seconds:.2f} s, verify {st.verify_seconds:.2f} s, prefill {st.prefill_seconds:.2f} s; "
+          f"finish: {st.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from eaglewire.formats import export_draft
+
+    report = export_draft(args.draft, args.to, args.out, sglang_rule=args.sglang_rule,
+                          verifier_name=args.verifier_name, num_steps=args.num_steps,
+                          allow=set(args.allow_target_mismatch or ()))
+    print(report.summary())
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from eaglewire.formats import import_draft
+    from eaglewire.target import load_target
+
+    report = import_draft(args.src, args.from_, load_target(args.target, device="cpu", dtype="fp32"), args.out,
+                          sglang_rule=args.sglang_rule, allow=set(args.allow_target_mismatch or ()))
+    print(report.summary())
+    return 0
+
+
 def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target."""
     from eaglewire.contract import ENGINES, EngineConventionError, default_aux_boundaries, sglang_ambiguity, to_engine
@@ -73,6 +144,15 @@ def cmd_contract(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    from eaglewire.decode.engine import SpecConfig
+
+    d = SpecConfig()
+    p.add_argument("--speculative-num-steps", type=int, default=d.num_steps)
+    p.add_argument("--speculative-eagle-topk", type=int, default=d.topk)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=d.num_draft_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.train import TrainConfig
@@ -92,6 +172,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("generate", help="generate text with speculative decoding (stream to stdout)")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default=None, help="draft directory (none: plain decoding)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--device", default="auto")
+    _add_spec_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="write a draft in SGLang or vLLM/speculators format")
+    p.add_argument("--draft", required=True)
+    p.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--sglang-rule", default="always_plus_one", choices=["always_plus_one", "plus_one_if_first_is_one"])
+    p.add_argument("--verifier-name", default=None, help="target path or hub id written into the export")
+    p.add_argument("--num-steps", type=int, default=5, help="speculative steps suggested in SERVING.md")
+    p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="convert a SGLang, SpecForge, speculators or EAGLE draft")
+    p.add_argument("--from", dest="from_", required=True, choices=["sglang", "specforge", "speculators", "vllm", "eagle"])
+    p.add_argument("src", help="the checkpoint directory to import")
+    p.add_argument("--target", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--sglang-rule", default="always_plus_one", choices=["always_plus_one", "plus_one_if_first_is_one"])
+    p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
+    p.set_defaults(func=cmd_import)
+
     p = sub.add_parser("contract", help="how SGLang, vLLM, SpecForge and EAGLE name a boundary layout")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--num-layers", type=int, default=None, help="skip loading the target")
@@ -104,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its deprecation notices are not the user's business
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _set_threads(args.threads)

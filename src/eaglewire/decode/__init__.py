@@ -1,0 +1,1 @@
+"""Speculative decoding: small pure tensor functions and the engine that drives them."""

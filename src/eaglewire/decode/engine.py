@@ -1,0 +1,287 @@
+"""The speculative decoding loop: prefill -> draft -> verify -> accept, for one sequence.
+
+Shapes: P tokens in the target's cache, N tree nodes, F frontier nodes of one draft level,
+H hidden, k aux boundaries, V / Vd target / draft vocabulary.
+
+Positions: the target's cache holds tokens 0..P-1; the root (the last token the target
+produced, not yet in its cache) sits at position P and a tree node of depth d at P + d.
+The draft's context entry t pairs the target's fused state of token t with the embedding
+of token t+1 and sits at position t, so a draft node of depth d runs at position P - 1 + d.
+Without a draft the same loop verifies the root alone: plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from eaglewire.capture import capture
+from eaglewire.contract import HiddenStateContract
+from eaglewire.decode.kv_cache import DraftCache, compact_target_cache
+from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
+from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
+from eaglewire.decode.verify import greedy_verify, sampling_verify
+from eaglewire.draft import Eagle3Draft
+from eaglewire.target import Target
+
+
+@dataclass(kw_only=True)
+class SpecConfig:
+    """Named as SGLang names them: --speculative-num-steps / -eagle-topk / -num-draft-tokens."""
+
+    num_steps: int = 5
+    topk: int = 4
+    num_draft_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        check_spec_flags(self.num_steps, self.topk, self.num_draft_tokens)
+
+
+def check_spec_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
+    """Inconsistent flags are an error that says what to set, never a silent adjustment."""
+    if num_steps < 1:
+        raise ValueError(f"--speculative-num-steps must be >= 1, got {num_steps}")
+    if topk < 1:
+        raise ValueError(f"--speculative-eagle-topk must be >= 1, got {topk}")
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        raise ValueError(
+            f"--speculative-eagle-topk 1 drafts a chain of --speculative-num-steps {num_steps} tokens, so "
+            f"--speculative-num-draft-tokens must be {num_steps + 1} (got {num_draft_tokens}); set "
+            f"--speculative-num-draft-tokens {num_steps + 1}, or --speculative-num-steps {num_draft_tokens - 1}")
+    most = max_tree_tokens(num_steps, topk)
+    if not 2 <= num_draft_tokens <= most:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {num_draft_tokens} is outside [2, {most}]: a tree of "
+            f"{num_steps} steps with top-{topk} holds at most {most} tokens (root included); set "
+            f"--speculative-num-draft-tokens to at most {most} or raise --speculative-num-steps/-eagle-topk")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included
+    position_accepts: list[int] = field(default_factory=list)  # rounds that accepted depth d+1
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+    finish_reason: str = "length"
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def accept_length(self) -> float:
+        """τ: tokens per target verify pass, bonus included (1.0 without speculation)."""
+        return sum(self.accept_lengths) / max(self.rounds, 1)
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """Share of rounds whose draft token at depth d+1 was accepted."""
+        return [a / max(self.rounds, 1) for a in self.position_accepts]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / max(self.total_seconds, 1e-9)
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "rounds": self.rounds,
+                "accept_length": round(self.accept_length, 3), "accept_lengths": self.accept_lengths,
+                "position_acceptance": [round(x, 3) for x in self.position_acceptance],
+                "draft_seconds": round(self.draft_seconds, 3), "verify_seconds": round(self.verify_seconds, 3),
+                "prefill_seconds": round(self.prefill_seconds, 3), "total_seconds": round(self.total_seconds, 3),
+                "tokens_per_second": round(self.tokens_per_second, 2), "finish_reason": self.finish_reason}
+
+
+class SpecDecoder:
+    """Speculative decoding of one sequence with a target and an (optional) EAGLE-3 draft."""
+
+    def __init__(self, target: Target, draft: Eagle3Draft | None = None,
+                 contract: HiddenStateContract | None = None, spec: SpecConfig | None = None) -> None:
+        if draft is not None and contract is None:
+            raise ValueError("a draft needs its hidden-state contract (load both with checkpoint.load_draft)")
+        self.target, self.draft, self.spec = target, draft, spec or SpecConfig()
+        self.boundaries = list(contract.aux_boundaries) if draft is not None else [target.num_layers]
+        if draft is not None:
+            self.draft = draft.to(target.device).eval()
+            self.draft_dtype = next(draft.parameters()).dtype
+            self.draft_to_target = draft.draft_to_target
+        self.stats = GenerationStats()
+
+    # -- target side -------------------------------------------------------
+
+    def _target_forward(self, ids: torch.Tensor, cache, positions: torch.Tensor | None = None,
+                        mask: torch.Tensor | None = None):
+        """ids [1, N] -> (logits [N, V], aux [N, k*H]) through the shared capture."""
+        cap = capture(self.target, ids, self.boundaries, attention_mask=mask, position_ids=positions,
+                      past_key_values=cache, use_cache=True)
+        return self.target.head(cap.last_hidden[0]), cap.aux_hidden[0]
+
+    def _embed(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=self.target.device)
+        with torch.no_grad():
+            return self.target.embed_tokens(ids).to(self.draft_dtype)  # [1, n, H]
+
+    # -- draft side --------------------------------------------------------
+
+    @torch.no_grad()
+    def _extend_context(self, dcache: DraftCache, aux: torch.Tensor, next_tokens: list[int], start: int) -> torch.Tensor:
+        """Feed the target states of accepted tokens to the draft; return the last output [1, 1, H]."""
+        n = len(next_tokens)
+        hidden = self.draft.fuse(aux[None].to(self.draft_dtype))  # [1, n, H]
+        positions = torch.arange(start, start + n, device=hidden.device)[None]  # [1, n]
+        out, k, v = self.draft.forward_cached(self._embed(next_tokens), hidden, positions, dcache.k, dcache.v, None)
+        dcache.append(k, v)
+        dcache.commit()
+        return out[:, -1:]
+
+    def _logprobs(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.draft.logits(prenorm).float(), dim=-1)  # [..., Vd]
+
+    @torch.no_grad()
+    def _build_tree(self, root: int, root_out: torch.Tensor, dcache: DraftCache, P: int) -> Tree:
+        """Draft ``num_steps`` levels with the draft's KV cache; return the tree to verify."""
+        spec = self.spec
+        candidates: list[Candidate] = []
+        level = top_children(self._logprobs(root_out[0]), [0.0], [-1], 1, spec.topk, self.draft_to_target)
+        hidden_of = [root_out[0, 0]] * len(level)  # prenorm state each candidate's logits came from
+        scratch_of: dict[int, int] = {}  # candidate index -> row in the draft cache
+        ancestors: dict[int, list[int]] = {}  # candidate index -> candidate ancestors
+        for depth in range(1, spec.num_steps + 1):
+            base = len(candidates)
+            candidates += level
+            for i, cand in enumerate(level):
+                ancestors[base + i] = [] if cand.parent < 0 else ancestors[cand.parent] + [cand.parent]
+            if depth == spec.num_steps:
+                break
+            ranked = sorted(range(len(level)), key=lambda i: -level[i].score)[:spec.topk]
+            frontier = [base + i for i in ranked]  # [F] candidate indices
+            S = dcache.length
+            mask = torch.zeros(1, 1, len(frontier), S + len(frontier), dtype=torch.bool, device=root_out.device)
+            mask[..., :dcache.committed] = True
+            for f, c in enumerate(frontier):
+                for a in ancestors[c]:
+                    mask[0, 0, f, scratch_of[a]] = True
+                mask[0, 0, f, S + f] = True
+            emb = self._embed([candidates[c].token for c in frontier])  # [1, F, H]
+            hidden = torch.stack([hidden_of[c - base] for c in frontier])[None]  # [1, F, H]
+            positions = torch.full((1, len(frontier)), P - 1 + depth, device=emb.device)
+            out, k, v = self.draft.forward_cached(emb, hidden, positions, dcache.k, dcache.v, mask)
+            dcache.append(k, v)
+            for f, c in enumerate(frontier):
+                scratch_of[c] = S + f
+            level = top_children(self._logprobs(out[0]), [candidates[c].score for c in frontier], frontier,
+                                 depth + 1, spec.topk, self.draft_to_target)
+            hidden_of = [out[0, f] for f in range(len(frontier)) for _ in range(spec.topk)]
+        dcache.rollback()
+        tree, _ = select_tree(root, candidates, spec.num_draft_tokens)
+        return tree
+
+    # -- the loop ----------------------------------------------------------
+
+    @torch.no_grad()
+    def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 256,
+               sampling: SamplingParams | None = None, stop_token_ids: set[int] | None = None,
+               should_stop: Callable[[list[int]], bool] | None = None) -> Iterator[list[int]]:
+        """Yield the new tokens of every round as they are accepted; stats land in ``self.stats``.
+
+        Stops at a token of ``stop_token_ids`` (included in the output), when
+        ``should_stop(all new tokens)`` says so (e.g. a stop string), or at ``max_new_tokens``.
+        """
+        from transformers import DynamicCache
+
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampling = sampling or SamplingParams()
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        stop_token_ids = stop_token_ids or set()
+        stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        if self.draft is not None:
+            stats.position_accepts = [0] * self.spec.num_steps
+        start = time.perf_counter()
+        device = self.target.device
+        cache = DynamicCache(config=self.target.model.config)
+
+        logits, aux = self._target_forward(torch.tensor([prompt_ids], device=device), cache)
+        root = self._next_token(logits[-1:], sampling, gen)
+        P = len(prompt_ids)
+        dcache, root_out = DraftCache(), None
+        if self.draft is not None:
+            root_out = self._extend_context(dcache, aux, prompt_ids[1:] + [root], 0)
+        stats.prefill_seconds = time.perf_counter() - start
+        produced: list[int] = []
+        new = [root]
+        while True:
+            new, done = self._finish(produced, new, max_new_tokens, stop_token_ids, should_stop)
+            produced += new
+            stats.new_tokens = len(produced)
+            stats.total_seconds = time.perf_counter() - start
+            if new:
+                yield new
+            if done:
+                return
+            t0 = time.perf_counter()
+            tree = self._build_tree(root, root_out, dcache, P) if self.draft is not None else _root_only(root)
+            t1 = time.perf_counter()
+            mask = None  # one token: plain causal attention
+            if len(tree) > 1:
+                mask = torch.ones(1, 1, len(tree), P + len(tree), dtype=torch.bool, device=device)
+                mask[0, 0, :, P:] = tree.ancestor_mask()
+            logits, aux = self._target_forward(tree.tokens[None].to(device), cache,
+                                               positions=(P + tree.depths)[None].to(device), mask=mask)
+            if sampling.greedy:
+                path, bonus = greedy_verify(tree, logits.argmax(-1).cpu())
+            else:
+                path, bonus = sampling_verify(tree, logits_to_probs(logits, sampling).cpu(), gen)
+            compact_target_cache(cache, P, path)
+            t2 = time.perf_counter()
+            accepted = [int(tree.tokens[i]) for i in path[1:]]
+            if self.draft is not None:
+                root_out = self._extend_context(dcache, aux[path], accepted + [bonus], P)
+                for d in range(len(accepted)):
+                    stats.position_accepts[d] += 1
+            stats.accept_lengths.append(len(path))
+            stats.draft_seconds += (t1 - t0) + (time.perf_counter() - t2)
+            stats.verify_seconds += t2 - t1
+            P += len(path)
+            root = bonus
+            new = accepted + [bonus]
+
+    def _next_token(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
+        if sampling.greedy:
+            return int(logits[-1].argmax())
+        return int(sample(logits_to_probs(logits[-1:], sampling).cpu(), gen)[0])
+
+    def _finish(self, produced: list[int], new: list[int], max_new_tokens: int, stop_token_ids: set[int],
+                should_stop) -> tuple[list[int], bool]:
+        """Cut ``new`` at a stop token or the token limit; say whether generation ends."""
+        for i, tok in enumerate(new):
+            if tok in stop_token_ids:
+                self.stats.finish_reason = "stop"
+                return new[:i + 1], True
+        room = max_new_tokens - len(produced)
+        if len(new) >= room:
+            self.stats.finish_reason = "length"
+            return new[:room], True
+        if should_stop is not None and should_stop(produced + new):
+            self.stats.finish_reason = "stop"
+            return new, True
+        return new, False
+
+    def generate(self, prompt_ids: list[int], **kwargs) -> tuple[list[int], GenerationStats]:
+        tokens = [t for chunk in self.stream(prompt_ids, **kwargs) for t in chunk]
+        return tokens, self.stats
+
+
+def _root_only(root: int) -> Tree:
+    return Tree(tokens=torch.tensor([root]), parents=torch.tensor([-1]), depths=torch.tensor([0]),
+                scores=torch.tensor([0.0]))

@@ -1,0 +1,299 @@
+"""Export eaglewire drafts for serving engines; import drafts other tools made.
+
+| format           | export | import | config ids mean (contract.py)           |
+|------------------|--------|--------|-----------------------------------------|
+| sglang           | yes    | yes    | SGLang's rule, chosen with sglang_rule  |
+| vllm/speculators | yes    | yes    | boundaries verbatim                     |
+| specforge        | -      | yes    | output of layer i (boundary i + 1)      |
+| eagle            | -      | yes    | none: hard-coded [2, L//2, L-3]         |
+
+An export writes ``config.json``, ``model.safetensors`` and ``SERVING.md`` (launch flags) and
+records the contract under the config key ``eaglewire`` (engines ignore unknown keys). An
+import reads the ids in the tool's convention (a recorded contract wins), checks dimensions
+against the target and writes a native draft. native -> export -> import is the identity.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglewire.checkpoint import CHECKPOINT_FORMAT, atomic_write_text, read_draft_config, save_draft
+from eaglewire.contract import (SGLANG_RULE_VERSIONS, SGLANG_RULES, ContractError, HiddenStateContract,
+                                default_aux_boundaries, from_engine, sglang_ambiguity, to_engine)
+from eaglewire.draft import DraftConfig
+from eaglewire.formats import eagle, sglang, specforge, speculators
+from eaglewire.formats.eagle import FormatError
+from eaglewire.target import Target, load_target
+
+log = logging.getLogger(__name__)
+
+EXPORT_FORMATS: tuple[str, ...] = ("sglang", "vllm", "speculators")
+IMPORT_FORMATS: tuple[str, ...] = ("sglang", "specforge", "speculators", "vllm", "eagle")
+RECORD_KEY = "eaglewire"
+_MODULES = {"sglang": sglang, "specforge": specforge, "eagle": eagle, "speculators": speculators,
+            "vllm": speculators}
+_CONVENTIONS = {**{f: f for f in _MODULES}, "vllm": "speculators"}  # format -> contract.py engine
+
+__all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "ExportReport", "FormatError", "ImportReport",
+           "export_draft", "import_draft", "infer_boundaries", "read_checkpoint"]
+
+
+@dataclass(kw_only=True)
+class ExportReport:
+    format: str
+    out_dir: Path
+    aux_boundaries: list[int]
+    engine_ids: list[int]  # as written into the engine's config
+    files: list[str]
+    notes: list[str] = field(default_factory=list)  # warnings and SGLang ambiguity sentences
+
+    def summary(self) -> str:
+        return "\n".join([f"exported for {self.format} to {self.out_dir}: boundaries {self.aux_boundaries} "
+                          f"-> config ids {self.engine_ids}; launch flags in {self.out_dir / 'SERVING.md'}"]
+                         + [f"note: {n}" for n in self.notes])
+
+
+@dataclass(kw_only=True)
+class ImportReport:
+    format: str
+    src_dir: Path
+    out_dir: Path
+    engine_ids: list[int] | None  # as read from the checkpoint's config (None: absent)
+    aux_boundaries: list[int]
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        ids = "no ids" if self.engine_ids is None else f"config ids {self.engine_ids}"
+        return "\n".join([f"imported {self.format} draft {self.src_dir} to {self.out_dir}: {ids} "
+                          f"-> boundaries {self.aux_boundaries}"] + [f"note: {n}" for n in self.notes])
+
+
+def _check_choice(value: str, choices: tuple[str, ...], param: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{param} {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+# ---------------------------------------------------------------- boundaries
+
+def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
+                     sglang_rule: str = "always_plus_one") -> tuple[list[int], list[str]]:
+    """(boundaries a ``fmt`` checkpoint with config ``ids`` was made for, notes).
+
+    Missing ids, and every EAGLE reference checkpoint, mean the default [2, L//2, L-3]
+    that every tool falls back to; the notes say so. For sglang, a note names the SGLang
+    versions that read ``ids`` differently.
+    """
+    convention = _CONVENTIONS[_check_choice(fmt, IMPORT_FORMATS, "format")]
+    _check_choice(sglang_rule, SGLANG_RULES, "sglang_rule")
+    if ids is None or convention == "eagle":
+        bounds = default_aux_boundaries(num_layers)
+        why = ("the EAGLE reference code hard-codes its aux layers" if convention == "eagle"
+               else "the config carries no aux layer ids")
+        return bounds, [f"{why}: assuming the default boundaries {bounds} ([2, L//2, L-3]) that every "
+                        "tool falls back to; a draft trained on other layers would be fed the wrong states"]
+    try:
+        bounds = from_engine(ids, num_layers, convention, sglang_rule=sglang_rule)
+    except ContractError as e:
+        raise type(e)(f"config ids {ids} ({fmt} convention) do not fit this {num_layers}-layer target: {e}. "
+                      "Was the draft made for another target?") from e
+    notes = []
+    ambiguity = sglang_ambiguity(bounds, ids) if convention == "sglang" else None
+    if ambiguity:
+        other = next(r for r in SGLANG_RULES if r != sglang_rule)
+        notes.append(f"{ambiguity}. Imported as {SGLANG_RULE_VERSIONS[sglang_rule]} read it; if the draft "
+                     f"was trained for {SGLANG_RULE_VERSIONS[other]}, import with --sglang-rule {other}")
+    return bounds, notes
+
+
+def _recorded_boundaries(record: dict[str, Any], bounds: list[int], target: Target,
+                         allow: frozenset[str] | set[str]) -> tuple[list[int], list[str]]:
+    """The boundaries of the contract an eaglewire export recorded (checked against
+    ``target``), preferred over ``bounds`` read from the config ids."""
+    contract = HiddenStateContract.from_dict(record)
+    notes = contract.check_target(target.fingerprint, what="the exported draft", allow=allow)
+    recorded = list(contract.aux_boundaries)
+    if recorded != bounds:
+        notes.append(f"the config ids read as boundaries {bounds}, but eaglewire exported this draft for "
+                     f"{recorded}; using the recorded {recorded}")
+    return recorded, notes
+
+
+# ---------------------------------------------------------------- import
+
+def read_checkpoint(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, every tensor in *.safetensors, else in pytorch_model*.bin) of a directory."""
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} is not a draft checkpoint directory: no config.json (expected "
+                                "config.json plus model.safetensors or pytorch_model.bin)")
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{src / 'config.json'} is not valid JSON: {e}") from e
+    if config.get("format") == CHECKPOINT_FORMAT:
+        raise FormatError(f"{src} is already an eaglewire draft; use it directly, no import needed")
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    for path in [] if state else sorted(src.glob("pytorch_model*.bin")):
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise FormatError(f"{path} does not hold a flat dict of tensors (a state dict)")
+        state.update(obj)
+    if not state:
+        raise FileNotFoundError(f"{src} holds no weights: expected *.safetensors or pytorch_model*.bin")
+    return config, state
+
+
+def _check_dims(cfg: DraftConfig, target: Target, where: str) -> None:
+    for name, ours, theirs in (("target_hidden_size", cfg.target_hidden_size, target.hidden_size),
+                               ("vocab_size", cfg.vocab_size, target.vocab_size)):
+        if ours != theirs:
+            raise ContractError(f"{where}: {name} is {ours} but target {target.spec} has {theirs}: the draft "
+                                "was made for another target (or the wrong target was given)")
+
+
+def _check_embedding(embed: torch.Tensor | None, target: Target, allow: frozenset[str] | set[str]) -> list[str]:
+    """The checkpoint's own copy of the target embedding must be this target's."""
+    if embed is None:
+        return []
+    ours = target.embed_tokens.weight.detach().to("cpu", torch.float32)
+    if tuple(embed.shape) != tuple(ours.shape):
+        raise ContractError(f"embed_tokens.weight is {tuple(embed.shape)} but target {target.spec}'s "
+                            f"embedding is {tuple(ours.shape)}: the draft was made for another target")
+    rel = float((embed.float() - ours).norm() / ours.norm().clamp_min(1e-12))
+    if rel <= 1e-2:
+        return []
+    msg = (f"embed_tokens.weight differs from target {target.spec}'s embedding (relative difference "
+           f"{rel:.3g}): the draft was trained on other target weights")
+    if "weights_sha256" in allow:
+        return [msg + "; allowed, eaglewire uses the target's embedding"]
+    raise ContractError(msg + ". If deliberate (e.g. a requantized target), allow it with "
+                        "--allow-target-mismatch weights_sha256")
+
+
+def import_draft(src_dir: str | Path, from_: str, target: Target, out_dir: str | Path, *,
+                 sglang_rule: str = "always_plus_one", allow: frozenset[str] | set[str] = frozenset()
+                 ) -> ImportReport:
+    """Convert a ``from_`` checkpoint directory into a native draft for ``target`` in ``out_dir``.
+
+    Raises FormatError (unreadable or unrepresentable checkpoint), ContractError (made for
+    another target; ``allow`` may contain ``weights_sha256`` to accept a different
+    embedding) or FileNotFoundError. Warnings land in the report's notes.
+    """
+    fmt = _check_choice(from_, IMPORT_FORMATS, "import format")
+    src, out = Path(src_dir), Path(out_dir)
+    if out.resolve() == src.resolve():
+        raise ValueError(f"the output directory {out} is the checkpoint being imported; choose another")
+    config, state = read_checkpoint(src)
+    where = str(src / "config.json")
+    fields, ids, notes = _MODULES[fmt].parse_config(config, where=where)
+    ht, vd = fields.pop("target_hidden_size"), fields.pop("draft_vocab_size")
+    tensors, foreign = eagle.split_state(state, where=str(src))
+    cfg = eagle.draft_config(fields, tensors, where=where, target_hidden_size=ht, draft_vocab_size=vd)
+    _check_dims(cfg, target, where)
+    bounds, more = infer_boundaries(fmt, ids, target.num_layers, sglang_rule=sglang_rule)
+    record = (config.get(RECORD_KEY) or {}).get("contract")
+    if record is not None:
+        bounds, more = _recorded_boundaries(record, bounds, target, allow)
+    notes += more + _check_embedding(foreign.get("embed_tokens.weight"), target, allow)
+    if len(bounds) != cfg.num_aux:
+        raise ContractError(f"{where}: the draft fuses {cfg.num_aux} target states (fc.weight is "
+                            f"{tuple(tensors['fc.weight'].shape)}) but the config names {len(bounds)} "
+                            f"aux layers ({bounds}); fix eagle_aux_hidden_state_layer_ids")
+    d2t, t2d, vocab_notes = eagle.complete_vocab_maps(
+        tensors.pop("d2t", None), tensors.pop("t2d", None), vocab_size=cfg.vocab_size,
+        draft_vocab_size=cfg.draft_vocab_size, where=where)
+    draft, notes = eagle.build_draft(cfg, tensors, d2t, t2d, where=where), notes + vocab_notes
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    keep = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the source precision, bit for bit
+    contract = HiddenStateContract(aux_boundaries=tuple(bounds), target=target.fingerprint)
+    save_draft(out, draft, contract, {"imported_from": str(src), "format": fmt, "engine_ids": ids,
+                                      "target": target.spec, "notes": notes}, dtype=keep)
+    for note in notes:
+        log.warning("%s", note)
+    return ImportReport(format=fmt, src_dir=src, out_dir=out, engine_ids=ids, aux_boundaries=bounds, notes=notes)
+
+
+# ---------------------------------------------------------------- export
+
+def _write_export(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], serving: str) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2))
+    atomic_write_text(out / "SERVING.md", serving)
+    return ["config.json", "model.safetensors", "SERVING.md"]
+
+
+def _load_export_target(config: dict[str, Any], src: Path) -> Target:
+    spec = (config.get("training") or {}).get("target")
+    if not spec:
+        raise FormatError(f"a speculators export stores the target's embedding, so it needs the target, and "
+                          f"draft {src} records none; pass the target (--target SPEC)")
+    log.info("loading target %s for its embedding", spec)
+    return load_target(spec, device="cpu", dtype="fp32")
+
+
+def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, sglang_rule: str = "always_plus_one",
+                 verifier_name: str | None = None, target: Target | None = None, num_steps: int = 5,
+                 allow: frozenset[str] | set[str] = frozenset()) -> ExportReport:
+    """Write the native draft in ``draft_dir`` in the format of engine ``to`` to ``out_dir``.
+
+    sglang: ids for ``sglang_rule`` (EngineConventionError for a boundary SGLang cannot
+    capture; FormatError unless the draft fuses 3 states). vllm/speculators: needs the
+    target's embedding (``target``, else loaded from the spec the draft records; checked
+    against the contract, ``allow`` as in ``HiddenStateContract.check_target``).
+    ``verifier_name`` is the target's path or HF id as the engine should load it;
+    ``num_steps`` the draft tokens per step in SERVING.md and the speculators config.
+    """
+    fmt = _check_choice(to, EXPORT_FORMATS, "export format")
+    _check_choice(sglang_rule, SGLANG_RULES, "sglang_rule")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps {num_steps!r} must be an integer >= 1 (draft tokens per step)")
+    src, out = Path(draft_dir), Path(out_dir)
+    if out.resolve() == src.resolve():
+        raise ValueError(f"the output directory {out} is the draft being exported; choose another")
+    config = read_draft_config(src)
+    contract = HiddenStateContract.from_dict(config["contract"])
+    cfg = DraftConfig.from_dict(config["draft"])
+    state = load_file(str(src / "model.safetensors"))
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    name = verifier_name or (config.get("training") or {}).get("target")
+    shown = name or "<the target's path or id>"
+    record = {RECORD_KEY: {"contract": contract.to_dict(), "exported_from": str(src)}}
+    if fmt == "sglang":
+        sglang.check_exportable(cfg)
+        ids = to_engine(bounds, L, "sglang", sglang_rule=sglang_rule)
+        ambiguity = sglang_ambiguity(bounds, ids)
+        notes = [ambiguity] if ambiguity else []
+        engine_config, tensors = {**sglang.build_config(cfg, ids), **record}, state
+        serving = sglang.serving_md(draft_path=str(out.resolve()), target_name=shown, boundaries=bounds,
+                                    ids=ids, sglang_rule=sglang_rule, ambiguity=ambiguity, num_steps=num_steps)
+    else:
+        target = target if target is not None else _load_export_target(config, src)
+        notes = contract.check_target(target.fingerprint, what=f"draft {src}", allow=allow)
+        notes += speculators.verifier_notes(name, is_local_path=bool(name) and Path(name).expanduser().exists())
+        ids = to_engine(bounds, L, "speculators")
+        engine_config = {**speculators.build_config(cfg, ids, verifier_name=name, num_steps=num_steps,
+                                                    verifier_architecture=contract.target.architecture),
+                         **record}
+        keep_maps = speculators.check_vocab_maps(cfg, state["d2t"])
+        tensors = speculators.to_speculators_names(
+            {k: v for k, v in state.items() if keep_maps or k not in ("d2t", "t2d")})
+        tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", state["fc.weight"].dtype)
+        serving = speculators.serving_md(draft_path=str(out.resolve()), target_name=shown,
+                                         boundaries=bounds, num_steps=num_steps)
+    files = _write_export(out, engine_config, tensors, serving)
+    for note in notes:
+        log.warning("%s", note)
+    return ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files, notes=notes)

@@ -1,0 +1,126 @@
+"""The engine's invariants: greedy speculative output == plain greedy output; sampling is lossless."""
+
+import random
+
+import pytest
+import torch
+
+from eaglewire.contract import HiddenStateContract
+from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.sampling import SamplingParams, logits_to_probs
+from eaglewire.decode.tree import Tree
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from tiny import ARCHITECTURES, tiny_target
+
+
+def random_draft(target, bounds=(2, 4, 5), seed=0):
+    torch.manual_seed(seed)
+    V = target.vocab_size
+    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=len(bounds), draft_vocab_size=V,
+                                                vocab_size=V))
+    draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    return draft, HiddenStateContract(aux_boundaries=bounds, target=target.fingerprint)
+
+
+def oracle_trees(decoder, reference, prompt_len, accept_prob, seed):
+    """Replace the draft's tree builder with one that knows the greedy continuation and
+    proposes it (each token right with ``accept_prob``) plus wrong siblings."""
+    rng = random.Random(seed)
+    V = decoder.target.vocab_size
+
+    def build(root, root_out, dcache, P):
+        done = P - prompt_len + 1  # tokens produced so far, the root included
+        tokens, parents, parent = [root], [-1], 0
+        for depth in range(decoder.spec.num_steps):
+            right = reference[done + depth] if done + depth < len(reference) else 0
+            wrong = (right + 1 + rng.randrange(V - 1)) % V  # never the right token
+            main = right if rng.random() < accept_prob else wrong
+            decoy = next(t for t in range(V) if t not in (right, main))
+            tokens.append(main)
+            parents.append(parent)
+            parent = len(tokens) - 1
+            if len(tokens) < decoder.spec.num_draft_tokens - (decoder.spec.num_steps - depth - 1):
+                tokens.append(decoy)  # a sibling the target must reject
+                parents.append(parents[parent])
+        depths = [0] * len(tokens)
+        for i in range(1, len(tokens)):
+            depths[i] = depths[parents[i]] + 1
+        return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
+                    scores=-torch.arange(len(tokens), dtype=torch.float))
+
+    decoder._build_tree = build
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("accept_prob", [0.0, 0.7, 1.0])
+def test_greedy_speculation_equals_plain_greedy(arch, accept_prob):
+    target = tiny_target(arch, initializer_range=0.2)
+    draft, contract = random_draft(target)
+    for seed in range(2):
+        prompt = torch.randint(0, 256, (7 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain, _ = SpecDecoder(target).generate(prompt, max_new_tokens=16)
+        decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=4, topk=2, num_draft_tokens=9))
+        oracle_trees(decoder, plain, len(prompt), accept_prob, seed)
+        out, stats = decoder.generate(prompt, max_new_tokens=16)
+        assert out == plain, f"{arch} seed {seed}"
+        if accept_prob == 1.0:
+            assert stats.accept_length == pytest.approx(5.0, abs=0.6)  # 4 drafts + bonus per round
+        if accept_prob == 0.0:
+            assert stats.accept_length == 1.0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("spec", [SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+                                  SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+def test_real_draft_chain_and_tree_equal_plain_greedy(arch, spec):
+    """The draft's own trees (KV cache, tree masks, positions) never change greedy output.
+    A tiny vocabulary makes random drafts right often enough to exercise acceptance."""
+    target = tiny_target(arch, initializer_range=0.2, vocab_size=6)
+    draft, contract = random_draft(target)
+    accepted = 0
+    for seed in range(2):
+        prompt = torch.randint(0, 6, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain, _ = SpecDecoder(target).generate(prompt, max_new_tokens=16)
+        out, stats = SpecDecoder(target, draft, contract, spec).generate(prompt, max_new_tokens=16)
+        assert out == plain
+        accepted += sum(stats.accept_lengths) - stats.rounds
+    assert accepted > 0
+
+
+def test_stops_at_stop_token_and_limit():
+    target = tiny_target("llama", initializer_range=0.2)
+    prompt = [1, 2, 3]
+    plain, stats = SpecDecoder(target).generate(prompt, max_new_tokens=10)
+    assert len(plain) == 10 and stats.finish_reason == "length"
+    out, stats = SpecDecoder(target).generate(prompt, max_new_tokens=10, stop_token_ids={plain[3]})
+    assert out == plain[:plain.index(plain[3]) + 1] and stats.finish_reason == "stop"
+    with pytest.raises(ValueError, match="prompt is empty"):
+        SpecDecoder(target).generate([], max_new_tokens=3)
+
+
+def test_speculative_sampling_matches_the_target_distribution():
+    """Two sampled tokens after a fixed prompt: 36 outcomes with exactly known probabilities."""
+    V = 6
+    target = tiny_target("llama", initializer_range=0.3, vocab_size=V, num_layers=2, hidden_size=32)
+    draft, contract = random_draft(target, bounds=(1, 2))
+    params = SamplingParams(temperature=0.8)
+    prompt = [1, 4, 2]
+    with torch.no_grad():
+        p1 = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        seconds = torch.tensor([prompt + [a] for a in range(V)])
+        p2 = logits_to_probs(target.model(seconds).logits[:, -1], params)  # [V, V]
+    exact = (p1[:, None] * p2).flatten()  # [V*V]
+    decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=2, topk=2, num_draft_tokens=5))
+    n = 1500
+    counts = torch.zeros(V * V)
+    for seed in range(n):
+        out, _ = decoder.generate(prompt, max_new_tokens=2,
+                                  sampling=SamplingParams(temperature=0.8, seed=seed))
+        counts[out[0] * V + out[1]] += 1
+    expected = n * exact
+    keep = expected >= 5  # pool rare cells, as a chi-square test requires
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    expect = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    chi2 = float(((observed - expect) ** 2 / expect.clamp(min=1e-9)).sum())
+    dof = int(keep.sum())  # cells - 1, the pooled cell included
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)  # ~p 0.001 for this many dof
