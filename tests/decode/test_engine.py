@@ -51,15 +51,15 @@ def oracle_trees(decoder, reference, prompt_len, accept_prob, seed):
     decoder._build_tree = build
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch, lean", [(a, None) for a in ARCHITECTURES] + [("llama", False)])
 @pytest.mark.parametrize("accept_prob", [0.0, 0.7, 1.0])
-def test_greedy_speculation_equals_plain_greedy(arch, accept_prob):
+def test_greedy_speculation_equals_plain_greedy(arch, lean, accept_prob):
     target = tiny_target(arch, initializer_range=0.2)
     draft, contract = random_draft(target)
     for seed in range(2):
         prompt = torch.randint(0, 256, (7 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        plain, _ = SpecDecoder(target).generate(prompt, max_new_tokens=16)
-        decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=4, topk=2, num_draft_tokens=9))
+        plain, _ = SpecDecoder(target, lean=lean).generate(prompt, max_new_tokens=16)
+        decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=4, topk=2, num_draft_tokens=9), lean=lean)
         oracle_trees(decoder, plain, len(prompt), accept_prob, seed)
         out, stats = decoder.generate(prompt, max_new_tokens=16)
         assert out == plain, f"{arch} seed {seed}"

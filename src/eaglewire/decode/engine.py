@@ -19,9 +19,9 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from eaglewire.capture import capture
 from eaglewire.contract import HiddenStateContract
-from eaglewire.decode.kv_cache import DraftCache, compact_target_cache
+from eaglewire.decode.kv_cache import DraftCache
+from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
 from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
 from eaglewire.decode.verify import greedy_verify, sampling_verify
@@ -103,11 +103,13 @@ class SpecDecoder:
     """Speculative decoding of one sequence with a target and an (optional) EAGLE-3 draft."""
 
     def __init__(self, target: Target, draft: Eagle3Draft | None = None,
-                 contract: HiddenStateContract | None = None, spec: SpecConfig | None = None) -> None:
+                 contract: HiddenStateContract | None = None, spec: SpecConfig | None = None, *,
+                 lean: bool | None = None) -> None:
         if draft is not None and contract is None:
             raise ValueError("a draft needs its hidden-state contract (load both with checkpoint.load_draft)")
         self.target, self.draft, self.spec = target, draft, spec or SpecConfig()
         self.boundaries = list(contract.aux_boundaries) if draft is not None else [target.num_layers]
+        self.lean = lean  # None: the lean forward where the architecture has one
         if draft is not None:
             self.draft = draft.to(target.device).eval()
             self.draft_dtype = next(draft.parameters()).dtype
@@ -115,13 +117,6 @@ class SpecDecoder:
         self.stats = GenerationStats()
 
     # -- target side -------------------------------------------------------
-
-    def _target_forward(self, ids: torch.Tensor, cache, positions: torch.Tensor | None = None,
-                        mask: torch.Tensor | None = None):
-        """ids [1, N] -> (logits [N, V], aux [N, k*H]) through the shared capture."""
-        cap = capture(self.target, ids, self.boundaries, attention_mask=mask, position_ids=positions,
-                      past_key_values=cache, use_cache=True)
-        return self.target.head(cap.last_hidden[0]), cap.aux_hidden[0]
 
     def _embed(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.target.device)
@@ -194,8 +189,6 @@ class SpecDecoder:
         Stops at a token of ``stop_token_ids`` (included in the output), when
         ``should_stop(all new tokens)`` says so (e.g. a stop string), or at ``max_new_tokens``.
         """
-        from transformers import DynamicCache
-
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
         if max_new_tokens < 1:
@@ -208,12 +201,11 @@ class SpecDecoder:
         if self.draft is not None:
             stats.position_accepts = [0] * self.spec.num_steps
         start = time.perf_counter()
-        device = self.target.device
-        cache = DynamicCache(config=self.target.model.config)
-
-        logits, aux = self._target_forward(torch.tensor([prompt_ids], device=device), cache)
-        root = self._next_token(logits[-1:], sampling, gen)
+        runner = make_runner(self.target, self.boundaries, lean=self.lean)
         P = len(prompt_ids)
+        last, aux = runner.forward(torch.tensor(prompt_ids), torch.arange(P), None)
+        runner.commit(list(range(P)))
+        root = self._next_token(runner.head(last[-1:]), sampling, gen)
         dcache, root_out = DraftCache(), None
         if self.draft is not None:
             root_out = self._extend_context(dcache, aux, prompt_ids[1:] + [root], 0)
@@ -234,15 +226,15 @@ class SpecDecoder:
             t1 = time.perf_counter()
             mask = None  # one token: plain causal attention
             if len(tree) > 1:
-                mask = torch.ones(1, 1, len(tree), P + len(tree), dtype=torch.bool, device=device)
-                mask[0, 0, :, P:] = tree.ancestor_mask()
-            logits, aux = self._target_forward(tree.tokens[None].to(device), cache,
-                                               positions=(P + tree.depths)[None].to(device), mask=mask)
+                mask = torch.ones(len(tree), P + len(tree), dtype=torch.bool)
+                mask[:, P:] = tree.ancestor_mask()
+            last, aux = runner.forward(tree.tokens, P + tree.depths, mask)
+            logits = runner.head(last)  # [N, V]
             if sampling.greedy:
                 path, bonus = greedy_verify(tree, logits.argmax(-1).cpu())
             else:
                 path, bonus = sampling_verify(tree, logits_to_probs(logits, sampling).cpu(), gen)
-            compact_target_cache(cache, P, path)
+            runner.commit(path)
             t2 = time.perf_counter()
             accepted = [int(tree.tokens[i]) for i in path[1:]]
             if self.draft is not None:

@@ -1,0 +1,167 @@
+"""Target runners for the engine: a KV-cached forward that also returns the contract's states.
+
+Shapes: P tokens committed to the cache, N tokens of one block, H hidden, k aux
+boundaries, V vocabulary, L layers, nH / nKV heads, hd head dim.
+
+``HFRunner`` drives any transformers decoder through the shared ``capture`` (hooks).
+``LeanRunner`` is a lean forward for Llama-family targets (Llama, Mistral, Qwen2, Qwen3):
+fused projections, a preallocated cache, no per-step framework work; its boundary states
+are the same residual-stream tensors (tests check it against ``capture`` and HF logits).
+Both: ``forward`` writes the block's K/V after the committed prefix, ``commit(keep)``
+keeps the accepted rows of that block and drops the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eaglewire.capture import capture
+from eaglewire.decode.kv_cache import compact_target_cache
+from eaglewire.target import Target
+
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class HFRunner:
+    def __init__(self, target: Target, boundaries: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self.target, self.boundaries = target, boundaries
+        self.cache = DynamicCache(config=target.model.config)
+        self.length = 0
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
+        """ids/positions [N]; mask [N, P+N] bool or None (causal) -> (last [N, H], aux [N, k*H])."""
+        dev = self.target.device
+        cap = capture(self.target, ids[None].to(dev), self.boundaries,
+                      attention_mask=None if mask is None else mask[None, None].to(dev),
+                      position_ids=positions[None].to(dev), past_key_values=self.cache, use_cache=True)
+        return cap.last_hidden[0], cap.aux_hidden[0]
+
+    def head(self, last: torch.Tensor) -> torch.Tensor:
+        return self.target.head(last)
+
+    def commit(self, keep: list[int]) -> None:
+        compact_target_cache(self.cache, self.length, keep)
+        self.length += len(keep)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, N, hd]; cos/sin [N, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class _Layer:
+    """One decoder layer's weights, fused: qkv [(nH+2nKV)*hd, H], gate_up [2I, H]."""
+
+    def __init__(self, layer, dtype: torch.dtype) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.wqkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype).contiguous()
+        bias = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        self.bqkv = torch.cat(bias).to(dtype) if all(b is not None for b in bias) else None
+        self.wo = attn.o_proj.weight.to(dtype).contiguous()
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype).contiguous()
+        self.w_down = mlp.down_proj.weight.to(dtype).contiguous()
+        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+
+
+class LeanRunner:
+    """A lean KV-cached forward for Llama-family targets, sharing the target's weights."""
+
+    def __init__(self, target: Target, boundaries: list[int], max_length: int = 2048) -> None:
+        cfg = target.text_config
+        if cfg.model_type not in LEAN_MODEL_TYPES:
+            raise ValueError(f"no lean forward for model type {cfg.model_type!r}; use HFRunner")
+        self.target, self.boundaries = target, boundaries
+        dtype, dev = target.dtype, target.device
+        self.layers = [_Layer(layer, dtype) for layer in target.layers]
+        self.nH, self.nKV = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nH
+        self.eps = cfg.rms_norm_eps
+        self.rotary = target.decoder.rotary_emb
+        self.scale = self.hd ** -0.5
+        L = len(self.layers)
+        self.k_cache = torch.zeros(L, self.nKV, max_length, self.hd, dtype=dtype, device=dev)  # [L, nKV, S, hd]
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.length = 0
+        self.lm_head = target.model.get_output_embeddings().weight.to(dtype).contiguous()  # [V, H]
+        self.norm = target.decoder.norm
+
+    def _grow(self, need: int) -> None:
+        size = self.k_cache.shape[2]
+        if need <= size:
+            return
+        new = max(need, 2 * size)
+        pad = torch.zeros(*self.k_cache.shape[:2], new - size, self.hd, dtype=self.k_cache.dtype,
+                          device=self.k_cache.device)
+        self.k_cache = torch.cat([self.k_cache, pad], dim=2)
+        self.v_cache = torch.cat([self.v_cache, pad.clone()], dim=2)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
+        """ids/positions [N]; mask [N, P+N] bool or None (causal) -> (last [N, H], aux [N, k*H])."""
+        dev = self.k_cache.device
+        ids, positions = ids.to(dev), positions.to(dev)
+        N, P = ids.numel(), self.length
+        self._grow(P + N)
+        h = self.target.embed_tokens(ids)  # [N, H]
+        cos, sin = self.rotary(h[None], positions[None])  # [1, N, hd]
+        cos, sin = cos[0], sin[0]
+        if mask is not None:
+            mask = mask.to(dev)[None]  # [1, N, P+N]
+        elif N > 1:
+            mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
+        seen: dict[int, torch.Tensor] = {}
+        nq, nk = self.nH * self.hd, self.nKV * self.hd
+        for i, layer in enumerate(self.layers):
+            seen[i] = h
+            x = layer.ln1(h)
+            qkv = F.linear(x, layer.wqkv, layer.bqkv)  # [N, (nH+2nKV)*hd]
+            q = qkv[:, :nq].view(N, self.nH, self.hd).transpose(0, 1)  # [nH, N, hd]
+            k = qkv[:, nq:nq + nk].view(N, self.nKV, self.hd).transpose(0, 1)  # [nKV, N, hd]
+            v = qkv[:, nq + nk:].view(N, self.nKV, self.hd).transpose(0, 1)  # [nKV, N, hd]
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.k_cache[i, :, P:P + N] = k
+            self.v_cache[i, :, P:P + N] = v
+            attn = F.scaled_dot_product_attention(
+                q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], attn_mask=mask,
+                scale=self.scale, enable_gqa=self.nH != self.nKV)  # [nH, N, hd]
+            h = h + F.linear(attn.transpose(0, 1).reshape(N, nq), layer.wo)  # [N, H]
+            gu = F.linear(layer.ln2(h), layer.w_gate_up)  # [N, 2I]
+            gate, up = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+        seen[len(self.layers)] = h
+        aux = torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, k*H]
+        return h, aux
+
+    def head(self, last: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(last), self.lm_head)  # [n, V]
+
+    def commit(self, keep: list[int]) -> None:
+        P = self.length
+        if keep != list(range(len(keep))):
+            idx = torch.tensor(keep, device=self.k_cache.device) + P
+            self.k_cache[:, :, P:P + len(keep)] = self.k_cache[:, :, idx]
+            self.v_cache[:, :, P:P + len(keep)] = self.v_cache[:, :, idx]
+        self.length = P + len(keep)
+
+
+def make_runner(target: Target, boundaries: list[int], *, lean: bool | None = None):
+    """The lean forward where the architecture allows it (or when asked), else HF's."""
+    supported = target.text_config.model_type in LEAN_MODEL_TYPES
+    if lean is None:
+        lean = supported
+    if lean and not supported:
+        raise ValueError(f"no lean forward for model type {target.text_config.model_type!r}")
+    return LeanRunner(target, boundaries) if lean else HFRunner(target, boundaries)
