@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # its deprecation notices are not the user's business
+    hf_logging.disable_progress_bar()
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _set_threads(args.threads)
