@@ -1,8 +1,8 @@
 """Turn a config dataclass into command-line flags and back: defaults live only in the dataclass.
 
 Each field becomes ``--field-name``; its help text is ``field(metadata={"help": ...})``.
-Supported field types: str, int, float, bool (``--x/--no-x``), ``list[int]`` (comma
-separated) and ``X | None`` of those.
+Supported field types: str, int, float, bool (``--x/--no-x``), ``list[int]`` and
+``list[str]`` (comma separated) and ``X | None`` of those.
 """
 
 from __future__ import annotations
@@ -30,11 +30,17 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _str_list(text: str) -> list[str]:
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
 def _parser_type(tp: Any):
     if tp in (int, float, str):
         return tp
     if typing.get_origin(tp) is list and typing.get_args(tp) == (int,):
         return _int_list
+    if typing.get_origin(tp) is list and typing.get_args(tp) == (str,):
+        return _str_list
     raise TypeError(f"config field type {tp!r} has no command-line form")
 
 

@@ -62,7 +62,7 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "random seed (data order, init)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped"})
-    allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "fingerprint fields allowed to differ", "cli": False})
+    allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
@@ -264,11 +264,16 @@ class Trainer:
         cfg = self.config
         start = time.perf_counter()
         draft, coverage = self.build_draft()
+        self.draft = draft  # kept for callers (and tests) after the run
         optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
                                       betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         plans = [batch_plan(self.train_idx, self.source.lengths, cfg.batch_tokens, cfg.seed + e)
                  for e in range(cfg.epochs)]
-        per_epoch = math.ceil(len(plans[0]) / self.world)
+        # Every rank takes the same number of batches (gradients are all-reduced each step).
+        per_epoch = min(len(p) for p in plans) // self.world
+        if per_epoch < 1:
+            raise ValueError(f"{len(plans[0])} batch(es) per epoch cannot feed {self.world} ranks; "
+                             "lower --batch-tokens or use more data")
         total_steps = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, min(cfg.warmup_steps, total_steps // 10 + 1), total_steps))
@@ -300,7 +305,7 @@ class Trainer:
         try:
             while position["epoch"] < cfg.epochs and position["step"] < total_steps:
                 plan = plans[position["epoch"]]
-                mine = plan[self.rank::self.world]
+                mine = plan[self.rank::self.world][:per_epoch]
                 while position["batch"] < len(mine) and position["step"] < total_steps:
                     if cfg.minutes is not None and time.perf_counter() - start > cfg.minutes * 60:
                         stopped_early = True
