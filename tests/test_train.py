@@ -61,6 +61,7 @@ def test_online_training_learns_and_writes_a_checkpoint(tmp_path, conversations_
     assert contract.aux_boundaries == (2, 4, 5)  # [2, L//2, L-3] of the 8-layer target
     assert meta["training"]["heldout_sequence_ids"] and (tmp_path / "draft" / "training.png").stat().st_size > 0
     assert "val_acc_0" in result.final_eval
+    assert result.final_eval["val_vocab_coverage"] == 1.0  # the full vocabulary covers everything
 
 
 def test_interrupted_and_resumed_run_reproduces_losses(tmp_path, conversations_file, chat_tiny_target, monkeypatch):

@@ -133,6 +133,13 @@ def lr_lambda(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def vocab_coverage(in_vocab: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
+    """(target argmaxes inside the draft vocab, all counted) over positions whose next token
+    is under the loss mask. in_vocab / loss_mask [B, T]."""
+    counted = loss_mask[:, 1:].bool()
+    return int((in_vocab[:, :-1] & counted).sum()), int(counted.sum())
+
+
 def summarize(counts: list[StepCounts], prefix: str = "") -> dict[str, float]:
     out: dict[str, float] = {f"{prefix}loss": sum(0.8 ** j * c.loss for j, c in enumerate(counts))}
     for j, c in enumerate(counts):
@@ -201,7 +208,8 @@ class Trainer:
         draft.set_vocab(d2t, t2d)
         return draft.to(self.device), frequency_coverage(counts, t2d)
 
-    def _forward(self, draft, batch: Batch) -> tuple[torch.Tensor, list[StepCounts]]:
+    def _forward(self, draft, batch: Batch) -> tuple[torch.Tensor, list[StepCounts], tuple[int, int]]:
+        """(weighted loss, per-step counts, draft-vocab coverage counts) of one batch."""
         t0 = time.perf_counter()
         signal = target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
                                draft.draft_to_target, draft.t2d)
@@ -215,18 +223,20 @@ class Trainer:
                                       ttt_steps=self.config.ttt_steps, decay=self.config.loss_decay)
         self.timers["target_head"] += t1 - t0
         self.timers["draft_forward"] += time.perf_counter() - t1
-        return loss, counts
+        return loss, counts, vocab_coverage(signal.in_vocab, batch.loss_mask)
 
     @torch.no_grad()
     def evaluate(self, draft) -> dict[str, float]:
         draft.eval()
         total = [StepCounts() for _ in range(self.config.ttt_steps)]
+        inside = counted = 0
         for idx in batch_plan(self.val_idx, self.source.lengths, self.config.batch_tokens, seed=0):
-            _, counts = self._forward(draft, self.source.batch(idx, self.device))
+            _, counts, (n_in, n) = self._forward(draft, self.source.batch(idx, self.device))
             for t, c in zip(total, counts):
                 t.add(c)
+            inside, counted = inside + n_in, counted + n
         draft.train()
-        return summarize(total, prefix="val_")
+        return {**summarize(total, prefix="val_"), "val_vocab_coverage": round(inside / max(counted, 1), 4)}
 
     # -- checkpointing -------------------------------------------------------
 
@@ -314,7 +324,7 @@ class Trainer:
                     t0 = time.perf_counter()
                     batch = self.source.batch(idx, self.device)
                     self.timers["data"] += time.perf_counter() - t0
-                    loss, counts = self._forward(draft, batch)
+                    loss, counts, _ = self._forward(draft, batch)
                     if not torch.isfinite(loss):
                         raise TrainingError(
                             f"loss is {loss.item()} at step {position['step']} (epoch {position['epoch']}, "
