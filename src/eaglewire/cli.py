@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_flags(p)
     p.set_defaults(func=cmd_generate)
 
+    from eaglewire.server import add_serve_args, cmd_serve
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("export", help="write a draft in SGLang or vLLM/speculators format")
     p.add_argument("--draft", required=True)
     p.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators"])

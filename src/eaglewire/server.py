@@ -1,0 +1,451 @@
+"""``eaglewire serve``: an OpenAI-compatible HTTP server in front of one ``SpecDecoder``.
+
+Requests are validated and tokenized on the event loop, then wait in a bounded queue for the
+one engine thread, which decodes them one at a time (a decoder holds one sequence) and sends
+text deltas back to the request's coroutine. A slot is a request admitted and not finished:
+the one being decoded plus those waiting; beyond ``max_queue`` slots a request gets 429.
+A client that goes away frees its slot at once and its generation stops after the current
+round. Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text). With an API key every /v1 route needs ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import queue
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder, check_spec_flags
+from eaglewire.decode.sampling import SamplingParams
+from eaglewire.decode.text import IncrementalDetokenizer, StopStrings, stop_token_ids
+from eaglewire.server_schemas import (APIError, BearerAuth, ChatCompletionRequest, CompletionRequest,
+                                      CountRequests, Metrics, chat_chunk, chat_prompt_ids, chat_response,
+                                      completion_chunk, completion_prompt_ids, completion_response, error_body,
+                                      new_id, token_budget, usage, usage_chunk, validation_error)
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class TextStream:
+    """Text deltas of a growing token list, cut before the first stop string.
+
+    A tail as long as the longest stop string (minus one) is held back until the end, since a
+    stop string may still be arriving; the deltas concatenate to the final text exactly.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.detok, self.stops = IncrementalDetokenizer(tokenizer), StopStrings(tokenizer, stops)
+        self.text, self.shown = "", 0
+        self.hold = max((len(s) for s in self.stops.stops), default=1) - 1
+
+    def push(self, tokens: list[int]) -> str:
+        self.text += self.detok.push(tokens)
+        visible = self.stops.cut(self.text)
+        upto = max(self.shown, len(visible) - self.hold)
+        delta, self.shown = visible[self.shown:upto], upto
+        return delta
+
+    def finish(self) -> str:
+        delta = self.stops.cut(self.text)[self.shown:]
+        self.shown += len(delta)
+        return delta
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+    type: str = "server_error"
+
+
+Event = Union[Delta, Done, Failed]
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted request: what to generate and the queue its events go back through."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started: bool = False
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the request's coroutine (callable from any thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone: nobody is listening
+            pass
+
+
+class EngineWorker:
+    """One thread that runs admitted jobs through the decoder, one at a time, in order."""
+
+    def __init__(self, decoder: SpecDecoder, max_queue: int, metrics: Metrics) -> None:
+        self.decoder, self.max_queue, self.metrics = decoder, max_queue, metrics
+        self.tokenizer = decoder.target.tokenizer
+        self.stop_ids = set(stop_token_ids(self.tokenizer, decoder.target.model))
+        self.closing = False
+        self._held: set[Job] = set()  # admitted, not finished, not cancelled
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="eaglewire-engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the engine thread (once; later calls do nothing)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def counts(self) -> tuple[int, int]:
+        """(waiting, running) admitted jobs."""
+        with self._lock:
+            running = sum(j.started for j in self._held)
+            return len(self._held) - running, running
+
+    def submit(self, job: Job) -> None:
+        """Admit ``job`` or raise APIError 429 (all slots taken) / 503 (shutting down)."""
+        self.start()  # in case the app runs without its lifespan
+        with self._lock:
+            if self.closing:
+                raise APIError(503, "the server is shutting down; retry on another server", type="server_error",
+                               code="shutting_down")
+            if len(self._held) >= self.max_queue:
+                raise APIError(429, f"the server is busy: {len(self._held)} requests are in flight, the most it "
+                               f"holds (--max-queue {self.max_queue}); retry later", type="rate_limit_error",
+                               code="queue_full")
+            self._held.add(job)
+        self._jobs.put(job)
+
+    def cancel(self, job: Job) -> None:
+        """Free the job's slot now; the engine stops it after the current round. Idempotent."""
+        job.cancelled.set()
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            self._held.discard(job)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, tell the admitted ones, stop the thread (waiting at most ``timeout``)."""
+        with self._lock:
+            self.closing = True
+            held = list(self._held)
+        for job in held:
+            job.emit(Failed(503, "the server shut down before this request finished", "server_error"))
+            self.cancel(job)
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled.is_set():  # its client left while it waited
+                self.metrics.observe(GenerationStats(), cancelled=True)
+                continue
+            with self._lock:
+                job.started = True
+            try:
+                self._generate(job)
+            except Exception as e:  # the engine failed on this request; keep serving the next
+                log.exception("generation failed")
+                self._release(job)
+                job.emit(Failed(500, f"generation failed: {type(e).__name__}: {e}"))
+            finally:
+                self._release(job)
+
+    def _generate(self, job: Job) -> None:
+        text = TextStream(self.tokenizer, job.stops)
+        rounds = self.decoder.stream(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
+                                     stop_token_ids=self.stop_ids, should_stop=text.stops if text.stops.stops else None)
+        try:
+            for tokens in rounds:
+                if job.cancelled.is_set():
+                    break
+                if delta := text.push(tokens):
+                    job.emit(Delta(delta))
+        finally:
+            rounds.close()
+        stats, cancelled = self.decoder.stats, job.cancelled.is_set()
+        self.metrics.observe(stats, cancelled=cancelled)
+        log.debug("%s after %d tokens: accept length %.2f, %.1f tokens/s", "cancelled" if cancelled else
+                  stats.finish_reason, stats.new_tokens, stats.accept_length, stats.tokens_per_second)
+        if cancelled:
+            return
+        if tail := text.finish():
+            job.emit(Delta(tail))
+        self._release(job)  # before the client can hear it is done and send the next request
+        job.emit(Done(stats.finish_reason, stats.prompt_tokens, stats.new_tokens))
+
+
+# -- the HTTP side -------------------------------------------------------------
+
+async def _events(job: Job, request: Request) -> AsyncIterator[Event]:
+    """The job's events up to Done or Failed; stops early (no more events) if the client left."""
+    while True:
+        try:
+            event = await asyncio.wait_for(job.events.get(), POLL_SECONDS)
+        except asyncio.TimeoutError:
+            event = None
+        if await request.is_disconnected():
+            return
+        if event is not None:
+            yield event
+            if not isinstance(event, Delta):
+                return
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class _Service:
+    """What the routes do: admit a request, then answer it whole or as a stream of chunks."""
+
+    def __init__(self, decoder: SpecDecoder, model_name: str, max_context: int, worker: EngineWorker) -> None:
+        self.target, self.model_name, self.max_context, self.worker = decoder.target, model_name, max_context, worker
+
+    def admit(self, req, prompt_ids: list[int], prompt_param: str, tokens_param: str) -> Job:
+        """Check the request against the model and the context, and queue it (APIError if it can't be)."""
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        max_tokens = token_budget(prompt_ids, req.requested_tokens(), self.max_context, prompt_param, tokens_param,
+                                  req.default_tokens)
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+        job = Job(prompt_ids, max_tokens, sampling, req.stop_list(), asyncio.get_running_loop())
+        self.worker.submit(job)
+        return job
+
+    async def collect(self, job: Job, request: Request) -> tuple[str, Done]:
+        """The whole text and how it ended; the job is cancelled if the client leaves first."""
+        parts: list[str] = []
+        try:
+            async for event in _events(job, request):
+                if isinstance(event, Failed):
+                    raise APIError(event.status, event.message, type=event.type)
+                if isinstance(event, Done):
+                    return "".join(parts), event
+                parts.append(event.text)
+            raise APIError(499, "the client closed the connection")  # nobody reads this
+        finally:
+            self.worker.cancel(job)
+
+    async def stream(self, job: Job, request: Request, rid: str, chat: bool,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per text delta, one with the finish reason, then [DONE]."""
+        name = self.model_name
+        try:
+            if chat:
+                yield _sse(chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+            async for event in _events(job, request):
+                if isinstance(event, Delta):
+                    yield _sse(chat_chunk(rid, name, {"content": event.text}) if chat
+                               else completion_chunk(rid, name, event.text))
+                elif isinstance(event, Failed):
+                    yield _sse(error_body(event.message, type=event.type))
+                else:
+                    yield _sse(chat_chunk(rid, name, {}, event.finish_reason) if chat
+                               else completion_chunk(rid, name, "", event.finish_reason))
+                    if include_usage:
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        yield _sse(usage_chunk(rid, name, obj, usage(event.prompt_tokens, event.completion_tokens)))
+            yield _sse("[DONE]")
+        finally:  # also when a client left mid-stream (this task is cancelled)
+            self.worker.cancel(job)
+
+    async def answer(self, req, job: Job, request: Request, chat: bool):
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            return StreamingResponse(self.stream(job, request, rid, chat, req.include_usage),
+                                     media_type="text/event-stream")
+        text, done = await self.collect(job, request)
+        respond = chat_response if chat else completion_response
+        return respond(rid, self.model_name, text, done.finish_reason, usage(done.prompt_tokens,
+                                                                              done.completion_tokens))
+
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        job = self.admit(req, chat_prompt_ids(self.target.tokenizer, req), "messages", tokens_param)
+        return await self.answer(req, job, request, chat=True)
+
+    async def complete(self, req: CompletionRequest, request: Request):
+        ids = completion_prompt_ids(self.target.tokenizer, req, self.target.vocab_size)
+        job = self.admit(req, ids, "prompt", "max_tokens")
+        return await self.answer(req, job, request, chat=False)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-style body; validation errors as 400, not FastAPI's 422."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = validation_error(list(e.errors()))
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = f"{e.detail}: {request.method} {request.url.path}; this server has {', '.join(ROUTES)}"
+        return JSONResponse(error_body(message, code=str(e.status_code)), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", type="server_error"), 500)
+
+
+def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
+               max_context: int | None = None) -> FastAPI:
+    """The FastAPI app serving ``decoder`` as ``model_name``; its engine thread lives with the app's lifespan.
+
+    ``max_queue`` bounds the requests in flight (decoding + waiting); ``max_context`` (prompt +
+    generated tokens) defaults to the target's max_position_embeddings.
+    """
+    if max_queue < 1:
+        raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if decoder.target.tokenizer is None:
+        raise ValueError("the target has no tokenizer; load it with eaglewire.target.load_target")
+    max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
+    metrics = Metrics(decoder.spec.num_steps + 1 if decoder.draft is not None else 1, ROUTES)
+    worker = EngineWorker(decoder, max_queue, metrics)
+    service = _Service(decoder, model_name, max_context, worker)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        log.info("serving %s (context %d tokens, %s)", model_name, max_context,
+                 "speculative" if decoder.draft is not None else "no draft")
+        yield
+        worker.close()
+
+    app = FastAPI(title="eaglewire", lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts the 401s too
+    _add_error_handlers(app)
+    app.post("/v1/chat/completions")(service.chat)
+    app.post("/v1/completions")(service.complete)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "eaglewire",
+                "max_model_len": max_context}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "shutting down"}, 503) if worker.closing else {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        waiting, running = worker.counts()
+        return PlainTextResponse(metrics.render(waiting=waiting, running=running),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# -- the command ---------------------------------------------------------------
+
+_SPEC = SpecConfig()
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    target: str = field(metadata={"help": "preset name, HF directory or .gguf file of the target"})
+    draft: str | None = field(default=None, metadata={"help": "draft directory (none: plain decoding)"})
+    speculative_num_steps: int = _SPEC.num_steps
+    speculative_eagle_topk: int = _SPEC.topk
+    speculative_num_draft_tokens: int = _SPEC.num_draft_tokens
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = 8000
+    max_queue: int = field(default=64, metadata={"help": "most requests in flight (decoding + waiting); 429 beyond"})
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1"})
+    max_context: int | None = field(default=None, metadata={
+        "help": "prompt + generated tokens per request (default: the target's max_position_embeddings)"})
+    device: str = "auto"
+    graceful_timeout: float = field(default=30.0, metadata={
+        "help": "seconds in-flight requests get to finish on shutdown"})
+
+    def __post_init__(self) -> None:
+        check_spec_flags(self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {self.max_queue}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"--max-context must be >= 2, got {self.max_context}")
+
+    @property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(num_steps=self.speculative_num_steps, topk=self.speculative_eagle_topk,
+                          num_draft_tokens=self.speculative_num_draft_tokens)
+
+
+def serve(config: ServeConfig) -> None:
+    """Load the target (and draft) and serve until SIGINT/SIGTERM; in-flight requests get
+    ``graceful_timeout`` seconds to finish, the rest are told the server shut down."""
+    import uvicorn
+
+    from eaglewire.cli import load_decoder
+
+    decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
+    app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
+                     max_context=config.max_context)
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is not for diagnostics
+    uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info", log_config=log_config,
+                                  timeout_graceful_shutdown=config.graceful_timeout)).run()
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``eaglewire serve``, one per ServeConfig field."""
+    from eaglewire.configs import add_config_args
+
+    add_config_args(parser, ServeConfig)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from eaglewire.configs import config_from_args
+
+    serve(config_from_args(ServeConfig, args))
+    return 0

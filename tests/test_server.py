@@ -1,0 +1,444 @@
+"""``eaglewire serve`` against a live uvicorn on loopback, spoken to with the official openai client.
+
+Invariants: greedy text equals the plain engine's for the same prompt ids, streamed chunks
+concatenate to the non-streamed text, bad input is a 4xx naming the field and the server keeps
+serving, a full queue is a 429, a client that leaves frees its slot at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import openai
+import pytest
+import torch
+import uvicorn
+from openai import OpenAI
+
+from eaglewire.contract import HiddenStateContract
+from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.text import StopStrings, encode_prompt, stop_token_ids
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.server import ServeConfig, add_serve_args, create_app
+
+MODEL = "tiny-chat"
+MAX_TOKENS = 12
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The engine thread and the test's client threads share two busy cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@contextmanager
+def live_server(app, graceful: float = 5.0):
+    """Run ``app`` on a free loopback port in a background thread; yield (base url, uvicorn server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def random_draft(target, bounds=(2, 4, 5)):
+    torch.manual_seed(0)
+    V = target.vocab_size
+    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=len(bounds), draft_vocab_size=V,
+                                                vocab_size=V))
+    draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    return draft, HiddenStateContract(aux_boundaries=bounds, target=target.fingerprint)
+
+
+class SlowDecoder(SpecDecoder):
+    """Plain decoding that takes ``delay`` seconds a round: a request that holds the engine."""
+
+    delay = 0.2
+
+    def stream(self, *args, **kwargs):
+        for tokens in super().stream(*args, **kwargs):
+            time.sleep(self.delay)
+            yield tokens
+
+
+@pytest.fixture(scope="module")
+def server(chat_tiny_target):
+    """A speculative server (random draft, so greedy output must still equal plain greedy)."""
+    draft, contract = random_draft(chat_tiny_target)
+    decoder = SpecDecoder(chat_tiny_target, draft, contract, SpecConfig(num_steps=3, topk=2, num_draft_tokens=6))
+    with live_server(create_app(decoder, model_name=MODEL)) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def slow_server(chat_tiny_target):
+    """One slot, an API key, and an engine slow enough to be caught busy."""
+    app = create_app(SlowDecoder(chat_tiny_target), model_name=MODEL, max_queue=1, api_key="sekret")
+    with live_server(app) as (url, _):
+        yield url
+
+
+def client(url: str, key: str = "unused") -> OpenAI:
+    return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def reference(target, prompt_ids: list[int], max_tokens: int = MAX_TOKENS, stops=None) -> tuple[str, int]:
+    """(text, completion tokens) of plain greedy decoding, as ``eaglewire generate`` does it."""
+    tok = target.tokenizer
+    ids, _ = SpecDecoder(target).generate(prompt_ids, max_new_tokens=max_tokens,
+                                          stop_token_ids=set(stop_token_ids(tok, target.model)),
+                                          should_stop=StopStrings(tok, stops) if stops else None)
+    return StopStrings(tok, stops).cut(tok.decode(ids, skip_special_tokens=True)), len(ids)
+
+
+def chat_ids(target, content: str) -> list[int]:
+    return encode_prompt(target.tokenizer, [{"role": "user", "content": content}], chat=True)
+
+
+def text_ids(target, prompt: str) -> list[int]:
+    return encode_prompt(target.tokenizer, prompt, chat=False)
+
+
+def raw(url: str, method: str, path: str, body: bytes | dict | None = None,
+        headers: dict | None = None) -> tuple[int, dict | str]:
+    """A hand-made request, for what a real client refuses to send (malformed JSON, missing keys)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, json.loads(text) if resp.getheader("content-type", "").startswith("application/json") else text
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of all samples of metric ``name`` (labels ignored)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+# -- answers ---------------------------------------------------------------------
+
+def test_chat_equals_plain_greedy_with_usage(server, chat_tiny_target):
+    ids = chat_ids(chat_tiny_target, "Name three colours.")
+    want, n = reference(chat_tiny_target, ids)
+    r = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name three colours."}],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("length" if n == MAX_TOKENS else "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), n, len(ids) + n)
+    assert r.object == "chat.completion" and r.model == MODEL
+
+
+def test_completion_equals_plain_greedy_with_usage(server, chat_tiny_target):
+    ids = text_ids(chat_tiny_target, "Once upon a time")
+    want, n = reference(chat_tiny_target, ids)
+    r = client(server).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == want
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), n)
+    token_ids = client(server).completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert token_ids.choices[0].text == want
+    default = client(server).completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
+    assert default.choices[0].text == reference(chat_tiny_target, ids, max_tokens=16)[0]  # OpenAI's default: 16
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_stream_concatenates_to_the_whole_answer(server, chat):
+    c = client(server)
+    if chat:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=MAX_TOKENS,
+                  temperature=0)
+        whole = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        want = whole.choices[0].message.content
+    else:
+        kw = dict(model=MODEL, prompt="The weather today", max_tokens=MAX_TOKENS, temperature=0)
+        whole = c.completions.create(**kw)
+        chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        want = whole.choices[0].text
+    assert text == want and len(chunks) > 2
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_stop_strings_cut_the_text(server, chat_tiny_target):
+    prompt = "List some animals:"
+    full, _ = reference(chat_tiny_target, text_ids(chat_tiny_target, prompt), max_tokens=16)
+    assert len(full) >= 8, full
+    stop = full[4:7]
+    want = full[:full.index(stop)]
+    c = client(server)
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  stop=["never-said-xyz", stop], stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks) == want
+
+
+def test_seeded_sampling_repeats(server):
+    kw = dict(model=MODEL, prompt="Pick a word:", max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+    a, b = (client(server).completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_models_health(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert raw(server, "GET", "/health") == (200, {"status": "ok"})
+
+
+# -- bad input ------------------------------------------------------------------
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+LONG = "word " * 600  # more tokens than the tiny target's 512 positions
+
+BAD = [  # (what, path, body, status, param)
+    ("malformed JSON", CHAT, b'{"messages": [', 400, None),
+    ("not an object", CHAT, b"[1, 2]", 400, None),
+    ("no messages", CHAT, {"model": MODEL, "max_tokens": 4}, 400, "messages"),
+    ("empty messages", CHAT, {**GOOD, "messages": []}, 400, "messages"),
+    ("unknown role", CHAT, {**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("content not text", CHAT, {**GOOD, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("negative max_tokens", CHAT, {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
+    ("zero max_tokens", CHAT, {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("huge max_tokens", CHAT, {**GOOD, "max_tokens": 10**12}, 400, "max_tokens"),
+    ("max_tokens a string", CHAT, {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
+    ("temperature negative", CHAT, {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    ("temperature a string", CHAT, {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("top_p zero", CHAT, {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("stop a number", CHAT, {**GOOD, "stop": 5}, 400, "stop"),
+    ("stop empty", CHAT, {**GOOD, "stop": [""]}, 400, "stop"),
+    ("stream not a bool", CHAT, {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("seed a float", CHAT, {**GOOD, "seed": 1.5}, 400, "seed"),
+    ("n > 1", CHAT, {**GOOD, "n": 3}, 400, "n"),
+    ("chat prompt too long", CHAT, {**GOOD, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("unknown model", CHAT, {**GOOD, "model": "gpt-9"}, 404, "model"),
+    ("no prompt", COMPLETIONS, {"model": MODEL, "max_tokens": 4}, 400, "prompt"),
+    ("prompt a number", COMPLETIONS, {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("prompt too long", COMPLETIONS, {"model": MODEL, "prompt": LONG, "max_tokens": 4}, 400, "prompt"),
+    ("token id out of range", COMPLETIONS, {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("two prompts", COMPLETIONS, {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("unknown route", "/v1/embeddings", {"model": MODEL}, 404, None),
+]
+
+
+def test_bad_input_is_a_4xx_naming_the_field_and_serving_goes_on(server):
+    for what, path, body, status, param in BAD:
+        got, reply = raw(server, "POST", path, body)
+        assert got == status, (what, reply)
+        assert set(reply["error"]) == {"message", "type", "param", "code"}, what
+        assert reply["error"]["param"] == param, (what, reply)
+        assert param is None or param in reply["error"]["message"], (what, reply)
+    assert raw(server, "POST", CHAT, GOOD)[0] == 200
+
+
+def test_the_client_sees_bad_input_as_bad_request(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2)
+    assert e.value.param == "n" and "only n=1" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    assert e.value.param == "max_tokens"
+
+
+# -- load, metrics ---------------------------------------------------------------
+
+def test_concurrent_clients_some_leaving_early(server, chat_tiny_target):
+    """6 clients x 3 requests: whole chat answers, streamed completions, streams dropped after one chunk."""
+    prompts = ["alpha", "beta gamma", "delta"]
+    chat_want = {p: reference(chat_tiny_target, chat_ids(chat_tiny_target, p))[0] for p in prompts}
+    text_want = {p: reference(chat_tiny_target, text_ids(chat_tiny_target, p))[0] for p in prompts}
+    before = raw(server, "GET", "/metrics")[1]
+
+    def one_client(i: int) -> int:
+        c, checked = client(server), 0
+        for j in range(3):
+            p, kind = prompts[(i + j) % 3], (i + j) % 3
+            msgs = [{"role": "user", "content": p}]
+            if kind == 0:
+                r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+                assert r.choices[0].message.content == chat_want[p]
+                checked += 1
+            elif kind == 1:
+                chunks = c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+                assert "".join(ch.choices[0].text for ch in chunks) == text_want[p]
+                checked += 1
+            else:
+                chunks = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                                   stream=True)
+                next(iter(chunks))
+                chunks.close()  # leave mid-stream
+        return checked
+
+    with ThreadPoolExecutor(6) as pool:
+        assert sum(pool.map(one_client, range(6))) == 12
+    after = raw(server, "GET", "/metrics")[1]
+    five_xx = r'^eaglewire_requests_total\{[^}]*status="5\d\d"\} (\S+)$'
+    assert not re.findall(five_xx, after, re.M)
+    assert metric(after, "eaglewire_requests_total") - metric(before, "eaglewire_requests_total") >= 18
+    assert metric(after, "eaglewire_queue_depth") == 0
+    r = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "alpha"}],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == chat_want["alpha"]
+
+
+def test_metrics_in_prometheus_text(server):
+    client(server).completions.create(model=MODEL, prompt="count", max_tokens=MAX_TOKENS, temperature=0)
+    raw(server, "POST", CHAT, {**GOOD, "n": 2})
+    status, text = raw(server, "GET", "/metrics")
+    assert status == 200
+    for name in ["eaglewire_requests_total", "eaglewire_generated_tokens_total", "eaglewire_prompt_tokens_total",
+                 "eaglewire_accept_length_bucket", "eaglewire_accept_length_count", "eaglewire_position_acceptance",
+                 "eaglewire_tokens_per_second", "eaglewire_queue_depth", "eaglewire_requests_running",
+                 "eaglewire_requests_cancelled_total"]:
+        assert re.search(rf"^{name}[{{ ]", text, re.M), name
+    assert 'path="/v1/completions",status="200"' in text and 'path="/v1/chat/completions",status="400"' in text
+    assert metric(text, "eaglewire_generated_tokens_total") >= MAX_TOKENS
+    assert 'eaglewire_position_acceptance{position="3"}' in text  # num_steps 3
+    assert metric(text, "eaglewire_accept_length_count") > 0
+
+
+# -- API key, a full queue, clients that leave, shutdown -------------------------
+
+def test_api_key(slow_server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(slow_server, "wrong").models.list()
+    assert e.value.code == "invalid_api_key"
+    status, reply = raw(slow_server, "POST", CHAT, b"not json")
+    assert status == 401 and "no API key" in reply["error"]["message"]
+    assert [m.id for m in client(slow_server, "sekret").models.list().data] == [MODEL]
+    assert raw(slow_server, "GET", "/health")[0] == 200  # probes need no key
+
+
+def test_full_queue_is_429_then_serving_resumes(slow_server):
+    c = client(slow_server, "sekret")
+    busy = c.completions.create(model=MODEL, prompt="slow", max_tokens=6, temperature=0, stream=True)
+    chunks = iter(busy)
+    next(chunks)  # admitted and decoding: the one slot is taken
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model=MODEL, prompt="next", max_tokens=1)
+    assert e.value.code == "queue_full" and "--max-queue 1" in e.value.message
+    list(chunks)
+    assert c.completions.create(model=MODEL, prompt="next", max_tokens=1).usage.completion_tokens == 1
+
+
+def leave_streaming(url: str) -> None:
+    stream = client(url, "sekret").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "long"}], max_tokens=16, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks), next(chunks)  # the role chunk, then text: decoding has begun (16 rounds ~ 3.2 s)
+    stream.close()
+
+
+def leave_waiting(url: str) -> None:
+    """Hang up on a non-streamed request while it is being decoded."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 16}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer sekret\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 5
+        while metric(raw(url, "GET", "/metrics")[1], "eaglewire_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("leave", [leave_streaming, leave_waiting])
+def test_a_client_that_leaves_frees_its_slot_at_once(slow_server, leave):
+    c = client(slow_server, "sekret")
+    cancelled = metric(raw(slow_server, "GET", "/metrics")[1], "eaglewire_requests_cancelled_total")
+    leave(slow_server)
+    left = time.monotonic()
+    while True:
+        try:
+            c.completions.create(model=MODEL, prompt="next", max_tokens=1)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() - left < 1.5, "the slot was not freed"
+            time.sleep(0.05)
+    assert time.monotonic() - left < 2.0, "the engine kept decoding for a client that left"
+    metrics = raw(slow_server, "GET", "/metrics")[1]
+    assert metric(metrics, "eaglewire_requests_cancelled_total") == cancelled + 1
+
+
+def test_shutdown_lets_in_flight_requests_finish(chat_tiny_target):
+    app = create_app(SlowDecoder(chat_tiny_target), model_name=MODEL, max_queue=2)
+    results: list = []
+    with live_server(app) as (url, server):
+        c = client(url)
+        stream = iter(c.completions.create(model=MODEL, prompt="a", max_tokens=4, temperature=0, stream=True))
+        first = next(stream)
+        waiting = threading.Thread(target=lambda: results.append(
+            c.completions.create(model=MODEL, prompt="b", max_tokens=2, temperature=0)))
+        waiting.start()
+        deadline = time.monotonic() + 5
+        while metric(raw(url, "GET", "/metrics")[1], "eaglewire_queue_depth") < 1:  # queued behind the first
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        server.should_exit = True
+        text = first.choices[0].text + "".join(ch.choices[0].text for ch in stream)
+        waiting.join(10)
+    assert results and results[0].usage.completion_tokens == 2
+    assert text == reference(chat_tiny_target, text_ids(chat_tiny_target, "a"), max_tokens=4)[0]
+    with pytest.raises(openai.APIConnectionError):
+        c.models.list()
+
+
+def test_shutdown_past_the_grace_period_cuts_streams_and_does_not_hang(chat_tiny_target):
+    app = create_app(SlowDecoder(chat_tiny_target), model_name=MODEL)
+    with live_server(app, graceful=0.3) as (url, server):
+        stream = iter(client(url).completions.create(model=MODEL, prompt="a", max_tokens=16, stream=True))
+        next(stream)  # 16 rounds would take ~3.2 s
+        stopped = time.monotonic()
+        server.should_exit = True
+        try:
+            finishes = [ch.choices[0].finish_reason for ch in stream if ch.choices[0].finish_reason]
+        except Exception:  # the connection was cut mid-stream: the client knows
+            finishes = []
+    assert finishes == [] and time.monotonic() - stopped < 2.0
+
+
+# -- the command -----------------------------------------------------------------
+
+def test_serve_flags_default_to_spec_config_and_are_checked():
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    from eaglewire.configs import config_from_args
+
+    config = config_from_args(ServeConfig, parser.parse_args(["--target", "smollm2-135m"]))
+    d = SpecConfig()
+    assert (config.speculative_num_steps, config.speculative_eagle_topk, config.speculative_num_draft_tokens) == (
+        d.num_steps, d.topk, d.num_draft_tokens)
+    assert (config.host, config.port, config.max_queue, config.api_key) == ("127.0.0.1", 8000, 64, None)
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens"):
+        config_from_args(ServeConfig, parser.parse_args(["--target", "x", "--speculative-eagle-topk", "1"]))
+    with pytest.raises(ValueError, match="--max-queue"):
+        ServeConfig(target="x", max_queue=0)
