@@ -44,6 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             ("training tokens", f"{result.train_tokens:,}"), ("wall time", f"{result.seconds:,.0f} s")]
     rows += [(k.removeprefix("val_").replace("_", " ") + " (held-out)", f"{v:.3f}")
              for k, v in result.final_eval.items() if k != "step"]
+    rows += [(f"time in {k.replace('_', ' ')}", f"{v:,.1f} s") for k, v in result.timers.items()]
     status = "" if result.finished else " (stopped early: run again with --resume to continue)"
     print(_table(rows, f"draft written to {result.out}{status}"))
     return 0

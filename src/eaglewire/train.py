@@ -160,6 +160,7 @@ class TrainResult:
     seconds: float
     final_eval: dict[str, float]
     finished: bool  # False when stopped by --minutes / --max-steps before the planned end
+    timers: dict[str, float]  # seconds in data, target head, draft forward, backward (this run)
 
 
 class Trainer:
@@ -377,7 +378,8 @@ class Trainer:
         return TrainResult(out=str(self.out), steps=position["step"],
                            epochs_done=position["epoch"] + position["batch"] / max(1, per_epoch),
                            train_tokens=position["tokens"], seconds=history["seconds"],
-                           final_eval=history["evals"][-1], finished=not stopped_early)
+                           final_eval=history["evals"][-1], finished=not stopped_early,
+                           timers={k: round(v, 2) for k, v in self.timers.items()})
 
     def _sync_grads(self, draft: Eagle3Draft) -> None:
         """Data parallel: average gradients over ranks (the draft is one layer: plain
