@@ -84,3 +84,14 @@ def test_checkpoint_round_trip_and_foreign_target(tmp_path, chat_tiny_target):
         load_draft(tmp_path / "d", target=other)
     with pytest.raises(FileNotFoundError, match="not a draft directory"):
         load_draft(tmp_path)
+
+
+def test_prepare_with_regenerated_replies(tmp_path, target_dir, chats, capsys):
+    out = tmp_path / "regen"
+    assert main(["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(out),
+                 "--num-conversations", "3", "--regenerate", "--max-new-tokens", "4", "--max-length", "64",
+                 "--batch-tokens", "256", "--no-progress"]) == 0
+    regenerated = [json.loads(line) for line in open(out / "regenerated.rank0.jsonl")]
+    assert len(regenerated) == 3 and all(r["regenerated"] for r in regenerated)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"]["regenerated"] is True and manifest["totals"]["sequences"] == 3
