@@ -442,3 +442,14 @@ def test_serve_flags_default_to_spec_config_and_are_checked():
         config_from_args(ServeConfig, parser.parse_args(["--target", "x", "--speculative-eagle-topk", "1"]))
     with pytest.raises(ValueError, match="--max-queue"):
         ServeConfig(target="x", max_queue=0)
+
+
+def test_logprobs_are_refused_by_both_request_models():
+    from pydantic import ValidationError
+
+    from eaglewire.server_schemas import ChatCompletionRequest, CompletionRequest
+
+    with pytest.raises(ValidationError, match="logprobs are not supported"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    with pytest.raises(ValidationError, match="logprobs are not supported"):
+        CompletionRequest(model="m", prompt="x", logprobs=2)

@@ -27,7 +27,6 @@ from eaglewire.target import Target
 class Capture:
     aux_hidden: torch.Tensor  # [B, T, k*H] in contract order
     last_hidden: torch.Tensor  # [B, T, H] boundary L, pre-norm
-    past_key_values: Any = None  # the target's KV cache when use_cache=True
 
 
 def _hidden_from_args(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -98,9 +97,9 @@ def capture(target: Target, input_ids: torch.Tensor, aux_boundaries: list[int] |
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
     with record_boundaries(target, aux_boundaries + [num_layers]) as seen:
-        out = target.decoder(input_ids=input_ids.to(target.device),
+        target.decoder(input_ids=input_ids.to(target.device),
                              **_forward_kwargs(target.decoder, attention_mask, position_ids, past_key_values,
                                                use_cache))
     aux = torch.cat([seen[b] for b in aux_boundaries], dim=-1)  # [B, T, k*H]
-    return Capture(aux_hidden=aux, last_hidden=seen[num_layers],
-                   past_key_values=getattr(out, "past_key_values", None))
+    # A cache passed in (past_key_values) is updated in place; the caller keeps it.
+    return Capture(aux_hidden=aux, last_hidden=seen[num_layers])

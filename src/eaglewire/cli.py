@@ -73,25 +73,19 @@ def load_decoder(target_spec: str, draft_dir: str | None, spec, *, device: str =
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from eaglewire.decode.sampling import SamplingParams
-    from eaglewire.decode.text import IncrementalDetokenizer, StopStrings, encode_prompt, stop_token_ids
+    from eaglewire.decode.text import TextStream, encode_prompt, stop_token_ids
 
     decoder = load_decoder(args.target, args.draft, _spec_from_args(args), device=args.device)
     tok = decoder.target.tokenizer
     prompt_ids = encode_prompt(tok, args.prompt, chat=args.chat)
-    stops = StopStrings(tok, args.stop)
-    detok = IncrementalDetokenizer(tok)
+    text = TextStream(tok, args.stop or [])
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    text, shown = "", 0
-    hold = max((len(x) for x in stops.stops), default=1) - 1  # a stop string may still be arriving
     for tokens in decoder.stream(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 stop_token_ids=set(stop_token_ids(tok, decoder.target.model)), should_stop=stops):
-        text += detok.push(tokens)
-        visible = stops.cut(text)
-        upto = max(shown, len(visible) - hold)
-        sys.stdout.write(visible[shown:upto])
+                                 stop_token_ids=set(stop_token_ids(tok, decoder.target.model)),
+                                 should_stop=text.stops):
+        sys.stdout.write(text.push(tokens))
         sys.stdout.flush()
-        shown = upto
-    sys.stdout.write(stops.cut(text)[shown:] + "\n")
+    sys.stdout.write(text.finish() + "\n")
     st = decoder.stats
     print(f"[{st.new_tokens} tokens in {st.total_seconds:.2f} s: {st.tokens_per_second:.1f} tok/s; "
           f"accept length {st.accept_length:.2f} over {st.rounds} target passes; "

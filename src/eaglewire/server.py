@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder, check_spec_flags
 from eaglewire.decode.sampling import SamplingParams
-from eaglewire.decode.text import IncrementalDetokenizer, StopStrings, stop_token_ids
+from eaglewire.decode.text import TextStream, stop_token_ids
 from eaglewire.server_schemas import (APIError, BearerAuth, ChatCompletionRequest, CompletionRequest,
                                       CountRequests, Metrics, chat_chunk, chat_prompt_ids, chat_response,
                                       completion_chunk, completion_prompt_ids, completion_response, error_body,
@@ -40,31 +40,6 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-
-
-class TextStream:
-    """Text deltas of a growing token list, cut before the first stop string.
-
-    A tail as long as the longest stop string (minus one) is held back until the end, since a
-    stop string may still be arriving; the deltas concatenate to the final text exactly.
-    """
-
-    def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.detok, self.stops = IncrementalDetokenizer(tokenizer), StopStrings(tokenizer, stops)
-        self.text, self.shown = "", 0
-        self.hold = max((len(s) for s in self.stops.stops), default=1) - 1
-
-    def push(self, tokens: list[int]) -> str:
-        self.text += self.detok.push(tokens)
-        visible = self.stops.cut(self.text)
-        upto = max(self.shown, len(visible) - self.hold)
-        delta, self.shown = visible[self.shown:upto], upto
-        return delta
-
-    def finish(self) -> str:
-        delta = self.stops.cut(self.text)[self.shown:]
-        self.shown += len(delta)
-        return delta
 
 
 @dataclass

@@ -112,6 +112,12 @@ class _Generation(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _reject_logprobs(value):
+    if value:
+        raise ValueError("logprobs are not supported by this server; leave logprobs unset")
+    return value
+
+
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -125,12 +131,7 @@ class ChatCompletionRequest(_Generation):
                              "[{\"role\": \"user\", \"content\": \"Hello\"}]")
         return messages
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported by this server; leave logprobs unset")
-        return logprobs
+    _no_logprobs = field_validator("logprobs")(classmethod(lambda cls, v: _reject_logprobs(v)))
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -152,12 +153,7 @@ class CompletionRequest(_Generation):
             raise ValueError("prompt is an empty list; send a string or a list of token ids")
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported by this server; leave logprobs unset")
-        return logprobs
+    _no_logprobs = field_validator("logprobs")(classmethod(lambda cls, v: _reject_logprobs(v)))
 
     @field_validator("echo")
     @classmethod

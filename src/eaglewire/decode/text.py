@@ -6,7 +6,7 @@ from typing import Any
 
 from eaglewire.data.regenerate import stop_token_ids
 
-__all__ = ["encode_prompt", "stop_token_ids", "StopStrings", "IncrementalDetokenizer"]
+__all__ = ["encode_prompt", "stop_token_ids", "StopStrings", "IncrementalDetokenizer", "TextStream"]
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], *, chat: bool) -> list[int]:
@@ -48,4 +48,29 @@ class IncrementalDetokenizer:
         if text.endswith("\ufffd"):  # an unfinished UTF-8 sequence: wait for more tokens
             return ""
         delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+class TextStream:
+    """Text deltas of a growing token list, cut before the first stop string.
+
+    A tail as long as the longest stop string (minus one) is held back until the end, since a
+    stop string may still be arriving; the deltas concatenate to the final text exactly.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.detok, self.stops = IncrementalDetokenizer(tokenizer), StopStrings(tokenizer, stops)
+        self.text, self.shown = "", 0
+        self.hold = max((len(s) for s in self.stops.stops), default=1) - 1
+
+    def push(self, tokens: list[int]) -> str:
+        self.text += self.detok.push(tokens)
+        visible = self.stops.cut(self.text)
+        upto = max(self.shown, len(visible) - self.hold)
+        delta, self.shown = visible[self.shown:upto], upto
+        return delta
+
+    def finish(self) -> str:
+        delta = self.stops.cut(self.text)[self.shown:]
+        self.shown += len(delta)
         return delta
