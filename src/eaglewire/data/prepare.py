@@ -18,6 +18,7 @@ from eaglewire.capture import capture
 from eaglewire.contract import HiddenStateContract, default_aux_boundaries
 from eaglewire.data.conversations import TokenizedConversation, load_conversations, tokenize_conversation
 from eaglewire.data.shards import ShardWriter, dist_rank_world, shard_work
+from eaglewire.data.sources import pad_right
 from eaglewire.presets import DATA_PRESETS, data_path
 from eaglewire.target import Target, load_target
 
@@ -111,9 +112,7 @@ def capture_batch(target: Target, contract: HiddenStateContract, batch: list[Tok
     to the padding after it.
     """
     longest = max(len(s.input_ids) for s in batch)
-    ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, T]
-    for row, s in enumerate(batch):
-        ids[row, :len(s.input_ids)] = torch.tensor(s.input_ids)
+    ids = pad_right([torch.tensor(s.input_ids) for s in batch], longest)  # [B, T]
     out = capture(target, ids, contract)
     for row, s in enumerate(batch):
         n = len(s.input_ids)
