@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from eaglewire.draft import DraftConfig, Eagle3Draft, ttt_attention
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.ttt_attention import ttt_attention_dense, ttt_attention_flash
 from tiny import ARCHITECTURES, tiny_config
 
 
@@ -25,13 +26,29 @@ def reference_attention(q, keys, values):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat(mask, dim=1))
 
 
-@pytest.mark.parametrize("steps", [1, 2, 4])
-def test_ttt_attention_matches_full_mask(steps):
+def _qkv(steps, T=7, requires_grad=False):
     g = torch.Generator().manual_seed(steps)
-    q = torch.randn(2, 3, 7, 8, generator=g)
-    keys = [torch.randn(2, 3, 7, 8, generator=g) for _ in range(steps)]
-    values = [torch.randn(2, 3, 7, 8, generator=g) for _ in range(steps)]
-    torch.testing.assert_close(ttt_attention(q, keys, values), reference_attention(q, keys, values))
+    make = lambda: torch.randn(2, 3, T, 8, generator=g).requires_grad_(requires_grad)  # noqa: E731
+    return make(), [make() for _ in range(steps)], [make() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("attention", [ttt_attention_dense, ttt_attention_flash])
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_matches_full_mask(attention, steps):
+    q, keys, values = _qkv(steps)
+    torch.testing.assert_close(attention(q, keys, values), reference_attention(q, keys, values))
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_flash_ttt_attention_gradients_match_full_mask(steps):
+    """The hand-written backward (flash kernel + diagonal terms) against autograd."""
+    q, keys, values = _qkv(steps, T=37, requires_grad=True)
+    inputs = [q, *keys, *values]
+    grad_out = torch.randn(2, 3, 37, 8, generator=torch.Generator().manual_seed(9))
+    want = torch.autograd.grad(reference_attention(q, keys, values), inputs, grad_out)
+    got = torch.autograd.grad(ttt_attention_flash(q, keys, values), inputs, grad_out)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
 def test_names_follow_sglang_layout():

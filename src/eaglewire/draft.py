@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglewire.ttt_attention import ttt_attention
+
 
 @dataclass(kw_only=True)
 class DraftConfig:
@@ -135,25 +137,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, n, T, hd]; cos/sin [B, T, hd]."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Training-time-test attention without materialising a (j+1)T-wide mask.
-
-    q [B, nH, T, hd]; keys/values: one [B, nH, T, hd] per step 0..j.
-    Step 0 keys are attended causally; the keys of steps >= 1 only at the query's own
-    position (the diagonal). Returns [B, nH, T, hd].
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    T = q.shape[-2]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))]  # [B, nH, T, T]
-    scores += [(q * k).sum(-1, keepdim=True) for k in keys[1:]]  # j x [B, nH, T, 1]
-    probs = torch.softmax(torch.cat(scores, dim=-1).float() * scale, dim=-1).to(q.dtype)  # [B, nH, T, T+j]
-    out = probs[..., :T] @ values[0]
-    for i, v in enumerate(values[1:]):
-        out = out + probs[..., T + i:T + i + 1] * v
-    return out
 
 
 class Attention(nn.Module):

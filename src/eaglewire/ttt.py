@@ -83,6 +83,17 @@ class StepCounts:
         return self.cond_correct / max(self.cond_valid, 1)
 
 
+def counted_positions(loss_mask: torch.Tensor, in_vocab: torch.Tensor, j: int) -> torch.Tensor:
+    """[B, T] mask and in-vocab flags -> [B, max(T-1-j, 0)] bool: step j at t counts when
+    x_{t+2+j} is under the loss mask and the target's argmax at t+1+j is in the draft vocab."""
+    B, T = loss_mask.shape
+    n_pos = max(T - 1 - j, 0)
+    valid = torch.zeros(B, n_pos, dtype=torch.bool, device=loss_mask.device)
+    if n_pos > 1:
+        valid[:, :-1] = loss_mask[:, 2 + j:].bool() & in_vocab[:, 1 + j:T - 1]
+    return valid
+
+
 def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
                signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8) -> tuple[torch.Tensor, list[StepCounts]]:
     """Unroll the draft ``ttt_steps`` times; return the weighted loss and per-step counts.
@@ -100,17 +111,25 @@ def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, 
     counts = []
     for j in range(ttt_steps):
         hidden = draft.forward_ttt(shift_left(emb, 1 + j), hidden, position_ids + j, cache)
-        logits = draft.logits(hidden).float()  # [B, T, Vd]
-        valid = shift_left(loss_mask.bool(), 2 + j) & shift_left(signal.in_vocab, 1 + j)  # [B, T]
-        p = shift_left(signal.probs, 1 + j)  # [B, T, Vd]
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [B, T]
+        # Only positions that count reach the head and the loss: the draft vocabulary head
+        # and the soft cross-entropy are most of a step's cost, padding and prompt tokens
+        # would be thrown away. Step j at t is judged against the target at t+1+j.
+        n_pos = max(T - 1 - j, 0)
+        valid = counted_positions(loss_mask, signal.in_vocab, j)  # [B, n_pos]
+        logits = draft.logits(hidden[:, :n_pos][valid]).float()  # [N, Vd]
+        p = signal.probs[:, 1 + j:][valid]  # [N, Vd]
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
         n = int(valid.sum())
-        step_loss = (ce * valid).sum() / max(n, 1)
+        step_loss = ce.sum() / max(n, 1)
         total = total + decay ** j * step_loss
         with torch.no_grad():
-            right = draft_to_target[logits.argmax(-1)] == shift_left(signal.argmax, 1 + j)  # [B, T]
-            cond = valid & all_right_so_far
-            counts.append(StepCounts(loss_sum=float((ce * valid).sum()), valid=n, correct=int((right & valid).sum()),
-                                     cond_valid=int(cond.sum()), cond_correct=int((right & cond).sum())))
+            right_sel = draft_to_target[logits.argmax(-1)] == signal.argmax[:, 1 + j:][valid]  # [N]
+            right = torch.zeros(B, T, dtype=torch.bool, device=emb.device)
+            right[:, :n_pos][valid] = right_sel
+            cond = all_right_so_far[:, :n_pos][valid]  # [N]
+            counts.append(StepCounts(loss_sum=float(ce.sum()), valid=n, correct=int(right_sel.sum()),
+                                     cond_valid=int(cond.sum()), cond_correct=int((right_sel & cond).sum())))
+            # A position whose earlier step did not count (outside the loss mask, or the
+            # target's token outside the draft vocab) is not "right so far".
             all_right_so_far = all_right_so_far & right
     return total, counts

@@ -1,0 +1,88 @@
+"""Training-time-test attention: step j's query at position t attends causally to step
+0's keys and to the keys of steps 1..j at position t only (the diagonal).
+
+Shapes: B batch, nH heads, T tokens, hd head dim, j+1 steps so far.
+
+Two implementations with the same math:
+- ``ttt_attention_dense``: the [B, nH, T, T] score matrix in memory, any device;
+- ``ttt_attention_flash`` (CPU): the causal block through PyTorch's flash kernel (blocked,
+  never materialised), merged with the diagonal scores through log-sum-exp. Its backward
+  calls the kernel's backward with the *merged* output and log-sum-exp, which gives the
+  causal block's exact share of the gradient (as ring attention does for each key block);
+  the diagonal terms are [B, nH, T] vectors, differentiated by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """q [B, nH, T, hd]; keys/values: one [B, nH, T, hd] per step 0..j. Returns [B, nH, T, hd]."""
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        return ttt_attention_flash(q, keys, values)
+    return ttt_attention_dense(q, keys, values)
+
+
+def ttt_attention_dense(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    T = q.shape[-2]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))]  # [B, nH, T, T]
+    scores += [(q * k).sum(-1, keepdim=True) for k in keys[1:]]  # j x [B, nH, T, 1]
+    probs = torch.softmax(torch.cat(scores, dim=-1).float() * scale, dim=-1).to(q.dtype)  # [B, nH, T, T+j]
+    out = probs[..., :T] @ values[0]
+    for i, v in enumerate(values[1:]):
+        out = out + probs[..., T + i:T + i + 1] * v
+    return out
+
+
+def ttt_attention_flash(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    kv = [t for pair in zip(keys, values) for t in pair]
+    return _TTTFlash.apply(1.0 / math.sqrt(q.shape[-1]), q, *kv)
+
+
+def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag_scores: list[torch.Tensor],
+           diag_values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Combine the causal block (normalised out0 [B, nH, T, hd], lse0 [B, nH, T]) with the
+    diagonal scores (each [B, nH, T]); returns (out, lse, diagonal probabilities)."""
+    lse = torch.logsumexp(torch.stack([lse0, *diag_scores]), dim=0)  # [B, nH, T]
+    out = out0 * torch.exp(lse0 - lse)[..., None]
+    probs = [torch.exp(s - lse) for s in diag_scores]
+    for p, v in zip(probs, diag_values):
+        out = out + p[..., None] * v
+    return out, lse, probs
+
+
+class _TTTFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scale: float, q: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        k0, v0 = kv[0], kv[1]
+        out0, lse0 = _flash(q, k0, v0, 0.0, True, scale=scale)
+        diag_k, diag_v = kv[2::2], kv[3::2]
+        scores = [(q * k).sum(-1) * scale for k in diag_k]  # j x [B, nH, T]
+        out, lse, probs = _merge(out0, lse0, scores, diag_v)
+        ctx.scale = scale
+        ctx.save_for_backward(q, out, lse, *kv, *probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        scale = ctx.scale
+        q, out, lse, *rest = ctx.saved_tensors
+        steps = (len(rest) + 1) // 3  # 2 tensors per step, 1 probability per diagonal step
+        kv, probs = rest[:2 * steps], rest[2 * steps:]
+        grad_out = grad_out.contiguous()
+        dq, dk0, dv0 = _flash_backward(grad_out, q, kv[0], kv[1], out, lse, 0.0, True, scale=scale)
+        grads = [dk0, dv0]
+        D = (grad_out * out).sum(-1)  # [B, nH, T]
+        for p, k, v in zip(probs, kv[2::2], kv[3::2]):
+            dS = p * ((grad_out * v).sum(-1) - D)  # [B, nH, T]
+            dq = dq + (dS * scale)[..., None] * k
+            grads += [(dS * scale)[..., None] * q, p[..., None] * grad_out]
+        return (None, dq, *grads)
