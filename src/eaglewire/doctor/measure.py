@@ -1,0 +1,160 @@
+"""What the doctor measures: held-out sequences captured at every candidate boundary, and
+the draft's accuracy in isolation for any layout fed exactly as in training.
+
+Shapes: B batch, T tokens, H target hidden size, k aux boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eaglewire.capture import capture
+from eaglewire.data.sources import pad_right
+from eaglewire.draft import Eagle3Draft
+from eaglewire.target import Target
+from eaglewire.ttt import StepCounts, TargetSignal, target_signal, ttt_unroll
+
+
+@dataclass
+class Sequence:
+    id: str
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool
+    stored_aux: torch.Tensor | None = None  # [T, k*H] captured at training time (shards only)
+    stored_last: torch.Tensor | None = None  # [T, H]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The tokens before the first reply token: the prompt that produced the reply."""
+        first = int(self.loss_mask.int().argmax()) if bool(self.loss_mask.any()) else len(self.input_ids)
+        return self.input_ids[:first].tolist()
+
+
+@dataclass
+class EvalBatch:
+    """One batch, captured once at every boundary any check needs."""
+
+    input_ids: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] bool
+    states: dict[int, torch.Tensor]  # boundary -> [B, T, H]
+    emb: torch.Tensor  # [B, T, H] target embeddings of input_ids
+    signal: TargetSignal  # the target's next-token distribution (draft vocab)
+    stored_aux: torch.Tensor | None = None  # [B, T, k*H]
+    stored_last: torch.Tensor | None = None  # [B, T, H]
+    lengths: list[int] = field(default_factory=list)
+
+
+def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence], boundaries: list[int],
+                    batch_tokens: int = 2048) -> list[EvalBatch]:
+    """Run the target once per batch, keeping every boundary in ``boundaries``."""
+    boundaries = sorted(set(boundaries) - {target.num_layers})  # boundary L comes with every capture
+    H = target.hidden_size
+    out = []
+    order = sorted(sequences, key=lambda s: len(s.input_ids))
+    for batch in _by_tokens(order, batch_tokens):
+        T = max(len(s.input_ids) for s in batch)
+        ids = pad_right([s.input_ids for s in batch], T)  # [B, T]
+        got = capture(target, ids, boundaries)  # right padding: causal attention needs no mask
+        chunks = got.aux_hidden.float().split(H, dim=-1)  # k x [B, T, H]
+        with torch.no_grad():
+            emb = target.embed_tokens(ids.to(target.device)).float()
+        signal = target_signal(target.head, got.last_hidden, draft.draft_to_target, draft.t2d)
+        stored = [s.stored_aux for s in batch]
+        states = {b: c for b, c in zip(boundaries, chunks)}
+        states[target.num_layers] = got.last_hidden.float()
+        out.append(EvalBatch(
+            input_ids=ids, loss_mask=pad_right([s.loss_mask for s in batch], T), states=states, emb=emb, signal=signal,
+            stored_aux=pad_right([x.float() for x in stored], T) if stored[0] is not None else None,
+            stored_last=pad_right([s.stored_last.float() for s in batch], T) if stored[0] is not None else None,
+            lengths=[len(s.input_ids) for s in batch]))
+    return out
+
+
+def _by_tokens(seqs: list[Sequence], batch_tokens: int):
+    batch: list[Sequence] = []
+    for s in seqs:
+        if batch and (len(batch) + 1) * len(s.input_ids) > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(s)
+    if batch:
+        yield batch
+
+
+def shift_positions(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """[B, T, ...] -> [B, T, ...] with ``out[:, t] = x[:, t + shift]`` (zeros where out of range)."""
+    if shift == 0:
+        return x
+    out = torch.zeros_like(x)
+    if shift > 0:
+        out[:, :-shift] = x[:, shift:]
+    else:
+        out[:, -shift:] = x[:, :shift]
+    return out
+
+
+@torch.no_grad()
+def isolation_accuracy(draft: Eagle3Draft, batches: list[EvalBatch], layout: list[int], *, steps: int,
+                       shift: int = 0) -> list[StepCounts]:
+    """Per-step counts of the draft fed ``layout``'s states exactly as in training (TTT unroll).
+
+    ``shift`` feeds the states of position t + shift at t (an alignment probe).
+    """
+    total = [StepCounts() for _ in range(steps)]
+    for b in batches:
+        aux = torch.cat([b.states[x] for x in layout], dim=-1)  # [B, T, k*H]
+        _, counts = ttt_unroll(draft, b.emb, shift_positions(aux, shift), b.loss_mask, b.signal, ttt_steps=steps)
+        for t, c in zip(total, counts):
+            t.add(c)
+    return total
+
+
+@torch.no_grad()
+def stored_accuracy(draft: Eagle3Draft, batches: list[EvalBatch], *, steps: int) -> list[StepCounts]:
+    """The same measurement on the states stored at training time (shards)."""
+    total = [StepCounts() for _ in range(steps)]
+    for b in batches:
+        _, counts = ttt_unroll(draft, b.emb, b.stored_aux, b.loss_mask, b.signal, ttt_steps=steps)
+        for t, c in zip(total, counts):
+            t.add(c)
+    return total
+
+
+@dataclass
+class Drift:
+    boundary: int
+    cosine: float  # mean over real tokens of cos(stored, now)
+    relative_error: float  # ||stored - now|| / ||now|| over real tokens
+
+
+@torch.no_grad()
+def capture_drift(batches: list[EvalBatch], layout: list[int], last_boundary: int) -> list[Drift]:
+    """Stored (training-time) states against states captured now, per boundary."""
+    out = []
+    for i, boundary in enumerate(layout + [last_boundary]):
+        cos_sum, n, diff2, ref2 = 0.0, 0, 0.0, 0.0
+        for b in batches:
+            if b.stored_aux is None:
+                return []
+            H = b.states[boundary].shape[-1]
+            stored = b.stored_last if i == len(layout) else b.stored_aux[..., i * H:(i + 1) * H]  # [B, T, H]
+            real = pad_right([torch.ones(n_, dtype=torch.bool) for n_ in b.lengths], stored.shape[1])  # [B, T]
+            now, then = b.states[boundary][real], stored[real]  # [N, H]
+            cos_sum += float(torch.nn.functional.cosine_similarity(now, then, dim=-1).sum())
+            n += now.shape[0]
+            diff2 += float((then - now).pow(2).sum())
+            ref2 += float(now.pow(2).sum())
+        out.append(Drift(boundary, cos_sum / max(n, 1), (diff2 / max(ref2, 1e-30)) ** 0.5))
+    return out
+
+
+def coverage(batches: list[EvalBatch]) -> tuple[int, int]:
+    """(target next tokens inside the draft vocab, all counted) over reply positions."""
+    inside = counted = 0
+    for b in batches:
+        mask = b.loss_mask[:, 1:]  # the token predicted at t is x_{t+1}
+        inside += int((b.signal.in_vocab[:, :-1] & mask).sum())
+        counted += int(mask.sum())
+    return inside, counted

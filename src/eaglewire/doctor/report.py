@@ -1,0 +1,86 @@
+"""The doctor's verdicts and how they are shown: terminal text and JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+VERDICTS = ("ok", "warn", "fail", "skip")
+
+
+@dataclass
+class Check:
+    name: str
+    verdict: str  # ok / warn / fail / skip
+    summary: str
+    evidence: list[str] = field(default_factory=list)
+    fix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r} is not one of {VERDICTS}")
+
+
+@dataclass
+class LayoutRow:
+    layout: list[int]
+    labels: list[str]  # why it is a candidate: declared, serving reading, shift, window
+    acc0: float
+    counted: int
+
+
+@dataclass
+class DoctorReport:
+    draft: str
+    target: str
+    checks: list[Check] = field(default_factory=list)
+    layouts: list[LayoutRow] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)  # sequences, counted tokens, seconds
+
+    def add(self, check: Check) -> Check:
+        self.checks.append(check)
+        return check
+
+    @property
+    def failed(self) -> bool:
+        return any(c.verdict == "fail" for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"draft": self.draft, "target": self.target, "ok": not self.failed,
+                "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
+                "facts": self.facts}
+
+    def render(self) -> str:
+        lines = [f"eaglewire doctor: draft {self.draft} on target {self.target}"]
+        if self.facts:
+            lines.append("  " + ", ".join(f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in self.facts.items()))
+        lines.append("")
+        width = max(len(c.name) for c in self.checks) if self.checks else 0
+        for c in self.checks:
+            lines.append(f"{c.verdict.upper():<5} {c.name:<{width}}  {c.summary}")
+            lines += [f"      {'':<{width}}  · {e}" for e in c.evidence]
+            if c.fix:
+                lines.append(f"      {'':<{width}}  fix: {c.fix}")
+        if self.layouts:
+            lines += ["", "layout sweep (draft acc@0 on held-out reply tokens, fed as in training)"]
+            best = max(r.acc0 for r in self.layouts)
+            for r in sorted(self.layouts, key=lambda r: -r.acc0):
+                mark = "  <- best" if r.acc0 == best else ""
+                lines.append(f"  {str(r.layout):<16} {r.acc0:6.3f}  {', '.join(r.labels)}{mark}")
+        fails = sum(c.verdict == "fail" for c in self.checks)
+        warns = sum(c.verdict == "warn" for c in self.checks)
+        lines += ["", f"{'FAILED' if fails else 'PASSED'}: {fails} failed, {warns} warning(s), "
+                      f"{sum(c.verdict == 'ok' for c in self.checks)} ok"]
+        return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.1f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)

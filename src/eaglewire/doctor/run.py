@@ -1,0 +1,328 @@
+"""``eaglewire doctor``: the standalone wiring test. Loads the draft, the target and held-out
+sequences, captures them once at every candidate boundary, and runs the checks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eaglewire.checkpoint import load_draft
+from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
+from eaglewire.doctor.layouts import candidate_layouts
+from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
+                                      stored_accuracy)
+from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
+from eaglewire.doctor.serving import (SERVING_ENGINES, config_fix, lint_flags, predicted_tau,
+                                      read_engine_config)
+from eaglewire.target import Target, load_target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DoctorConfig:
+    draft: str = field(metadata={"help": "draft directory (native eaglewire checkpoint)"})
+    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    data: str | None = field(default=None, metadata={"help": "shard directory (enables the capture drift check)"})
+    conversations: str | None = field(default=None, metadata={"help": "conversations (preset or file) to capture now"})
+    num_sequences: int = field(default=64, metadata={"help": "held-out sequences to measure on"})
+    max_length: int = field(default=160, metadata={"help": "tokens per sequence"})
+    offset: int = field(default=0, metadata={"help": "conversations: skip this many first (when the draft "
+                                                      "records no held-out ids)"})
+    include_training: bool = field(default=False, metadata={"help": "measure on any sequences, not only those "
+                                                                     "the draft held out from training"})
+    steps: int = field(default=3, metadata={"help": "draft steps measured in isolation (acc@0, cond acc@1..)"})
+    engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators"})
+    engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load"})
+    engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
+    sglang_rule: str | None = field(default=None, metadata={"help": "the SGLang rule in use (default: check both)"})
+    engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
+    engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
+    json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
+
+    def __post_init__(self) -> None:
+        if self.data and self.conversations:
+            raise ValueError("give --data (shards) or --conversations, not both")
+        if self.engine not in SERVING_ENGINES:
+            raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(SERVING_ENGINES)}")
+        for name in ("num_sequences", "max_length", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorReport:
+    start = time.perf_counter()
+    target = target or load_target(config.target)
+    draft, contract, draft_cfg = load_draft(config.draft)  # checked below, as a verdict, not an exception
+    draft = draft.to(target.device)
+    summary = draft_cfg.get("training") or {}
+    declared = list(contract.aux_boundaries)
+    L = target.num_layers
+    report = DoctorReport(draft=config.draft, target=config.target)
+
+    identity_ok = _check_identity(report, contract, target)
+    serving, serving_steps = _serving(report, config, declared, L)
+    sequences, source = _load_sequences(config, target, contract, summary, report)
+    if not sequences:
+        report.add(Check("data", "fail", "no held-out sequence with reply tokens to measure on",
+                         fix="pass --data SHARDS or --conversations FILE with assistant replies"))
+        return report
+    if not identity_ok:
+        return report  # the wrong target: every measurement below would be noise
+    layouts = candidate_layouts(declared, L, serving)
+    needed = sorted({b for layout in layouts for b in layout})
+    batches = capture_batches(target, draft, sequences, needed)
+
+    inside, counted = coverage(batches)
+    share = inside / max(counted, 1)
+    report.add(Check("vocab coverage", "ok" if share >= 0.85 else "warn",
+                     f"{share:.1%} of the target's next tokens on replies are in the draft vocabulary "
+                     f"({draft.config.draft_vocab_size:,} of {draft.config.vocab_size:,})",
+                     fix=None if share >= 0.85 else "retrain with a larger --draft-vocab-size"))
+
+    counts = isolation_accuracy(draft, batches, declared, steps=config.steps)
+    acc0, cond = counts[0].acc, [c.cond_acc for c in counts[1:]]
+    _check_accuracy(report, counts, summary, source)
+    _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
+    _check_drift(report, draft, batches, declared, L, config.steps, acc0)
+    _check_alignment(report, draft, batches, declared, acc0, counts[0].valid)
+    _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, serving_steps)
+
+    report.facts = {"held-out sequences": len(sequences), "reply tokens": counts[0].valid,
+                    "source": source, "seconds": round(time.perf_counter() - start, 1)}
+    if config.json:
+        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.json).write_text(json.dumps(report.to_dict(), indent=1))
+    return report
+
+
+# ------------------------------------------------------------------ checks
+
+def _check_identity(report: DoctorReport, contract: HiddenStateContract, target: Target) -> bool:
+    diff = contract.target.differences(target.fingerprint)
+    hard = {k: v for k, v in diff.items() if k not in SOFT_FIELDS}
+    fp = target.fingerprint
+    facts = (f"{fp.architecture}, {fp.num_layers} layers, hidden {fp.hidden_size}, vocab {fp.vocab_size:,}; "
+             "tokenizer, chat template and weights by hash")
+    if hard:
+        report.add(Check("identity", "fail", "the draft was trained for another target",
+                         [f"{k}: draft {a!r}, target {b!r}" for k, (a, b) in hard.items()],
+                         fix="serve the draft with the target it was trained on, or retrain it on this target"))
+        return False
+    soft = [f"{k}: draft {a!r}, target {b!r} (the drift check measures what this costs)" for k, (a, b) in diff.items()]
+    report.add(Check("identity", "warn" if soft else "ok", "the draft's contract matches the target" +
+                     (" except its precision" if soft else ""), soft or [facts]))
+    return True
+
+
+def _serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int
+             ) -> tuple[dict[str, list[int]], int]:
+    """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
+    the chain length it drafts, SGLang's default 5 when the flags do not say)."""
+    steps = 5
+    if config.engine_flags:
+        flags = lint_flags(config.engine, config.engine_flags, declared, L)
+        worst = "fail" if any(v == "fail" for v, _, _ in flags.problems) else (
+            "warn" if flags.problems else "ok")
+        report.add(Check("serving flags", worst,
+                         f"{config.engine} flags: " + ("nothing silently changed" if not flags.problems
+                                                        else f"{len(flags.problems)} problem(s)"),
+                         [what for _, what, _ in flags.problems], fix="; ".join(f for _, _, f in flags.problems) or None))
+        steps = flags.num_steps or steps
+    if config.engine == "eaglewire" and not config.engine_config:
+        return {"eaglewire": list(declared)}, steps
+    if not config.engine_config:
+        report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which boundaries "
+                         f"{config.engine} will capture", fix="pass the config.json the engine will load"))
+        return {}, steps
+    cfg = json.loads(Path(config.engine_config).read_text())
+    reading = read_engine_config(config.engine, cfg, L, declared, config.sglang_rule)
+    wrong = {label: b for label, b in reading.readings.items() if b != declared}
+    evidence = [f"{label} captures boundaries {b}" for label, b in reading.readings.items()] + reading.notes
+    if wrong:
+        report.add(Check("engine wiring", "fail",
+                         f"{config.engine} will feed the draft boundaries other than the {declared} it was trained on",
+                         evidence, fix=config_fix(config.engine, declared, L)))
+    else:
+        report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
+    return reading.readings, steps
+
+
+def _check_accuracy(report: DoctorReport, counts, summary: dict, source: str) -> None:
+    acc0 = counts[0].acc
+    evidence = [f"acc@0 {acc0:.3f}" + "".join(f", cond acc@{j} {c.cond_acc:.3f}" for j, c in enumerate(counts[1:], 1))
+                + f" over {counts[0].valid:,} reply tokens"]
+    recorded = (summary.get("final_eval") or {}).get("val_acc_0")
+    verdict = "ok"
+    if recorded is not None:
+        evidence.append(f"recorded at training time: acc@0 {recorded:.3f} on its own held-out split")
+        if acc0 < recorded - 0.1:
+            verdict = "warn"
+    report.add(Check("accuracy in isolation", verdict,
+                     f"acc@0 {acc0:.3f} fed exactly as in training ({source})", evidence,
+                     fix=None if verdict == "ok" else
+                     "the data differ from the training data, or the draft regressed; compare on the training "
+                     "shards (--data) to tell which"))
+
+
+def _tolerance(acc: float, n: int) -> float:
+    """Differences below this are noise: two binomial standard errors, at least 0.02."""
+    return max(0.02, 2 * math.sqrt(max(acc * (1 - acc), 1e-4) / max(n, 1)))
+
+
+def _check_layouts(report, draft, batches, layouts, declared, serving, acc0, n, config, L) -> None:
+    rows = []
+    for layout, labels in layouts.items():
+        acc = acc0 if list(layout) == declared else isolation_accuracy(draft, batches, list(layout), steps=1)[0].acc
+        rows.append(LayoutRow(list(layout), labels, round(acc, 4), n))
+    report.layouts = rows
+    best = max(rows, key=lambda r: r.acc0)
+    tol = _tolerance(best.acc0, n)
+    evidence = [f"best {best.layout} acc@0 {best.acc0:.3f}; declared {declared} {acc0:.3f}"]
+    if best.layout != declared and best.acc0 > acc0 + tol:
+        report.add(Check("layout sweep", "fail",
+                         f"the draft reads {best.layout} best, not the {declared} its contract declares",
+                         evidence, fix="the contract (or the data it was trained on) is mislabeled: re-capture with "
+                         f"--aux-boundaries {','.join(map(str, best.layout))} and retrain, or fix the recorded contract"))
+        return
+    bad = {label: b for label, b in serving.items() if b != declared}
+    if bad:
+        by_layout = {tuple(r.layout): r.acc0 for r in rows}
+        lines = [f"{label} feeds {b}: acc@0 {by_layout.get(tuple(b), float('nan')):.3f} instead of {acc0:.3f}"
+                 for label, b in bad.items()]
+        report.add(Check("layout sweep", "fail", f"the serving side feeds another layout than the best, {declared}",
+                         evidence + lines, fix=config_fix(config.engine, declared, L)))
+        return
+    report.add(Check("layout sweep", "ok", f"the declared layout {declared} is the best of {len(rows)} candidates",
+                     evidence))
+
+
+def _check_drift(report, draft, batches, declared, L, steps, acc0) -> None:
+    drift = capture_drift(batches, declared, L)
+    if not drift:
+        report.add(Check("capture drift", "skip", "needs the shards the draft was trained on (--data)"))
+        return
+    worst = min(d.cosine for d in drift)
+    evidence = [f"boundary {d.boundary}: cosine {d.cosine:.5f}, relative error {d.relative_error:.2e}" for d in drift]
+    stored = stored_accuracy(draft, batches, steps=1)[0].acc
+    evidence.append(f"acc@0 on the stored states {stored:.3f}, on states captured now {acc0:.3f}")
+    if worst >= 0.999:
+        report.add(Check("capture drift", "ok", "states captured now match those stored at training time", evidence))
+    else:
+        verdict = "warn" if worst >= 0.99 else "fail"
+        report.add(Check("capture drift", verdict, f"states captured now differ from training time "
+                         f"(lowest cosine {worst:.4f})", evidence,
+                         fix="serve the target in the precision and quantization the data was captured with, "
+                         "with the same norm placement (pre-norm states), or re-capture and retrain"))
+
+
+def _check_alignment(report, draft, batches, declared, acc0, n) -> None:
+    shifted = {s: isolation_accuracy(draft, batches, declared, steps=1, shift=s)[0].acc for s in (-1, 1)}
+    evidence = [f"states of position t{s:+d} at t: acc@0 {a:.3f} (aligned: {acc0:.3f})" for s, a in shifted.items()]
+    best = max(shifted, key=shifted.get)
+    if shifted[best] > acc0 + _tolerance(acc0, n):
+        report.add(Check("alignment", "fail", f"the draft predicts better with states shifted by {best:+d} token",
+                         evidence, fix="the training data paired tokens with the states of their neighbours; "
+                         "re-capture with `eaglewire prepare` and retrain"))
+    else:
+        report.add(Check("alignment", "ok", "tokens and states line up (no off-by-one position shift)", evidence))
+
+
+def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> None:
+    from eaglewire.data.regenerate import stop_token_ids
+    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+
+    predicted = predicted_tau(acc0, cond, steps)
+    if config.engine_prompts < 1:
+        report.add(Check("acceptance", "skip", f"predicted τ {predicted:.2f} for a chain of {steps}; "
+                         "measurement skipped (--engine-prompts 0)"))
+        return
+    decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1))
+    stop = set(stop_token_ids(target.tokenizer, target.model))
+    produced = passes = 0
+    for seq in sequences[:config.engine_prompts]:
+        _, stats = decoder.generate(seq.prompt_ids, max_new_tokens=config.engine_tokens, stop_token_ids=stop)
+        produced += sum(stats.accept_lengths)
+        passes += stats.rounds
+    measured = produced / max(passes, 1)
+    evidence = [f"predicted from acc@0 and cond acc: τ {predicted:.2f} (chain of {steps})",
+                f"measured by eaglewire's engine on {min(len(sequences), config.engine_prompts)} held-out prompts "
+                f"({produced} tokens): τ {measured:.2f}"]
+    gap = (measured - 1) / max(predicted - 1, 1e-9)
+    if predicted - 1 > 0.3 and gap < 0.5:
+        report.add(Check("acceptance", "fail", f"measured τ {measured:.2f} is far below the predicted {predicted:.2f}",
+                         evidence, fix="the draft is fine in isolation: look at the decoding path (positions, "
+                         "KV cache, tree masks, the states fed back after acceptance)"))
+    else:
+        verdict = "warn" if predicted - 1 > 0.3 and gap < 0.75 else "ok"
+        report.add(Check("acceptance", verdict, f"measured τ {measured:.2f}, predicted {predicted:.2f}", evidence))
+
+
+# ------------------------------------------------------------------ data
+
+def _load_sequences(config: DoctorConfig, target: Target, contract: HiddenStateContract, summary: dict,
+                    report: DoctorReport) -> tuple[list[Sequence], str]:
+    heldout = [] if config.include_training else list(summary.get("heldout_sequence_ids") or [])
+    data, conversations = config.data, config.conversations
+    if not data and not conversations:
+        trained_on = summary.get("data")
+        if trained_on and (Path(trained_on) / "manifest.json").exists():
+            data = trained_on
+        else:
+            conversations = trained_on if trained_on and not Path(trained_on).is_dir() else "sharegpt"
+    if data:
+        trained_on = summary.get("data")
+        unseen = bool(trained_on) and Path(trained_on).resolve() != Path(data).resolve()
+        return _from_shards(data, contract, heldout, config, report, unseen), f"shards {data}"
+    return _from_conversations(conversations, target, heldout, config), f"conversations {conversations}"
+
+
+def _from_shards(data: str, contract: HiddenStateContract, heldout: list[str], config: DoctorConfig,
+                 report: DoctorReport, unseen: bool) -> list[Sequence]:
+    """Held-out sequences: those the draft recorded as held out, or every sequence of shards
+    other than the training data (``unseen``)."""
+    from eaglewire.data.shards import ShardDataset
+
+    ds = ShardDataset(data)
+    same = list(ds.contract.aux_boundaries) == list(contract.aux_boundaries)
+    if not same:
+        report.add(Check("data", "warn", f"the shards hold boundaries {list(ds.contract.aux_boundaries)}, the draft "
+                         f"declares {list(contract.aux_boundaries)}", fix="measure on the shards the draft was "
+                         "trained on to enable the capture drift check"))
+    index = {sid: i for i, sid in enumerate(ds.sequence_ids)}
+    picked = [index[s] for s in heldout if s in index][:config.num_sequences]
+    if not picked:
+        picked = list(range(max(0, len(ds) - config.num_sequences), len(ds)))
+        if not (config.include_training or unseen):
+            report.add(Check("data", "warn", "the draft records no held-out sequences from these shards: "
+                             "measuring on the last ones, which training may have seen"))
+    out = []
+    for i in picked:
+        item = ds[i]
+        n = config.max_length
+        out.append(Sequence(ds.sequence_ids[i], item["input_ids"][:n].long(), item["loss_mask"][:n].bool(),
+                            item["aux_hidden"][:n] if same else None, item["last_hidden"][:n] if same else None))
+    return [s for s in out if bool(s.loss_mask[2:].any())]
+
+
+def _from_conversations(name: str, target: Target, heldout: list[str], config: DoctorConfig) -> list[Sequence]:
+    from eaglewire.data.conversations import load_conversations, tokenize_conversation
+    from eaglewire.data.prepare import resolve_data
+
+    convs, _ = load_conversations(resolve_data(name))
+    wanted = set(heldout)
+    chosen = [c for c in convs if c.id in wanted] or convs[config.offset:]
+    out = []
+    for conv in chosen:
+        seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length)
+        if sum(seq.loss_mask[2:]):
+            out.append(Sequence(seq.id, torch.tensor(seq.input_ids), torch.tensor(seq.loss_mask, dtype=torch.bool)))
+        if len(out) >= config.num_sequences:
+            break
+    return out

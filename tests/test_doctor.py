@@ -1,0 +1,172 @@
+"""The doctor: pure pieces on their own, then the three diagnoses on the real SmolLM2 target
+with small drafts trained here on the target's own replies."""
+
+import json
+
+import pytest
+
+from eaglewire.doctor.layouts import candidate_layouts
+from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.serving import lint_flags, predicted_tau, read_engine_config
+
+# ------------------------------------------------------------------ pure pieces
+
+
+def test_candidates_include_neighbours_engine_readings_and_windows():
+    layouts = candidate_layouts([0, 2, 15], 30, {"vllm": [2, 15, 27]})
+    assert layouts[(0, 2, 15)] == ["declared"]
+    assert "served by vllm" in layouts[(2, 15, 27)]
+    assert "last 3 of [0, 2, 15, 27]" in layouts[(2, 15, 27)]  # the motivating miswiring
+    assert "boundary 15 -> 16" in layouts[(0, 2, 16)]
+    assert "all +1" in layouts[(1, 3, 16)]
+    assert (-1, 1, 14) not in layouts  # boundaries outside [0, L] are not candidates
+
+
+def test_predicted_tau_of_a_chain():
+    assert predicted_tau(0.0, [0.9], 5) == 1.0
+    assert predicted_tau(1.0, [1.0], 5) == 6.0
+    # 1 + 0.5 + 0.5*0.8 + 0.5*0.8*0.8 (the last cond acc stands in for deeper steps)
+    assert predicted_tau(0.5, [0.8], 3) == pytest.approx(1 + 0.5 + 0.4 + 0.32)
+
+
+def test_sglang_reading_of_ids_in_the_other_convention():
+    reading = read_engine_config("sglang", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}},
+                                 30, [2, 15, 27])
+    assert sorted(reading.readings.values()) == [[2, 15, 27], [3, 16, 28]]  # the two SGLang rules disagree
+
+
+def test_sglang_ignores_top_level_ids_and_falls_back_silently():
+    reading = read_engine_config("sglang", {"eagle_aux_hidden_state_layer_ids": [0, 2, 15]}, 30, [0, 2, 15])
+    assert list(reading.readings.values()) == [[2, 15, 27]]
+    assert "top level" in reading.notes[0] and "falls back" in reading.notes[0]
+
+
+def test_vllm_reads_top_level_ids_verbatim():
+    reading = read_engine_config("vllm", {"eagle_aux_hidden_state_layer_ids": [0, 2, 15]}, 30, [0, 2, 15])
+    assert reading.readings == {"vllm": [0, 2, 15]}
+
+
+def test_lint_sglang_flags_it_would_silently_change():
+    flags = lint_flags("sglang", "--speculative-algorithm EAGLE3 --speculative-num-steps 5 "
+                       "--speculative-eagle-topk 1 --speculative-num-draft-tokens 8", [2, 15, 27], 30)
+    assert flags.num_steps == 5
+    [(verdict, what, fix)] = flags.problems
+    assert verdict == "warn" and "overrides" in what and fix == "--speculative-num-draft-tokens 6"
+
+
+def test_lint_sglang_cannot_capture_the_embedding_output():
+    flags = lint_flags("sglang", "--speculative-num-steps=3", [0, 2, 15], 30)
+    assert [v for v, _, _ in flags.problems] == ["fail"] and "boundary 0" in flags.problems[0][1]
+
+
+def test_lint_vllm_method():
+    flags = lint_flags("vllm", """--speculative-config '{"method": "eagle", "num_speculative_tokens": 4}'""",
+                       [2, 15, 27], 30)
+    assert flags.num_steps == 4 and flags.problems[0][0] == "fail" and '"eagle3"' in flags.problems[0][2]
+
+
+def test_report_exit_code_and_json():
+    report = DoctorReport(draft="d", target="t")
+    report.add(Check("identity", "ok", "fine"))
+    assert report.exit_code == 0 and "PASSED" in report.render()
+    report.add(Check("layout sweep", "fail", "wrong layers", ["evidence"], fix="do this"))
+    assert report.exit_code == 1
+    text = report.render()
+    assert "FAIL  layout sweep" in text and "fix: do this" in text and "FAILED: 1 failed" in text
+    assert json.loads(json.dumps(report.to_dict()))["ok"] is False
+
+
+def test_verdicts_are_checked():
+    with pytest.raises(ValueError, match="verdict"):
+        Check("x", "maybe", "?")
+
+
+# ------------------------------------------------------------------ real target, trained drafts
+
+PROMPTS = ["Name three primary colors.", "What is the capital of France?", "Write a haiku about rain.",
+           "Give me two tips for better sleep.", "What does a CPU do?", "Translate 'good morning' to Spanish.",
+           "List the planets closest to the sun.", "Why is the sky blue?", "How do I boil an egg?",
+           "What is 12 times 12?", "Suggest a name for a cat.", "What is photosynthesis?"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, smollm2_target):
+    """Two drafts on the target's own greedy replies: one reads [0, 2, 15], one [2, 15, 27]."""
+    from eaglewire.data.prepare import PrepareConfig, prepare
+    from eaglewire.train import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("doctor")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p},
+                                                                     {"role": "assistant", "content": "?"}]}) + "\n"
+                             for i, p in enumerate(PROMPTS)))
+    out = {}
+    data = str(chats)
+    for name, bounds in (("embed", [0, 2, 15]), ("default", [2, 15, 27])):
+        shards = root / f"data-{name}"
+        prepare(PrepareConfig(out=str(shards), data=data, aux_boundaries=bounds, max_length=96,
+                              regenerate=name == "embed", max_new_tokens=48), target=smollm2_target, progress=False)
+        data = str(root / "data-embed" / "regenerated.rank0.jsonl")  # the same replies for both layouts
+        draft = root / f"draft-{name}"
+        train(TrainConfig(out=str(draft), data=str(shards), ttt_steps=2, draft_vocab_size=1024, epochs=20,
+                          lr=3e-3, warmup_steps=5, batch_tokens=1200, val_sequences=1, eval_interval=1000,
+                          save_interval=1000, log_interval=1000), target=smollm2_target, progress=False)
+        out[name] = (str(draft), str(shards))
+    return out
+
+
+def _doctor(smollm2_target, draft, shards, **kw):
+    from eaglewire.doctor import DoctorConfig, run_doctor
+
+    config = DoctorConfig(draft=draft, data=shards, include_training=True, engine_prompts=2, engine_tokens=16, **kw)
+    report = run_doctor(config, target=smollm2_target)
+    return report, {c.name: c for c in report.checks}
+
+
+@pytest.mark.real
+def test_doctor_names_first_k_vs_last_k_miswiring_and_the_fix(tmp_path, trained, smollm2_target):
+    """Trained on [0, 2, 15], served [2, 15, 27]: the last three of four captured states."""
+    draft, shards = trained["embed"]
+    served = tmp_path / "config.json"
+    served.write_text(json.dumps({"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [2, 15, 27]}))
+    report, checks = _doctor(smollm2_target, draft, shards, engine="vllm", engine_config=str(served))
+    assert report.exit_code == 1
+    assert checks["engine wiring"].verdict == "fail" and "[2, 15, 27]" in " ".join(checks["engine wiring"].evidence)
+    assert "[0, 2, 15]" in checks["engine wiring"].fix
+    acc = {tuple(r.layout): r.acc0 for r in report.layouts}
+    # the declared layout is the best up to noise (a neighbouring layer reads almost alike) and
+    # far better than the served one
+    assert acc[(0, 2, 15)] >= max(acc.values()) - 0.02 and acc[(0, 2, 15)] > acc[(2, 15, 27)] + 0.1, acc
+    assert checks["layout sweep"].verdict == "fail"
+
+
+@pytest.mark.real
+def test_doctor_catches_an_sglang_vllm_off_by_one(tmp_path, trained, smollm2_target):
+    """vLLM-convention ids [2, 15, 27] in a SGLang config: older SGLang adds +1 -> [3, 16, 28]."""
+    draft, shards = trained["default"]
+    served = tmp_path / "config.json"
+    served.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}))
+    report, checks = _doctor(smollm2_target, draft, shards, engine="sglang", engine_config=str(served),
+                             sglang_rule="always_plus_one")
+    assert report.exit_code == 1
+    wiring = checks["engine wiring"]
+    assert wiring.verdict == "fail" and "[3, 16, 28]" in " ".join(wiring.evidence)
+    assert "[1, 14, 26]" in wiring.fix  # the ids that wire it right on every SGLang
+    acc = {tuple(r.layout): r.acc0 for r in report.layouts}
+    assert acc[(2, 15, 27)] > acc[(3, 16, 28)], acc
+
+
+@pytest.mark.real
+def test_doctor_passes_a_correctly_wired_draft(tmp_path, trained, smollm2_target):
+    from eaglewire.formats import export_draft
+
+    draft, shards = trained["default"]
+    export_draft(draft, "sglang", tmp_path / "sglang")
+    report, checks = _doctor(smollm2_target, draft, shards, engine="sglang",
+                             engine_config=str(tmp_path / "sglang" / "config.json"),
+                             engine_flags="--speculative-algorithm EAGLE3 --speculative-num-steps 3 "
+                                          "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+    assert report.exit_code == 0, report.render()
+    assert {c.verdict for c in report.checks} <= {"ok", "warn"}
+    assert checks["capture drift"].verdict == "ok" and checks["layout sweep"].verdict == "ok"
+    assert checks["acceptance"].verdict == "ok"
