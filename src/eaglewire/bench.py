@@ -1,0 +1,319 @@
+"""``eaglewire bench``: one target and one draft, several speculation configs (and HF
+baselines) on the same prompts; per config tokens/s, τ, per-position acceptance and time split.
+
+τ counts tokens per target verify pass, bonus included, as the engine's accept length does
+(the token the prefill produces is no verify pass's): 1.0 for plain decoding.
+  τ pooled       all requests' verify-pass tokens / all requests' verify passes
+  τ per-request  the mean over requests of each request's own τ (short replies weigh as much
+                 as long ones, so the two differ when acceptance varies with reply length)
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass, field, fields
+from functools import partial
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eaglewire.checkpoint import load_draft, read_draft_config
+from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder, check_spec_flags
+from eaglewire.decode.sampling import SamplingParams
+from eaglewire.decode.text import encode_prompt, stop_token_ids
+from eaglewire.prompts import Prompt, load_prompts
+from eaglewire.target import load_target
+
+
+COMPARE_METHODS = ("hf", "hf-pld")
+PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
+HELDOUT = "sharegpt-heldout"
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    draft: str | None = field(default=None, metadata={"help": "draft directory (needed by configs with steps > 0 and by sharegpt-heldout)"})
+    dataset: str = field(default="mt-bench", metadata={"help": f"mt-bench, humaneval, {HELDOUT} (the draft's held-out ShareGPT conversations) or a JSONL file"})
+    configs: str = field(default="1,0,0,0;1,5,1,6;1,6,4,24", metadata={"help": "';'-separated batch,steps,topk,draft-tokens; steps 0 = plain decoding (write 1,0,0,0)"})
+    compare: list[str] | None = field(default=None, metadata={"help": "baselines on the same prompts: hf (model.generate), hf-pld (prompt lookup decoding)"})
+    max_new_tokens: int = field(default=256, metadata={"help": "tokens generated per prompt at most"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples"})
+    num_prompts: int | None = field(default=None, metadata={"help": "use the first N prompts of the dataset"})
+    out: str | None = field(default=None, metadata={"help": "report directory; None: runs/bench/<dataset name>"})
+    warmup: int = field(default=1, metadata={"help": "untimed prompts run first for every config (kernels, caches)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed of prompt i is seed + i"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the draft's"})
+
+    def __post_init__(self) -> None:
+        runs = parse_configs(self.configs)
+        unknown = sorted(set(self.compare or ()) - set(COMPARE_METHODS))
+        if unknown:
+            raise ValueError(f"--compare {','.join(unknown)}: unknown baseline; choose from {', '.join(COMPARE_METHODS)}")
+        if self.compare and len(set(self.compare)) < len(self.compare):
+            raise ValueError(f"--compare {','.join(self.compare)} names a baseline twice")
+        for name, low in (("max_new_tokens", 1), ("num_prompts", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        speculative = [r.label for r in runs if r.spec is not None]
+        if self.draft is None and speculative:
+            raise ValueError(f"config {speculative[0]} speculates and needs a draft: give --draft DIR "
+                             "(or keep only steps-0 configs such as 1,0,0,0)")
+        if self.draft is None and self.dataset == HELDOUT:
+            raise ValueError(f"--dataset {HELDOUT} reads the held-out conversations recorded in the draft: give --draft DIR")
+
+    @property
+    def runs(self) -> list[RunConfig]:
+        return parse_configs(self.configs)
+
+    @property
+    def out_dir(self) -> Path:
+        name = self.dataset if self.dataset in ("mt-bench", "humaneval", HELDOUT) else Path(self.dataset).stem
+        return Path(self.out) if self.out else Path("runs/bench") / name
+
+    def command_line(self) -> str:
+        """The ``eaglewire bench`` command that reproduces this run (every value spelled out)."""
+        parts = ["eaglewire", "bench"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                parts += ["--" + f.name.replace("_", "-"), ",".join(value) if isinstance(value, list) else str(value)]
+        return shlex.join(parts)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    batch: int
+    steps: int
+    topk: int
+    draft_tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch},{self.steps},{self.topk},{self.draft_tokens}"
+
+    @property
+    def spec(self) -> SpecConfig | None:
+        """None: plain decoding (steps 0)."""
+        if self.steps == 0:
+            return None
+        return SpecConfig(num_steps=self.steps, topk=self.topk, num_draft_tokens=self.draft_tokens)
+
+
+def parse_configs(text: str) -> list[RunConfig]:
+    """``"1,0,0,0;1,5,1,6"`` -> RunConfigs; every inconsistency is an error naming the config."""
+    runs: list[RunConfig] = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        try:
+            values = [int(x) for x in part.replace(" ", "").split(",")]
+        except ValueError:
+            values = []
+        if len(values) != 4:
+            raise ValueError(f"config {part!r} is not batch,steps,topk,draft-tokens (four integers, e.g. 1,5,1,6); "
+                             "separate configs with ';'")
+        run = RunConfig(*values)
+        if run.batch != 1:
+            raise ValueError(f"config {part!r}: batch {run.batch} is not supported; the engine decodes one "
+                             f"sequence at a time, so use batch 1 ({RunConfig(1, *values[1:]).label})")
+        if run.steps == 0 and (run.topk, run.draft_tokens) != (0, 0):
+            raise ValueError(f"config {part!r}: steps 0 means no speculation, so topk and draft tokens "
+                             "must be 0 too; write 1,0,0,0")
+        if run.steps != 0:
+            try:
+                check_spec_flags(run.steps, run.topk, run.draft_tokens)
+            except ValueError as e:
+                raise ValueError(f"config {part!r} (batch,steps,topk,draft-tokens): {e}") from None
+        if run in runs:
+            raise ValueError(f"config {run.label} is given twice in --configs")
+        runs.append(run)
+    if not runs:
+        raise ValueError("--configs is empty; give e.g. '1,0,0,0;1,5,1,6'")
+    return runs
+
+
+# ------------------------------------------------------------------ metrics (pure)
+
+def tau_pooled(stats: list[GenerationStats]) -> float | None:
+    """All verify-pass tokens / all verify passes; None without any verify pass."""
+    passes = sum(s.rounds for s in stats)
+    return sum(sum(s.accept_lengths) for s in stats) / passes if passes else None
+
+
+def tau_per_request(stats: list[GenerationStats]) -> float | None:
+    """Mean over requests (with at least one verify pass) of each request's τ."""
+    taus = [s.accept_length for s in stats if s.rounds]
+    return sum(taus) / len(taus) if taus else None
+
+
+def position_acceptance(stats: list[GenerationStats]) -> list[float]:
+    """Share of all verify passes whose draft token at depth d+1 was accepted."""
+    passes = sum(s.rounds for s in stats)
+    depth = max((len(s.position_accepts) for s in stats), default=0)
+    return [sum(s.position_accepts[d] for s in stats if d < len(s.position_accepts)) / max(passes, 1)
+            for d in range(depth)]
+
+
+def time_split(stats: list[GenerationStats]) -> dict[str, float]:
+    """Seconds in draft / verify / prefill / other (the rest of the wall time), and the total."""
+    split = {k: sum(getattr(s, f"{k}_seconds") for s in stats) for k in ("draft", "verify", "prefill", "total")}
+    split["other"] = max(split["total"] - split["draft"] - split["verify"] - split["prefill"], 0.0)
+    return split
+
+
+@dataclass
+class Row:
+    """One report line: an engine config (plain / eagle3) or an HF baseline, over all prompts."""
+
+    name: str  # "1,5,1,6", or "hf" / "hf-pld"
+    method: str  # plain | eagle3 | hf | hf-pld
+    stats: list[GenerationStats]  # one per prompt
+    outputs: list[list[int]]  # new token ids per prompt
+
+    @property
+    def engine(self) -> bool:
+        return self.method in ("plain", "eagle3")
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(s.new_tokens for s in self.stats)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / max(sum(s.total_seconds for s in self.stats), 1e-9)
+
+
+def speedup(row: Row, rows: list[Row]) -> float | None:
+    """tokens/s relative to the run's plain (steps 0) row; None without one."""
+    plain = next((r for r in rows if r.method == "plain"), None)
+    return row.tokens_per_second / plain.tokens_per_second if plain and plain.tokens_per_second else None
+
+
+def same_output_as_plain(row: Row, rows: list[Row]) -> int | None:
+    """How many prompts got exactly the plain row's tokens; None without a plain row or for it."""
+    plain = next((r for r in rows if r.method == "plain"), None)
+    if plain is None or row is plain:
+        return None
+    return sum(a == b for a, b in zip(row.outputs, plain.outputs))
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    prompts: list[Prompt]
+    rows: list[Row]
+    command: str
+
+
+# ------------------------------------------------------------------ prompts
+
+def heldout_prompts(draft_config: dict, conversations: str | Path, limit: int | None = None) -> list[Prompt]:
+    """First user turns of the conversations a draft's training held out, in recorded order."""
+    from eaglewire.data.conversations import LoadReport, iter_conversations
+
+    training = draft_config.get("training") or {}
+    ids = training.get("heldout_sequence_ids")
+    if not ids:
+        raise ValueError("the draft records no held-out conversations (training.heldout_sequence_ids in its "
+                         "config.json; `eaglewire train` writes them); use --dataset mt-bench, humaneval or a JSONL file")
+    wanted = list(ids[:limit] if limit else ids)
+    found: dict[str, Prompt] = {}
+    for conv in iter_conversations(conversations, report=LoadReport(path=str(conversations))):
+        if conv.id in wanted and conv.id not in found:
+            user = next(m["content"] for m in conv.messages if m["role"] == "user")
+            found[conv.id] = Prompt(conv.id, user, True)
+            if len(found) == len(wanted):
+                break
+    missing = [i for i in wanted if i not in found]
+    if missing:
+        raise ValueError(f"{len(missing)} held-out conversation(s) of the draft (e.g. {missing[:3]}) are not in "
+                         f"{conversations}; the draft was trained on {training.get('data')!r}, not on this file")
+    return [found[i] for i in wanted]
+
+
+def bench_prompts(config: BenchConfig) -> list[Prompt]:
+    if config.dataset == HELDOUT:
+        from eaglewire.data.prepare import resolve_data
+
+        return heldout_prompts(read_draft_config(config.draft), resolve_data("sharegpt"), config.num_prompts)
+    return load_prompts(config.dataset, config.num_prompts)
+
+
+# ------------------------------------------------------------------ running
+
+def _hf_generate(target, ids: list[int], gen_config, seed: int) -> tuple[list[int], GenerationStats]:
+    """One seeded HF ``generate`` call, timed; τ does not apply (no verify passes recorded)."""
+    input_ids = torch.tensor([ids], device=target.device)  # [1, T]
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []), \
+            torch.inference_mode():
+        torch.manual_seed(seed)
+        out = target.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                    generation_config=gen_config)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    stopped = bool(new) and new[-1] in gen_config.eos_token_id
+    return new, GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), total_seconds=seconds,
+                                finish_reason="stop" if stopped else "length")
+
+
+def _hf_config(config: BenchConfig, stops: list[int], pad_id: int, pld: bool, max_new_tokens: int):
+    """Sampling set in full here, so the target's generation_config.json cannot change it."""
+    from transformers import GenerationConfig
+
+    common = dict(max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad_id, num_beams=1,
+                  min_length=0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                  prompt_lookup_num_tokens=PLD_TOKENS if pld else None)
+    if config.temperature == 0:
+        return GenerationConfig(do_sample=False, **common)
+    return GenerationConfig(do_sample=True, temperature=config.temperature, top_p=1.0, top_k=0, **common)
+
+
+def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> BenchResult:
+    """Load the target and draft once, then run every config and baseline on the same prompts."""
+    prompts = bench_prompts(config)
+    target = target or load_target(config.target, device=config.device)
+    draft = contract = None
+    if any(r.spec is not None for r in config.runs):
+        draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
+                                        device=target.device)
+    tok = target.tokenizer
+    encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
+    stops = stop_token_ids(tok, target.model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+
+    def engine(decoder: SpecDecoder, i: int, ids: list[int], max_new: int):
+        sampling = SamplingParams(temperature=config.temperature, seed=config.seed + i)
+        return decoder.generate(ids, max_new_tokens=max_new, sampling=sampling, stop_token_ids=set(stops))
+
+    def hf(pld: bool, i: int, ids: list[int], max_new: int):
+        return _hf_generate(target, ids, _hf_config(config, stops, pad_id, pld, max_new), config.seed + i)
+
+    jobs = []  # (row name, method, generate(prompt index, ids, max new tokens) -> (tokens, stats))
+    for run in config.runs:
+        decoder = SpecDecoder(target) if run.spec is None else SpecDecoder(target, draft, contract, run.spec)
+        jobs.append((run.label, "plain" if run.spec is None else "eagle3", partial(engine, decoder)))
+    for method in config.compare or ():
+        jobs.append((method, method, partial(hf, method == "hf-pld")))
+
+    for _, _, generate in jobs:
+        for i, ids in enumerate(encoded[:config.warmup]):
+            generate(i, ids, min(16, config.max_new_tokens))
+    # Prompt-major: every config runs each prompt back to back, so a busy neighbour or a
+    # thermal drift on a shared machine hits all configs alike (ratios stay honest).
+    results: list[list[tuple[list[int], GenerationStats]]] = [[] for _ in jobs]
+    for i, ids in enumerate(tqdm(encoded, desc="bench", unit="prompt", disable=not progress)):
+        for j, (_, _, generate) in enumerate(jobs):
+            results[j].append(generate(i, ids, config.max_new_tokens))
+    rows = [Row(name, method, [st for _, st in res], [toks for toks, _ in res])
+            for (name, method, _), res in zip(jobs, results)]
+    return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
