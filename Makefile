@@ -13,14 +13,14 @@ $(BIN)/eaglewire: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# The main job on the embedded default target (grows into the full quickstart).
+# The main job on the embedded default target: data, draft, doctor, bench, one summary.
 quickstart: $(BIN)/eaglewire
-	$(BIN)/eaglewire --threads $(THREADS) prepare --target smollm2-135m --data sharegpt \
-		--num-conversations 64 --max-length 1024 --out runs/quickstart/data
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/eaglewire --threads $(THREADS) quickstart --out runs/quickstart
 
 test: $(BIN)/eaglewire
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/pytest -q
 
 bench: $(BIN)/eaglewire
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/capture_throughput.py
-	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/prepare_cost.py
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/train_step.py --threads $(THREADS)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/engine_speed.py --threads $(THREADS)

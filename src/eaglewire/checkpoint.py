@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglewire.contract import ContractError, HiddenStateContract
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.presets import resolve_draft
 
 CHECKPOINT_FORMAT = "eaglewire-eagle3"
 CHECKPOINT_VERSION = 1
@@ -53,7 +54,7 @@ def save_draft(out_dir: str | Path, draft: Eagle3Draft, contract: HiddenStateCon
 
 
 def read_draft_config(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+    path = resolve_draft(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path} is not a draft directory: no config.json "
@@ -74,6 +75,7 @@ def load_draft(path: str | Path, *, target=None, allow: set[str] | frozenset[str
     different target is a ContractError naming the differing fields (``allow`` lets
     deliberate differences through as warnings).
     """
+    path = resolve_draft(path)
     config = read_draft_config(path)
     contract = HiddenStateContract.from_dict(config["contract"])
     if target is not None:

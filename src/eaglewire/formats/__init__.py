@@ -29,6 +29,7 @@ from eaglewire.checkpoint import CHECKPOINT_FORMAT, atomic_write_text, read_draf
 from eaglewire.contract import (SGLANG_RULE_VERSIONS, SGLANG_RULES, ContractError, HiddenStateContract,
                                 default_aux_boundaries, from_engine, sglang_ambiguity, to_engine)
 from eaglewire.draft import DraftConfig
+from eaglewire.presets import resolve_draft
 from eaglewire.formats import eagle, sglang, specforge, speculators
 from eaglewire.formats.eagle import FormatError
 from eaglewire.target import Target, load_target
@@ -260,7 +261,7 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, sglang_
     _check_choice(sglang_rule, SGLANG_RULES, "sglang_rule")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps {num_steps!r} must be an integer >= 1 (draft tokens per step)")
-    src, out = Path(draft_dir), Path(out_dir)
+    src, out = resolve_draft(draft_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise ValueError(f"the output directory {out} is the draft being exported; choose another")
     config = read_draft_config(src)

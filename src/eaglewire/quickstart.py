@@ -1,0 +1,141 @@
+"""``eaglewire quickstart``: the whole pipeline on the embedded default, in one command.
+
+fetch target + data -> regenerate a small ShareGPT slice with the target's own replies ->
+capture -> train a draft within a time budget -> doctor -> bench on MT-bench -> one summary
+table and a report folder. Every stage records itself in ``stages.json``; a re-run reuses
+finished stages and resumes an interrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eaglewire.target import Target, load_target
+
+log = logging.getLogger(__name__)
+
+STAGES_FILE = "stages.json"
+TOKENS_PER_SECOND_ESTIMATE = 250  # CPU training, 2 threads, ttt 3: sizes the epochs to the budget
+
+
+@dataclass(kw_only=True)
+class QuickstartConfig:
+    out: str = field(default="runs/quickstart", metadata={"help": "report folder (data, draft, doctor, bench, summary)"})
+    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    data: str = field(default="sharegpt", metadata={"help": "conversations: preset or file"})
+    num_conversations: int = field(default=48, metadata={"help": "conversations regenerated and captured"})
+    max_length: int = field(default=512, metadata={"help": "tokens per training sequence"})
+    max_new_tokens: int = field(default=128, metadata={"help": "reply length when regenerating"})
+    minutes: float = field(default=20.0, metadata={"help": "training time budget"})
+    ttt_steps: int = field(default=3, metadata={"help": "training-time-test steps"})
+    draft_vocab_size: int = field(default=8192, metadata={"help": "draft vocabulary size"})
+    bench_dataset: str = field(default="mt-bench", metadata={"help": "prompts for the benchmark"})
+    bench_prompts: int = field(default=8, metadata={"help": "prompts benchmarked"})
+    bench_tokens: int = field(default=128, metadata={"help": "new tokens per benchmark prompt"})
+    bench_configs: str = field(default="1,0,0,0;1,4,1,5;1,4,4,8", metadata={"help": "bench --configs"})
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0:
+            raise ValueError(f"--minutes must be > 0, got {self.minutes}")
+        for name in ("num_conversations", "max_length", "max_new_tokens", "bench_prompts", "bench_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+class Stages:
+    """``stages.json``: what each finished stage produced (re-runs skip those)."""
+
+    def __init__(self, out: Path, config: QuickstartConfig) -> None:
+        self.path = out / STAGES_FILE
+        self.done: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        if self.done.get("config", asdict(config)) != asdict(config):
+            raise ValueError(f"{out} holds a quickstart with other settings; use another --out or delete it")
+        self.done["config"] = asdict(config)
+
+    def record(self, name: str, result: dict[str, Any]) -> None:
+        self.done[name] = result
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.done, indent=1))
+        tmp.replace(self.path)
+
+
+def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, progress: bool = True) -> dict[str, Any]:
+    from eaglewire.bench import BenchConfig, run_bench
+    from eaglewire.bench_report import write_report
+    from eaglewire.data.prepare import PrepareConfig, prepare
+    from eaglewire.doctor import DoctorConfig, run_doctor
+    from eaglewire.train import TrainConfig, train
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = Stages(out, config)
+    target = target or load_target(config.target)
+    data, draft = out / "data", out / "draft"
+
+    if "prepare" not in stages.done:
+        _banner("1/4 prepare: the target regenerates the replies, then its states are captured")
+        s = prepare(PrepareConfig(out=str(data), target=config.target, data=config.data,
+                                  num_conversations=config.num_conversations, max_length=config.max_length,
+                                  regenerate=True, max_new_tokens=config.max_new_tokens),
+                    target=target, progress=progress)
+        stages.record("prepare", {"sequences": s.sequences, "tokens": s.tokens, "reply_tokens": s.loss_tokens,
+                                  "seconds": round(s.seconds, 1)})
+    if "train" not in stages.done:
+        _banner(f"2/4 train: a draft within {config.minutes:g} minutes (re-run to resume)")
+        tokens = stages.done["prepare"]["tokens"]
+        epochs = max(1, math.floor(config.minutes * 60 * TOKENS_PER_SECOND_ESTIMATE / max(tokens, 1)))
+        r = train(TrainConfig(out=str(draft), target=config.target, data=str(data), ttt_steps=config.ttt_steps,
+                              draft_vocab_size=config.draft_vocab_size, epochs=epochs, minutes=config.minutes,
+                              lr=1e-3, batch_tokens=2048, val_sequences=4, eval_interval=50, save_interval=25,
+                              resume=(draft / "train_state.pt").exists()),
+                  target=target, progress=progress)
+        stages.record("train", {"steps": r.steps, "epochs": round(r.epochs_done, 2), "tokens": r.train_tokens,
+                                "seconds": round(r.seconds, 1), "finished": r.finished, **r.final_eval})
+    if "doctor" not in stages.done:
+        _banner("3/4 doctor: is the draft wired as it was trained?")
+        report = run_doctor(DoctorConfig(draft=str(draft), target=config.target, data=str(data),
+                                         json=str(out / "doctor.json")), target=target)
+        (out / "doctor.txt").write_text(report.render() + "\n")
+        print(report.render())
+        stages.record("doctor", {"ok": not report.failed,
+                                 "verdicts": {c.name: c.verdict for c in report.checks}})
+    if "bench" not in stages.done:
+        _banner(f"4/4 bench: {config.bench_prompts} {config.bench_dataset} prompts, with and without the draft")
+        bc = BenchConfig(target=config.target, draft=str(draft), dataset=config.bench_dataset,
+                         configs=config.bench_configs, num_prompts=config.bench_prompts,
+                         max_new_tokens=config.bench_tokens, out=str(out / "bench"))
+        result = run_bench(bc, target=target, progress=progress)
+        write_report(result, bc.out_dir)
+        stages.record("bench", json.loads((bc.out_dir / "bench.json").read_text())["rows"])
+    summary = summary_rows(stages.done)
+    text = "\n".join(f"| {k} | {v} |" for k, v in summary)
+    (out / "summary.md").write_text(f"# eaglewire quickstart\n\n| stage | result |\n|---|---|\n{text}\n")
+    return stages.done
+
+
+def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
+    p, t, d = done["prepare"], done["train"], done["doctor"]
+    rows = [("data", f"{p['sequences']} sequences, {p['tokens']:,} tokens ({p['reply_tokens']:,} reply tokens), "
+                     f"{p['seconds']:,.0f} s"),
+            ("training", f"{t['steps']} steps, {t['tokens']:,} tokens, {t['seconds']:,.0f} s"
+                         + ("" if t["finished"] else " (time budget reached)")),
+            ("held-out acc@0 / cond acc@1", f"{t.get('val_acc_0', 0):.3f} / {t.get('val_cond_acc_1', 0):.3f}"),
+            ("doctor", ("passed" if d["ok"] else "FAILED") + ": "
+             + ", ".join(f"{k} {v}" for k, v in d["verdicts"].items()))]
+    for row in done["bench"]:
+        tau = f", τ {row['tau_pooled']:.2f}" if row.get("tau_pooled") else ""
+        speed = f", {row['speedup']:.2f}x" if row.get("speedup") else ""
+        rows.append((f"bench {row['name']}", f"{row['tokens_per_second']:.1f} tok/s{tau}{speed}"))
+    return rows
+
+
+def _banner(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+    log.info("%s", text)
+    time.sleep(0)  # keep the banner ahead of the stage's progress bars
