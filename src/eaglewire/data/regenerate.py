@@ -11,6 +11,13 @@ Terms:
                dropped; a conversation cut before its first turn is *dropped* (not written, so a
                resumed run tries it again)
 
+Generation: a turn of a batch is one batched generation. Llama-family targets (model types in
+``runner.LEAN_MODEL_TYPES``) use the batched lean decoder (``decode.batched.BatchedDecoder``,
+weights prepared once per ``regenerate`` call); other architectures use HF ``generate``. Both
+stop a reply at the first stop token and strip it (``split_reply``). Greedy replies agree
+between the two (up to fp32 near-ties); sampled replies are reproducible from the seed on either
+path but differ between them (each draws its random numbers its own way).
+
 Shapes: B conversations in flight, T prompt tokens (left padded), N new tokens.
 """
 
@@ -209,6 +216,7 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
                          "regenerate cannot tell where a reply ends")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     gen_config = _generation_config(config, stop_ids, pad_id)
+    decoder = _lean_decoder(target)
     report = RegenerateReport()
     start = time.perf_counter()
     total = len(conversations) if hasattr(conversations, "__len__") else None
@@ -219,7 +227,7 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
             pending = _admit(batch, resumed, started, report)
             if pending:
                 with _seeded(config.seed + index, target.device):
-                    _run_batch(target, pending, config, gen_config, stop_ids, report)
+                    _run_batch(target, pending, config, gen_config, stop_ids, report, decoder)
                 _write(out, pending, report)
             bar.update(len(batch))
             report.seconds = time.perf_counter() - start
@@ -228,6 +236,18 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
     report.tokens_per_second = report.new_tokens / report.seconds if report.seconds > 0 else 0.0
     log.info("%s", report.summary())
     return report
+
+
+def _lean_decoder(target: Any) -> Any:
+    """The batched lean decoder where the target's architecture has a lean forward, else None."""
+    from eaglewire.decode.batched import BatchedDecoder
+    from eaglewire.decode.runner import LEAN_MODEL_TYPES
+
+    config = getattr(target.model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "model_type", None) not in LEAN_MODEL_TYPES:
+        return None
+    return BatchedDecoder(target)
 
 
 def _check_tokenizer(target: Any) -> Any:
@@ -292,10 +312,10 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def _run_batch(target: Any, pending: list[_Pending], config: RegenerateConfig, gen_config: Any,
-               stop_ids: list[int], report: RegenerateReport) -> None:
+               stop_ids: list[int], report: RegenerateReport, decoder: Any = None) -> None:
     """Advance all conversations of one batch turn by turn until each is done."""
     while active := _next_prompts(target.tokenizer, pending, config):
-        replies = _generate(target, [ids for _, _, ids in active], gen_config, stop_ids)
+        replies = _generate(target, [ids for _, _, ids in active], gen_config, stop_ids, decoder)
         for (p, prompt, _), (tokens, stopped) in zip(active, replies):
             report.new_tokens += len(tokens) + stopped
             text = target.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -330,9 +350,15 @@ def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _generate(target: Any, prompt_ids: list[list[int]], gen_config: Any,
-              stop_ids: list[int]) -> list[tuple[list[int], bool]]:
-    """One batched ``generate``; per prompt (reply tokens without the stop token, stopped)."""
+def _generate(target: Any, prompt_ids: list[list[int]], gen_config: Any, stop_ids: list[int],
+              decoder: Any = None) -> list[tuple[list[int], bool]]:
+    """One batched generation; per prompt (reply tokens without the stop token, stopped).
+
+    With ``decoder`` (a ``BatchedDecoder``) the lean batched decoder runs, seeded from torch's
+    RNG (seeded per batch by the caller); without, HF ``generate``.
+    """
+    if decoder is not None:
+        return _generate_lean(decoder, prompt_ids, gen_config, stop_ids)
     width = max(len(ids) for ids in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), gen_config.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)  # [B, T]
@@ -345,6 +371,19 @@ def _generate(target: Any, prompt_ids: list[list[int]], gen_config: Any,
                                     generation_config=gen_config)
     new = out[:, width:].tolist()  # [B, N]; rows that stopped early are padded after the stop
     return [split_reply(tokens, stop_ids) for tokens in new]
+
+
+def _generate_lean(decoder: Any, prompt_ids: list[list[int]], gen_config: Any,
+                   stop_ids: list[int]) -> list[tuple[list[int], bool]]:
+    """``_generate`` with the batched lean decoder and the same sampling settings as gen_config."""
+    from eaglewire.decode.sampling import SamplingParams
+
+    sampling, seed = SamplingParams(), 0
+    if gen_config.do_sample:
+        sampling = SamplingParams(temperature=gen_config.temperature, top_p=gen_config.top_p)
+        seed = int(torch.randint(0, 2**62, ()))  # from the batch's seeded RNG: reproducible
+    return decoder.generate(prompt_ids, max_new_tokens=gen_config.max_new_tokens,
+                            stop_token_ids=stop_ids, sampling=sampling, seed=seed)
 
 
 def _write(out: Any, pending: list[_Pending], report: RegenerateReport) -> None:

@@ -84,6 +84,24 @@ class _Layer:
         self.w_down = _kn(mlp.down_proj.weight, dtype)
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
 
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nH: int, nKV: int, hd: int):
+        """h [N, H]; cos/sin [N, hd] -> q [nH, N, hd], k/v [nKV, N, hd], normed (Qwen3) and rotated."""
+        N, nq, nk = h.shape[0], nH * hd, nKV * hd
+        qkv = _matmul(self.ln1(h), self.wqkv, self.bqkv)  # [N, (nH+2nKV)*hd]
+        q = qkv[:, :nq].view(N, nH, hd).transpose(0, 1)  # [nH, N, hd]
+        k = qkv[:, nq:nq + nk].view(N, nKV, hd).transpose(0, 1)  # [nKV, N, hd]
+        v = qkv[:, nq + nk:].view(N, nKV, hd).transpose(0, 1)  # [nKV, N, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def out_mlp(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """h [N, H] residual; attn [N, nH*hd] the heads' outputs -> h [N, H] after o_proj and the MLP."""
+        h = h + _matmul(attn, self.wo)  # [N, H]
+        gu = _matmul(self.ln2(h), self.w_gate_up)  # [N, 2I]
+        gate, up = gu.chunk(2, dim=-1)
+        return h + _matmul(F.silu(gate) * up, self.w_down)  # [N, H]
+
 
 class LeanRunner:
     """A lean KV-cached forward for Llama-family targets, sharing the target's weights."""
@@ -132,26 +150,15 @@ class LeanRunner:
         elif N > 1:
             mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
         seen: dict[int, torch.Tensor] = {}
-        nq, nk = self.nH * self.hd, self.nKV * self.hd
         for i, layer in enumerate(self.layers):
             seen[i] = h
-            x = layer.ln1(h)
-            qkv = _matmul(x, layer.wqkv, layer.bqkv)  # [N, (nH+2nKV)*hd]
-            q = qkv[:, :nq].view(N, self.nH, self.hd).transpose(0, 1)  # [nH, N, hd]
-            k = qkv[:, nq:nq + nk].view(N, self.nKV, self.hd).transpose(0, 1)  # [nKV, N, hd]
-            v = qkv[:, nq + nk:].view(N, self.nKV, self.hd).transpose(0, 1)  # [nKV, N, hd]
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = layer.qkv(h, cos, sin, self.nH, self.nKV, self.hd)  # [nH|nKV, N, hd]
             self.k_cache[i, :, P:P + N] = k
             self.v_cache[i, :, P:P + N] = v
             attn = F.scaled_dot_product_attention(
                 q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], attn_mask=mask,
                 scale=self.scale, enable_gqa=self.nH != self.nKV)  # [nH, N, hd]
-            h = h + _matmul(attn.transpose(0, 1).reshape(N, nq), layer.wo)  # [N, H]
-            gu = _matmul(layer.ln2(h), layer.w_gate_up)  # [N, 2I]
-            gate, up = gu.chunk(2, dim=-1)
-            h = h + _matmul(F.silu(gate) * up, layer.w_down)
+            h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, self.nH * self.hd))  # [N, H]
         seen[len(self.layers)] = h
         aux = torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, k*H]
         return h, aux
