@@ -124,3 +124,16 @@ def test_speculative_sampling_matches_the_target_distribution():
     chi2 = float(((observed - expect) ** 2 / expect.clamp(min=1e-9)).sum())
     dof = int(keep.sum())  # cells - 1, the pooled cell included
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)  # ~p 0.001 for this many dof
+
+
+@pytest.mark.parametrize("lean", [None, False])
+def test_a_decoder_serves_request_after_request(lean):
+    """The target runner is made once and reset per request: a second, different prompt and
+    then the first again decode exactly as on fresh decoders."""
+    target = tiny_target("llama", initializer_range=0.2)
+    draft, contract = random_draft(target)
+    spec = SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
+    prompts = [[5, 9, 17, 3], [100, 2, 8, 8, 41, 7, 1]]
+    fresh = [SpecDecoder(target, draft, contract, spec, lean=lean).generate(p, max_new_tokens=12)[0] for p in prompts]
+    decoder = SpecDecoder(target, draft, contract, spec, lean=lean)
+    assert [decoder.generate(p, max_new_tokens=12)[0] for p in prompts + prompts[:1]] == fresh + fresh[:1]

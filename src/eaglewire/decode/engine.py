@@ -110,6 +110,7 @@ class SpecDecoder:
         self.target, self.draft, self.spec = target, draft, spec or SpecConfig()
         self.boundaries = list(contract.aux_boundaries) if draft is not None else [target.num_layers]
         self.lean = lean  # None: the lean forward where the architecture has one
+        self._target_runner = None  # made at the first request
         if draft is not None:
             self.draft = draft.to(target.device).eval()
             self.draft_dtype = next(draft.parameters()).dtype
@@ -117,6 +118,14 @@ class SpecDecoder:
         self.stats = GenerationStats()
 
     # -- target side -------------------------------------------------------
+
+    def _runner(self):
+        """One runner per decoder, reset per request: the lean runner's weight copies are
+        made once, not per request (the engine serves one sequence at a time)."""
+        if self._target_runner is None:
+            self._target_runner = make_runner(self.target, self.boundaries, lean=self.lean)
+        self._target_runner.reset()
+        return self._target_runner
 
     def _embed(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.target.device)
@@ -201,7 +210,7 @@ class SpecDecoder:
         if self.draft is not None:
             stats.position_accepts = [0] * self.spec.num_steps
         start = time.perf_counter()
-        runner = make_runner(self.target, self.boundaries, lean=self.lean)
+        runner = self._runner()
         P = len(prompt_ids)
         last, aux = runner.forward(torch.tensor(prompt_ids), torch.arange(P), None)
         runner.commit(list(range(P)))

@@ -31,6 +31,13 @@ class HFRunner:
         self.cache = DynamicCache(config=target.model.config)
         self.length = 0
 
+    def reset(self) -> None:
+        """Forget every token: the runner serves a new sequence."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.target.model.config)
+        self.length = 0
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
         """ids/positions [N]; mask [N, P+N] bool or None (causal) -> (last [N, H], aux [N, k*H])."""
         dev = self.target.device
@@ -124,6 +131,10 @@ class LeanRunner:
         self.length = 0
         self.lm_head = _kn(target.model.get_output_embeddings().weight, dtype)  # [H, V]
         self.norm = target.decoder.norm
+
+    def reset(self) -> None:
+        """Forget every token: the runner (and its transposed weights) serves a new sequence."""
+        self.length = 0
 
     def _grow(self, need: int) -> None:
         size = self.k_cache.shape[2]
