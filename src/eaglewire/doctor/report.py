@@ -68,8 +68,9 @@ class DoctorReport:
         if self.layouts:
             lines += ["", "layout sweep (draft acc@0 on held-out reply tokens, fed as in training)"]
             best = max(r.acc0 for r in self.layouts)
+            tied = best == min(r.acc0 for r in self.layouts)  # nothing to tell apart
             for r in sorted(self.layouts, key=lambda r: -r.acc0):
-                mark = "  <- best" if r.acc0 == best else ""
+                mark = "  <- best" if r.acc0 == best and not tied else ""
                 lines.append(f"  {str(r.layout):<16} {r.acc0:6.3f}  {', '.join(r.labels)}{mark}")
         fails = sum(c.verdict == "fail" for c in self.checks)
         warns = sum(c.verdict == "warn" for c in self.checks)
