@@ -30,3 +30,12 @@ def chat_tiny_target(smollm2_tokenizer):
 
     return tiny_target("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer,
                        num_layers=8, hidden_size=64, initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory, chat_tiny_target):
+    """The tiny chat target saved as a transformers directory (a --target for the CLI)."""
+    path = tmp_path_factory.mktemp("target")
+    chat_tiny_target.model.save_pretrained(path)
+    chat_tiny_target.tokenizer.save_pretrained(path)
+    return path

@@ -102,14 +102,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, chat_tiny_target):
-    path = tmp_path_factory.mktemp("target")
-    chat_tiny_target.model.save_pretrained(path)
-    chat_tiny_target.tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, chat_tiny_target):
     from eaglewire.contract import HiddenStateContract
     from eaglewire.draft import DraftConfig, Eagle3Draft

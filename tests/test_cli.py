@@ -9,14 +9,6 @@ from eaglewire.cli import main
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, chat_tiny_target):
-    path = tmp_path_factory.mktemp("target")
-    chat_tiny_target.model.save_pretrained(path)
-    chat_tiny_target.tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def chats(tmp_path_factory):
     path = tmp_path_factory.mktemp("chats") / "chats.json"
     records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Count to {i}."},

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,4 +137,3 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
 def _banner(text: str) -> None:
     print(f"\n== {text}", flush=True)
     log.info("%s", text)
-    time.sleep(0)  # keep the banner ahead of the stage's progress bars

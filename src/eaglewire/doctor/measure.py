@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglewire.capture import capture
+from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.sources import pad_right
 from eaglewire.draft import Eagle3Draft
 from eaglewire.target import Target
+from eaglewire.train import vocab_coverage
 from eaglewire.ttt import StepCounts, TargetSignal, target_signal, ttt_unroll
 
 
@@ -52,8 +54,7 @@ def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence
     boundaries = sorted(set(boundaries) - {target.num_layers})  # boundary L comes with every capture
     H = target.hidden_size
     out = []
-    order = sorted(sequences, key=lambda s: len(s.input_ids))
-    for batch in _by_tokens(order, batch_tokens):
+    for batch in batches_by_tokens(sequences, batch_tokens):
         T = max(len(s.input_ids) for s in batch)
         ids = pad_right([s.input_ids for s in batch], T)  # [B, T]
         got = capture(target, ids, boundaries)  # right padding: causal attention needs no mask
@@ -70,17 +71,6 @@ def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence
             stored_last=pad_right([s.stored_last.float() for s in batch], T) if stored[0] is not None else None,
             lengths=[len(s.input_ids) for s in batch]))
     return out
-
-
-def _by_tokens(seqs: list[Sequence], batch_tokens: int):
-    batch: list[Sequence] = []
-    for s in seqs:
-        if batch and (len(batch) + 1) * len(s.input_ids) > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(s)
-    if batch:
-        yield batch
 
 
 def shift_positions(x: torch.Tensor, shift: int) -> torch.Tensor:
@@ -102,21 +92,20 @@ def isolation_accuracy(draft: Eagle3Draft, batches: list[EvalBatch], layout: lis
 
     ``shift`` feeds the states of position t + shift at t (an alignment probe).
     """
-    total = [StepCounts() for _ in range(steps)]
-    for b in batches:
-        aux = torch.cat([b.states[x] for x in layout], dim=-1)  # [B, T, k*H]
-        _, counts = ttt_unroll(draft, b.emb, shift_positions(aux, shift), b.loss_mask, b.signal, ttt_steps=steps)
-        for t, c in zip(total, counts):
-            t.add(c)
-    return total
+    return _unrolled_counts(draft, batches, steps, lambda b: shift_positions(
+        torch.cat([b.states[x] for x in layout], dim=-1), shift))  # [B, T, k*H]
 
 
 @torch.no_grad()
 def stored_accuracy(draft: Eagle3Draft, batches: list[EvalBatch], *, steps: int) -> list[StepCounts]:
     """The same measurement on the states stored at training time (shards)."""
+    return _unrolled_counts(draft, batches, steps, lambda b: b.stored_aux)
+
+
+def _unrolled_counts(draft: Eagle3Draft, batches: list[EvalBatch], steps: int, aux_of) -> list[StepCounts]:
     total = [StepCounts() for _ in range(steps)]
     for b in batches:
-        _, counts = ttt_unroll(draft, b.emb, b.stored_aux, b.loss_mask, b.signal, ttt_steps=steps)
+        _, counts = ttt_unroll(draft, b.emb, aux_of(b), b.loss_mask, b.signal, ttt_steps=steps)
         for t, c in zip(total, counts):
             t.add(c)
     return total
@@ -152,9 +141,5 @@ def capture_drift(batches: list[EvalBatch], layout: list[int], last_boundary: in
 
 def coverage(batches: list[EvalBatch]) -> tuple[int, int]:
     """(target next tokens inside the draft vocab, all counted) over reply positions."""
-    inside = counted = 0
-    for b in batches:
-        mask = b.loss_mask[:, 1:]  # the token predicted at t is x_{t+1}
-        inside += int((b.signal.in_vocab[:, :-1] & mask).sum())
-        counted += int(mask.sum())
-    return inside, counted
+    pairs = [vocab_coverage(b.signal.in_vocab, b.loss_mask) for b in batches]
+    return sum(i for i, _ in pairs), sum(n for _, n in pairs)
