@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from eaglewire.decode.runner import LEAN_MODEL_TYPES, _kn, _Layer
+from eaglewire.decode.gemm import PackedLinear
+from eaglewire.decode.runner import LEAN_MODEL_TYPES, _Layer
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
 from eaglewire.target import Target
 
@@ -73,7 +74,7 @@ class BatchedDecoder:
         self.embed = target.embed_tokens
         self.rotary = target.decoder.rotary_emb
         self.norm = target.decoder.norm
-        self.lm_head = _kn(target.model.get_output_embeddings().weight, self.dtype)  # [H, V]
+        self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=self.dtype)  # H -> V
         self.prefill_tokens = prefill_tokens
         self.stats = BatchStats()
 
@@ -129,7 +130,7 @@ class BatchedDecoder:
         return cos[0], sin[0]
 
     def _head(self, last: torch.Tensor) -> torch.Tensor:
-        return self.norm(last) @ self.lm_head  # [B, V]
+        return self.lm_head(self.norm(last))  # [B, V]
 
     def _prefill(self, prompts: Sequence[Sequence[int]], batch: _Batch) -> torch.Tensor:
         """Write every prompt's K/V into the cache; return the logits of each prompt's last token [B, V]."""

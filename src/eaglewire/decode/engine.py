@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.contract import HiddenStateContract
+from eaglewire.decode.gemm import pack_linears
 from eaglewire.decode.kv_cache import DraftCache
 from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
@@ -112,9 +113,9 @@ class SpecDecoder:
         self.lean = lean  # None: the lean forward where the architecture has one
         self._target_runner = None  # made at the first request
         if draft is not None:
-            self.draft = draft.to(target.device).eval()
             self.draft_dtype = next(draft.parameters()).dtype
-            self.draft_to_target = draft.draft_to_target
+            self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
+            self.draft_to_target = self.draft.draft_to_target
         self.stats = GenerationStats()
 
     # -- target side -------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.capture import capture
+from eaglewire.decode.gemm import PackedLinear
 from eaglewire.decode.kv_cache import compact_target_cache
 from eaglewire.target import Target
 
@@ -54,60 +55,59 @@ class HFRunner:
         self.length += len(keep)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm(module: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """An HF RMSNorm's (weight, eps)."""
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+    return module.weight.detach(), float(eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm in one fused op (fp32); other dtypes normalise in fp32 as HF does."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, N, hd]; cos/sin [N, hd]."""
+    """x [N, n, hd]; cos/sin [N, 1, hd] (rotate-half RoPE)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def _kn(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[out, in] -> [in, out] contiguous: ``x @ w`` beats ``F.linear`` for the few rows of a
-    decode or verify step on CPU (measured in benchmarks/engine_speed.py)."""
-    return w.detach().to(dtype).t().contiguous()
-
-
-def _matmul(x: torch.Tensor, w_kn: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, in] @ w_kn [in, out] (+ bias) -> [N, out]."""
-    return torch.addmm(bias, x, w_kn) if bias is not None else x @ w_kn
-
-
 class _Layer:
-    """One decoder layer's weights, fused and pre-transposed: qkv [H, (nH+2nKV)*hd], gate_up [H, 2I]."""
+    """One decoder layer's weights, fused and packed: qkv [H -> (nH+2nKV)*hd], gate_up [H -> 2I]."""
 
     def __init__(self, layer, dtype: torch.dtype) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.wqkv = _kn(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), dtype)
         bias = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.bqkv = torch.cat(bias).to(dtype) if all(b is not None for b in bias) else None
-        self.wo = _kn(attn.o_proj.weight, dtype)
-        self.q_norm = getattr(attn, "q_norm", None)
-        self.k_norm = getattr(attn, "k_norm", None)
-        self.w_gate_up = _kn(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype)
-        self.w_down = _kn(mlp.down_proj.weight, dtype)
-        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv_proj = PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                                     torch.cat(bias) if all(b is not None for b in bias) else None, dtype=dtype)
+        self.o_proj = PackedLinear(attn.o_proj.weight, dtype=dtype)
+        self.q_norm = _norm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None  # Qwen3
+        self.k_norm = _norm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
+        self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype=dtype)
+        self.down = PackedLinear(mlp.down_proj.weight, dtype=dtype)
+        self.ln1, self.ln2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nH: int, nKV: int, hd: int):
         """h [N, H]; cos/sin [N, hd] -> q [nH, N, hd], k/v [nKV, N, hd], normed (Qwen3) and rotated."""
-        N, nq, nk = h.shape[0], nH * hd, nKV * hd
-        qkv = _matmul(self.ln1(h), self.wqkv, self.bqkv)  # [N, (nH+2nKV)*hd]
-        q = qkv[:, :nq].view(N, nH, hd).transpose(0, 1)  # [nH, N, hd]
-        k = qkv[:, nq:nq + nk].view(N, nKV, hd).transpose(0, 1)  # [nKV, N, hd]
-        v = qkv[:, nq + nk:].view(N, nKV, hd).transpose(0, 1)  # [nKV, N, hd]
+        N = h.shape[0]
+        qkv = self.qkv_proj(rms_norm(h, *self.ln1)).view(N, nH + 2 * nKV, hd)  # [N, nH+2nKV, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [N, 1, hd]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+            q = _rotate(rms_norm(qkv[:, :nH], *self.q_norm), cos, sin)  # [N, nH, hd]
+            k = _rotate(rms_norm(qkv[:, nH:nH + nKV], *self.k_norm), cos, sin)  # [N, nKV, hd]
+        else:  # q and k rotate together
+            qk = _rotate(qkv[:, :nH + nKV], cos, sin)  # [N, nH+nKV, hd]
+            q, k = qk[:, :nH], qk[:, nH:]
+        return q.transpose(0, 1), k.transpose(0, 1), qkv[:, nH + nKV:].transpose(0, 1)  # [heads, N, hd]
 
     def out_mlp(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """h [N, H] residual; attn [N, nH*hd] the heads' outputs -> h [N, H] after o_proj and the MLP."""
-        h = h + _matmul(attn, self.wo)  # [N, H]
-        gu = _matmul(self.ln2(h), self.w_gate_up)  # [N, 2I]
-        gate, up = gu.chunk(2, dim=-1)
-        return h + _matmul(F.silu(gate) * up, self.w_down)  # [N, H]
+        h = h + self.o_proj(attn)  # [N, H]
+        gate, up = self.gate_up(rms_norm(h, *self.ln2)).chunk(2, dim=-1)  # [N, I] each
+        return h + self.down(F.silu(gate) * up)  # [N, H]
 
 
 class LeanRunner:
@@ -129,7 +129,7 @@ class LeanRunner:
         self.k_cache = torch.zeros(L, self.nKV, max_length, self.hd, dtype=dtype, device=dev)  # [L, nKV, S, hd]
         self.v_cache = torch.zeros_like(self.k_cache)
         self.length = 0
-        self.lm_head = _kn(target.model.get_output_embeddings().weight, dtype)  # [H, V]
+        self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=dtype)  # H -> V
         self.norm = target.decoder.norm
 
     def reset(self) -> None:
@@ -175,7 +175,7 @@ class LeanRunner:
         return h, aux
 
     def head(self, last: torch.Tensor) -> torch.Tensor:
-        return self.norm(last) @ self.lm_head  # [n, V]
+        return self.lm_head(self.norm(last))  # [n, V]
 
     def commit(self, keep: list[int]) -> None:
         P = self.length
