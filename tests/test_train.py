@@ -97,6 +97,30 @@ def test_resume_with_other_settings_is_refused(tmp_path, conversations_file, cha
               target=chat_tiny_target, progress=False)
 
 
+def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_path, conversations_file,
+                                                                          chat_tiny_target):
+    train(config(tmp_path / "a", conversations_file, max_steps=3), target=chat_tiny_target, progress=False)
+    start, _, _ = load_draft(tmp_path / "a" / "draft")
+    seen = {}
+    real_unroll = train_mod.ttt_unroll
+
+    def first_weights(draft, *args, **kwargs):
+        seen.setdefault("fc", draft.fc.weight.detach().clone())
+        return real_unroll(draft, *args, **kwargs)
+
+    cont = config(tmp_path / "b", conversations_file, max_steps=2, init_draft=str(tmp_path / "a" / "draft"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_mod, "ttt_unroll", first_weights)
+        train(cont, target=chat_tiny_target, progress=False)
+    assert torch.equal(seen["fc"], start.fc.weight)  # the first step ran on the stored weights
+    with pytest.raises(TrainingError, match="held out .* that this run trains on"):
+        train(config(tmp_path / "c", conversations_file, max_steps=2, seed=5, init_draft=str(tmp_path / "a" / "draft")),
+              target=chat_tiny_target, progress=False)
+    with pytest.raises(ContractError, match="aux boundaries"):
+        train(config(tmp_path / "d", conversations_file, max_steps=2, aux_boundaries=[1, 3, 6],
+                     init_draft=str(tmp_path / "a" / "draft")), target=chat_tiny_target, progress=False)
+
+
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, conversations_file, chat_tiny_target,
                                                                  monkeypatch):
     real_unroll, calls = train_mod.ttt_unroll, {"n": 0}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from eaglewire.checkpoint import atomic_torch_save, save_draft
+from eaglewire.checkpoint import atomic_torch_save, load_draft, save_draft
 from eaglewire.contract import HiddenStateContract, default_aux_boundaries
 from eaglewire.data.shards import dist_rank_world
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
@@ -47,6 +47,7 @@ class TrainConfig:
     ttt_steps: int = field(default=7, metadata={"help": "training-time-test unroll steps"})
     loss_decay: float = field(default=0.8, metadata={"help": "weight of step j is loss_decay**j"})
     draft_vocab_size: int = field(default=8192, metadata={"help": "draft vocabulary size (most frequent assistant tokens)"})
+    init_draft: str | None = field(default=None, metadata={"help": "start from this draft's weights and vocabulary (same contract; new optimizer and schedule)"})
     epochs: int = field(default=1, metadata={"help": "passes over the training split"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     minutes: float | None = field(default=None, metadata={"help": "stop (resumably) after this much wall time"})
@@ -203,11 +204,32 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         dcfg = DraftConfig.from_target(target.text_config, num_aux=self.contract.num_aux,
                                        draft_vocab_size=cfg.draft_vocab_size, vocab_size=target.vocab_size)
-        draft = Eagle3Draft(dcfg)
         counts = count_tokens((self.source.tokens(i) for i in self.train_idx), target.vocab_size)
-        d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
-        draft.set_vocab(d2t, t2d)
+        if cfg.init_draft:
+            draft = self._initial_draft(dcfg)
+        else:
+            draft = Eagle3Draft(dcfg)
+            draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
+        t2d = draft.t2d
         return draft.to(self.device), frequency_coverage(counts, t2d)
+
+    def _initial_draft(self, dcfg: DraftConfig) -> Eagle3Draft:
+        """The --init-draft weights, checked to fit this run: same contract and architecture, and
+        none of its held-out sequences in this run's training split."""
+        draft, contract, stored = load_draft(self.config.init_draft, target=self.target)
+        self.contract.check_same(contract, what=f"--init-draft {self.config.init_draft}")
+        if draft.config != dcfg:
+            diff = {k: (v, getattr(dcfg, k)) for k, v in draft.config.to_dict().items() if getattr(dcfg, k) != v}
+            raise TrainingError(f"--init-draft {self.config.init_draft} has another architecture "
+                                f"({'; '.join(f'{k} {a!r} vs {b!r}' for k, (a, b) in diff.items())}); "
+                                "match --draft-vocab-size or start from scratch")
+        held = set(stored.get("training", {}).get("heldout_sequence_ids", []))
+        leaked = held & {self.source.sequence_ids[i] for i in self.train_idx}
+        if leaked:
+            raise TrainingError(f"--init-draft {self.config.init_draft} held out {len(leaked)} sequence(s) that "
+                                "this run trains on (e.g. " + ", ".join(map(str, sorted(leaked)[:3])) +
+                                "); keep --seed and --val-sequences as in that run so validation stays held out")
+        return draft.float().train()
 
     def _forward(self, draft, batch: Batch) -> tuple[torch.Tensor, list[StepCounts], tuple[int, int]]:
         """(weighted loss, per-step counts, draft-vocab coverage counts) of one batch."""
