@@ -90,6 +90,19 @@ def test_interrupted_and_resumed_run_reproduces_losses(tmp_path, conversations_f
     assert resumed[:4] + resumed[5:] == pytest.approx(reference, rel=1e-6)
 
 
+def test_stop_at_step_keeps_the_schedule_and_resumes(tmp_path, conversations_file, chat_tiny_target):
+    full = train(config(tmp_path / "a", conversations_file, max_steps=5), target=chat_tiny_target, progress=False)
+    part = train(config(tmp_path / "b", conversations_file, max_steps=5, stop_at_step=2),
+                 target=chat_tiny_target, progress=False)
+    assert (part.steps, part.finished) == (2, False)
+    rest = train(config(tmp_path / "b", conversations_file, max_steps=5, resume=True),
+                 target=chat_tiny_target, progress=False)
+    assert (rest.steps, rest.finished) == (5, True)
+    assert losses(tmp_path / "b" / "draft" / "metrics.jsonl") == pytest.approx(
+        losses(tmp_path / "a" / "draft" / "metrics.jsonl"), rel=1e-6)
+    assert full.finished
+
+
 def test_resume_with_other_settings_is_refused(tmp_path, conversations_file, chat_tiny_target):
     train(config(tmp_path, conversations_file, max_steps=3), target=chat_tiny_target, progress=False)
     with pytest.raises(TrainingError, match="lr was 0.003, now 0.001"):

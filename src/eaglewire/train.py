@@ -51,6 +51,7 @@ class TrainConfig:
     epochs: int = field(default=1, metadata={"help": "passes over the training split"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     minutes: float | None = field(default=None, metadata={"help": "stop (resumably) after this much wall time"})
+    stop_at_step: int | None = field(default=None, metadata={"help": "stop (resumably) at this step; the schedule still runs to --max-steps"})
     lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps before cosine decay"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -80,7 +81,7 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
     # Fields that may change between an interrupted run and its resume.
-    RESUMABLE_CHANGES = frozenset({"minutes", "eval_interval", "save_interval", "log_interval", "resume", "device"})
+    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -340,7 +341,8 @@ class Trainer:
                 plan = plans[position["epoch"]]
                 mine = plan[self.rank::self.world][:per_epoch]
                 while position["batch"] < len(mine) and position["step"] < total_steps:
-                    if cfg.minutes is not None and time.perf_counter() - start > cfg.minutes * 60:
+                    out_of_time = cfg.minutes is not None and time.perf_counter() - start > cfg.minutes * 60
+                    if out_of_time or position["step"] == cfg.stop_at_step:
                         stopped_early = True
                         break
                     idx = mine[position["batch"]]
