@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.decode.gemm import PackedLinear
-from eaglewire.decode.runner import LEAN_MODEL_TYPES, _Layer
+from eaglewire.decode.runner import LEAN_MODEL_TYPES, _Layer, attend
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
 from eaglewire.target import Target
 
@@ -150,7 +150,7 @@ class BatchedDecoder:
                     n, c = e - s, pad[r]  # c: the row's first prompt column
                     k_cache[i, r, :, c + s:c + e] = k[:, o:o + n]
                     v_cache[i, r, :, c + s:c + e] = v[:, o:o + n]
-                    attn = _attend(q[:, o:o + n], k_cache[i, r, :, c:c + e], v_cache[i, r, :, c:c + e],
+                    attn = attend(q[:, o:o + n], k_cache[i, r, :, c:c + e], v_cache[i, r, :, c:c + e],
                                    mask, self.scale)  # [nH, n, hd]
                     outs.append(attn.transpose(0, 1).reshape(n, self.nH * self.hd))  # [n, nH*hd]
                     o += n
@@ -172,7 +172,7 @@ class BatchedDecoder:
             batch.v[i, :, :, col] = v.transpose(0, 1)
             q = q.transpose(0, 1)[:, :, None]  # [B, nH, 1, hd]
             attn = torch.cat([  # per group of rows, from the group's first prompt column
-                _attend(q[a:b], batch.k[i, a:b, :, c:col + 1], batch.v[i, a:b, :, c:col + 1],
+                attend(q[a:b], batch.k[i, a:b, :, c:col + 1], batch.v[i, a:b, :, c:col + 1],
                         None if batch.pads[b - 1] == c else mask[a:b, ..., c:], self.scale)
                 for a, b, c in batch.groups])  # [B, nH, 1, hd]
             h = layer.out_mlp(h, attn.reshape(B, self.nH * self.hd))  # [B, H]
@@ -311,20 +311,3 @@ def attention_groups(pads: Sequence[int], split_cost: int = 256) -> list[tuple[i
         groups.append((cut[b], b))
         b = cut[b]
     return groups[::-1]
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
-    """q [..., nH, n, hd]; k/v [..., nKV, m, hd]; mask [..., 1, n, m] bool or None (all keys)
-    -> [..., nH, n, hd].
-
-    Grouped-query attention without repeating K/V: the G query heads of a key-value head are
-    stacked as G*n query rows of that head (rows ordered (g, t)), the mask tiled to match.
-    """
-    *lead, nH, n, hd = q.shape
-    G = nH // k.shape[-3]
-    if G > 1:
-        q = q.reshape(*lead, nH // G, G * n, hd)  # [..., nKV, G*n, hd]
-        mask = None if mask is None else torch.cat([mask] * G, dim=-2)  # [..., 1, G*n, m]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [..., nKV, G*n, hd]
-    return out.reshape(*lead, nH, n, hd)

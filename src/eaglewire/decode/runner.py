@@ -75,6 +75,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """q [..., nH, n, hd]; k/v [..., nKV, m, hd]; mask [..., 1, n, m] bool or None (all keys)
+    -> [..., nH, n, hd].
+
+    Grouped-query attention without repeating K/V: the G query heads of a key-value head are
+    stacked as G*n query rows of that head (rows ordered (g, t)), the mask tiled to match. This
+    keeps SDPA on its fused CPU kernel; ``enable_gqa`` sends it to the slow math path.
+    """
+    *lead, nH, n, hd = q.shape
+    G = nH // k.shape[-3]
+    if G > 1:
+        q = q.reshape(*lead, nH // G, G * n, hd)  # [..., nKV, G*n, hd]
+        mask = None if mask is None else torch.cat([mask] * G, dim=-2)  # [..., 1, G*n, m]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [..., nKV, G*n, hd]
+    return out.reshape(*lead, nH, n, hd)
+
+
 class _Layer:
     """One decoder layer's weights, fused and packed: qkv [H -> (nH+2nKV)*hd], gate_up [H -> 2I]."""
 
@@ -166,9 +184,7 @@ class LeanRunner:
             q, k, v = layer.qkv(h, cos, sin, self.nH, self.nKV, self.hd)  # [nH|nKV, N, hd]
             self.k_cache[i, :, P:P + N] = k
             self.v_cache[i, :, P:P + N] = v
-            attn = F.scaled_dot_product_attention(
-                q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], attn_mask=mask,
-                scale=self.scale, enable_gqa=self.nH != self.nKV)  # [nH, N, hd]
+            attn = attend(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], mask, self.scale)  # [nH, N, hd]
             h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, self.nH * self.hd))  # [N, H]
         seen[len(self.layers)] = h
         aux = torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, k*H]
