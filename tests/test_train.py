@@ -126,6 +126,8 @@ def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_p
         mp.setattr(train_mod, "ttt_unroll", first_weights)
         train(cont, target=chat_tiny_target, progress=False)
     assert torch.equal(seen["fc"], start.fc.weight)  # the first step ran on the stored weights
+    lineage = load_draft(tmp_path / "b" / "draft")[2]["training"]["init_draft"]
+    assert [(r["draft"], r["steps"]) for r in lineage] == [(str(tmp_path / "a" / "draft"), 3)]
     with pytest.raises(TrainingError, match="held out .* that this run trains on"):
         train(config(tmp_path / "c", conversations_file, max_steps=2, seed=5, init_draft=str(tmp_path / "a" / "draft")),
               target=chat_tiny_target, progress=False)

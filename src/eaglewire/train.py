@@ -102,6 +102,13 @@ def split_indices(n: int, val_sequences: int, seed: int) -> tuple[list[int], lis
     return sorted(order[val:]), sorted(order[:val])
 
 
+def init_lineage(path: str, training: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chain of runs a --init-draft run continues, oldest first: where each started and what
+    it trained (steps, tokens, seconds), so a continued draft still states its whole budget."""
+    own = {"draft": str(path), **{k: training.get(k) for k in ("steps", "train_tokens", "seconds")}}
+    return list(training.get("init_draft") or []) + [own]
+
+
 def batch_plan(indices: list[int], lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
     """Group sequences into batches with rows x longest <= batch_tokens, in a seeded order.
 
@@ -184,6 +191,7 @@ class Trainer:
             self.source = self._online_source()
         self.contract: HiddenStateContract = self.source.contract
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
+        self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
         self.timers = {"target_head": 0.0, "draft_forward": 0.0, "backward": 0.0, "data": 0.0}
 
     def _online_source(self) -> OnlineSource:
@@ -224,6 +232,7 @@ class Trainer:
             raise TrainingError(f"--init-draft {self.config.init_draft} has another architecture "
                                 f"({'; '.join(f'{k} {a!r} vs {b!r}' for k, (a, b) in diff.items())}); "
                                 "match --draft-vocab-size or start from scratch")
+        self.init_lineage = init_lineage(self.config.init_draft, stored.get("training", {}))
         held = set(stored.get("training", {}).get("heldout_sequence_ids", []))
         leaked = held & {self.source.sequence_ids[i] for i in self.train_idx}
         if leaked:
@@ -333,7 +342,7 @@ class Trainer:
             return {"target": cfg.target, "data": cfg.data or cfg.online_data, "steps": position["step"],
                     "train_tokens": position["tokens"], "draft_vocab_coverage": round(coverage, 4),
                     "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
-                    "config": cfg.identity(), "final_eval": final_eval or (history["evals"][-1] if history["evals"] else {}),
+                    "config": cfg.identity(), "init_draft": self.init_lineage, "final_eval": final_eval or (history["evals"][-1] if history["evals"] else {}),
                     "seconds": round(history["seconds"] + time.perf_counter() - start, 1)}
 
         try:
