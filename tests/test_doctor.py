@@ -7,10 +7,22 @@ import pytest
 
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.run import misaligned_shift
 from eaglewire.doctor.serving import lint_flags, predicted_tau, read_engine_config
 
 # ------------------------------------------------------------------ pure pieces
 
+
+
+def test_misaligned_shift_tells_a_shifted_training_from_reading_ahead():
+    n = 10_000
+    # A well-trained draft reads somewhat better from the next state (it saw the answer's context).
+    assert misaligned_shift(0.31, {-1: 0.24, 1: 0.38}, n) is None
+    # Trained on the next position's states: served aligned it collapses, shifted it recovers.
+    assert misaligned_shift(0.15, {-1: 0.08, 1: 0.85}, n) == 1
+    # Trained on the previous position's states: any clear gain from the earlier state is a shift.
+    assert misaligned_shift(0.20, {-1: 0.26, 1: 0.22}, n) == -1
+    assert misaligned_shift(0.20, {-1: 0.205, 1: 0.21}, n) is None  # within noise
 
 def test_candidates_include_neighbours_engine_readings_and_windows():
     layouts = candidate_layouts([0, 2, 15], 30, {"vllm": [2, 15, 27]})

@@ -222,12 +222,33 @@ def _check_drift(report, draft, batches, declared, L, steps, acc0) -> None:
                          "with the same norm placement (pre-norm states), or re-capture and retrain"))
 
 
+# The state of position t+1 was computed from the token the draft is asked to predict after it,
+# so a correctly trained draft also reads somewhat better from it (measured on the reference
+# draft: 0.380 vs 0.310). A draft trained on that state reads several times better from it.
+LOOKAHEAD_GAIN = 1.5
+
+
+def misaligned_shift(acc0: float, shifted: dict[int, float], n: int) -> int | None:
+    """The position shift the draft was evidently trained with, or None when it lines up.
+
+    acc0: acc@0 aligned; shifted: acc@0 with the states of t + s fed at t, for s = -1, +1.
+    An earlier state beating the aligned one beyond noise is a shift; a later one must also
+    beat it by LOOKAHEAD_GAIN, because it carries the answer's context and helps any draft.
+    """
+    tol = _tolerance(acc0, n)
+    better = {s: a for s, a in shifted.items()
+              if a > acc0 + tol and (s < 0 or a >= LOOKAHEAD_GAIN * acc0)}
+    return max(better, key=better.get) if better else None
+
+
 def _check_alignment(report, draft, batches, declared, acc0, n) -> None:
     shifted = {s: isolation_accuracy(draft, batches, declared, steps=1, shift=s)[0].acc for s in (-1, 1)}
     evidence = [f"states of position t{s:+d} at t: acc@0 {a:.3f} (aligned: {acc0:.3f})" for s, a in shifted.items()]
-    best = max(shifted, key=shifted.get)
-    if shifted[best] > acc0 + _tolerance(acc0, n):
-        report.add(Check("alignment", "fail", f"the draft predicts better with states shifted by {best:+d} token",
+    evidence.append(f"t+1 reads ahead (its state saw the next token), so it may score higher for any draft; "
+                    f"only {LOOKAHEAD_GAIN:g}x the aligned accuracy counts as a shift")
+    shift = misaligned_shift(acc0, shifted, n)
+    if shift is not None:
+        report.add(Check("alignment", "fail", f"the draft predicts better with states shifted by {shift:+d} token",
                          evidence, fix="the training data paired tokens with the states of their neighbours; "
                          "re-capture with `eaglewire prepare` and retrain"))
     else:
