@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.decode.gemm import PackedLinear
-from eaglewire.decode.runner import LEAN_MODEL_TYPES, _Layer, attend
+from eaglewire.decode.runner import LEAN_MODEL_TYPES, _Layer, attend, rope
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
 from eaglewire.target import Target
 
@@ -124,11 +124,6 @@ class BatchedDecoder:
 
     # -- the forward -------------------------------------------------------
 
-    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [N, H]; positions [N] -> cos, sin [N, hd]."""
-        cos, sin = self.rotary(h[None], positions[None])  # [1, N, hd]
-        return cos[0], sin[0]
-
     def _head(self, last: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(last))  # [B, V]
 
@@ -142,7 +137,7 @@ class BatchedDecoder:
             masks = [torch.ones(e - s, e, dtype=torch.bool, device=dev).tril(s)[None]  # [1, n, e]
                      for _, s, e in chunk]
             h = self.embed(ids)  # [N, H]
-            cos, sin = self._rope(h, positions)
+            cos, sin = rope(self.rotary, h, positions)  # [N, 1, hd]
             for i, layer in enumerate(self.layers):
                 q, k, v = layer.qkv(h, cos, sin, self.nH, self.nKV, self.hd)  # [nH|nKV, N, hd]
                 outs, o = [], 0
@@ -164,7 +159,7 @@ class BatchedDecoder:
         """token [B], written at cache column ``col`` of every row -> next-token logits [B, V]."""
         B = token.shape[0]
         h = self.embed(token)  # [B, H]
-        cos, sin = self._rope(h, col - batch.pad)  # [B, hd]; position = column - padding
+        cos, sin = rope(self.rotary, h, col - batch.pad)  # [B, 1, hd]; position = column - padding
         mask = (torch.arange(col + 1, device=self.device) >= batch.pad[:, None])[:, None, None]  # [B, 1, 1, col+1]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(h, cos, sin, self.nH, self.nKV, self.hd)  # q [nH, B, hd], k/v [nKV, B, hd]

@@ -69,6 +69,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rope(rotary: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's rotary module at ``positions`` [N] -> cos, sin [N, 1, hd], once per forward."""
+    cos, sin = rotary(h[None], positions[None])  # [1, N, hd]
+    return cos[0, :, None], sin[0, :, None]  # [N, 1, hd]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, n, hd]; cos/sin [N, 1, hd] (rotate-half RoPE)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -109,10 +115,9 @@ class _Layer:
         self.ln1, self.ln2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nH: int, nKV: int, hd: int):
-        """h [N, H]; cos/sin [N, hd] -> q [nH, N, hd], k/v [nKV, N, hd], normed (Qwen3) and rotated."""
+        """h [N, H]; cos/sin [N, 1, hd] -> q [nH, N, hd], k/v [nKV, N, hd], normed (Qwen3) and rotated."""
         N = h.shape[0]
         qkv = self.qkv_proj(rms_norm(h, *self.ln1)).view(N, nH + 2 * nKV, hd)  # [N, nH+2nKV, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [N, 1, hd]
         if self.q_norm is not None:
             q = _rotate(rms_norm(qkv[:, :nH], *self.q_norm), cos, sin)  # [N, nH, hd]
             k = _rotate(rms_norm(qkv[:, nH:nH + nKV], *self.k_norm), cos, sin)  # [N, nKV, hd]
@@ -172,8 +177,7 @@ class LeanRunner:
         N, P = ids.numel(), self.length
         self._grow(P + N)
         h = self.target.embed_tokens(ids)  # [N, H]
-        cos, sin = self.rotary(h[None], positions[None])  # [1, N, hd]
-        cos, sin = cos[0], sin[0]
+        cos, sin = rope(self.rotary, h, positions)  # [N, 1, hd]
         if mask is not None:
             mask = mask.to(dev)[None]  # [1, N, P+N]
         elif N > 1:
