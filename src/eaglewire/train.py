@@ -219,8 +219,7 @@ class Trainer:
         else:
             draft = Eagle3Draft(dcfg)
             draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
-        t2d = draft.t2d
-        return draft.to(self.device), frequency_coverage(counts, t2d)
+        return draft.to(self.device), frequency_coverage(counts, draft.t2d)
 
     def _initial_draft(self, dcfg: DraftConfig) -> Eagle3Draft:
         """The --init-draft weights, checked to fit this run: same contract and architecture, and
@@ -232,8 +231,9 @@ class Trainer:
             raise TrainingError(f"--init-draft {self.config.init_draft} has another architecture "
                                 f"({'; '.join(f'{k} {a!r} vs {b!r}' for k, (a, b) in diff.items())}); "
                                 "match --draft-vocab-size or start from scratch")
-        self.init_lineage = init_lineage(self.config.init_draft, stored.get("training", {}))
-        held = set(stored.get("training", {}).get("heldout_sequence_ids", []))
+        training = stored.get("training", {})
+        self.init_lineage = init_lineage(self.config.init_draft, training)
+        held = set(training.get("heldout_sequence_ids", []))
         leaked = held & {self.source.sequence_ids[i] for i in self.train_idx}
         if leaked:
             raise TrainingError(f"--init-draft {self.config.init_draft} held out {len(leaked)} sequence(s) that "

@@ -241,13 +241,9 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
 def _lean_decoder(target: Any) -> Any:
     """The batched lean decoder where the target's architecture has a lean forward, else None."""
     from eaglewire.decode.batched import BatchedDecoder
-    from eaglewire.decode.runner import LEAN_MODEL_TYPES
+    from eaglewire.decode.runner import has_lean_forward
 
-    config = getattr(target.model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text_config, "model_type", None) not in LEAN_MODEL_TYPES:
-        return None
-    return BatchedDecoder(target)
+    return BatchedDecoder(target) if has_lean_forward(target) else None
 
 
 def _check_tokenizer(target: Any) -> Any:

@@ -17,8 +17,8 @@ prompt column, so short prompts in a batch with a long one do not read its paddi
 stopped are dropped from the batch (moved out of the cache in place) once that saves more than
 it costs.
 
-The layers' math is runner.py's (``_Layer``: fused, pre-transposed weights); this module only
-batches it. Replies follow ``regenerate.split_reply``: the tokens before the first stop token,
+The layers' math and weights are runner.py's (``LeanWeights``: fused, packed); this module only
+batches them. Replies follow ``regenerate.split_reply``: the tokens before the first stop token,
 and whether a stop token came (the stop token itself is not returned).
 """
 
@@ -29,10 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from eaglewire.decode.gemm import PackedLinear
-from eaglewire.decode.runner import LEAN_MODEL_TYPES, _Layer, attend, rope
+from eaglewire.decode.runner import LeanWeights, attend, rope
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
 from eaglewire.target import Target
 
@@ -60,21 +58,9 @@ class BatchedDecoder:
     """Batched greedy/sampled decoding with a lean forward; weights prepared once, reused per call."""
 
     def __init__(self, target: Target, *, prefill_tokens: int = 2048) -> None:
-        cfg = target.text_config
-        if cfg.model_type not in LEAN_MODEL_TYPES:
-            raise ValueError(f"no lean forward for model type {cfg.model_type!r} (have: "
-                             f"{', '.join(LEAN_MODEL_TYPES)}); use HF generate for this target")
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        self.dtype, self.device = target.dtype, target.device
-        self.layers = [_Layer(layer, self.dtype) for layer in target.layers]
-        self.nH, self.nKV = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nH
-        self.hidden, self.scale = cfg.hidden_size, self.hd ** -0.5
-        self.embed = target.embed_tokens
-        self.rotary = target.decoder.rotary_emb
-        self.norm = target.decoder.norm
-        self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=self.dtype)  # H -> V
+        self.w = LeanWeights(target)
         self.prefill_tokens = prefill_tokens
         self.stats = BatchStats()
 
@@ -88,15 +74,16 @@ class BatchedDecoder:
         ``seed`` (``sampling.seed`` is not read), so the same call gives the same replies.
         """
         _check_request(prompts, max_new_tokens)
+        w = self.w
         sampling = sampling or SamplingParams()
         stops = set(stop_token_ids)
-        gen = torch.Generator(device=self.device)
+        gen = torch.Generator(device=w.device)
         gen.manual_seed(seed)
         start = time.perf_counter()
         self.stats = stats = BatchStats(prompts=len(prompts), prompt_tokens=sum(map(len, prompts)))
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first
         batch = _Batch.allocate(order, [len(prompts[i]) for i in order], max_new_tokens,
-                                len(self.layers), self.nKV, self.hd, self.dtype, self.device)
+                                len(w.layers), w.nKV, w.hd, w.dtype, w.device)
         logits = self._prefill([prompts[i] for i in order], batch)  # [B, V]
         token = self._pick(logits, sampling, gen)  # [B]
         stats.prefill_seconds = time.perf_counter() - start
@@ -124,54 +111,53 @@ class BatchedDecoder:
 
     # -- the forward -------------------------------------------------------
 
-    def _head(self, last: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(last))  # [B, V]
-
     def _prefill(self, prompts: Sequence[Sequence[int]], batch: _Batch) -> torch.Tensor:
         """Write every prompt's K/V into the cache; return the logits of each prompt's last token [B, V]."""
-        dev, pad, k_cache, v_cache = self.device, batch.pads, batch.k, batch.v
-        last = torch.empty(len(prompts), self.hidden, dtype=self.dtype, device=dev)  # [B, H]
+        w = self.w
+        dev, pad, k_cache, v_cache = w.device, batch.pads, batch.k, batch.v
+        last = torch.empty(len(prompts), w.hidden, dtype=w.dtype, device=dev)  # [B, H]
         for chunk in prefill_chunks([len(p) for p in prompts], self.prefill_tokens):
             ids = torch.tensor([t for r, s, e in chunk for t in prompts[r][s:e]], device=dev)  # [N]
             positions = torch.cat([torch.arange(s, e, device=dev) for _, s, e in chunk])  # [N]
             masks = [torch.ones(e - s, e, dtype=torch.bool, device=dev).tril(s)[None]  # [1, n, e]
                      for _, s, e in chunk]
-            h = self.embed(ids)  # [N, H]
-            cos, sin = rope(self.rotary, h, positions)  # [N, 1, hd]
-            for i, layer in enumerate(self.layers):
-                q, k, v = layer.qkv(h, cos, sin, self.nH, self.nKV, self.hd)  # [nH|nKV, N, hd]
+            h = w.embed(ids)  # [N, H]
+            cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
+            for i, layer in enumerate(w.layers):
+                q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
                 outs, o = [], 0
                 for (r, s, e), mask in zip(chunk, masks):
                     n, c = e - s, pad[r]  # c: the row's first prompt column
                     k_cache[i, r, :, c + s:c + e] = k[:, o:o + n]
                     v_cache[i, r, :, c + s:c + e] = v[:, o:o + n]
                     attn = attend(q[:, o:o + n], k_cache[i, r, :, c:c + e], v_cache[i, r, :, c:c + e],
-                                   mask, self.scale)  # [nH, n, hd]
-                    outs.append(attn.transpose(0, 1).reshape(n, self.nH * self.hd))  # [n, nH*hd]
+                                   mask, w.scale)  # [nH, n, hd]
+                    outs.append(attn.transpose(0, 1).reshape(n, w.nH * w.hd))  # [n, nH*hd]
                     o += n
                 h = layer.out_mlp(h, torch.cat(outs))  # [N, H]
             for o, (r, s, e) in zip(_offsets(chunk), chunk):
                 if e == len(prompts[r]):  # the prompt's last token: its logits pick the first new token
                     last[r] = h[o + e - s - 1]
-        return self._head(last)
+        return w.head(last)
 
     def _step(self, token: torch.Tensor, col: int, batch: _Batch) -> torch.Tensor:
         """token [B], written at cache column ``col`` of every row -> next-token logits [B, V]."""
+        w = self.w
         B = token.shape[0]
-        h = self.embed(token)  # [B, H]
-        cos, sin = rope(self.rotary, h, col - batch.pad)  # [B, 1, hd]; position = column - padding
-        mask = (torch.arange(col + 1, device=self.device) >= batch.pad[:, None])[:, None, None]  # [B, 1, 1, col+1]
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(h, cos, sin, self.nH, self.nKV, self.hd)  # q [nH, B, hd], k/v [nKV, B, hd]
+        h = w.embed(token)  # [B, H]
+        cos, sin = rope(w.rotary, h, col - batch.pad)  # [B, 1, hd]; position = column - padding
+        mask = (torch.arange(col + 1, device=w.device) >= batch.pad[:, None])[:, None, None]  # [B, 1, 1, col+1]
+        for i, layer in enumerate(w.layers):
+            q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # q [nH, B, hd], k/v [nKV, B, hd]
             batch.k[i, :, :, col] = k.transpose(0, 1)  # [B, nKV, hd]
             batch.v[i, :, :, col] = v.transpose(0, 1)
             q = q.transpose(0, 1)[:, :, None]  # [B, nH, 1, hd]
             attn = torch.cat([  # per group of rows, from the group's first prompt column
                 attend(q[a:b], batch.k[i, a:b, :, c:col + 1], batch.v[i, a:b, :, c:col + 1],
-                        None if batch.pads[b - 1] == c else mask[a:b, ..., c:], self.scale)
+                        None if batch.pads[b - 1] == c else mask[a:b, ..., c:], w.scale)
                 for a, b, c in batch.groups])  # [B, nH, 1, hd]
-            h = layer.out_mlp(h, attn.reshape(B, self.nH * self.hd))  # [B, H]
-        return self._head(h)
+            h = layer.out_mlp(h, attn.reshape(B, w.nH * w.hd))  # [B, H]
+        return w.head(h)
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> torch.Tensor:

@@ -53,7 +53,6 @@ class _PackedLinearModule(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = PackedLinear(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +63,7 @@ def pack_linears(module: nn.Module) -> nn.Module:
     """A copy of ``module`` for inference whose ``nn.Linear`` layers run packed (same math, other
     GEMM kernel); the original, e.g. a draft in training, is untouched."""
     module = copy.deepcopy(module)
-    for name, child in list(module.named_modules()):
+    for child in list(module.modules()):
         for attr, sub in list(child.named_children()):
             if type(sub) is nn.Linear:
                 setattr(child, attr, _PackedLinearModule(sub))

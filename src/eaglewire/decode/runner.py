@@ -133,30 +133,50 @@ class _Layer:
         return h + self.down(F.silu(gate) * up)  # [N, H]
 
 
+def has_lean_forward(target: Target) -> bool:
+    """Whether the target's architecture has a lean forward (a model without a config, e.g. a
+    scripted stand-in, has none)."""
+    if getattr(target.model, "config", None) is None:
+        return False
+    return target.text_config.model_type in LEAN_MODEL_TYPES
+
+
+class LeanWeights:
+    """A Llama-family target prepared once for the lean forwards (``LeanRunner``,
+    ``batched.BatchedDecoder``): packed layers and head, the shapes they need."""
+
+    def __init__(self, target: Target) -> None:
+        cfg = target.text_config
+        if not has_lean_forward(target):
+            raise ValueError(f"no lean forward for model type {cfg.model_type!r} (have: "
+                             f"{', '.join(LEAN_MODEL_TYPES)}); use HFRunner or HF generate for this target")
+        self.dtype, self.device = target.dtype, target.device
+        self.layers = [_Layer(layer, self.dtype) for layer in target.layers]
+        self.nH, self.nKV = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nH
+        self.hidden, self.scale = cfg.hidden_size, self.hd ** -0.5
+        self.embed = target.embed_tokens
+        self.rotary = target.decoder.rotary_emb
+        self.norm = target.decoder.norm
+        self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=self.dtype)  # H -> V
+
+    def head(self, last: torch.Tensor) -> torch.Tensor:
+        """[n, H] pre-norm -> logits [n, V]."""
+        return self.lm_head(self.norm(last))
+
+
 class LeanRunner:
     """A lean KV-cached forward for Llama-family targets, sharing the target's weights."""
 
     def __init__(self, target: Target, boundaries: list[int], max_length: int = 2048) -> None:
-        cfg = target.text_config
-        if cfg.model_type not in LEAN_MODEL_TYPES:
-            raise ValueError(f"no lean forward for model type {cfg.model_type!r}; use HFRunner")
-        self.target, self.boundaries = target, boundaries
-        dtype, dev = target.dtype, target.device
-        self.layers = [_Layer(layer, dtype) for layer in target.layers]
-        self.nH, self.nKV = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nH
-        self.eps = cfg.rms_norm_eps
-        self.rotary = target.decoder.rotary_emb
-        self.scale = self.hd ** -0.5
-        L = len(self.layers)
-        self.k_cache = torch.zeros(L, self.nKV, max_length, self.hd, dtype=dtype, device=dev)  # [L, nKV, S, hd]
+        self.w = w = LeanWeights(target)
+        self.boundaries = boundaries
+        self.k_cache = torch.zeros(len(w.layers), w.nKV, max_length, w.hd, dtype=w.dtype, device=w.device)  # [L, nKV, S, hd]
         self.v_cache = torch.zeros_like(self.k_cache)
         self.length = 0
-        self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=dtype)  # H -> V
-        self.norm = target.decoder.norm
 
     def reset(self) -> None:
-        """Forget every token: the runner (and its transposed weights) serves a new sequence."""
+        """Forget every token: the runner (and its packed weights) serves a new sequence."""
         self.length = 0
 
     def _grow(self, need: int) -> None:
@@ -164,7 +184,7 @@ class LeanRunner:
         if need <= size:
             return
         new = max(need, 2 * size)
-        pad = torch.zeros(*self.k_cache.shape[:2], new - size, self.hd, dtype=self.k_cache.dtype,
+        pad = torch.zeros(*self.k_cache.shape[:2], new - size, self.w.hd, dtype=self.k_cache.dtype,
                           device=self.k_cache.device)
         self.k_cache = torch.cat([self.k_cache, pad], dim=2)
         self.v_cache = torch.cat([self.v_cache, pad.clone()], dim=2)
@@ -176,26 +196,27 @@ class LeanRunner:
         ids, positions = ids.to(dev), positions.to(dev)
         N, P = ids.numel(), self.length
         self._grow(P + N)
-        h = self.target.embed_tokens(ids)  # [N, H]
-        cos, sin = rope(self.rotary, h, positions)  # [N, 1, hd]
+        w = self.w
+        h = w.embed(ids)  # [N, H]
+        cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
         if mask is not None:
             mask = mask.to(dev)[None]  # [1, N, P+N]
         elif N > 1:
             mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
         seen: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(w.layers):
             seen[i] = h
-            q, k, v = layer.qkv(h, cos, sin, self.nH, self.nKV, self.hd)  # [nH|nKV, N, hd]
+            q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
             self.k_cache[i, :, P:P + N] = k
             self.v_cache[i, :, P:P + N] = v
-            attn = attend(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], mask, self.scale)  # [nH, N, hd]
-            h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, self.nH * self.hd))  # [N, H]
-        seen[len(self.layers)] = h
+            attn = attend(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], mask, w.scale)  # [nH, N, hd]
+            h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
+        seen[len(w.layers)] = h
         aux = torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, k*H]
         return h, aux
 
     def head(self, last: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(last))  # [n, V]
+        return self.w.head(last)  # [n, V]
 
     def commit(self, keep: list[int]) -> None:
         P = self.length
@@ -208,9 +229,6 @@ class LeanRunner:
 
 def make_runner(target: Target, boundaries: list[int], *, lean: bool | None = None):
     """The lean forward where the architecture allows it (or when asked), else HF's."""
-    supported = target.text_config.model_type in LEAN_MODEL_TYPES
     if lean is None:
-        lean = supported
-    if lean and not supported:
-        raise ValueError(f"no lean forward for model type {target.text_config.model_type!r}")
+        lean = has_lean_forward(target)
     return LeanRunner(target, boundaries) if lean else HFRunner(target, boundaries)
