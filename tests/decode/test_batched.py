@@ -66,6 +66,18 @@ def test_greedy_batch_equals_plain_decoding_row_by_row(target, prefill_tokens):
     assert decoder.stats.new_tokens == sum(len(t) + s for t, s in expected)
 
 
+def test_fresh_cache_memory_never_leaks_into_replies(monkeypatch):
+    """The cache is allocated uninitialised and only its padding zeroed: were any column read
+    before it is written, NaN memory would spread into the logits and change the replies."""
+    target = tiny_target("llama", initializer_range=0.2)
+    prompts = _prompts()
+    expected = _plain(target, prompts, set())
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+    assert BatchedDecoder(target).generate(prompts, max_new_tokens=NEW, stop_token_ids=[]) == expected
+
+
 def test_every_row_stopping_ends_early_and_one_token_replies(target):
     prompts = _prompts(seed=2)
     firsts = {tokens[0] for tokens, _ in _plain(target, prompts, set())}

@@ -183,12 +183,17 @@ class _Batch:
     @classmethod
     def allocate(cls, rows: list[int], lengths: list[int], max_new_tokens: int, L: int, nKV: int,
                  hd: int, dtype: torch.dtype, device: torch.device) -> _Batch:
-        """Rows with prompts of ``lengths`` (descending). The cache is zeros (padding is masked but
-        must not be NaN) of S = T + max_new_tokens - 1 columns: the last new token is never fed."""
+        """Rows with prompts of ``lengths`` (descending), S = T + max_new_tokens - 1 cache columns
+        (the last new token is never fed). Only the padding is zeroed: it is masked but read, so it
+        must not be NaN; every other column is written before it is read."""
         T = max(lengths)
-        k = torch.zeros(L, len(lengths), nKV, T + max_new_tokens - 1, hd, dtype=dtype, device=device)
-        return cls(k=k, v=torch.zeros_like(k), pads=[T - n for n in lengths], width=T, rows=rows,
-                   live=[True] * len(lengths))
+        pads = [T - n for n in lengths]
+        k = torch.empty(L, len(lengths), nKV, T + max_new_tokens - 1, hd, dtype=dtype, device=device)
+        v = torch.empty_like(k)
+        for r, pad in enumerate(pads):
+            k[:, r, :, :pad] = 0
+            v[:, r, :, :pad] = 0
+        return cls(k=k, v=v, pads=pads, width=T, rows=rows, live=[True] * len(lengths))
 
     def __post_init__(self) -> None:
         self._regroup()

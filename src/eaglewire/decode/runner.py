@@ -88,8 +88,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     Grouped-query attention without repeating K/V: the G query heads of a key-value head are
     stacked as G*n query rows of that head (rows ordered (g, t)), the mask tiled to match. This
-    keeps SDPA on its fused CPU kernel; ``enable_gqa`` sends it to the slow math path.
+    keeps SDPA on its fused CPU kernel; ``enable_gqa`` sends it to the slow math path, and so
+    do unbatched (3-d) inputs, which therefore get a batch dimension of one.
     """
+    if q.dim() == 3:
+        return attend(q[None], k[None], v[None], None if mask is None else mask[None], scale)[0]
     *lead, nH, n, hd = q.shape
     G = nH // k.shape[-3]
     if G > 1:
