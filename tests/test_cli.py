@@ -87,3 +87,18 @@ def test_prepare_with_regenerated_replies(tmp_path, target_dir, chats, capsys):
     assert len(regenerated) == 3 and all(r["regenerated"] for r in regenerated)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"]["regenerated"] is True and manifest["totals"]["sequences"] == 3
+
+
+def test_prepare_regenerates_only_the_first_turns_when_asked(tmp_path, target_dir):
+    chats = tmp_path / "two-turn.json"
+    chats.write_text(json.dumps([{"id": f"t{i}", "conversations": [
+        {"from": "human", "value": f"Count to {i}."}, {"from": "gpt", "value": "1 2"},
+        {"from": "human", "value": "Again."}, {"from": "gpt", "value": "1 2 3"}]} for i in range(3)]))
+    out = tmp_path / "regen"
+    assert main(["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(out),
+                 "--regenerate", "--max-turns", "1", "--regenerate-batch-size", "2", "--max-new-tokens", "4",
+                 "--max-length", "64", "--batch-tokens", "256", "--no-progress"]) == 0
+    regenerated = [json.loads(line) for line in open(out / "regenerated.rank0.jsonl")]
+    assert [r["num_regenerated_turns"] for r in regenerated] == [1, 1, 1]
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in regenerated)
+    assert json.loads((out / "manifest.json").read_text())["source"]["max_turns"] == 1

@@ -37,6 +37,8 @@ class PrepareConfig:
     regenerate: bool = field(default=False, metadata={"help": "replace assistant replies with the target's own first"})
     max_new_tokens: int = field(default=256, metadata={"help": "reply length limit when regenerating"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature when regenerating (0 = greedy)"})
+    max_turns: int | None = field(default=None, metadata={"help": "regenerate at most this many replies per conversation; the conversation ends there (default: all)"})
+    regenerate_batch_size: int = field(default=8, metadata={"help": "conversations regenerated together (rows of one batched generation)"})
     storage_dtype: str = field(default="bf16", metadata={"help": "dtype of hidden states on disk: bf16 or fp16"})
     batch_tokens: int = field(default=8192, metadata={"help": "tokens per capture batch (padded)"})
     shard_tokens: int = field(default=65536, metadata={"help": "tokens per shard file"})
@@ -150,6 +152,8 @@ def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bo
     source = {"data": config.data, "path": str(source_path), "offset": config.offset,
               "num_conversations": config.num_conversations, "regenerated": config.regenerate,
               "max_length": config.max_length}
+    if config.regenerate and config.max_turns is not None:
+        source["max_turns"] = config.max_turns
     writer = ShardWriter(out, contract, source=source, dtype=config.storage_dtype,
                          shard_tokens=config.shard_tokens, rank=rank, world_size=world)
     resumed = len(writer.done_ids)
@@ -189,7 +193,8 @@ def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: i
     path = out / f"regenerated.rank{rank}.jsonl"
     regen = regenerate(target, conversations, path, progress=progress,
                        config=RegenerateConfig(max_new_tokens=config.max_new_tokens,
-                                               temperature=config.temperature))
+                                               temperature=config.temperature, max_turns=config.max_turns,
+                                               batch_size=config.regenerate_batch_size))
     log.info("%s", regen.summary())
     done, _ = load_conversations(path)
     return done
