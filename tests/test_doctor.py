@@ -182,3 +182,6 @@ def test_doctor_passes_a_correctly_wired_draft(tmp_path, trained, smollm2_target
     assert {c.verdict for c in report.checks} <= {"ok", "warn"}
     assert checks["capture drift"].verdict == "ok" and checks["layout sweep"].verdict == "ok"
     assert checks["acceptance"].verdict == "ok"
+    accuracy = report.to_dict()["accuracy"]  # the isolation figures, machine-readable
+    assert list(accuracy) == ["acc@0", "cond acc@1", "cond acc@2"]
+    assert f"acc@0 {accuracy['acc@0']:.3f}" in checks["accuracy in isolation"].evidence[0]

@@ -36,6 +36,7 @@ class DoctorReport:
     checks: list[Check] = field(default_factory=list)
     layouts: list[LayoutRow] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # sequences, counted tokens, seconds
+    accuracy: dict[str, float] = field(default_factory=dict)  # acc@0, cond acc@j in isolation (JSON only; checks print them)
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
@@ -52,7 +53,7 @@ class DoctorReport:
     def to_dict(self) -> dict[str, Any]:
         return {"draft": self.draft, "target": self.target, "ok": not self.failed,
                 "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
-                "facts": self.facts}
+                "facts": self.facts, "accuracy": self.accuracy}
 
     def render(self) -> str:
         lines = [f"eaglewire doctor: draft {self.draft} on target {self.target}"]

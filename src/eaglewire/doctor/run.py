@@ -88,6 +88,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
 
     counts = isolation_accuracy(draft, batches, declared, steps=config.steps)
     acc0, cond = counts[0].acc, [c.cond_acc for c in counts[1:]]
+    report.accuracy = {"acc@0": acc0} | {f"cond acc@{j}": c for j, c in enumerate(cond, 1)}
     _check_accuracy(report, counts, summary, source)
     _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
     _check_drift(report, draft, batches, declared, L, config.steps, acc0)
