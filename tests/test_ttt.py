@@ -1,7 +1,7 @@
 import torch
 
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.ttt import StepCounts, TargetSignal, shift_left, target_signal, ttt_unroll
+from eaglewire.ttt import StepCounts, TargetSignal, shift_left, signal_positions, target_signal, ttt_unroll
 
 V, VD, T = 16, 16, 10
 
@@ -78,3 +78,25 @@ def test_target_signal_chunks_match_one_pass():
     logits = head(last)
     torch.testing.assert_close(a.probs, torch.softmax(logits[..., draft_ids], -1))
     assert torch.equal(a.argmax, logits.argmax(-1)) and torch.equal(a.in_vocab, t2d[logits.argmax(-1)])
+
+
+def test_signal_only_where_needed_leaves_the_unrolled_loss_and_counts_unchanged():
+    """The head runs only at indices whose next token is under the loss mask; every TTT step
+    reads the signal only there, so loss and counts equal those of the full signal."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, V)
+    last = torch.randn(2, T, 16)
+    draft_ids = torch.arange(VD)
+    t2d = torch.rand(V) < 0.7  # some target argmaxes fall outside the draft vocabulary
+    loss_mask = torch.rand(2, T) < 0.6
+    needed = signal_positions(loss_mask)
+    assert needed.sum() < needed.numel()  # not vacuous: some indices are skipped
+    full = target_signal(head, last, draft_ids, t2d)
+    part = target_signal(head, last, draft_ids, t2d, needed, chunk_tokens=3)
+    assert not part.in_vocab[~needed].any() and (part.probs[~needed] == 0).all()
+    draft, emb, aux = tiny_draft(), torch.randn(2, T, 16), torch.randn(2, T, 32)
+    with torch.no_grad():
+        a_loss, a_counts = ttt_unroll(draft, emb, aux, loss_mask, full, ttt_steps=3)
+        b_loss, b_counts = ttt_unroll(draft, emb, aux, loss_mask, part, ttt_steps=3)
+    torch.testing.assert_close(a_loss, b_loss)
+    assert a_counts == b_counts and a_counts[0].valid > 0

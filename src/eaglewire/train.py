@@ -25,7 +25,7 @@ from eaglewire.data.shards import dist_rank_world
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.target import Target, load_target, resolve_device
-from eaglewire.ttt import StepCounts, target_signal, ttt_unroll
+from eaglewire.ttt import StepCounts, signal_positions, target_signal, ttt_unroll
 from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class Trainer:
         """(weighted loss, per-step counts, draft-vocab coverage counts) of one batch."""
         t0 = time.perf_counter()
         signal = target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
-                               draft.draft_to_target, draft.t2d)
+                               draft.draft_to_target, draft.t2d, signal_positions(batch.loss_mask))
         with torch.no_grad():
             emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
         t1 = time.perf_counter()

@@ -38,22 +38,38 @@ class TargetSignal:
     in_vocab: torch.Tensor  # [B, T] bool: argmax is in the draft vocabulary
 
 
+def signal_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] loss mask -> [B, T] bool: the indices whose target signal any TTT step reads
+    (the signal at q judges the prediction of x_{q+1}, which must be under the loss mask)."""
+    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+    needed[:, :-1] = loss_mask[:, 1:].bool()
+    return needed
+
+
 @torch.no_grad()
 def target_signal(head, last_hidden: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
-                  chunk_tokens: int = 1024) -> TargetSignal:
+                  needed: torch.Tensor | None = None, chunk_tokens: int = 1024) -> TargetSignal:
     """Apply the target head to boundary L ``last_hidden`` [B, T, H] in token chunks.
 
-    ``head`` maps [N, H] -> [N, V]; ``draft_ids`` [Vd] target id of every draft id.
+    ``head`` maps [N, H] -> [N, V]; ``draft_ids`` [Vd] target id of every draft id. With
+    ``needed`` [B, T] bool (``signal_positions``) the head runs only there: elsewhere probs are
+    zero and ``in_vocab`` is False (padding and prompt tokens cost nothing).
     """
     B, T, H = last_hidden.shape
     flat = last_hidden.reshape(B * T, H)  # [B*T, H]
-    probs, argmax = [], []
-    for start in range(0, B * T, chunk_tokens):
-        logits = head(flat[start:start + chunk_tokens]).float()  # [n, V]
-        argmax.append(logits.argmax(-1))
-        probs.append(torch.softmax(logits[:, draft_ids], dim=-1))  # [n, Vd]
-    am = torch.cat(argmax).view(B, T)  # [B, T]
-    return TargetSignal(probs=torch.cat(probs).view(B, T, -1), argmax=am, in_vocab=t2d[am])
+    rows = (torch.arange(B * T, device=flat.device) if needed is None
+            else needed.reshape(B * T).nonzero().squeeze(1))  # [n] indices into B*T
+    probs = torch.zeros(B * T, len(draft_ids), dtype=torch.float32, device=flat.device)  # [B*T, Vd]
+    argmax = torch.zeros(B * T, dtype=torch.long, device=flat.device)  # [B*T]
+    for start in range(0, len(rows), chunk_tokens):
+        sel = rows[start:start + chunk_tokens]
+        logits = head(flat[sel]).float()  # [n, V]
+        argmax[sel] = logits.argmax(-1)
+        probs[sel] = torch.softmax(logits[:, draft_ids], dim=-1)  # [n, Vd]
+    in_vocab = t2d[argmax]  # [B*T]
+    if needed is not None:
+        in_vocab &= needed.reshape(B * T)
+    return TargetSignal(probs=probs.view(B, T, -1), argmax=argmax.view(B, T), in_vocab=in_vocab.view(B, T))
 
 
 @dataclass
