@@ -16,7 +16,8 @@ from pathlib import Path
 def row(draft_dir: Path, doctor_json: Path) -> dict:
     training = json.loads((draft_dir / "config.json").read_text())["training"]
     doctor = json.loads(doctor_json.read_text())
-    return {"name": draft_dir.name, "data": "target's replies" if "regen" in draft_dir.name else "ShareGPT's replies",
+    source = json.loads((Path(training["data"]) / "manifest.json").read_text())["source"]
+    return {"name": draft_dir.name, "data": "target's replies" if source.get("regenerated") else "ShareGPT's replies",
             "tokens": training["train_tokens"], "steps": training["steps"], "seconds": training["seconds"],
             "val_acc": (training.get("final_eval") or {}).get("val_acc_0"), "heldout": doctor["accuracy"]}
 

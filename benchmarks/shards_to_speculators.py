@@ -72,6 +72,7 @@ from safetensors.torch import save_file
 from eaglewire.contract import to_engine
 from eaglewire.data.shards import ShardDataset, ShardWriter
 from eaglewire.target import load_target, resolve_target_path
+from eaglewire.vocab import count_tokens
 
 log = logging.getLogger("shards_to_speculators")
 REPO = Path(__file__).resolve().parents[1]
@@ -183,15 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
 
     args.out.mkdir(parents=True)
-    ids_all, mask_all, offsets = [], [], [0]
-    counts = torch.zeros(target.vocab_size, dtype=torch.long)
-    for j, i in enumerate(rows):
-        ids, mask = ds.tokens(i)
-        ids_all.append(ids)
-        mask_all.append(mask.long())
+    tokens = [ds.tokens(i) for i in rows]  # (input_ids [T], loss_mask [T]) per row
+    ids_all, mask_all, offsets = [ids for ids, _ in tokens], [mask.long() for _, mask in tokens], [0]
+    for ids in ids_all:
         offsets.append(offsets[-1] + ids.numel())
-        if j < len(train):
-            counts += torch.bincount(ids[mask], minlength=target.vocab_size)
+    counts = count_tokens(tokens[:len(train)], target.vocab_size)  # what our draft vocabulary counts
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = Path(tmp) / "rows.safetensors"
         save_file({"input_ids": torch.cat(ids_all), "loss_mask": torch.cat(mask_all),

@@ -145,8 +145,8 @@ def lr_lambda(step: int, warmup: int, total: int) -> float:
 def vocab_coverage(in_vocab: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
     """(target argmaxes inside the draft vocab, all counted) over positions whose next token
     is under the loss mask. in_vocab / loss_mask [B, T]."""
-    counted = loss_mask[:, 1:].bool()
-    return int((in_vocab[:, :-1] & counted).sum()), int(counted.sum())
+    counted = signal_positions(loss_mask)  # [B, T]
+    return int((in_vocab & counted).sum()), int(counted.sum())
 
 
 def summarize(counts: list[StepCounts], prefix: str = "") -> dict[str, float]:
