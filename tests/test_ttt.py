@@ -1,7 +1,8 @@
 import torch
 
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.ttt import StepCounts, TargetSignal, shift_left, signal_positions, target_signal, ttt_unroll
+from eaglewire.ttt import (StepCounts, TargetSignal, counted_per_step, shift_left, signal_positions, target_signal,
+                           ttt_unroll)
 
 V, VD, T = 16, 16, 10
 
@@ -100,3 +101,36 @@ def test_signal_only_where_needed_leaves_the_unrolled_loss_and_counts_unchanged(
         b_loss, b_counts = ttt_unroll(draft, emb, aux, loss_mask, part, ttt_steps=3)
     torch.testing.assert_close(a_loss, b_loss)
     assert a_counts == b_counts and a_counts[0].valid > 0
+
+
+def _rows(sig: TargetSignal, rows: slice) -> TargetSignal:
+    return TargetSignal(probs=sig.probs[rows], argmax=sig.argmax[rows], in_vocab=sig.in_vocab[rows])
+
+
+def test_parts_normalised_by_the_whole_batch_add_up_to_the_whole_batch():
+    """Micro-batches (or ranks) given the whole step's counts as normalizers: their losses and
+    gradients add up to those of one batch holding all their rows, however unevenly the rows
+    count positions (here 2 rows with few, 2 with many)."""
+    torch.manual_seed(2)
+    head = torch.nn.Linear(16, V)
+    sig = target_signal(head, torch.randn(4, T, 16), torch.arange(VD), torch.rand(V) < 0.8)
+    loss_mask = torch.zeros(4, T, dtype=torch.bool)
+    loss_mask[:2, -3:] = True
+    loss_mask[2:, 2:] = True
+    emb, aux = torch.randn(4, T, 16), torch.randn(4, T, 32)
+
+    whole_draft, parts_draft = tiny_draft(), tiny_draft()
+    whole, _ = ttt_unroll(whole_draft, emb, aux, loss_mask, sig, ttt_steps=3)
+    whole.backward()
+    normalizers = counted_per_step(loss_mask, sig.in_vocab, 3)
+    halves = (slice(0, 2), slice(2, 4))
+    assert counted_per_step(loss_mask[:2], sig.in_vocab[:2], 3) != counted_per_step(loss_mask[2:], sig.in_vocab[2:], 3)
+    total = 0.0
+    for rows in halves:
+        part, _ = ttt_unroll(parts_draft, emb[rows], aux[rows], loss_mask[rows], _rows(sig, rows), ttt_steps=3,
+                             normalizers=normalizers)
+        part.backward()
+        total = total + part.detach()
+    torch.testing.assert_close(total, whole.detach())
+    for a, b in zip(whole_draft.parameters(), parts_draft.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

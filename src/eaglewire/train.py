@@ -1,6 +1,7 @@
 """The TTT training loop: data split, draft vocabulary, optimisation, evaluation,
 checkpoints and exact resume. Runs alone or under ``torchrun`` (data parallel: each rank
-takes every world-th batch and gradients are averaged; gloo on CPU, NCCL on GPU).
+takes every world-th batch, each step's loss is normalised over all ranks and gradients summed;
+gloo on CPU, NCCL on GPU).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from eaglewire.data.shards import dist_rank_world
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.target import Target, load_target, resolve_device
-from eaglewire.ttt import StepCounts, signal_positions, target_signal, ttt_unroll
+from eaglewire.ttt import StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll
 from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class TrainConfig:
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps before cosine decay"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     grad_clip: float = field(default=0.5, metadata={"help": "gradient norm clip"})
-    batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per optimizer step (per rank)"})
+    batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per micro-batch (per rank)"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step and rank: a step trains on world x grad_accum micro-batches"})
     val_sequences: int = field(default=32, metadata={"help": "held-out sequences for validation"})
     eval_interval: int = field(default=100, metadata={"help": "validate every N steps"})
     save_interval: int = field(default=100, metadata={"help": "checkpoint every N steps"})
@@ -72,7 +74,7 @@ class TrainConfig:
                              "--online-data (conversations captured live)")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
-        for name in ("epochs", "batch_tokens", "eval_interval", "save_interval", "log_interval", "draft_vocab_size"):
+        for name in ("epochs", "batch_tokens", "grad_accum", "eval_interval", "save_interval", "log_interval", "draft_vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.loss_decay <= 1:
@@ -149,8 +151,8 @@ def vocab_coverage(in_vocab: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int
     return int((in_vocab & counted).sum()), int(counted.sum())
 
 
-def summarize(counts: list[StepCounts], prefix: str = "") -> dict[str, float]:
-    out: dict[str, float] = {f"{prefix}loss": sum(0.8 ** j * c.loss for j, c in enumerate(counts))}
+def summarize(counts: list[StepCounts], prefix: str = "", decay: float = 0.8) -> dict[str, float]:
+    out: dict[str, float] = {f"{prefix}loss": sum(decay ** j * c.loss for j, c in enumerate(counts))}
     for j, c in enumerate(counts):
         out[f"{prefix}acc_{j}"] = round(c.acc, 4)
         if j:
@@ -241,22 +243,78 @@ class Trainer:
                                 "); keep --seed and --val-sequences as in that run so validation stays held out")
         return draft.float().train()
 
-    def _forward(self, draft, batch: Batch) -> tuple[torch.Tensor, list[StepCounts], tuple[int, int]]:
-        """(weighted loss, per-step counts, draft-vocab coverage counts) of one batch."""
+    def _signal(self, draft, batch: Batch) -> TargetSignal:
+        """The target's distribution where the TTT steps read it (timed as target head)."""
         t0 = time.perf_counter()
         signal = target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
                                draft.draft_to_target, draft.t2d, signal_positions(batch.loss_mask))
+        self.timers["target_head"] += time.perf_counter() - t0
+        return signal
+
+    def _unroll(self, draft, batch: Batch, signal: TargetSignal,
+                normalizers: list[int] | None = None) -> tuple[torch.Tensor, list[StepCounts]]:
+        t0 = time.perf_counter()
         with torch.no_grad():
             emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
-        t1 = time.perf_counter()
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with autocast:
-            loss, counts = ttt_unroll(draft, emb,
-                                      batch.aux_hidden.float(), batch.loss_mask, signal,
-                                      ttt_steps=self.config.ttt_steps, decay=self.config.loss_decay)
-        self.timers["target_head"] += t1 - t0
-        self.timers["draft_forward"] += time.perf_counter() - t1
+            out = ttt_unroll(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal,
+                             ttt_steps=self.config.ttt_steps, decay=self.config.loss_decay, normalizers=normalizers)
+        self.timers["draft_forward"] += time.perf_counter() - t0
+        return out
+
+    def _forward(self, draft, batch: Batch) -> tuple[torch.Tensor, list[StepCounts], tuple[int, int]]:
+        """(weighted loss, per-step counts, draft-vocab coverage counts) of one batch on its own."""
+        signal = self._signal(draft, batch)
+        loss, counts = self._unroll(draft, batch, signal)
         return loss, counts, vocab_coverage(signal.in_vocab, batch.loss_mask)
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        """Sum a few numbers over ranks (identity when alone)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # [n]
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _train_step(self, draft, optimizer, idxs: list[list[int]], where: dict[str, int]) -> tuple[list[StepCounts], int]:
+        """One optimizer step over this rank's micro-batches ``idxs``; every rank's parts add up to
+        the loss of the whole step (normalised by the step's global count of positions per TTT
+        step), so N ranks x M micro-batches train exactly as one process with N x M micro-batches.
+        Returns the step's counts and tokens summed over ranks."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        batches = [self.source.batch(idx, self.device) for idx in idxs]
+        self.timers["data"] += time.perf_counter() - t0
+        signals = [self._signal(draft, b) for b in batches]
+        local = [sum(n) for n in zip(*(counted_per_step(b.loss_mask, s.in_vocab, cfg.ttt_steps)
+                                       for b, s in zip(batches, signals)))]
+        normalizers = [int(n) for n in self._all_sum(local)]
+        optimizer.zero_grad(set_to_none=True)
+        step_counts = [StepCounts() for _ in range(cfg.ttt_steps)]
+        for idx, batch, signal in zip(idxs, batches, signals):
+            loss, counts = self._unroll(draft, batch, signal, normalizers)
+            if not torch.isfinite(loss):
+                raise TrainingError(
+                    f"loss is {loss.item()} at step {where['step']} (epoch {where['epoch']}, "
+                    f"batch {where['batch']}, sequences {[self.source.sequence_ids[i] for i in idx]}); "
+                    f"the last good checkpoint in {self.out} is kept")
+            t1 = time.perf_counter()
+            loss.backward()
+            self.timers["backward"] += time.perf_counter() - t1
+            for total, c in zip(step_counts, counts):
+                total.add(c)
+        t1 = time.perf_counter()
+        self._sync_grads(draft)
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        optimizer.step()
+        self.timers["backward"] += time.perf_counter() - t1
+        fields = list(StepCounts.__dataclass_fields__)
+        tokens = sum(self.source.lengths[i] for idx in idxs for i in idx)
+        summed = self._all_sum([float(getattr(c, f)) for c in step_counts for f in fields] + [float(tokens)])
+        per_step = [summed[j * len(fields):(j + 1) * len(fields)] for j in range(cfg.ttt_steps)]
+        counts = [StepCounts(**{f: (v if f == "loss_sum" else int(v)) for f, v in zip(fields, row)}) for row in per_step]
+        return counts, int(summed[-1])
 
     @torch.no_grad()
     def evaluate(self, draft) -> dict[str, float]:
@@ -269,7 +327,7 @@ class Trainer:
                 t.add(c)
             inside, counted = inside + n_in, counted + n
         draft.train()
-        return {**summarize(total, prefix="val_"), "val_vocab_coverage": round(inside / max(counted, 1), 4)}
+        return {**summarize(total, prefix="val_", decay=self.config.loss_decay), "val_vocab_coverage": round(inside / max(counted, 1), 4)}
 
     # -- checkpointing -------------------------------------------------------
 
@@ -294,7 +352,10 @@ class Trainer:
             raise TrainingError(f"--resume: {path} does not exist; nothing to resume (drop --resume to start)")
         state = torch.load(path, weights_only=False)
         now = self.config.identity()
-        diff = {k: (state["config"].get(k), v) for k, v in now.items() if state["config"].get(k) != v}
+        # A field the stored run predates had its default then.
+        defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+        was = {k: state["config"].get(k, defaults.get(k)) for k in now}
+        diff = {k: (was[k], v) for k, v in now.items() if was[k] != v}
         if diff:
             lines = "; ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise TrainingError(f"--resume: {self.out} was trained with a different configuration ({lines}); "
@@ -312,11 +373,11 @@ class Trainer:
                                       betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         plans = [batch_plan(self.train_idx, self.source.lengths, cfg.batch_tokens, cfg.seed + e)
                  for e in range(cfg.epochs)]
-        # Every rank takes the same number of batches (gradients are all-reduced each step).
-        per_epoch = min(len(p) for p in plans) // self.world
+        # Every rank takes the same number of micro-batches per step (gradients are all-reduced).
+        per_epoch = min(len(p) for p in plans) // (self.world * cfg.grad_accum)
         if per_epoch < 1:
-            raise ValueError(f"{len(plans[0])} batch(es) per epoch cannot feed {self.world} ranks; "
-                             "lower --batch-tokens or use more data")
+            raise ValueError(f"{len(plans[0])} batch(es) per epoch cannot feed {self.world} rank(s) x "
+                             f"{cfg.grad_accum} micro-batch(es); lower --batch-tokens or --grad-accum, or use more data")
         total_steps = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, min(cfg.warmup_steps, total_steps // 10 + 1), total_steps))
@@ -348,40 +409,27 @@ class Trainer:
         try:
             while position["epoch"] < cfg.epochs and position["step"] < total_steps:
                 plan = plans[position["epoch"]]
-                mine = plan[self.rank::self.world][:per_epoch]
+                # Step s of rank r takes plan[(s * A + i) * world + r] for i < A (A = grad_accum):
+                # over all ranks, the step's micro-batches are plan[s*A*world : (s+1)*A*world].
+                mine = plan[self.rank::self.world][:per_epoch * cfg.grad_accum]
                 while position["batch"] < len(mine) and position["step"] < total_steps:
                     out_of_time = cfg.minutes is not None and time.perf_counter() - start > cfg.minutes * 60
                     if out_of_time or position["step"] == cfg.stop_at_step:
                         stopped_early = True
                         break
-                    idx = mine[position["batch"]]
-                    t0 = time.perf_counter()
-                    batch = self.source.batch(idx, self.device)
-                    self.timers["data"] += time.perf_counter() - t0
-                    loss, counts, _ = self._forward(draft, batch)
-                    if not torch.isfinite(loss):
-                        raise TrainingError(
-                            f"loss is {loss.item()} at step {position['step']} (epoch {position['epoch']}, "
-                            f"batch {position['batch']}, sequences {[self.source.sequence_ids[i] for i in idx]}); "
-                            f"the last good checkpoint in {self.out} is kept")
-                    t1 = time.perf_counter()
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    self._sync_grads(draft)
-                    torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
-                    optimizer.step()
+                    idxs = mine[position["batch"]:position["batch"] + cfg.grad_accum]
+                    counts, tokens = self._train_step(draft, optimizer, idxs, position)
                     scheduler.step()
-                    self.timers["backward"] += time.perf_counter() - t1
                     for w, c in zip(window, counts):
                         w.add(c)
-                    position["batch"] += 1
+                    position["batch"] += len(idxs)
                     position["step"] += 1
-                    position["tokens"] += sum(self.source.lengths[i] for i in idx) * self.world
+                    position["tokens"] += tokens
                     step = position["step"]
                     bar.update(1)
                     if step % cfg.log_interval == 0 or step == total_steps:
                         row = {"step": step, "epoch": position["epoch"], "lr": scheduler.get_last_lr()[0],
-                               "tokens": position["tokens"], **summarize(window)}
+                               "tokens": position["tokens"], **summarize(window, decay=cfg.loss_decay)}
                         bar.set_postfix(loss=f"{row['loss']:.3f}", **{f"acc{j}": f"{row[f'acc_{j}']:.2f}"
                                                                    for j in range(min(3, cfg.ttt_steps))})
                         if metrics_file:
@@ -409,20 +457,20 @@ class Trainer:
         if self.rank == 0:
             self._plot()
         return TrainResult(out=str(self.out), steps=position["step"],
-                           epochs_done=position["epoch"] + position["batch"] / max(1, per_epoch),
+                           epochs_done=position["epoch"] + position["batch"] / max(1, per_epoch * cfg.grad_accum),
                            train_tokens=position["tokens"], seconds=history["seconds"],
                            final_eval=history["evals"][-1], finished=not stopped_early,
                            timers={k: round(v, 2) for k, v in self.timers.items()})
 
     def _sync_grads(self, draft: Eagle3Draft) -> None:
-        """Data parallel: average gradients over ranks (the draft is one layer: plain
-        all-reduce is as fast as DDP's buckets and keeps the step code identical)."""
+        """Data parallel: sum gradients over ranks (each rank's loss is already its share of the
+        step's loss; the draft is one layer: plain all-reduce is as fast as DDP's buckets and keeps
+        the step code identical)."""
         if self.world == 1:
             return
         for p in draft.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
-                p.grad /= self.world
 
     def _record_eval(self, draft, step: int, history: dict, metrics_file) -> None:
         row = {"step": step, **self.evaluate(draft)}

@@ -110,12 +110,21 @@ def counted_positions(loss_mask: torch.Tensor, in_vocab: torch.Tensor, j: int) -
     return valid
 
 
+def counted_per_step(loss_mask: torch.Tensor, in_vocab: torch.Tensor, ttt_steps: int) -> list[int]:
+    """How many positions each TTT step counts in a batch (what ``ttt_unroll`` divides by)."""
+    return [int(counted_positions(loss_mask, in_vocab, j).sum()) for j in range(ttt_steps)]
+
+
 def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
-               signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8) -> tuple[torch.Tensor, list[StepCounts]]:
+               signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8,
+               normalizers: list[int] | None = None) -> tuple[torch.Tensor, list[StepCounts]]:
     """Unroll the draft ``ttt_steps`` times; return the weighted loss and per-step counts.
 
     emb [B, T, H] target embeddings of input_ids; aux_hidden [B, T, k*Ht]; loss_mask [B, T].
-    Loss: sum_j decay**j * mean over valid positions of -sum_v p_target log q_draft.
+    Loss: sum_j decay**j * (sum over valid positions of -sum_v p_target log q_draft) / N_j, where
+    N_j is this batch's count of valid positions, or ``normalizers[j]`` when the batch is one part
+    of a larger optimizer step (micro-batches, ranks): then the parts' losses add up to the loss
+    of the whole step.
     """
     B, T, _ = emb.shape
     position_ids = torch.arange(T, device=emb.device).expand(B, T)  # [B, T]
@@ -136,7 +145,7 @@ def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, 
         p = signal.probs[:, 1 + j:][valid]  # [N, Vd]
         ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
         n = int(valid.sum())
-        step_loss = ce.sum() / max(n, 1)
+        step_loss = ce.sum() / max(n if normalizers is None else normalizers[j], 1)
         total = total + decay ** j * step_loss
         with torch.no_grad():
             right_sel = draft_to_target[logits.argmax(-1)] == signal.argmax[:, 1 + j:][valid]  # [N]
