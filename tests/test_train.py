@@ -103,6 +103,21 @@ def test_stop_at_step_keeps_the_schedule_and_resumes(tmp_path, conversations_fil
     assert full.finished
 
 
+def test_resume_of_a_run_that_predates_a_config_field_reads_its_default(tmp_path, conversations_file,
+                                                                        chat_tiny_target):
+    train(config(tmp_path, conversations_file, max_steps=3, stop_at_step=1), target=chat_tiny_target, progress=False)
+    state_file = tmp_path / "draft" / "train_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    del state["config"]["grad_accum"]  # as written before --grad-accum existed
+    torch.save(state, state_file)
+    rest = train(config(tmp_path, conversations_file, max_steps=3, resume=True), target=chat_tiny_target,
+                 progress=False)
+    assert (rest.steps, rest.finished) == (3, True)
+    with pytest.raises(TrainingError, match="grad_accum was 1, now 2"):
+        train(config(tmp_path, conversations_file, max_steps=3, grad_accum=2, resume=True),
+              target=chat_tiny_target, progress=False)
+
+
 def test_resume_with_other_settings_is_refused(tmp_path, conversations_file, chat_tiny_target):
     train(config(tmp_path, conversations_file, max_steps=3), target=chat_tiny_target, progress=False)
     with pytest.raises(TrainingError, match="lr was 0.003, now 0.001"):
