@@ -292,29 +292,32 @@ class Trainer:
         normalizers = [int(n) for n in self._all_sum(local)]
         optimizer.zero_grad(set_to_none=True)
         step_counts = [StepCounts() for _ in range(cfg.ttt_steps)]
+        bad = None  # (loss, micro-batch) of the first non-finite loss on this rank
         for idx, batch, signal in zip(idxs, batches, signals):
             loss, counts = self._unroll(draft, batch, signal, normalizers)
             if not torch.isfinite(loss):
-                raise TrainingError(
-                    f"loss is {loss.item()} at step {where['step']} (epoch {where['epoch']}, "
-                    f"batch {where['batch']}, sequences {[self.source.sequence_ids[i] for i in idx]}); "
-                    f"the last good checkpoint in {self.out} is kept")
+                bad = bad or (loss.item(), idx)
+                continue
             t1 = time.perf_counter()
             loss.backward()
             self.timers["backward"] += time.perf_counter() - t1
             for total, c in zip(step_counts, counts):
                 total.add(c)
+        # Every rank stops together (a lone rank raising would leave the others in all_reduce).
+        if self._all_sum([float(bad is not None)])[0]:
+            what = (f"loss is {bad[0]} at step {where['step']} (epoch {where['epoch']}, batch {where['batch']}, "
+                    f"sequences {[self.source.sequence_ids[i] for i in bad[1]]})" if bad else
+                    f"another rank's loss is not finite at step {where['step']}")
+            raise TrainingError(f"{what}; the last good checkpoint in {self.out} is kept")
         t1 = time.perf_counter()
         self._sync_grads(draft)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         optimizer.step()
         self.timers["backward"] += time.perf_counter() - t1
-        fields = list(StepCounts.__dataclass_fields__)
         tokens = sum(self.source.lengths[i] for idx in idxs for i in idx)
-        summed = self._all_sum([float(getattr(c, f)) for c in step_counts for f in fields] + [float(tokens)])
-        per_step = [summed[j * len(fields):(j + 1) * len(fields)] for j in range(cfg.ttt_steps)]
-        counts = [StepCounts(**{f: (v if f == "loss_sum" else int(v)) for f, v in zip(fields, row)}) for row in per_step]
-        return counts, int(summed[-1])
+        summed = self._all_sum([v for c in step_counts for v in c.as_floats()] + [float(tokens)])
+        width = len(summed[:-1]) // cfg.ttt_steps
+        return [StepCounts.from_floats(summed[j * width:(j + 1) * width]) for j in range(cfg.ttt_steps)], int(summed[-1])
 
     @torch.no_grad()
     def evaluate(self, draft) -> dict[str, float]:

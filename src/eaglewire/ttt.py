@@ -86,6 +86,15 @@ class StepCounts:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    def as_floats(self) -> list[float]:
+        return [float(getattr(self, name)) for name in self.__dataclass_fields__]
+
+    @classmethod
+    def from_floats(cls, values: list[float]) -> StepCounts:
+        """The inverse of ``as_floats`` (counts back to int), e.g. after a sum over ranks."""
+        return cls(**{name: v if name == "loss_sum" else int(round(v))
+                      for name, v in zip(cls.__dataclass_fields__, values)})
+
     @property
     def loss(self) -> float:
         return self.loss_sum / max(self.valid, 1)
