@@ -13,7 +13,7 @@ resume() { [ -f "$1/train_state.pt" ] && echo "--resume" || true; }
 train() {  # out data extra-flags...: one TTT-4 pass, 2,048-token batches, the same held-out split
   out=$1; data=$2; shift 2
   $EW train --target smollm2-135m --data "$data" --out "$out" --ttt-steps 4 --epochs 1 --batch-tokens 2048 \
-    --val-sequences 32 --eval-interval 100 --save-interval 25 --log-interval 5 $(resume "$out") "$@"
+    --val-sequences 32 --eval-interval 250 --save-interval 25 --log-interval 5 $(resume "$out") "$@"
 }
 
 # 1. ShareGPT conversations 0-999 -> 874 sequences, 679k tokens of captured states (3 GB)
