@@ -151,7 +151,7 @@ def vocab_coverage(in_vocab: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int
     return int((in_vocab & counted).sum()), int(counted.sum())
 
 
-def summarize(counts: list[StepCounts], prefix: str = "", decay: float = 0.8) -> dict[str, float]:
+def summarize(counts: list[StepCounts], *, decay: float, prefix: str = "") -> dict[str, float]:
     out: dict[str, float] = {f"{prefix}loss": sum(decay ** j * c.loss for j, c in enumerate(counts))}
     for j, c in enumerate(counts):
         out[f"{prefix}acc_{j}"] = round(c.acc, 4)
@@ -303,8 +303,12 @@ class Trainer:
             self.timers["backward"] += time.perf_counter() - t1
             for total, c in zip(step_counts, counts):
                 total.add(c)
-        # Every rank stops together (a lone rank raising would leave the others in all_reduce).
-        if self._all_sum([float(bad is not None)])[0]:
+        # One sum over ranks before the update: whether any loss was not finite (every rank then
+        # stops together; a lone rank raising would leave the others in all_reduce), the step's
+        # counts and its tokens.
+        tokens = sum(self.source.lengths[i] for idx in idxs for i in idx)
+        summed = self._all_sum([float(bad is not None), float(tokens)] + [v for c in step_counts for v in c.as_floats()])
+        if summed[0]:
             what = (f"loss is {bad[0]} at step {where['step']} (epoch {where['epoch']}, batch {where['batch']}, "
                     f"sequences {[self.source.sequence_ids[i] for i in bad[1]]})" if bad else
                     f"another rank's loss is not finite at step {where['step']}")
@@ -314,10 +318,9 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         optimizer.step()
         self.timers["backward"] += time.perf_counter() - t1
-        tokens = sum(self.source.lengths[i] for idx in idxs for i in idx)
-        summed = self._all_sum([v for c in step_counts for v in c.as_floats()] + [float(tokens)])
-        width = len(summed[:-1]) // cfg.ttt_steps
-        return [StepCounts.from_floats(summed[j * width:(j + 1) * width]) for j in range(cfg.ttt_steps)], int(summed[-1])
+        per_step = summed[2:]  # [ttt_steps x StepCounts fields]
+        width = len(per_step) // cfg.ttt_steps
+        return [StepCounts.from_floats(per_step[j * width:(j + 1) * width]) for j in range(cfg.ttt_steps)], int(summed[1])
 
     @torch.no_grad()
     def evaluate(self, draft) -> dict[str, float]:
