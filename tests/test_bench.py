@@ -20,18 +20,23 @@ def stats(accept_lengths, position_accepts=(), seconds=1.0, **kw):
 # ------------------------------------------------------------------ configs
 
 def test_parse_configs():
-    runs = parse_configs(" 1,0,0,0; 1,5,1,6;1,6,4,24;")
-    assert [r.label for r in runs] == ["1,0,0,0", "1,5,1,6", "1,6,4,24"]
+    runs = parse_configs(" 1,0,0,0; 1,5,1,6;1,6,4,24;1,5,1,6,0.10")
+    assert [r.label for r in runs] == ["1,0,0,0", "1,5,1,6", "1,6,4,24", "1,5,1,6,0.1"]
     assert runs[0].spec is None
     assert (runs[2].spec.num_steps, runs[2].spec.topk, runs[2].spec.num_draft_tokens) == (6, 4, 24)
+    assert runs[3].spec.min_prob == 0.1 and runs[1].spec.min_prob == 0.0
 
 
 @pytest.mark.parametrize("text, message", [
     ("1,0,0,0;4,5,1,6", "batch 4 is not supported; the engine decodes one sequence at a time, so use batch 1 (1,5,1,6)"),
-    ("1,5,1", "four integers"),
-    ("1,five,1,6", "four integers"),
+    ("1,5,1", "is not batch,steps,topk,draft-tokens[,min-prob]"),
+    ("1,five,1,6", "is not batch,steps,topk,draft-tokens[,min-prob]"),
+    ("1,5,1,6,0.1,2", "is not batch,steps,topk,draft-tokens[,min-prob]"),
     ("1,0,4,8", "steps 0 means no speculation"),
-    ("1,5,1,5", "config '1,5,1,5' (batch,steps,topk,draft-tokens): --speculative-eagle-topk 1 drafts a chain"),
+    ("1,0,0,0,0.2", "steps 0 means no speculation"),
+    ("1,5,1,5", "config '1,5,1,5' (batch,steps,topk,draft-tokens[,min-prob] (e.g. 1,5,1,6 or 1,5,1,6,0.1)): "
+                "--speculative-eagle-topk 1 drafts a chain"),
+    ("1,5,1,6,1.5", "--draft-min-prob must be in [0, 1)"),
     ("1,2,2,40", "outside [2, 7]"),
     ("1,5,1,6;1,5,1,6", "given twice"),
     (" ; ", "--configs is empty"),
@@ -123,7 +128,7 @@ def test_bench_end_to_end(tmp_path, target_dir, draft_dir, capsys, one_thread):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
     out = tmp_path / "report"
     argv = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--dataset", str(prompts),
-            "--configs", "1,0,0,0;1,3,1,4;1,3,2,6", "--compare", "hf,hf-pld", "--max-new-tokens", "12",
+            "--configs", "1,0,0,0;1,3,1,4;1,3,2,6;1,3,1,4,0.4", "--compare", "hf,hf-pld", "--max-new-tokens", "12",
             "--warmup", "0", "--device", "cpu", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     shown = capsys.readouterr().out
@@ -131,22 +136,24 @@ def test_bench_end_to_end(tmp_path, target_dir, draft_dir, capsys, one_thread):
 
     report = json.loads((out / "bench.json").read_text())
     rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["1,0,0,0", "1,3,1,4", "1,3,2,6", "hf", "hf-pld"]
+    assert list(rows) == ["1,0,0,0", "1,3,1,4", "1,3,2,6", "1,3,1,4,0.4", "hf", "hf-pld"]
     assert report["prompts"] == ["p0", "p1", "p2"]
     plain = rows["1,0,0,0"]
     assert plain["method"] == "plain" and plain["tau_pooled"] == plain["tau_per_request_mean"] == 1.0
     assert plain["speedup"] == 1.0 and plain["position_acceptance"] == []
-    for name in ("1,3,1,4", "1,3,2,6"):
+    for name in ("1,3,1,4", "1,3,2,6", "1,3,1,4,0.4"):
         row = rows[name]
         assert row["same_output_as_plain"] == 3  # greedy speculation is lossless
         assert row["new_tokens"] == plain["new_tokens"] and len(row["position_acceptance"]) == 3
         assert row["tau_pooled"] >= 1.0 and set(row["seconds"]) == {"draft", "verify", "prefill", "other", "total"}
+    assert plain["verified_per_pass"] == 1.0 and rows["1,3,1,4"]["verified_per_pass"] == 4.0  # a full chain
+    assert 1.0 <= rows["1,3,1,4,0.4"]["verified_per_pass"] < 4.0  # an untrained draft is rarely that sure
     for name in ("hf", "hf-pld"):
         assert rows[name]["tau_pooled"] is None and rows[name]["tokens_per_second"] > 0
 
     md = (out / "bench.md").read_text()
     assert "eaglewire bench --target" in md and "--compare hf,hf-pld" in md
-    assert md.count("\n| ") == 2 + 5  # header, rule, one line per row
+    assert md.count("\n| ") == 2 + 6  # header, rule, one line per row
     assert "| hf | hf |" in md and "| - | - |" in md  # τ does not apply to HF rows
     for png in ("acceptance.png", "throughput.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -40,6 +40,27 @@ def test_prepare_then_train(tmp_path, target_dir, chats, capsys):
     assert read_draft_config(draft)["contract"] == manifest["contract"]
 
 
+def test_generate_streams_the_same_text_with_and_without_a_draft(tmp_path, chat_tiny_target, target_dir, capsys):
+    from eaglewire.contract import HiddenStateContract
+    from eaglewire.draft import DraftConfig, Eagle3Draft
+
+    cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=100,
+                                  vocab_size=chat_tiny_target.vocab_size)
+    save_draft(tmp_path / "d", Eagle3Draft(cfg),
+               HiddenStateContract(aux_boundaries=(2, 4, 5), target=chat_tiny_target.fingerprint))
+    common = ["generate", "--target", str(target_dir), "--prompt", "Count to 5.", "--chat", "--max-new-tokens", "8",
+              "--device", "cpu"]
+    assert main(common) == 0
+    plain = capsys.readouterr()
+    assert "accept length 1.00" in plain.err and "(1.00 tokens verified per pass)" in plain.err
+    assert main(common + ["--draft", str(tmp_path / "d"), "--speculative-num-steps", "3", "--speculative-eagle-topk",
+                          "1", "--speculative-num-draft-tokens", "4", "--draft-min-prob", "0.2"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and "8 tokens in" in spec.err
+    assert main(common + ["--draft", str(tmp_path / "d"), "--draft-min-prob", "1"]) == 2
+    assert "--draft-min-prob must be in [0, 1)" in capsys.readouterr().err
+
+
 def test_user_errors_exit_2_with_a_message(tmp_path, target_dir, capsys):
     assert main(["prepare", "--target", "no-such-model", "--out", str(tmp_path)]) == 2
     assert "neither a preset" in capsys.readouterr().err

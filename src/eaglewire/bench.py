@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglewire.checkpoint import load_draft, read_draft_config
-from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder, check_spec_flags
+from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
 from eaglewire.prompts import Prompt, load_prompts
@@ -37,7 +37,7 @@ class BenchConfig:
     target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
     draft: str | None = field(default=None, metadata={"help": "draft directory (needed by configs with steps > 0 and by sharegpt-heldout)"})
     dataset: str = field(default="mt-bench", metadata={"help": f"mt-bench, humaneval, {HELDOUT} (the draft's held-out ShareGPT conversations) or a JSONL file"})
-    configs: str = field(default="1,0,0,0;1,5,1,6;1,6,4,24", metadata={"help": "';'-separated batch,steps,topk,draft-tokens; steps 0 = plain decoding (write 1,0,0,0)"})
+    configs: str = field(default="1,0,0,0;1,5,1,6;1,6,4,24", metadata={"help": "';'-separated batch,steps,topk,draft-tokens[,min-prob]; steps 0 = plain decoding (write 1,0,0,0); min-prob: --draft-min-prob of `generate`"})
     compare: list[str] | None = field(default=None, metadata={"help": "baselines on the same prompts: hf (model.generate), hf-pld (prompt lookup decoding)"})
     max_new_tokens: int = field(default=256, metadata={"help": "tokens generated per prompt at most"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples"})
@@ -93,44 +93,50 @@ class RunConfig:
     steps: int
     topk: int
     draft_tokens: int
+    min_prob: float = 0.0  # --draft-min-prob; 0 = SGLang's fixed shape
 
     @property
     def label(self) -> str:
-        return f"{self.batch},{self.steps},{self.topk},{self.draft_tokens}"
+        base = f"{self.batch},{self.steps},{self.topk},{self.draft_tokens}"
+        return base if self.min_prob == 0 else f"{base},{self.min_prob:g}"
 
     @property
     def spec(self) -> SpecConfig | None:
         """None: plain decoding (steps 0)."""
         if self.steps == 0:
             return None
-        return SpecConfig(num_steps=self.steps, topk=self.topk, num_draft_tokens=self.draft_tokens)
+        return SpecConfig(num_steps=self.steps, topk=self.topk, num_draft_tokens=self.draft_tokens,
+                          min_prob=self.min_prob)
+
+
+CONFIG_FORMAT = "batch,steps,topk,draft-tokens[,min-prob] (e.g. 1,5,1,6 or 1,5,1,6,0.1)"
 
 
 def parse_configs(text: str) -> list[RunConfig]:
-    """``"1,0,0,0;1,5,1,6"`` -> RunConfigs; every inconsistency is an error naming the config."""
+    """``"1,0,0,0;1,5,1,6;1,5,1,6,0.1"`` -> RunConfigs; every inconsistency is an error naming the config."""
     runs: list[RunConfig] = []
     for part in (p.strip() for p in text.split(";")):
         if not part:
             continue
+        fields_ = part.replace(" ", "").split(",")
         try:
-            values = [int(x) for x in part.replace(" ", "").split(",")]
+            values = [int(x) for x in fields_[:4]] + [float(x) for x in fields_[4:]]
         except ValueError:
             values = []
-        if len(values) != 4:
-            raise ValueError(f"config {part!r} is not batch,steps,topk,draft-tokens (four integers, e.g. 1,5,1,6); "
-                             "separate configs with ';'")
+        if len(values) not in (4, 5):
+            raise ValueError(f"config {part!r} is not {CONFIG_FORMAT}; separate configs with ';'")
         run = RunConfig(*values)
         if run.batch != 1:
             raise ValueError(f"config {part!r}: batch {run.batch} is not supported; the engine decodes one "
                              f"sequence at a time, so use batch 1 ({RunConfig(1, *values[1:]).label})")
-        if run.steps == 0 and (run.topk, run.draft_tokens) != (0, 0):
-            raise ValueError(f"config {part!r}: steps 0 means no speculation, so topk and draft tokens "
-                             "must be 0 too; write 1,0,0,0")
+        if run.steps == 0 and (run.topk, run.draft_tokens, run.min_prob) != (0, 0, 0):
+            raise ValueError(f"config {part!r}: steps 0 means no speculation, so topk, draft tokens and "
+                             "min-prob must be 0 too; write 1,0,0,0")
         if run.steps != 0:
             try:
-                check_spec_flags(run.steps, run.topk, run.draft_tokens)
+                _ = run.spec  # SpecConfig checks every field
             except ValueError as e:
-                raise ValueError(f"config {part!r} (batch,steps,topk,draft-tokens): {e}") from None
+                raise ValueError(f"config {part!r} ({CONFIG_FORMAT}): {e}") from None
         if run in runs:
             raise ValueError(f"config {run.label} is given twice in --configs")
         runs.append(run)
@@ -151,6 +157,12 @@ def tau_per_request(stats: list[GenerationStats]) -> float | None:
     """Mean over requests (with at least one verify pass) of each request's τ."""
     taus = [s.accept_length for s in stats if s.rounds]
     return sum(taus) / len(taus) if taus else None
+
+
+def verified_per_pass(stats: list[GenerationStats]) -> float | None:
+    """All tokens the target verified (roots included) / all verify passes."""
+    passes = sum(s.rounds for s in stats)
+    return sum(sum(s.verified_lengths) for s in stats) / passes if passes else None
 
 
 def position_acceptance(stats: list[GenerationStats]) -> list[float]:

@@ -6,14 +6,15 @@ import json
 from pathlib import Path
 
 from eaglewire.bench import BenchResult, Row, position_acceptance, same_output_as_plain, speedup, tau_per_request, \
-    tau_pooled, time_split
+    tau_pooled, time_split, verified_per_pass
 
-HEADERS = ["config", "method", "tok/s", "speedup", "τ pooled", "τ per-request", "acceptance by position",
-           "draft s", "verify s", "prefill s", "other s", "new tokens", "same as plain"]
+HEADERS = ["config", "method", "tok/s", "speedup", "τ pooled", "τ per-request", "verified/pass",
+           "acceptance by position", "draft s", "verify s", "prefill s", "other s", "new tokens", "same as plain"]
 
 TAU_NOTE = ("τ: tokens per target verify pass, bonus token included (1.0 = plain decoding). "
             "τ pooled = all verify-pass tokens / all verify passes; τ per-request = mean over requests of "
-            "each request's τ. Speedup: tokens/s over the plain (steps 0) config of this run. "
+            "each request's τ. Verified/pass: tokens the target checked per pass (root included), the cost "
+            "side of τ. Speedup: tokens/s over the plain (steps 0) config of this run. "
             "Acceptance by position: share of verify passes that accepted the draft token at depth 1, 2, ... "
             "Same as plain (greedy only): prompts whose output equals the plain config's token for token; "
             "speculation is lossless, so a shortfall means numerics (ties, bf16) or a bug.")
@@ -34,6 +35,7 @@ def row_dict(row: Row, rows: list[Row], greedy: bool) -> dict:
         "tau_pooled": _round(tau_pooled(row.stats) if row.engine else None, 3),
         "tau_per_request_mean": _round(tau_per_request(row.stats) if row.engine else None, 3),
         "target_verify_passes": sum(s.rounds for s in row.stats) if row.engine else None,
+        "verified_per_pass": _round(verified_per_pass(row.stats) if row.engine else None, 3),
         "position_acceptance": [round(a, 3) for a in position_acceptance(row.stats)],
         "seconds": {k: round(v, 3) for k, v in split.items()} if row.engine else {"total": round(split["total"], 3)},
         "same_output_as_plain": same,
@@ -57,7 +59,7 @@ def table_cells(result: BenchResult) -> list[list[str]]:
         cells.append([
             d["name"], d["method"], _num(d["tokens_per_second"], 1),
             "-" if d["speedup"] is None else f"{d['speedup']:.2f}x",
-            _num(d["tau_pooled"]), _num(d["tau_per_request_mean"]),
+            _num(d["tau_pooled"]), _num(d["tau_per_request_mean"]), _num(d["verified_per_pass"]),
             " ".join(f"{a:.2f}" for a in d["position_acceptance"]) or "-",
             *(_num(sec.get(k)) for k in ("draft", "verify", "prefill", "other")),
             str(d["new_tokens"]), "-" if same is None else f"{same}/{d['prompts']}",
@@ -69,7 +71,7 @@ def terminal_table(result: BenchResult) -> str:
     """Aligned plain-text table with a header line naming the run."""
     cells = [HEADERS] + table_cells(result)
     widths = [max(len(r[c]) for r in cells) for c in range(len(HEADERS))]
-    lines = ["  ".join(v.ljust(w) if c < 2 or c == 6 else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(v.ljust(w) if c < 2 or c == HEADERS.index("acceptance by position") else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths)))
              for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([_title(result), ""] + lines)

@@ -54,7 +54,7 @@ def _spec_from_args(args):
     from eaglewire.decode.engine import SpecConfig
 
     return SpecConfig(num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
-                      num_draft_tokens=args.speculative_num_draft_tokens)
+                      num_draft_tokens=args.speculative_num_draft_tokens, min_prob=args.draft_min_prob)
 
 
 def load_decoder(target_spec: str, draft_dir: str | None, spec, *, device: str = "auto",
@@ -88,7 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write(text.finish() + "\n")
     st = decoder.stats
     print(f"[{st.new_tokens} tokens in {st.total_seconds:.2f} s: {st.tokens_per_second:.1f} tok/s; "
-          f"accept length {st.accept_length:.2f} over {st.rounds} target passes; "
+          f"accept length {st.accept_length:.2f} over {st.rounds} target passes "
+          f"({st.verified_per_round:.2f} tokens verified per pass); "
           f"per-position acceptance {[round(x, 2) for x in st.position_acceptance]}; "
           f"draft {st.draft_seconds:.2f} s, verify {st.verify_seconds:.2f} s, prefill {st.prefill_seconds:.2f} s; "
           f"finish: {st.finish_reason}]", file=sys.stderr)
@@ -176,6 +177,8 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=d.num_steps)
     p.add_argument("--speculative-eagle-topk", type=int, default=d.topk)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=d.num_draft_tokens)
+    p.add_argument("--draft-min-prob", type=float, default=d.min_prob,
+                   help="verify only draft tokens whose path probability reaches this; 0 = SGLang's fixed shape")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder, check_spec_flags
+from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream, stop_token_ids
 from eaglewire.server_schemas import (APIError, BearerAuth, ChatCompletionRequest, CompletionRequest,
@@ -369,6 +369,8 @@ class ServeConfig:
     speculative_num_steps: int = _SPEC.num_steps
     speculative_eagle_topk: int = _SPEC.topk
     speculative_num_draft_tokens: int = _SPEC.num_draft_tokens
+    draft_min_prob: float = field(default=_SPEC.min_prob, metadata={
+        "help": "verify only draft tokens whose path probability reaches this; 0 = SGLang's fixed shape"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = 8000
     max_queue: int = field(default=64, metadata={"help": "most requests in flight (decoding + waiting); 429 beyond"})
@@ -380,7 +382,7 @@ class ServeConfig:
         "help": "seconds in-flight requests get to finish on shutdown"})
 
     def __post_init__(self) -> None:
-        check_spec_flags(self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        _ = self.spec  # SpecConfig checks the speculation flags
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_queue < 1:
@@ -391,7 +393,7 @@ class ServeConfig:
     @property
     def spec(self) -> SpecConfig:
         return SpecConfig(num_steps=self.speculative_num_steps, topk=self.speculative_eagle_topk,
-                          num_draft_tokens=self.speculative_num_draft_tokens)
+                          num_draft_tokens=self.speculative_num_draft_tokens, min_prob=self.draft_min_prob)
 
 
 def serve(config: ServeConfig) -> None:

@@ -71,20 +71,27 @@ def test_greedy_speculation_equals_plain_greedy(arch, lean, accept_prob):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("spec", [SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
-                                  SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+                                  SpecConfig(num_steps=3, topk=3, num_draft_tokens=8),
+                                  SpecConfig(num_steps=3, topk=1, num_draft_tokens=4, min_prob=0.15),
+                                  SpecConfig(num_steps=3, topk=3, num_draft_tokens=8, min_prob=0.15)])
 def test_real_draft_chain_and_tree_equal_plain_greedy(arch, spec):
     """The draft's own trees (KV cache, tree masks, positions) never change greedy output.
     A tiny vocabulary makes random drafts right often enough to exercise acceptance."""
     target = tiny_target(arch, initializer_range=0.2, vocab_size=6)
     draft, contract = random_draft(target)
-    accepted = 0
+    accepted, verified = 0, []
     for seed in range(2):
         prompt = torch.randint(0, 6, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain, _ = SpecDecoder(target).generate(prompt, max_new_tokens=16)
         out, stats = SpecDecoder(target, draft, contract, spec).generate(prompt, max_new_tokens=16)
         assert out == plain
         accepted += sum(stats.accept_lengths) - stats.rounds
+        verified += stats.verified_lengths
     assert accepted > 0
+    if spec.min_prob == 0:
+        assert set(verified) == {spec.num_draft_tokens}  # SGLang's fixed shape
+    else:  # the least path probability shapes every round: some shorter, none longer
+        assert min(verified) < spec.num_draft_tokens and max(verified) <= spec.num_draft_tokens
 
 
 def test_stops_at_stop_token_and_limit():
@@ -98,8 +105,10 @@ def test_stops_at_stop_token_and_limit():
         SpecDecoder(target).generate([], max_new_tokens=3)
 
 
-def test_speculative_sampling_matches_the_target_distribution():
-    """Two sampled tokens after a fixed prompt: 36 outcomes with exactly known probabilities."""
+@pytest.mark.parametrize("min_prob", [0.0, 0.3])
+def test_speculative_sampling_matches_the_target_distribution(min_prob):
+    """Two sampled tokens after a fixed prompt: 36 outcomes with exactly known probabilities
+    (also when the least path probability prunes the tree)."""
     V = 6
     target = tiny_target("llama", initializer_range=0.3, vocab_size=V, num_layers=2, hidden_size=32)
     draft, contract = random_draft(target, bounds=(1, 2))
@@ -110,7 +119,8 @@ def test_speculative_sampling_matches_the_target_distribution():
         seconds = torch.tensor([prompt + [a] for a in range(V)])
         p2 = logits_to_probs(target.model(seconds).logits[:, -1], params)  # [V, V]
     exact = (p1[:, None] * p2).flatten()  # [V*V]
-    decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=2, topk=2, num_draft_tokens=5))
+    decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=2, topk=2, num_draft_tokens=5,
+                                                              min_prob=min_prob))
     n = 1500
     counts = torch.zeros(V * V)
     for seed in range(n):

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -50,6 +52,18 @@ def test_select_tree_keeps_best_and_is_closed_under_ancestors():
         assert float(t.scores[i]) <= float(t.scores[int(t.parents[i])])
 
 
+def test_select_tree_drops_candidates_below_the_least_path_probability():
+    d2t = torch.arange(10)
+    level1 = top_children(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [0.0], [-1], 1, 2, d2t)
+    level2 = top_children(torch.log(torch.tensor([[0.5, 0.4, 0.1]])), [level1[0].score], [0], 2, 2, d2t)
+    cands = level1 + level2  # path probabilities 0.6, 0.3, 0.3, 0.24
+    assert len(select_tree(7, cands, 5)[0]) == 5
+    t, chosen = select_tree(7, cands, 5, min_score=math.log(0.25))
+    assert chosen == [0, 1, 2] and t.parents.tolist() == [-1, 0, 0, 1]
+    t, chosen = select_tree(7, cands, 5, min_score=math.log(0.7))
+    assert chosen == [] and t.tokens.tolist() == [7]  # the root alone: a plain step
+
+
 def test_flags_are_checked_not_adjusted():
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be 6 .*got 8"):
         SpecConfig(num_steps=5, topk=1, num_draft_tokens=8)
@@ -58,6 +72,9 @@ def test_flags_are_checked_not_adjusted():
     check_spec_flags(2, 3, 13)
     assert max_tree_tokens(5, 4) == 1 + 4 + 4 * 16
     SpecConfig(num_steps=5, topk=4, num_draft_tokens=8)  # SGLang's defaults are consistent
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="--draft-min-prob must be in \\[0, 1\\)"):
+            SpecConfig(min_prob=bad)
 
 
 def test_sampling_verify_is_lossless_on_a_fixed_tree():

@@ -12,6 +12,7 @@ Without a draft the same loop verifies the root alone: plain decoding.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -32,14 +33,28 @@ from eaglewire.target import Target
 
 @dataclass(kw_only=True)
 class SpecConfig:
-    """Named as SGLang names them: --speculative-num-steps / -eagle-topk / -num-draft-tokens."""
+    """Named as SGLang names them: --speculative-num-steps / -eagle-topk / -num-draft-tokens.
+
+    ``min_prob`` (``--draft-min-prob``, eaglewire's own) sets a least path probability (the
+    product of the draft's probabilities from the root): drafting stops at a level whose nodes
+    all fall below it and only nodes reaching it are verified, so a draft drafts deep where it is
+    sure and verifies the root alone where it is not. 0 keeps SGLang's fixed shape.
+    """
 
     num_steps: int = 5
     topk: int = 4
     num_draft_tokens: int = 8
+    min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         check_spec_flags(self.num_steps, self.topk, self.num_draft_tokens)
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"--draft-min-prob must be in [0, 1) (0 = off), got {self.min_prob}")
+
+    @property
+    def min_score(self) -> float:
+        """The least cumulative log-probability a drafted node needs."""
+        return math.log(self.min_prob) if self.min_prob > 0 else -math.inf
 
 
 def check_spec_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
@@ -66,6 +81,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included
+    verified_lengths: list[int] = field(default_factory=list)  # tokens per verify round, root included
     position_accepts: list[int] = field(default_factory=list)  # rounds that accepted depth d+1
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -83,6 +99,11 @@ class GenerationStats:
         return sum(self.accept_lengths) / max(self.rounds, 1)
 
     @property
+    def verified_per_round(self) -> float:
+        """Tokens the target verified per pass, root included (1.0 without speculation)."""
+        return sum(self.verified_lengths) / max(self.rounds, 1)
+
+    @property
     def position_acceptance(self) -> list[float]:
         """Share of rounds whose draft token at depth d+1 was accepted."""
         return [a / max(self.rounds, 1) for a in self.position_accepts]
@@ -94,6 +115,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "rounds": self.rounds,
                 "accept_length": round(self.accept_length, 3), "accept_lengths": self.accept_lengths,
+                "verified_per_round": round(self.verified_per_round, 3),
                 "position_acceptance": [round(x, 3) for x in self.position_acceptance],
                 "draft_seconds": round(self.draft_seconds, 3), "verify_seconds": round(self.verify_seconds, 3),
                 "prefill_seconds": round(self.prefill_seconds, 3), "total_seconds": round(self.total_seconds, 3),
@@ -166,7 +188,9 @@ class SpecDecoder:
             if depth == spec.num_steps:
                 break
             ranked = sorted(range(len(level)), key=lambda i: -level[i].score)[:spec.topk]
-            frontier = [base + i for i in ranked]  # [F] candidate indices
+            frontier = [base + i for i in ranked if level[i].score >= spec.min_score]  # [F] candidate indices
+            if not frontier:  # deeper nodes score lower still: none could be verified
+                break
             S = dcache.length
             mask = torch.zeros(1, 1, len(frontier), S + len(frontier), dtype=torch.bool, device=root_out.device)
             mask[..., :dcache.committed] = True
@@ -185,7 +209,7 @@ class SpecDecoder:
                                  depth + 1, spec.topk, self.draft_to_target)
             hidden_of = [out[0, f] for f in range(len(frontier)) for _ in range(spec.topk)]
         dcache.rollback()
-        tree, _ = select_tree(root, candidates, spec.num_draft_tokens)
+        tree, _ = select_tree(root, candidates, spec.num_draft_tokens, spec.min_score)
         return tree
 
     # -- the loop ----------------------------------------------------------
@@ -252,6 +276,7 @@ class SpecDecoder:
                 for d in range(len(accepted)):
                     stats.position_accepts[d] += 1
             stats.accept_lengths.append(len(path))
+            stats.verified_lengths.append(len(tree))
             stats.draft_seconds += (t1 - t0) + (time.perf_counter() - t2)
             stats.verify_seconds += t2 - t1
             P += len(path)

@@ -6,11 +6,13 @@ A tree is built level by level: the ``topk`` best children of every frontier nod
 candidates; the ``topk`` candidates of a level with the highest cumulative log-probability
 form the next frontier. At the end the ``num_draft_tokens - 1`` best candidates overall
 (by cumulative log-probability) plus the root are verified. A child's score never exceeds
-its parent's, so the selection is closed under ancestors.
+its parent's, so the selection is closed under ancestors, also when a floor on the score
+(``min_score``: a least path probability) drops candidates.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +70,13 @@ def top_children(logprobs: torch.Tensor, parent_scores: list[float], parents: li
     return out
 
 
-def select_tree(root_token: int, candidates: list[Candidate], num_draft_tokens: int) -> tuple[Tree, list[int]]:
-    """Root + the best ``num_draft_tokens - 1`` candidates; returns the tree and, per tree node
-    except the root, the candidate index it came from."""
+def select_tree(root_token: int, candidates: list[Candidate], num_draft_tokens: int,
+                min_score: float = -math.inf) -> tuple[Tree, list[int]]:
+    """Root + the best ``num_draft_tokens - 1`` candidates scoring at least ``min_score``; returns
+    the tree and, per tree node except the root, the candidate index it came from."""
     # Higher score first; ties by depth so a parent always precedes its child.
-    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i].score, candidates[i].depth, i))
+    order = sorted((i for i in range(len(candidates)) if candidates[i].score >= min_score),
+                   key=lambda i: (-candidates[i].score, candidates[i].depth, i))
     chosen = sorted(order[:num_draft_tokens - 1], key=lambda i: (candidates[i].depth, i))
     node_of = {c: n + 1 for n, c in enumerate(chosen)}
     tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
