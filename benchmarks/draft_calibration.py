@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from eaglewire.checkpoint import load_draft
 from eaglewire.data.shards import ShardDataset
 from eaglewire.target import load_target
-from eaglewire.ttt import counted_positions, shift_left, target_signal
+from eaglewire.ttt import target_signal, ttt_unroll
 
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
 
@@ -26,26 +26,17 @@ EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
 @torch.no_grad()
 def step_predictions(draft, target, seq: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One sequence -> per step j: (top probability [N], right [N]) at the positions step j counts
-    whose earlier steps were all right."""
+    whose earlier steps were all right, fed exactly as in training (``ttt_unroll``)."""
     ids, mask = seq["input_ids"][None], seq["loss_mask"][None].bool()  # [1, T]
-    T = ids.shape[1]
     emb = target.embed_tokens(ids).float()  # [1, T, H]
     signal = target_signal(target.head, seq["last_hidden"][None].float(), draft.draft_to_target, draft.t2d)
-    positions = torch.arange(T)[None]  # [1, T]
-    hidden, cache = draft.fuse(seq["aux_hidden"][None].float()), []
-    right_so_far = torch.ones(1, T, dtype=torch.bool)
-    out = []
-    for j in range(steps):
-        hidden = draft.forward_ttt(shift_left(emb, 1 + j), hidden, positions + j, cache)
-        n = T - 1 - j
-        valid = counted_positions(mask, signal.in_vocab, j)  # [1, n]
-        top, arg = F.softmax(draft.logits(hidden[:, :n]).float(), dim=-1).max(-1)  # [1, n] each
-        right = draft.draft_to_target[arg] == signal.argmax[:, 1 + j:]  # [1, n]
-        keep = valid & right_so_far[:, :n]
-        out.append((top[keep], right[keep]))
-        step_right = torch.zeros(1, T, dtype=torch.bool)
-        step_right[:, :n] = right & valid
-        right_so_far &= step_right
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def observe(j, logits, right, cond):
+        top = F.softmax(logits, dim=-1).max(-1).values  # [N]
+        out.append((top[cond], right[cond]))
+
+    ttt_unroll(draft, emb, seq["aux_hidden"][None].float(), mask, signal, ttt_steps=steps, observe=observe)
     return out
 
 

@@ -147,10 +147,15 @@ def parse_configs(text: str) -> list[RunConfig]:
 
 # ------------------------------------------------------------------ metrics (pure)
 
+def _per_pass(stats: list[GenerationStats], lengths: str) -> float | None:
+    """The sum of every request's per-pass ``lengths`` list / all verify passes; None without any."""
+    passes = sum(s.rounds for s in stats)
+    return sum(sum(getattr(s, lengths)) for s in stats) / passes if passes else None
+
+
 def tau_pooled(stats: list[GenerationStats]) -> float | None:
     """All verify-pass tokens / all verify passes; None without any verify pass."""
-    passes = sum(s.rounds for s in stats)
-    return sum(sum(s.accept_lengths) for s in stats) / passes if passes else None
+    return _per_pass(stats, "accept_lengths")
 
 
 def tau_per_request(stats: list[GenerationStats]) -> float | None:
@@ -161,8 +166,7 @@ def tau_per_request(stats: list[GenerationStats]) -> float | None:
 
 def verified_per_pass(stats: list[GenerationStats]) -> float | None:
     """All tokens the target verified (roots included) / all verify passes."""
-    passes = sum(s.rounds for s in stats)
-    return sum(sum(s.verified_lengths) for s in stats) / passes if passes else None
+    return _per_pass(stats, "verified_lengths")
 
 
 def position_acceptance(stats: list[GenerationStats]) -> list[float]:

@@ -71,7 +71,8 @@ def terminal_table(result: BenchResult) -> str:
     """Aligned plain-text table with a header line naming the run."""
     cells = [HEADERS] + table_cells(result)
     widths = [max(len(r[c]) for r in cells) for c in range(len(HEADERS))]
-    lines = ["  ".join(v.ljust(w) if c < 2 or c == HEADERS.index("acceptance by position") else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths)))
+    left = {0, 1, HEADERS.index("acceptance by position")}  # text columns; numbers align right
+    lines = ["  ".join(v.ljust(w) if c in left else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths)))
              for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([_title(result), ""] + lines)

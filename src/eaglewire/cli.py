@@ -171,14 +171,13 @@ def cmd_contract(args: argparse.Namespace) -> int:
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
-    from eaglewire.decode.engine import SpecConfig
+    from eaglewire.decode.engine import MIN_PROB_HELP, SpecConfig
 
     d = SpecConfig()
     p.add_argument("--speculative-num-steps", type=int, default=d.num_steps)
     p.add_argument("--speculative-eagle-topk", type=int, default=d.topk)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=d.num_draft_tokens)
-    p.add_argument("--draft-min-prob", type=float, default=d.min_prob,
-                   help="verify only draft tokens whose path probability reaches this; 0 = SGLang's fixed shape")
+    p.add_argument("--draft-min-prob", type=float, default=d.min_prob, help=MIN_PROB_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
+from eaglewire.decode.engine import MIN_PROB_HELP, GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream, stop_token_ids
 from eaglewire.server_schemas import (APIError, BearerAuth, ChatCompletionRequest, CompletionRequest,
@@ -369,8 +369,7 @@ class ServeConfig:
     speculative_num_steps: int = _SPEC.num_steps
     speculative_eagle_topk: int = _SPEC.topk
     speculative_num_draft_tokens: int = _SPEC.num_draft_tokens
-    draft_min_prob: float = field(default=_SPEC.min_prob, metadata={
-        "help": "verify only draft tokens whose path probability reaches this; 0 = SGLang's fixed shape"})
+    draft_min_prob: float = field(default=_SPEC.min_prob, metadata={"help": MIN_PROB_HELP})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = 8000
     max_queue: int = field(default=64, metadata={"help": "most requests in flight (decoding + waiting); 429 beyond"})

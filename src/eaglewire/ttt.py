@@ -14,6 +14,7 @@ target's argmax at t+1+j lies in the draft vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -126,14 +127,18 @@ def counted_per_step(loss_mask: torch.Tensor, in_vocab: torch.Tensor, ttt_steps:
 
 def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
                signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8,
-               normalizers: list[int] | None = None) -> tuple[torch.Tensor, list[StepCounts]]:
+               normalizers: list[int] | None = None,
+               observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+               ) -> tuple[torch.Tensor, list[StepCounts]]:
     """Unroll the draft ``ttt_steps`` times; return the weighted loss and per-step counts.
 
     emb [B, T, H] target embeddings of input_ids; aux_hidden [B, T, k*Ht]; loss_mask [B, T].
     Loss: sum_j decay**j * (sum over valid positions of -sum_v p_target log q_draft) / N_j, where
     N_j is this batch's count of valid positions, or ``normalizers[j]`` when the batch is one part
     of a larger optimizer step (micro-batches, ranks): then the parts' losses add up to the loss
-    of the whole step.
+    of the whole step. ``observe(j, logits [N, Vd], right [N], cond [N])``, if given, sees each
+    step's draft logits at its counted positions (detached), whether each is right, and whether
+    every earlier step was right there.
     """
     B, T, _ = emb.shape
     position_ids = torch.arange(T, device=emb.device).expand(B, T)  # [B, T]
@@ -161,6 +166,8 @@ def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, 
             right = torch.zeros(B, T, dtype=torch.bool, device=emb.device)
             right[:, :n_pos][valid] = right_sel
             cond = all_right_so_far[:, :n_pos][valid]  # [N]
+            if observe is not None:
+                observe(j, logits.detach(), right_sel, cond)
             counts.append(StepCounts(loss_sum=float(ce.sum()), valid=n, correct=int(right_sel.sum()),
                                      cond_valid=int(cond.sum()), cond_correct=int((right_sel & cond).sum())))
             # A position whose earlier step did not count (outside the loss mask, or the

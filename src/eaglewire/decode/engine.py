@@ -31,6 +31,9 @@ from eaglewire.draft import Eagle3Draft
 from eaglewire.target import Target
 
 
+MIN_PROB_HELP = "verify only draft tokens whose path probability reaches this; 0 = SGLang's fixed shape"
+
+
 @dataclass(kw_only=True)
 class SpecConfig:
     """Named as SGLang names them: --speculative-num-steps / -eagle-topk / -num-draft-tokens.
