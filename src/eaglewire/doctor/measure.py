@@ -13,10 +13,11 @@ import torch
 from eaglewire.capture import capture
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.sources import pad_right
+from eaglewire.doctor.replay import RoundAgreement, compare_rounds
 from eaglewire.draft import Eagle3Draft
 from eaglewire.target import Target
 from eaglewire.train import vocab_coverage
-from eaglewire.ttt import StepCounts, TargetSignal, target_signal, ttt_unroll
+from eaglewire.ttt import StepCounts, TargetSignal, counted_positions, target_signal, ttt_unroll
 
 
 @dataclass
@@ -109,6 +110,37 @@ def _unrolled_counts(draft: Eagle3Draft, batches: list[EvalBatch], steps: int, a
         for t, c in zip(total, counts):
             t.add(c)
     return total
+
+
+@torch.no_grad()
+def step_rightness(draft: Eagle3Draft, batch: EvalBatch, layout: list[int], *, steps: int) -> torch.Tensor:
+    """[B, S, T] bool: step j at position t predicts the target's argmax, fed ``layout``'s states
+    exactly as in training (False where the step does not count: prompt, padding, a token
+    outside the draft vocabulary)."""
+    aux = torch.cat([batch.states[x] for x in layout], dim=-1)  # [B, T, k*H]
+    B, T = batch.loss_mask.shape
+    right = torch.zeros(B, steps, T, dtype=torch.bool)
+
+    def observe(j, logits, right_sel, cond):
+        valid = counted_positions(batch.loss_mask, batch.signal.in_vocab, j)  # [B, n_pos]
+        right[:, j, :valid.shape[1]][valid.cpu()] = right_sel.cpu()
+
+    ttt_unroll(draft, batch.emb, aux, batch.loss_mask, batch.signal, ttt_steps=steps, observe=observe)
+    return right
+
+
+def engine_agreement(decoder, draft: Eagle3Draft, layout: list[int], prompt: list[int], *, max_new_tokens: int,
+                     stop_token_ids: set[int] | None = None) -> tuple[RoundAgreement, list[int]]:
+    """Run ``decoder``'s greedy chain on ``prompt`` and replay its rounds on the training-time
+    unroll of the text it produced -> (the rounds compared, the engine's new tokens)."""
+    if decoder.spec.topk != 1:
+        raise ValueError("the replay follows a chain: build the decoder with topk 1")
+    out, stats = decoder.generate(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    text = torch.tensor(prompt + out)  # [T]
+    own = Sequence("engine output", text, torch.arange(len(text)) >= len(prompt))
+    batch = capture_batches(decoder.target, draft, [own], layout)[0]
+    right = step_rightness(draft, batch, layout, steps=decoder.spec.num_steps)[0]  # [S, T]
+    return compare_rounds(right, len(prompt), stats.accept_lengths), out
 
 
 @dataclass

@@ -16,7 +16,8 @@ from eaglewire.checkpoint import load_draft
 from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
-                                      stored_accuracy)
+                                      engine_agreement, stored_accuracy)
+from eaglewire.doctor.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import (SERVING_ENGINES, config_fix, lint_flags, predicted_tau,
                                       read_engine_config)
@@ -257,6 +258,8 @@ def _check_alignment(report, draft, batches, declared, acc0, n) -> None:
 
 
 def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> None:
+    """The engine's greedy chain on held-out prompts, round by round against the replay of the
+    training-time unroll on the text it produced (``replay.py``): they must accept the same."""
     from eaglewire.data.regenerate import stop_token_ids
     from eaglewire.decode.engine import SpecConfig, SpecDecoder
 
@@ -267,23 +270,33 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
         return
     decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1))
     stop = set(stop_token_ids(target.tokenizer, target.model))
-    produced = passes = 0
-    for seq in sequences[:config.engine_prompts]:
-        _, stats = decoder.generate(seq.prompt_ids, max_new_tokens=config.engine_tokens, stop_token_ids=stop)
-        produced += sum(stats.accept_lengths)
-        passes += stats.rounds
-    measured = produced / max(passes, 1)
-    evidence = [f"predicted from acc@0 and cond acc: τ {predicted:.2f} (chain of {steps})",
-                f"measured by eaglewire's engine on {min(len(sequences), config.engine_prompts)} held-out prompts "
-                f"({produced} tokens): τ {measured:.2f}"]
-    gap = (measured - 1) / max(predicted - 1, 1e-9)
-    if predicted - 1 > 0.3 and gap < 0.5:
-        report.add(Check("acceptance", "fail", f"measured τ {measured:.2f} is far below the predicted {predicted:.2f}",
-                         evidence, fix="the draft is fine in isolation: look at the decoding path (positions, "
-                         "KV cache, tree masks, the states fed back after acceptance)"))
+    rounds, prompts = RoundAgreement(), sequences[:config.engine_prompts]
+    for seq in prompts:
+        agreement, _ = engine_agreement(decoder, draft, list(contract.aux_boundaries), seq.prompt_ids,
+                                        max_new_tokens=config.engine_tokens, stop_token_ids=stop)
+        rounds.add(agreement)
+    measured = rounds.measured_tau
+    evidence = [f"measured by eaglewire's engine on {len(prompts)} held-out prompts ({rounds.rounds} rounds, "
+                f"{rounds.measured_tokens} tokens): τ {measured:.2f} (chain of {steps})",
+                f"replayed from the training-time unroll on the engine's own text: τ {rounds.replayed_tau:.2f}; "
+                f"{rounds.agree} of {rounds.rounds} rounds accept the same tokens",
+                f"from acc@0 and cond acc averaged over all positions: τ {predicted:.2f} (rounds start after "
+                "a rejected token, where drafts are weaker, so this reads high)"]
+    if rounds.rounds == 0:
+        report.add(Check("acceptance", "skip", "no round to compare (raise --engine-tokens)", evidence))
+    elif rounds.share < MIN_ROUND_AGREEMENT:
+        report.add(Check("acceptance", "fail", f"the engine accepts other tokens than training predicts in "
+                         f"{rounds.rounds - rounds.agree} of {rounds.rounds} rounds", evidence,
+                         fix="the draft is fine in isolation: look at the decoding path (positions, KV cache, "
+                         "tree masks, the states fed back after acceptance)"))
     else:
-        verdict = "warn" if predicted - 1 > 0.3 and gap < 0.75 else "ok"
-        report.add(Check("acceptance", verdict, f"measured τ {measured:.2f}, predicted {predicted:.2f}", evidence))
+        report.add(Check("acceptance", "ok", f"measured τ {measured:.2f}; the engine accepts what training "
+                     f"predicts in {rounds.agree} of {rounds.rounds} rounds", evidence))
+
+
+# Rounds may disagree where the engine's batched verify and the doctor's capture round a
+# near-tie differently (a top-2 logit gap of ~1e-5 in fp32); a wiring fault disagrees far more.
+MIN_ROUND_AGREEMENT = 0.9
 
 
 # ------------------------------------------------------------------ data
