@@ -7,8 +7,11 @@ time to first token (TTFT: request sent -> first text chunk), per-token latency 
 text chunk over the tokens after the first), throughput (all completion tokens / wall time)
 and the accept length the server's /metrics reports for the run.
 
-    python benchmarks/server_latency.py [--draft DIR] [--clients 1,4,8] [--requests 4]
-        [--max-tokens 64] [--threads 2] [--target smollm2-135m]
+    python benchmarks/server_latency.py [--draft DIR] [--spec 5,4,12,0.1] [--clients 1,4,8]
+        [--requests 4] [--max-tokens 64] [--threads 2] [--target smollm2-135m]
+
+``--spec`` sets the server's draft shape: steps, top-k, draft tokens and optionally
+``--draft-min-prob`` (default: the server's defaults).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import logging, sys, torch
 torch.set_num_threads({threads})
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 from eaglewire.server import ServeConfig, serve
-serve(ServeConfig(target={target!r}, draft={draft!r}, port={port}, max_queue=256, device="cpu"))
+serve(ServeConfig(target={target!r}, draft={draft!r}, port={port}, max_queue=256, device="cpu", **{spec!r}))
 """
 
 
@@ -50,10 +53,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(target: str, draft: str | None, threads: int) -> tuple[subprocess.Popen, str]:
+def spec_flags(text: str | None) -> dict:
+    """"5,4,12[,0.1]" -> the ServeConfig fields of the draft shape ({} for the defaults)."""
+    if not text:
+        return {}
+    parts = text.split(",")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"--spec wants steps,topk,draft_tokens[,min_prob], got {text!r}")
+    flags = dict(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
+                     map(int, parts[:3])))
+    return flags | ({"draft_min_prob": float(parts[3])} if len(parts) == 4 else {})
+
+
+def start_server(target: str, draft: str | None, threads: int, spec: dict) -> tuple[subprocess.Popen, str]:
     """The server in its own process (its own GIL); returns once /health answers."""
     port = free_port()
-    code = SERVER.format(threads=threads, target=target, draft=draft, port=port)
+    code = SERVER.format(threads=threads, target=target, draft=draft, port=port, spec=spec if draft else {})
     proc = subprocess.Popen([sys.executable, "-c", code])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -130,19 +145,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default=None, help="also measure with this draft directory")
+    ap.add_argument("--spec", default=None, help="the draft shape: steps,topk,draft_tokens[,min_prob]")
     ap.add_argument("--clients", default="1,4,8", help="comma-separated concurrency levels")
     ap.add_argument("--requests", type=int, default=4, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server")
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
+    spec = spec_flags(args.spec)
     prompts = [p.text for p in load_prompts("mt-bench", 16)]
     print(f"{args.target}, server on CPU with {args.threads} threads, {args.requests} streamed requests per client, "
-          f"max_tokens {args.max_tokens}, greedy\n")
+          f"max_tokens {args.max_tokens}, greedy" + (f", draft shape {args.spec}" if args.spec else "") + "\n")
     print("| draft | clients | TTFT p50 (s) | TTFT max (s) | per-token (ms) | throughput (tok/s) | accept length |")
     print("|---|---|---|---|---|---|---|")
     for draft in [None] + ([args.draft] if args.draft else []):
-        proc, url = start_server(args.target, draft, args.threads)
+        proc, url = start_server(args.target, draft, args.threads, spec)
         try:
             for clients in levels:
                 r = run_level(url, args.target, prompts, clients, args.requests, args.max_tokens)
