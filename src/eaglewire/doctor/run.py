@@ -257,6 +257,11 @@ def _check_alignment(report, draft, batches, declared, acc0, n) -> None:
         report.add(Check("alignment", "ok", "tokens and states line up (no off-by-one position shift)", evidence))
 
 
+# Rounds may disagree where the engine's batched verify and the doctor's capture round a
+# near-tie differently (a top-2 logit gap of ~1e-5 in fp32); a wiring fault disagrees far more.
+MIN_ROUND_AGREEMENT = 0.9
+
+
 def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> None:
     """The engine's greedy chain on held-out prompts, round by round against the replay of the
     training-time unroll on the text it produced (``replay.py``): they must accept the same."""
@@ -292,11 +297,6 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
     else:
         report.add(Check("acceptance", "ok", f"measured τ {measured:.2f}; the engine accepts what training "
                      f"predicts in {rounds.agree} of {rounds.rounds} rounds", evidence))
-
-
-# Rounds may disagree where the engine's batched verify and the doctor's capture round a
-# near-tie differently (a top-2 logit gap of ~1e-5 in fp32); a wiring fault disagrees far more.
-MIN_ROUND_AGREEMENT = 0.9
 
 
 # ------------------------------------------------------------------ data
