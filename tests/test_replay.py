@@ -41,16 +41,16 @@ def _engine(arch, steps=3):
     target = tiny_target(arch, initializer_range=0.2, vocab_size=6)
     draft, contract = random_draft(target)
     decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1))
-    return target, draft, contract, decoder
+    return draft, contract, decoder
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_engine_accepts_what_the_unroll_predicts(arch):
-    target, draft, contract, decoder = _engine(arch)
+    draft, contract, decoder = _engine(arch)
     accepted = 0
     for seed in range(2):
         prompt = torch.randint(0, 6, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        got, out = engine_agreement(decoder, draft, list(contract.aux_boundaries), prompt, max_new_tokens=24)
+        got = engine_agreement(decoder, draft, list(contract.aux_boundaries), prompt, max_new_tokens=24)
         assert got.rounds >= 5 and got.agree == got.rounds, (arch, seed, got)
         accepted += got.measured_tokens - got.rounds
     assert accepted > 0  # not only rounds that reject everything
@@ -59,7 +59,7 @@ def test_engine_accepts_what_the_unroll_predicts(arch):
 def test_a_miswired_decoding_path_disagrees_with_the_unroll():
     """The engine feeds the draft the states of the token before each accepted one (an
     off-by-one in the feedback): output is unchanged, acceptance is not what training predicts."""
-    target, draft, contract, decoder = _engine("llama")
+    draft, contract, decoder = _engine("llama")
     extend, previous = decoder._extend_context, {}
 
     def off_by_one(dcache, aux, next_tokens, start):
@@ -73,7 +73,7 @@ def test_a_miswired_decoding_path_disagrees_with_the_unroll():
     agree = rounds = 0
     for seed in range(3):
         prompt = torch.randint(0, 6, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        got, _ = engine_agreement(decoder, draft, list(contract.aux_boundaries), prompt, max_new_tokens=24)
+        got = engine_agreement(decoder, draft, list(contract.aux_boundaries), prompt, max_new_tokens=24)
         agree, rounds = agree + got.agree, rounds + got.rounds
     assert agree < MIN_ROUND_AGREEMENT * rounds, (agree, rounds)  # the doctor fails it
 

@@ -130,9 +130,10 @@ def step_rightness(draft: Eagle3Draft, batch: EvalBatch, layout: list[int], *, s
 
 
 def engine_agreement(decoder, draft: Eagle3Draft, layout: list[int], prompt: list[int], *, max_new_tokens: int,
-                     stop_token_ids: set[int] | None = None) -> tuple[RoundAgreement, list[int]]:
+                     stop_token_ids: set[int] | None = None) -> RoundAgreement:
     """Run ``decoder``'s greedy chain on ``prompt`` and replay its rounds on the training-time
-    unroll of the text it produced -> (the rounds compared, the engine's new tokens)."""
+    unroll of the text it produced, fed the declared ``layout`` (not the decoder's own reading
+    of it, which a miswiring would share)."""
     if decoder.spec.topk != 1:
         raise ValueError("the replay follows a chain: build the decoder with topk 1")
     out, stats = decoder.generate(prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
@@ -140,7 +141,7 @@ def engine_agreement(decoder, draft: Eagle3Draft, layout: list[int], prompt: lis
     own = Sequence("engine output", text, torch.arange(len(text)) >= len(prompt))
     batch = capture_batches(decoder.target, draft, [own], layout)[0]
     right = step_rightness(draft, batch, layout, steps=decoder.spec.num_steps)[0]  # [S, T]
-    return compare_rounds(right, len(prompt), stats.accept_lengths), out
+    return compare_rounds(right, len(prompt), stats.accept_lengths)
 
 
 @dataclass

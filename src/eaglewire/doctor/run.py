@@ -277,9 +277,8 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
     stop = set(stop_token_ids(target.tokenizer, target.model))
     rounds, prompts = RoundAgreement(), sequences[:config.engine_prompts]
     for seq in prompts:
-        agreement, _ = engine_agreement(decoder, draft, list(contract.aux_boundaries), seq.prompt_ids,
-                                        max_new_tokens=config.engine_tokens, stop_token_ids=stop)
-        rounds.add(agreement)
+        rounds.add(engine_agreement(decoder, draft, list(contract.aux_boundaries), seq.prompt_ids,
+                                    max_new_tokens=config.engine_tokens, stop_token_ids=stop))
     measured = rounds.measured_tau
     evidence = [f"measured by eaglewire's engine on {len(prompts)} held-out prompts ({rounds.rounds} rounds, "
                 f"{rounds.measured_tokens} tokens): τ {measured:.2f} (chain of {steps})",
