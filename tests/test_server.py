@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -27,7 +29,7 @@ from eaglewire.contract import HiddenStateContract
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings, encode_prompt, stop_token_ids
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.server import ServeConfig, add_serve_args, create_app
+from eaglewire.server import ServeConfig, add_serve_args, create_app, serve_app
 
 MODEL = "tiny-chat"
 MAX_TOKENS = 12
@@ -424,6 +426,46 @@ def test_shutdown_past_the_grace_period_cuts_streams_and_does_not_hang(chat_tiny
         except Exception:  # the connection was cut mid-stream: the client knows
             finishes = []
     assert finishes == [] and time.monotonic() - stopped < 2.0
+
+
+def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_target):
+    """What ``eaglewire serve`` runs: the engine stays on the thread that loaded the models (a
+    second thread gets a second OpenMP pool and slow small GEMMs: serve_app says why), HTTP runs
+    beside it, and SIGINT shuts both down and gives the signal back."""
+    engine_threads: list[int] = []
+
+    class Recording(SpecDecoder):
+        def stream(self, *args, **kwargs):
+            engine_threads.append(threading.get_ident())
+            yield from super().stream(*args, **kwargs)
+
+    app = create_app(Recording(chat_tiny_target), model_name=MODEL, engine_thread=False)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    texts: list[str] = []
+
+    def ask_then_ctrl_c() -> None:
+        try:
+            deadline = time.monotonic() + 20
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.02)
+            texts.append(client(url).completions.create(model=MODEL, prompt="a", max_tokens=3,
+                                                        temperature=0).choices[0].text)
+            os.kill(os.getpid(), signal.SIGINT)
+        finally:  # whatever failed above, do not leave serve_app running
+            server.should_exit = True
+
+    default_handler = signal.getsignal(signal.SIGINT)
+    asker = threading.Thread(target=ask_then_ctrl_c, daemon=True)
+    asker.start()
+    assert serve_app(app, server, sockets=[sock])
+    asker.join(10)
+    assert texts == [reference(chat_tiny_target, text_ids(chat_tiny_target, "a"), max_tokens=3)[0]]
+    assert engine_threads == [threading.get_ident()]
+    assert signal.getsignal(signal.SIGINT) is default_handler
+    assert app.state.worker.closing
 
 
 # -- the command -----------------------------------------------------------------

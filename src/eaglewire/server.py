@@ -1,8 +1,9 @@
 """``eaglewire serve``: an OpenAI-compatible HTTP server in front of one ``SpecDecoder``.
 
 Requests are validated and tokenized on the event loop, then wait in a bounded queue for the
-one engine thread, which decodes them one at a time (a decoder holds one sequence) and sends
-text deltas back to the request's coroutine. A slot is a request admitted and not finished:
+engine, which decodes them one at a time (a decoder holds one sequence) on one thread — under
+``serve`` the thread that loaded the models, with HTTP on a thread beside it — and sends text
+deltas back to the request's coroutine. A slot is a request admitted and not finished:
 the one being decoded plus those waiting; beyond ``max_queue`` slots a request gets 429.
 A client that goes away frees its slot at once and its generation stops after the current
 round. Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
@@ -17,12 +18,15 @@ import copy
 import json
 import logging
 import queue
+import signal
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Union
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -88,7 +92,7 @@ class Job:
 class EngineWorker:
     """One thread that runs admitted jobs through the decoder, one at a time, in order."""
 
-    def __init__(self, decoder: SpecDecoder, max_queue: int, metrics: Metrics) -> None:
+    def __init__(self, decoder: SpecDecoder, max_queue: int, metrics: Metrics, *, own_thread: bool = True) -> None:
         self.decoder, self.max_queue, self.metrics = decoder, max_queue, metrics
         self.tokenizer = decoder.target.tokenizer
         self.stop_ids = set(stop_token_ids(self.tokenizer, decoder.target.model))
@@ -96,11 +100,12 @@ class EngineWorker:
         self._held: set[Job] = set()  # admitted, not finished, not cancelled
         self._lock = threading.Lock()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="eaglewire-engine", daemon=True)
+        # own_thread False: the caller runs ``run()`` on the thread that loaded the models (serve_app)
+        self._thread = threading.Thread(target=self.run, name="eaglewire-engine", daemon=True) if own_thread else None
 
     def start(self) -> None:
-        """Start the engine thread (once; later calls do nothing)."""
-        if self._thread.ident is None:
+        """Start the engine thread (once; later calls, or a worker whose caller runs it, do nothing)."""
+        if self._thread is not None and self._thread.ident is None:
             self._thread.start()
 
     def counts(self) -> tuple[int, int]:
@@ -141,10 +146,11 @@ class EngineWorker:
             job.emit(Failed(503, "the server shut down before this request finished", "server_error"))
             self.cancel(job)
         self._jobs.put(None)
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Decode admitted jobs in order until ``close()``, on whichever thread calls it."""
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():  # its client left while it waited
                 self.metrics.observe(GenerationStats(), cancelled=True)
@@ -305,11 +311,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
-               max_context: int | None = None) -> FastAPI:
+               max_context: int | None = None, engine_thread: bool = True) -> FastAPI:
     """The FastAPI app serving ``decoder`` as ``model_name``; its engine thread lives with the app's lifespan.
 
     ``max_queue`` bounds the requests in flight (decoding + waiting); ``max_context`` (prompt +
-    generated tokens) defaults to the target's max_position_embeddings.
+    generated tokens) defaults to the target's max_position_embeddings. ``engine_thread=False``
+    starts no engine thread: ``serve_app`` runs the engine on the thread that loaded the models.
     """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -317,7 +324,7 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
         raise ValueError("the target has no tokenizer; load it with eaglewire.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
     metrics = Metrics(decoder.spec.num_steps + 1 if decoder.draft is not None else 1, ROUTES)
-    worker = EngineWorker(decoder, max_queue, metrics)
+    worker = EngineWorker(decoder, max_queue, metrics, own_thread=engine_thread)
     service = _Service(decoder, model_name, max_context, worker)
     created = int(time.time())
 
@@ -395,22 +402,56 @@ class ServeConfig:
                           num_draft_tokens=self.speculative_num_draft_tokens, min_prob=self.draft_min_prob)
 
 
-def serve(config: ServeConfig) -> None:
-    """Load the target (and draft) and serve until SIGINT/SIGTERM; in-flight requests get
-    ``graceful_timeout`` seconds to finish, the rest are told the server shut down."""
-    import uvicorn
+def serve_app(app: FastAPI, server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> bool:
+    """Serve ``app`` (made with ``engine_thread=False``) until SIGINT/SIGTERM: HTTP on a thread of
+    its own, the engine on the calling thread, which should be the one that loaded the models.
+    Returns whether the server started (False: e.g. the port was taken; uvicorn logged why).
 
+    Why the engine must not move to a thread of its own: PyTorch's OpenMP runtime (libgomp) keeps
+    a pool of worker threads per thread that runs parallel work, and the loading thread already has
+    one. A second pool puts more threads than cores under libgomp, which then stops spinning
+    between parallel regions, so every small GEMM of a decode step waits for its workers to wake:
+    on 2 cores a one-row 576x1536 GEMM takes 2-3x as long on a second thread as on the first
+    (benchmarks/engine_thread.py), and speculative serving was 54.8 ms/token instead of 40.3.
+    """
+    worker: EngineWorker = app.state.worker
+    on_main = threading.current_thread() is threading.main_thread()
+    # uvicorn listens for signals only on the main thread: catch them here and let it shut down
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+
+    def http() -> None:
+        try:
+            server.run(sockets=sockets)
+        finally:  # however HTTP ended (shutdown, a port in use), the engine loop ends with it
+            worker.close()
+
+    thread = threading.Thread(target=http, name="eaglewire-http", daemon=True)
+    thread.start()
+    try:
+        worker.run()
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return server.started
+
+
+def serve(config: ServeConfig) -> int:
+    """Load the target (and draft) and serve until SIGINT/SIGTERM; in-flight requests get
+    ``graceful_timeout`` seconds to finish, the rest are told the server shut down. Returns the
+    exit status (1: the server could not start)."""
     from eaglewire.cli import load_decoder
 
     decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
-                     max_context=config.max_context)
+                     max_context=config.max_context, engine_thread=False)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is not for diagnostics
-    uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info", log_config=log_config,
-                                  timeout_graceful_shutdown=config.graceful_timeout)).run()
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                           log_config=log_config, timeout_graceful_shutdown=config.graceful_timeout))
+    return 0 if serve_app(app, server) else 1
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -423,5 +464,4 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from eaglewire.configs import config_from_args
 
-    serve(config_from_args(ServeConfig, args))
-    return 0
+    return serve(config_from_args(ServeConfig, args))

@@ -1,0 +1,64 @@
+"""Why ``eaglewire serve`` decodes on the thread that loaded the models.
+
+PyTorch's OpenMP runtime (libgomp) keeps a pool of worker threads for each thread that runs
+parallel work. Once two threads have pools, libgomp manages more threads than there are cores
+and stops spinning between parallel regions, so each small parallel op waits for its workers
+to wake. This times the few-row packed GEMMs of a SmolLM2-135M decode step (576 -> 1536) in
+one process: on the first thread to run parallel work, then on a second thread.
+
+    OMP_NUM_THREADS=2 python benchmarks/engine_thread.py [--threads 2] [--repeats 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import torch
+
+from eaglewire.decode.gemm import PackedLinear
+
+HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M
+
+
+def time_us(fn, repeats: int) -> float:
+    for _ in range(20):  # warm-up
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def gemm_times(repeats: int) -> dict[int, float]:
+    """Microseconds per call of a packed [rows, 576] x [576, 1536] GEMM, for 1 and 8 rows."""
+    linear = PackedLinear(torch.randn(INTERMEDIATE, HIDDEN))
+    return {rows: time_us(lambda x=torch.randn(rows, HIDDEN): linear(x), repeats) for rows in (1, 8)}
+
+
+def on_new_thread(fn):
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", fn()))
+    thread.start()
+    thread.join()
+    return result["value"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=300)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    runs = [("first thread", gemm_times(args.repeats)),
+            ("second thread", on_new_thread(lambda: gemm_times(args.repeats))),
+            ("first thread again", gemm_times(args.repeats))]
+    print(f"packed GEMM {HIDDEN}->{INTERMEDIATE}, {args.threads} threads, microseconds per call\n")
+    print("| thread running it | 1 row | 8 rows |\n|---|---|---|")
+    for name, times in runs:
+        print(f"| {name} | {times[1]:.0f} | {times[8]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
