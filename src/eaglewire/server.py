@@ -416,8 +416,14 @@ def serve_app(app: FastAPI, server: uvicorn.Server, sockets: list[socket.socket]
     """
     worker: EngineWorker = app.state.worker
     on_main = threading.current_thread() is threading.main_thread()
+
+    def on_signal(sig: int, frame) -> None:
+        if server.force_exit:  # a third Ctrl-C: stop now, even in the middle of a long prefill
+            raise KeyboardInterrupt
+        server.handle_exit(sig, frame)  # graceful shutdown; a second SIGINT cuts the grace period
+
     # uvicorn listens for signals only on the main thread: catch them here and let it shut down
-    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
 
     def http() -> None:
         try:
