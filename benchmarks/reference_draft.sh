@@ -33,7 +33,11 @@ train "$RUNS/draft-stage3" "$RUNS/data-3k-4k4" --init-draft "$RUNS/draft-stage2"
 # 3c. stage 4: a second pass over stored data, no new capture (the latest set, then the larger
 #     earlier one), each under a fresh schedule
 train "$RUNS/draft-stage4a" "$RUNS/data-3k-4k4" --init-draft "$RUNS/draft-stage3" --lr 1e-3 --warmup-steps 20
-train "$RUNS/draft" "$RUNS/data-1k-3k" --init-draft "$RUNS/draft-stage4a" --lr 1e-3 --warmup-steps 20 "$@"
+train "$RUNS/draft-stage4" "$RUNS/data-1k-3k" --init-draft "$RUNS/draft-stage4a" --lr 1e-3 --warmup-steps 20
+# 3d. stage 5: new data again, conversations 5032-6131 (5000-5031 are the held-out set below)
+$EW prepare --target smollm2-135m --data sharegpt --offset 5032 --num-conversations 1100 --max-length 1024 \
+  --out "$RUNS/data-5k-6k1"
+train "$RUNS/draft" "$RUNS/data-5k-6k1" --init-draft "$RUNS/draft-stage4" --lr 1e-3 --warmup-steps 20 "$@"
 
 # 4. held-out check on the target's own replies (conversations 5000-5031, never trained on)
 $EW prepare --target smollm2-135m --data sharegpt --offset 5000 --num-conversations 32 --max-length 1024 \
