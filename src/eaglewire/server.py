@@ -90,7 +90,8 @@ class Job:
 
 
 class EngineWorker:
-    """One thread that runs admitted jobs through the decoder, one at a time, in order."""
+    """Runs admitted jobs through the decoder, one at a time, in order, on one thread: its own
+    (``start``) or the caller's (``run``; what ``serve_app`` does)."""
 
     def __init__(self, decoder: SpecDecoder, max_queue: int, metrics: Metrics, *, own_thread: bool = True) -> None:
         self.decoder, self.max_queue, self.metrics = decoder, max_queue, metrics
