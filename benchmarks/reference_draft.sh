@@ -2,8 +2,8 @@
 # The reference draft for SmolLM2-135M-Instruct, trained on CPU (2 threads): the recipe behind
 # `--draft reference`. Every stage resumes: after an interruption, run it again.
 #   sh benchmarks/reference_draft.sh            (RUNS=runs/reference by default)
-# Wall time on 2 cores, measured: ~31 + ~60 + ~41 min prepare, ~27 + ~60 + ~41 + ~41 + ~58 min training,
-# TTT 4 throughout
+# Wall time on 2 cores, measured: ~31 + ~60 + ~41 + ~40 min prepare, ~27 + ~60 + ~41 + ~41 + ~58 + ~31 + ~32
+# min training (~8 h in all), TTT 4 throughout
 # (one TTT-4 epoch reached what the earlier TTT-7 multi-epoch recipe did in a fifth of the time:
 # BENCHMARKS.md, "What data buys").
 set -eu
@@ -34,10 +34,12 @@ train "$RUNS/draft-stage3" "$RUNS/data-3k-4k4" --init-draft "$RUNS/draft-stage2"
 #     earlier one), each under a fresh schedule
 train "$RUNS/draft-stage4a" "$RUNS/data-3k-4k4" --init-draft "$RUNS/draft-stage3" --lr 1e-3 --warmup-steps 20
 train "$RUNS/draft-stage4" "$RUNS/data-1k-3k" --init-draft "$RUNS/draft-stage4a" --lr 1e-3 --warmup-steps 20
-# 3d. stage 5: new data again, conversations 5032-6131 (5000-5031 are the held-out set below)
+# 3d. stage 5: new data again, conversations 5032-6131 (5000-5031 are the held-out set below),
+#     one pass from stage 4, then (5b) a second pass over it
 $EW prepare --target smollm2-135m --data sharegpt --offset 5032 --num-conversations 1100 --max-length 1024 \
   --out "$RUNS/data-5k-6k1"
-train "$RUNS/draft" "$RUNS/data-5k-6k1" --init-draft "$RUNS/draft-stage4" --lr 1e-3 --warmup-steps 20 "$@"
+train "$RUNS/draft-stage5" "$RUNS/data-5k-6k1" --init-draft "$RUNS/draft-stage4" --lr 1e-3 --warmup-steps 20
+train "$RUNS/draft" "$RUNS/data-5k-6k1" --init-draft "$RUNS/draft-stage5" --lr 1e-3 --warmup-steps 20 "$@"
 
 # 4. held-out check on the target's own replies (conversations 5000-5031, never trained on)
 $EW prepare --target smollm2-135m --data sharegpt --offset 5000 --num-conversations 32 --max-length 1024 \
