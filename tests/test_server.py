@@ -445,6 +445,7 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     texts: list[str] = []
+    heard_ctrl_c: list[bool] = []
 
     def ask_then_ctrl_c() -> None:
         try:
@@ -454,6 +455,10 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
             texts.append(client(url).completions.create(model=MODEL, prompt="a", max_tokens=3,
                                                         temperature=0).choices[0].text)
             os.kill(os.getpid(), signal.SIGINT)
+            deadline = time.monotonic() + 5
+            while not server.should_exit and time.monotonic() < deadline:
+                time.sleep(0.02)
+            heard_ctrl_c.append(server.should_exit)
         finally:  # whatever failed above, do not leave serve_app running
             server.should_exit = True
 
@@ -463,6 +468,7 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
     assert serve_app(app, server, sockets=[sock])
     asker.join(10)
     assert texts == [reference(chat_tiny_target, text_ids(chat_tiny_target, "a"), max_tokens=3)[0]]
+    assert heard_ctrl_c == [True], "SIGINT did not start the shutdown"
     assert engine_threads == [threading.get_ident()]
     assert signal.getsignal(signal.SIGINT) is default_handler
     assert app.state.worker.closing
