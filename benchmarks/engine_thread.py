@@ -13,28 +13,17 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
 
 import torch
+from gemm_rows import H, I, timed  # SmolLM2-135M's hidden and intermediate sizes; ms per call
 
 from eaglewire.decode.gemm import PackedLinear
 
-HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M
-
-
-def time_us(fn, repeats: int) -> float:
-    for _ in range(20):  # warm-up
-        fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats * 1e6
-
 
 def gemm_times(repeats: int) -> dict[int, float]:
-    """Microseconds per call of a packed [rows, 576] x [576, 1536] GEMM, for 1 and 8 rows."""
-    linear = PackedLinear(torch.randn(INTERMEDIATE, HIDDEN))
-    return {rows: time_us(lambda x=torch.randn(rows, HIDDEN): linear(x), repeats) for rows in (1, 8)}
+    """Microseconds per call of a packed [rows, H] x [H, I] GEMM, for 1 and 8 rows."""
+    linear = PackedLinear(torch.randn(I, H))
+    return {rows: 1e3 * timed(lambda x=torch.randn(rows, H): linear(x), repeats) for rows in (1, 8)}
 
 
 def on_new_thread(fn):
@@ -54,7 +43,7 @@ def main() -> None:
     runs = [("first thread", gemm_times(args.repeats)),
             ("second thread", on_new_thread(lambda: gemm_times(args.repeats))),
             ("first thread again", gemm_times(args.repeats))]
-    print(f"packed GEMM {HIDDEN}->{INTERMEDIATE}, {args.threads} threads, microseconds per call\n")
+    print(f"packed GEMM {H}->{I}, {args.threads} threads, microseconds per call\n")
     print("| thread running it | 1 row | 8 rows |\n|---|---|---|")
     for name, times in runs:
         print(f"| {name} | {times[1]:.0f} | {times[8]:.0f} |")

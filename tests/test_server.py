@@ -45,21 +45,30 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def loopback_server(app, graceful: float = 5.0) -> tuple[uvicorn.Server, socket.socket, str]:
+    """A uvicorn server for ``app``, a socket bound to a free loopback port for it, and its base url."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
+    return server, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def wait_started(server: uvicorn.Server, running=lambda: True) -> None:
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and running(), "the server did not start"
+        time.sleep(0.02)
+
+
 @contextmanager
 def live_server(app, graceful: float = 5.0):
     """Run ``app`` on a free loopback port in a background thread; yield (base url, uvicorn server)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
+    server, sock, url = loopback_server(app, graceful)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
+    wait_started(server, thread.is_alive)
     try:
-        yield f"http://127.0.0.1:{port}", server
+        yield url, server
     finally:
         server.should_exit = True
         thread.join(20)
@@ -440,18 +449,13 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
             yield from super().stream(*args, **kwargs)
 
     app = create_app(Recording(chat_tiny_target), model_name=MODEL, engine_thread=False)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server, sock, url = loopback_server(app)
     texts: list[str] = []
     heard_ctrl_c: list[bool] = []
 
     def ask_then_ctrl_c() -> None:
         try:
-            deadline = time.monotonic() + 20
-            while not server.started and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_started(server)
             texts.append(client(url).completions.create(model=MODEL, prompt="a", max_tokens=3,
                                                         temperature=0).choices[0].text)
             os.kill(os.getpid(), signal.SIGINT)
@@ -465,7 +469,7 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
     default_handler = signal.getsignal(signal.SIGINT)
     asker = threading.Thread(target=ask_then_ctrl_c, daemon=True)
     asker.start()
-    assert serve_app(app, server, sockets=[sock])
+    assert serve_app(server, sockets=[sock])
     asker.join(10)
     assert texts == [reference(chat_tiny_target, text_ids(chat_tiny_target, "a"), max_tokens=3)[0]]
     assert heard_ctrl_c == [True], "SIGINT did not start the shutdown"

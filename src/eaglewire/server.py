@@ -403,9 +403,9 @@ class ServeConfig:
                           num_draft_tokens=self.speculative_num_draft_tokens, min_prob=self.draft_min_prob)
 
 
-def serve_app(app: FastAPI, server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> bool:
-    """Serve ``app`` (made with ``engine_thread=False``) until SIGINT/SIGTERM: HTTP on a thread of
-    its own, the engine on the calling thread, which should be the one that loaded the models.
+def serve_app(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> bool:
+    """Serve the server's app (made with ``engine_thread=False``) until SIGINT/SIGTERM: HTTP on a
+    thread of its own, the engine on the calling thread, which should be the one that loaded the models.
     Returns whether the server started (False: e.g. the port was taken; uvicorn logged why).
 
     Why the engine must not move to a thread of its own: PyTorch's OpenMP runtime (libgomp) keeps
@@ -415,7 +415,7 @@ def serve_app(app: FastAPI, server: uvicorn.Server, sockets: list[socket.socket]
     on 2 cores a one-row 576x1536 GEMM takes 2-3x as long on a second thread as on the first
     (benchmarks/engine_thread.py), and speculative serving was 54.8 ms/token instead of 40.3.
     """
-    worker: EngineWorker = app.state.worker
+    worker: EngineWorker = server.config.app.state.worker
     on_main = threading.current_thread() is threading.main_thread()
 
     def on_signal(sig: int, frame) -> None:
@@ -458,7 +458,7 @@ def serve(config: ServeConfig) -> int:
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is not for diagnostics
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                            log_config=log_config, timeout_graceful_shutdown=config.graceful_timeout))
-    return 0 if serve_app(app, server) else 1
+    return 0 if serve_app(server) else 1
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
