@@ -133,3 +133,12 @@ def test_unknown_engine():
         to_engine([2, 15, 27], 30, "tgi")
     with pytest.raises(ContractError, match="unknown engine 'tgi'"):
         from_engine(None, 30, "tgi")
+
+
+def test_llamacpp_takes_boundaries_verbatim_three_and_below_L():
+    assert to_engine([0, 15, 27], 30, "llamacpp") == [0, 15, 27]
+    assert from_engine([2, 15, 27], 30, "llamacpp") == [2, 15, 27]
+    with pytest.raises(EngineConventionError, match="exactly 3"):
+        to_engine([2, 15], 30, "llamacpp")
+    with pytest.raises(EngineConventionError, match="boundary 30"):
+        to_engine([2, 15, 30], 30, "llamacpp")

@@ -12,6 +12,7 @@ Every engine numbers these differently. This module is the only place that trans
 | specforge              | b = id + 1  (HF hidden_states[id+1]) | 1..L-1 (L would be post-norm) |
 | sglang, always +1      | b = id + 1                           | 1..L-1                    |
 | sglang, +1 if first==1 | b = id + 1 if ids[0] == 1 else id    | 1..L-1                    |
+| llamacpp               | b = id (input of layer id)           | 0..L-1, exactly 3         |
 | eagle (reference)      | hard-coded [2, L//2, L-3]            | only that layout          |
 """
 
@@ -23,8 +24,11 @@ from typing import Any, Literal
 
 CONTRACT_VERSION = 1
 
-Engine = Literal["sglang", "vllm", "speculators", "specforge", "eagle"]
-ENGINES: tuple[str, ...] = ("sglang", "vllm", "speculators", "specforge", "eagle")
+Engine = Literal["sglang", "vllm", "speculators", "specforge", "llamacpp", "eagle"]
+ENGINES: tuple[str, ...] = ("sglang", "vllm", "speculators", "specforge", "llamacpp", "eagle")
+
+# llama.cpp (build 11434) copies the input of layer i for id i and fuses exactly three.
+LLAMACPP_NUM_AUX = 3
 
 # SGLang's two readings of eagle_aux_hidden_state_layer_ids.
 SglangRule = Literal["always_plus_one", "plus_one_if_first_is_one"]
@@ -191,6 +195,19 @@ def _check_sglang_expressible(boundaries: list[int], num_layers: int) -> None:
                 "so SGLang silently drops it. Retrain without it, or serve with vLLM or eaglewire")
 
 
+def _check_llamacpp_expressible(boundaries: list[int], num_layers: int) -> None:
+    if len(boundaries) != LLAMACPP_NUM_AUX:
+        raise EngineConventionError(
+            f"llama.cpp fuses exactly {LLAMACPP_NUM_AUX} target states (extract_layers); this layout has "
+            f"{len(boundaries)} ({list(boundaries)}). Retrain on 3 boundaries (e.g. "
+            f"{default_aux_boundaries(num_layers)}), or serve with vLLM, SGLang or eaglewire")
+    if num_layers in boundaries:
+        raise EngineConventionError(
+            f"llama.cpp cannot capture boundary {num_layers} (the last layer's pre-norm output of a "
+            f"{num_layers}-layer target): it copies the input of layer i for id i, and there is no layer "
+            f"{num_layers}. Retrain without it, or serve with vLLM or eaglewire")
+
+
 def to_engine(boundaries: list[int], num_layers: int, engine: str, *,
               sglang_rule: str = "always_plus_one") -> list[int]:
     """Layer ids that make ``engine`` capture exactly ``boundaries``; error if it cannot."""
@@ -219,6 +236,9 @@ def to_engine(boundaries: list[int], num_layers: int, engine: str, *,
                 "taken verbatim (boundary 0) and id 1 gets +1 (boundary 2). Export for older SGLang "
                 "(--sglang-rule always_plus_one) or serve with vLLM or eaglewire")
         return list(boundaries)  # taken verbatim
+    if engine == "llamacpp":
+        _check_llamacpp_expressible(boundaries, num_layers)
+        return boundaries
     if engine == "eagle":
         default = default_aux_boundaries(num_layers)
         if boundaries != default:
@@ -246,6 +266,9 @@ def from_engine(ids: list[int] | None, num_layers: int, engine: str, *,
         bounds = [i + 1 for i in ids]
     elif engine == "sglang":
         bounds = sglang_read(ids, sglang_rule)
+    elif engine == "llamacpp":
+        _check_llamacpp_expressible(ids, num_layers)
+        bounds = ids
     else:
         raise ContractError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     return validate_boundaries(bounds, num_layers)
