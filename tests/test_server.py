@@ -29,7 +29,7 @@ from eaglewire.contract import HiddenStateContract
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings, encode_prompt, stop_token_ids
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.server import ServeConfig, add_serve_args, create_app, serve_app
+from eaglewire.server import ServeConfig, Server, add_serve_args, create_app, serve_app
 
 MODEL = "tiny-chat"
 MAX_TOKENS = 12
@@ -45,11 +45,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def loopback_server(app, graceful: float = 5.0) -> tuple[uvicorn.Server, socket.socket, str]:
+def loopback_server(app, graceful: float = 5.0) -> tuple[Server, socket.socket, str]:
     """A uvicorn server for ``app``, a socket bound to a free loopback port for it, and its base url."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
     return server, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
