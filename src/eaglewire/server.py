@@ -1,15 +1,17 @@
 """``eaglewire serve``: an OpenAI-compatible HTTP server in front of one ``SpecDecoder``.
 
-Request bodies are size-checked before anything parses them, validated on the event loop and
-tokenized off it (one tokenizer thread; prompts that cannot fit the context are refused before
-tokenizing), then wait in a bounded queue for the engine, which decodes them one at a time (a decoder holds one sequence) on one thread — under
-``serve`` the thread that loaded the models, with HTTP on a thread beside it — and sends text
-deltas back to the request's coroutine. A slot is a request admitted and not finished:
-the one being decoded plus those waiting; beyond ``max_queue`` slots a request gets 429.
-A client that goes away frees its slot at once and its generation stops after the current
-round. On shutdown (``Server``) requests get ``graceful_timeout`` seconds; those still running then
-are ended by the app (a stream with an error event and [DONE]), not cut off by uvicorn. Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). With an API key every /v1 route needs ``Authorization: Bearer``.
+Request bodies are size-checked before anything parses them (413), validated on the event loop
+and tokenized off it (one tokenizer thread; a prompt that cannot fit the context is refused before
+tokenizing), then wait in a bounded queue for the engine, which decodes them one at a time (a
+decoder holds one sequence) on one thread — under ``serve`` the thread that loaded the models,
+with HTTP on a thread beside it — and sends text deltas back to the request's coroutine. A slot
+is a request admitted and not finished: the one being decoded plus those waiting; beyond
+``max_queue`` slots a request gets 429 with Retry-After. A client that goes away frees its slot
+at once and its generation stops after the current round. On shutdown (``Server``) requests get
+``graceful_timeout`` seconds; the app then ends those still running (a stream with an error event
+and [DONE]) rather than leave uvicorn to cut them off. Routes: POST /v1/chat/completions, POST
+/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text, prometheus_client).
+With an API key every /v1 route needs ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
