@@ -85,8 +85,7 @@ class ChatMessage(_Strict):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
                 raise ValueError(f"part {i} is of type {kind!r}; only text content parts are supported "
-                                 "({\"type\": \"text\", \"text\": ...}): send text, or a model that takes it "
-                                 "to a server that does")
+                                 "({\"type\": \"text\", \"text\": ...}); send that part as text or leave it out")
         return content
 
     def as_template_message(self) -> dict[str, str]:
