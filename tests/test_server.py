@@ -234,6 +234,9 @@ def test_models_health(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert raw(server, "GET", "/health") == (200, {"status": "ok"})
+    spec = raw(server, "GET", "/openapi.json")[1]  # the routes parse their bodies; the models are still documented
+    body = spec["paths"][CHAT]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body.rsplit("/", 1)[1] in spec["components"]["schemas"]
 
 
 # -- bad input ------------------------------------------------------------------

@@ -361,9 +361,24 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", type="server_error"), 500)
 
 
-def _body_schema(model: type[BaseModel]) -> dict:
-    """The request body for the OpenAPI page (the routes parse the body themselves)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the request models in /openapi.json (the routes parse their bodies themselves)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = generate()  # caches itself in app.openapi_schema
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(schema.pop("$defs", {}))
+                components[model.__name__] = schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                spec["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                              "content": {"application/json": {"schema": ref}}}
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
@@ -404,8 +419,9 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
         app.add_middleware(BearerAuth, api_key=api_key)  # before the body is read
     app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts the 401s and 413s too
     _add_error_handlers(app)
-    app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))(service.chat)
-    app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))(service.complete)
+    app.post("/v1/chat/completions")(service.chat)
+    app.post("/v1/completions")(service.complete)
+    _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.get("/v1/models")
     async def models() -> dict:
