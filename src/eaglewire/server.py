@@ -1,13 +1,17 @@
 """``eaglewire serve``: an OpenAI-compatible HTTP server in front of one ``SpecDecoder``.
 
-Requests are validated and tokenized on the event loop, then wait in a bounded queue for the
-engine, which decodes them one at a time (a decoder holds one sequence) on one thread — under
-``serve`` the thread that loaded the models, with HTTP on a thread beside it — and sends text
-deltas back to the request's coroutine. A slot is a request admitted and not finished:
-the one being decoded plus those waiting; beyond ``max_queue`` slots a request gets 429.
-A client that goes away frees its slot at once and its generation stops after the current
-round. Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). With an API key every /v1 route needs ``Authorization: Bearer``.
+Request bodies are size-checked before anything parses them (413), validated on the event loop
+and tokenized off it (one tokenizer thread; a prompt that cannot fit the context is refused before
+tokenizing), then wait in a bounded queue for the engine, which decodes them one at a time (a
+decoder holds one sequence) on one thread — under ``serve`` the thread that loaded the models,
+with HTTP on a thread beside it — and sends text deltas back to the request's coroutine. A slot
+is a request admitted and not finished: the one being decoded plus those waiting; beyond
+``max_queue`` slots a request gets 429 with Retry-After. A client that goes away frees its slot
+at once and its generation stops after the current round. On shutdown (``Server``) requests get
+``graceful_timeout`` seconds; the app then ends those still running (a stream with an error event
+and [DONE]) rather than leave uvicorn to cut them off. Routes: POST /v1/chat/completions, POST
+/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text, prometheus_client).
+With an API key every /v1 route needs ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -22,27 +26,36 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import AsyncIterator, Union
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglewire.decode.engine import MIN_PROB_HELP, GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream, stop_token_ids
-from eaglewire.server_schemas import (APIError, BearerAuth, ChatCompletionRequest, CompletionRequest,
-                                      CountRequests, Metrics, chat_chunk, chat_prompt_ids, chat_response,
-                                      completion_chunk, completion_prompt_ids, completion_response, error_body,
-                                      new_id, token_budget, usage, usage_chunk, validation_error)
+from eaglewire.server_schemas import (APIError, AssistantMessage, BearerAuth, ChatChoice, ChatChunkChoice,
+                                      ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
+                                      Completion, CompletionChoice, CompletionChunk, CompletionRequest,
+                                      CountRequests, LimitBody, Metrics, chat_prompt_ids, completion_prompt_ids,
+                                      error_body, max_token_chars, new_id, parse_body, token_budget, usage,
+                                      validation_error)
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
+MAX_REQUEST_BYTES = 4 << 20  # a full 128k-token context of text is ~0.5 MB of JSON; 8k (SmolLM2) ~40 kB
+RETRY_AFTER_SECONDS = 1  # a 429's hint: slots free as requests finish, typically within seconds
+CUT_MARGIN_SECONDS = 1.0  # uvicorn cancels what is still running this long after the app ended it
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -63,6 +76,7 @@ class Failed:
     status: int
     message: str
     type: str = "server_error"
+    code: str | None = None
 
 
 Event = Union[Delta, Done, Failed]
@@ -125,7 +139,7 @@ class EngineWorker:
             if len(self._held) >= self.max_queue:
                 raise APIError(429, f"the server is busy: {len(self._held)} requests are in flight, the most it "
                                f"holds (--max-queue {self.max_queue}); retry later", type="rate_limit_error",
-                               code="queue_full")
+                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
             self._held.add(job)
         self._jobs.put(job)
 
@@ -138,14 +152,19 @@ class EngineWorker:
         with self._lock:
             self._held.discard(job)
 
+    def end_all(self, message: str) -> None:
+        """End every admitted job now: its client is told ``message`` (503) and its slot freed."""
+        with self._lock:
+            held = list(self._held)
+        for job in held:
+            job.emit(Failed(503, message, "server_error", "shutting_down"))
+            self.cancel(job)
+
     def close(self, timeout: float = 10.0) -> None:
         """Refuse new jobs, tell the admitted ones, stop the thread (waiting at most ``timeout``)."""
         with self._lock:
             self.closing = True
-            held = list(self._held)
-        for job in held:
-            job.emit(Failed(503, "the server shut down before this request finished", "server_error"))
-            self.cancel(job)
+        self.end_all("the server shut down before this request finished")
         self._jobs.put(None)
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
@@ -208,21 +227,34 @@ async def _events(job: Job, request: Request) -> AsyncIterator[Event]:
                 return
 
 
-def _sse(data: dict | str) -> str:
+def _sse(data: BaseModel | dict | str) -> str:
+    if isinstance(data, BaseModel):
+        data = data.model_dump_json()
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 class _Service:
-    """What the routes do: admit a request, then answer it whole or as a stream of chunks."""
+    """What the routes do: parse and tokenize a request, admit it, then answer it whole or as a
+    stream of chunks."""
 
     def __init__(self, decoder: SpecDecoder, model_name: str, max_context: int, worker: EngineWorker) -> None:
         self.target, self.model_name, self.max_context, self.worker = decoder.target, model_name, max_context, worker
+        self.token_chars = max_token_chars(self.target.tokenizer)
+        # One thread: a fast tokenizer used from two threads at once can fail ("Already borrowed").
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="eaglewire-tokenize")
 
-    def admit(self, req, prompt_ids: list[int], prompt_param: str, tokens_param: str) -> Job:
-        """Check the request against the model and the context, and queue it (APIError if it can't be)."""
+    def check_model(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    async def tokenize(self, encode, *args) -> list[int]:
+        """``encode(tokenizer, *args)`` on the tokenizer thread: a long prompt does not stall the event loop."""
+        call = partial(encode, self.target.tokenizer, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, call)
+
+    def admit(self, req, prompt_ids: list[int], prompt_param: str, tokens_param: str) -> Job:
+        """Check the request against the context, and queue it (APIError if it can't be)."""
         max_tokens = token_budget(prompt_ids, req.requested_tokens(), self.max_context, prompt_param, tokens_param,
                                   req.default_tokens)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
@@ -236,7 +268,7 @@ class _Service:
         try:
             async for event in _events(job, request):
                 if isinstance(event, Failed):
-                    raise APIError(event.status, event.message, type=event.type)
+                    raise APIError(event.status, event.message, type=event.type, code=event.code)
                 if isinstance(event, Done):
                     return "".join(parts), event
                 parts.append(event.text)
@@ -244,25 +276,32 @@ class _Service:
         finally:
             self.worker.cancel(job)
 
+    def _chunk(self, rid: str, chat: bool, text: str | None = None, finish_reason: str | None = None, *,
+               role: bool = False) -> BaseModel:
+        if chat:
+            delta = ChatDelta(role="assistant", content="") if role else ChatDelta(content=text)
+            return ChatCompletionChunk(id=rid, model=self.model_name,
+                                       choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+        return CompletionChunk(id=rid, model=self.model_name,
+                               choices=[CompletionChoice(text=text or "", finish_reason=finish_reason)])
+
     async def stream(self, job: Job, request: Request, rid: str, chat: bool,
                      include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per text delta, one with the finish reason, then [DONE]."""
-        name = self.model_name
+        """Server-sent events: a chunk per text delta, one with the finish reason (or an error event), then [DONE]."""
         try:
             if chat:
-                yield _sse(chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+                yield _sse(self._chunk(rid, chat, role=True))
             async for event in _events(job, request):
                 if isinstance(event, Delta):
-                    yield _sse(chat_chunk(rid, name, {"content": event.text}) if chat
-                               else completion_chunk(rid, name, event.text))
+                    yield _sse(self._chunk(rid, chat, event.text))
                 elif isinstance(event, Failed):
-                    yield _sse(error_body(event.message, type=event.type))
+                    yield _sse(error_body(event.message, type=event.type, code=event.code))
                 else:
-                    yield _sse(chat_chunk(rid, name, {}, event.finish_reason) if chat
-                               else completion_chunk(rid, name, "", event.finish_reason))
+                    yield _sse(self._chunk(rid, chat, None, event.finish_reason))
                     if include_usage:
-                        obj = "chat.completion.chunk" if chat else "text_completion"
-                        yield _sse(usage_chunk(rid, name, obj, usage(event.prompt_tokens, event.completion_tokens)))
+                        use = usage(event.prompt_tokens, event.completion_tokens)
+                        last = ChatCompletionChunk if chat else CompletionChunk
+                        yield _sse(last(id=rid, model=self.model_name, choices=[], usage=use))
             yield _sse("[DONE]")
         finally:  # also when a client left mid-stream (this task is cancelled)
             self.worker.cancel(job)
@@ -273,17 +312,26 @@ class _Service:
             return StreamingResponse(self.stream(job, request, rid, chat, req.include_usage),
                                      media_type="text/event-stream")
         text, done = await self.collect(job, request)
-        respond = chat_response if chat else completion_response
-        return respond(rid, self.model_name, text, done.finish_reason, usage(done.prompt_tokens,
-                                                                              done.completion_tokens))
+        use = usage(done.prompt_tokens, done.completion_tokens)
+        if chat:
+            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=done.finish_reason)
+            return JSONResponse(ChatCompletion(id=rid, model=self.model_name, choices=[choice], usage=use).model_dump())
+        choice = CompletionChoice(text=text, finish_reason=done.finish_reason)
+        return JSONResponse(Completion(id=rid, model=self.model_name, choices=[choice], usage=use).model_dump())
 
-    async def chat(self, req: ChatCompletionRequest, request: Request):
+    async def chat(self, request: Request):
+        req = parse_body(ChatCompletionRequest, await request.body(), request.headers.get("content-type"))
+        self.check_model(req)
+        ids = await self.tokenize(chat_prompt_ids, req, self.max_context, self.token_chars)
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        job = self.admit(req, chat_prompt_ids(self.target.tokenizer, req), "messages", tokens_param)
+        job = self.admit(req, ids, "messages", tokens_param)
         return await self.answer(req, job, request, chat=True)
 
-    async def complete(self, req: CompletionRequest, request: Request):
-        ids = completion_prompt_ids(self.target.tokenizer, req, self.target.vocab_size)
+    async def complete(self, request: Request):
+        req = parse_body(CompletionRequest, await request.body(), request.headers.get("content-type"))
+        self.check_model(req)
+        ids = await self.tokenize(completion_prompt_ids, req, self.target.vocab_size, self.max_context,
+                                  self.token_chars)
         job = self.admit(req, ids, "prompt", "max_tokens")
         return await self.answer(req, job, request, chat=False)
 
@@ -293,7 +341,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status)
+        return JSONResponse(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -302,8 +350,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        message = f"{e.detail}: {request.method} {request.url.path}; this server has {', '.join(ROUTES)}"
-        return JSONResponse(error_body(message, code=str(e.status_code)), e.status_code)
+        message = f"{e.detail}: {request.method} {request.url.path}"
+        if e.status_code in (404, 405):
+            message += f"; this server has {', '.join(ROUTES)}"
+        return JSONResponse(error_body(message), e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception) -> JSONResponse:
@@ -311,16 +361,40 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", type="server_error"), 500)
 
 
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the request models in /openapi.json (the routes parse their bodies themselves)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = generate()  # caches itself in app.openapi_schema
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(schema.pop("$defs", {}))
+                components[model.__name__] = schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                spec["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                              "content": {"application/json": {"schema": ref}}}
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
-               max_context: int | None = None, engine_thread: bool = True) -> FastAPI:
+               max_context: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               engine_thread: bool = True) -> FastAPI:
     """The FastAPI app serving ``decoder`` as ``model_name``; its engine thread lives with the app's lifespan.
 
     ``max_queue`` bounds the requests in flight (decoding + waiting); ``max_context`` (prompt +
-    generated tokens) defaults to the target's max_position_embeddings. ``engine_thread=False``
-    starts no engine thread: ``serve_app`` runs the engine on the thread that loaded the models.
+    generated tokens) defaults to the target's max_position_embeddings; a request body over
+    ``max_request_bytes`` gets 413. ``engine_thread=False`` starts no engine thread: ``serve_app``
+    runs the engine on the thread that loaded the models.
     """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if decoder.target.tokenizer is None:
         raise ValueError("the target has no tokenizer; load it with eaglewire.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
@@ -336,15 +410,18 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
                  "speculative" if decoder.draft is not None else "no draft")
         yield
         worker.close()
+        service.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="eaglewire", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
+    app.add_middleware(LimitBody, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts the 401s too
+        app.add_middleware(BearerAuth, api_key=api_key)  # before the body is read
+    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts the 401s and 413s too
     _add_error_handlers(app)
     app.post("/v1/chat/completions")(service.chat)
     app.post("/v1/completions")(service.complete)
+    _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -357,12 +434,32 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
         return JSONResponse({"status": "shutting down"}, 503) if worker.closing else {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
+    async def prometheus() -> Response:
         waiting, running = worker.counts()
-        return PlainTextResponse(metrics.render(waiting=waiting, running=running),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(waiting=waiting, running=running), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server for a ``create_app`` app. When shutdown begins, requests get the config's
+    ``timeout_graceful_shutdown`` seconds; then the app ends those still running (a stream with an
+    error event and [DONE], a whole answer with 503). uvicorn's own deadline comes a margin later,
+    as a last resort: it cancels responses mid-way (the client loses the connection, the log a traceback)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self.graceful_timeout = config.timeout_graceful_shutdown
+        if self.graceful_timeout is not None:
+            config.timeout_graceful_shutdown = self.graceful_timeout + CUT_MARGIN_SECONDS
+        super().__init__(config)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.graceful_timeout is not None:
+            worker: EngineWorker = self.config.app.state.worker
+            message = (f"the server shut down before this request finished (--graceful-timeout "
+                       f"{self.graceful_timeout:g} s)")
+            asyncio.get_running_loop().call_later(self.graceful_timeout, worker.end_all, message)
+        await super().shutdown(sockets)
 
 
 # -- the command ---------------------------------------------------------------
@@ -384,6 +481,8 @@ class ServeConfig:
     api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1"})
     max_context: int | None = field(default=None, metadata={
         "help": "prompt + generated tokens per request (default: the target's max_position_embeddings)"})
+    max_request_bytes: int = field(default=MAX_REQUEST_BYTES, metadata={
+        "help": "largest request body accepted, in bytes; 413 beyond, before it is parsed"})
     device: str = "auto"
     graceful_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish on shutdown"})
@@ -396,6 +495,10 @@ class ServeConfig:
             raise ValueError(f"--max-queue must be >= 1, got {self.max_queue}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"--max-context must be >= 2, got {self.max_context}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.graceful_timeout < 0:
+            raise ValueError(f"--graceful-timeout must be >= 0 seconds, got {self.graceful_timeout}")
 
     @property
     def spec(self) -> SpecConfig:
@@ -403,7 +506,7 @@ class ServeConfig:
                           num_draft_tokens=self.speculative_num_draft_tokens, min_prob=self.draft_min_prob)
 
 
-def serve_app(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> bool:
+def serve_app(server: Server, sockets: list[socket.socket] | None = None) -> bool:
     """Serve the server's app (made with ``engine_thread=False``) until SIGINT/SIGTERM: HTTP on a
     thread of its own, the engine on the calling thread, which should be the one that loaded the models.
     Returns whether the server started (False: e.g. the port was taken; uvicorn logged why).
@@ -451,13 +554,14 @@ def serve(config: ServeConfig) -> int:
 
     decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
-                     max_context=config.max_context, engine_thread=False)
+                     max_context=config.max_context, max_request_bytes=config.max_request_bytes,
+                     engine_thread=False)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is not for diagnostics
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           log_config=log_config, timeout_graceful_shutdown=config.graceful_timeout))
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                   log_config=log_config, timeout_graceful_shutdown=config.graceful_timeout))
     return 0 if serve_app(server) else 1
 
 

@@ -1,16 +1,19 @@
 """The wire format of ``eaglewire serve``: what comes in and what goes out.
 
-In: request models, validated strictly (a string is not an integer, a float is not an integer)
-with unknown fields ignored as OpenAI's API does, and the prompt token ids they stand for.
-Out: response objects and stream chunks in OpenAI's shapes, and the Prometheus text of /metrics.
-Around: ASGI middleware for the bearer API key and for counting responses by status.
-Every error is ``{"error": {"message", "type", "param", "code"}}`` with ``param`` naming the
-offending field (``messages[0].role``) and a message that says what would be right.
+In: request bodies parsed and validated strictly (UTF-8 JSON whatever the Content-Type; a string
+is not an integer, a float is not an integer) with unknown fields ignored as OpenAI's API does,
+fields it cannot honour (tools, non-text content parts) refused, and the prompt token ids they
+stand for. Out: response models and stream chunks in OpenAI's shapes, and /metrics through
+prometheus_client. Around: ASGI middleware for the body size, the bearer API key and for counting
+responses by status. Every error is ``{"error": {"message", "type", "param", "code"}}`` with
+``param`` naming the offending field (``messages[0].role``), ``code`` null or a string such as
+``context_length_exceeded`` (OpenAI's error object), and a message that says what would be right.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import threading
 import time
 import uuid
@@ -18,7 +21,10 @@ from collections import Counter
 from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tokenizers import decoders
 
 from eaglewire.decode.engine import GenerationStats
 from eaglewire.decode.text import encode_prompt
@@ -26,13 +32,26 @@ from eaglewire.decode.text import encode_prompt
 MAX_STOP_STRINGS = 16
 
 
+class ErrorObject(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None  # as OpenAI's: null or a string token ("context_length_exceeded"), never a number
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorObject
+
+
 class APIError(Exception):
     """An error the client caused (or must be told about), sent as an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, param=self.param, type=self.type, code=self.code)
@@ -40,7 +59,7 @@ class APIError(Exception):
 
 def error_body(message: str, *, param: str | None = None, type: str = "invalid_request_error",
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorObject(message=message, type=type, param=param, code=code)).model_dump()
 
 
 # -- requests ---------------------------------------------------------------
@@ -57,6 +76,17 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Name the part type we cannot take, before the union says only "should be a valid string"."""
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"part {i} is of type {kind!r}; only text content parts are supported "
+                                 "({\"type\": \"text\", \"text\": ...}); send that part as text or leave it out")
+        return content
 
     def as_template_message(self) -> dict[str, str]:
         """The message as a chat template takes it (text parts joined, developer -> system)."""
@@ -118,10 +148,39 @@ def _reject_logprobs(value):
     return value
 
 
+def _unsupported(field: str, why: str):
+    """A validator refusing a field this server cannot honour (silently ignoring it would mislead)."""
+
+    def check(cls, value):
+        if value not in (None, [], "none", "auto"):  # what clients send to mean "not used"
+            raise ValueError(f"{field} is not supported by this server ({why}); leave {field} unset")
+        return value
+
+    return field_validator(field)(classmethod(check))
+
+
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    _no_tools = _unsupported("tools", "no function calling")
+    _no_tool_choice = _unsupported("tool_choice", "no function calling")
+    _no_functions = _unsupported("functions", "no function calling")
+    _no_function_call = _unsupported("function_call", "no function calling")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError("response_format is not supported by this server (no JSON mode or schemas); "
+                             "leave response_format unset or {\"type\": \"text\"}")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -205,7 +264,66 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{param}: {' or '.join(msgs)} (got {_given(first)})", param=param)
 
 
+def _is_json_type(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def parse_body(model: type[BaseModel], body: bytes, content_type: str | None) -> Any:
+    """The request body as ``model``, or APIError 400 saying what is wrong with it.
+
+    JSON is taken whatever the Content-Type says (``curl -d`` sends a form type); the type is
+    named only when the body does not parse, as the likely cause."""
+    if not body:
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: it is not UTF-8 text (byte 0x{body[e.start]:02x} "
+                       f"at offset {e.start}); send a JSON object encoded as UTF-8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = "" if _is_json_type(content_type) else (
+            f" with Content-Type: application/json (this request said {content_type or 'nothing'!r})")
+        raise APIError(400, f"the request body is not valid JSON ({e.msg}); send a JSON object{hint}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:  # located as FastAPI locates body errors, for validation_error
+        raise validation_error([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
 # -- prompts -------------------------------------------------------------------
+
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters one token can stand for, where that is known without tokenizing; else None.
+
+    For a byte-level BPE tokenizer without a normalizer every token is a fixed byte string, written
+    one character per byte, and a character is at least one byte: a token covers at most
+    len(longest token) characters of the text. (Tokenizers that normalize, which may delete
+    characters, or have an unknown token, which may swallow a whole word, get no such bound.)
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+
+
+def check_prompt_chars(chars: int, token_chars: int | None, max_context: int, param: str) -> None:
+    """Refuse, without tokenizing, a prompt of ``chars`` characters that cannot fit the context.
+
+    The safe direction: the bound must be a floor on the prompt's tokens, so it can only say "too
+    long" when tokenizing would say so too. ``chars / token_chars`` is one (no token covers more
+    than ``token_chars`` characters). "A token is at least one byte" is a ceiling (tokens <= bytes):
+    refusing by it (chars > context) would turn away prompts that fit, e.g. 8,000 '#' are 100 tokens.
+    """
+    if token_chars is None:
+        return
+    least = -(-chars // token_chars)
+    if least >= max_context:
+        raise APIError(400, f"{param} is {chars} characters, so at least {least} tokens (no token of this model is "
+                       f"longer than {token_chars} characters), which leaves no room in this model's context of "
+                       f"{max_context} tokens; shorten it", param=param, code="context_length_exceeded")
 
 def token_budget(prompt_ids: list[int], requested: int | None, max_context: int, prompt_param: str,
                  tokens_param: str, default: int | None = None) -> int:
@@ -226,18 +344,28 @@ def token_budget(prompt_ids: list[int], requested: int | None, max_context: int,
     return requested
 
 
-def chat_prompt_ids(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """The messages through the target's chat template, with the assistant's turn opened."""
+def chat_prompt_ids(tokenizer, req: ChatCompletionRequest, max_context: int, token_chars: int | None) -> list[int]:
+    """The messages through the target's chat template, with the assistant's turn opened (refused
+    before tokenizing when the rendered text cannot fit ``max_context``)."""
+    messages = [m.as_template_message() for m in req.messages]
     try:
-        return encode_prompt(tokenizer, [m.as_template_message() for m in req.messages], chat=True)
+        if token_chars is not None:  # rendering is cheap; tokenizing megabytes is not
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            check_prompt_chars(len(text), token_chars, max_context, "messages")
+        return encode_prompt(tokenizer, messages, chat=True)
+    except APIError:
+        raise
     except Exception as e:  # the template rejects the conversation (e.g. roles out of order)
         raise APIError(400, f"messages do not fit the model's chat template: {e}", param="messages") from e
 
 
-def completion_prompt_ids(tokenizer, req: CompletionRequest, vocab_size: int) -> list[int]:
-    """A text prompt tokenized as is (no template), or token ids checked against the vocabulary."""
+def completion_prompt_ids(tokenizer, req: CompletionRequest, vocab_size: int, max_context: int,
+                          token_chars: int | None) -> list[int]:
+    """A text prompt tokenized as is (no template; refused before tokenizing when it cannot fit
+    ``max_context``), or token ids checked against the vocabulary."""
     if isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
         text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        check_prompt_chars(len(text), token_chars, max_context, "prompt")
         return encode_prompt(tokenizer, text, chat=False)
     bad = [t for t in req.prompt if not 0 <= t < vocab_size]
     if bad:
@@ -251,40 +379,92 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _now() -> int:
+    return int(time.time())
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason}
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+def _is_none(value: Any) -> bool:
+    return value is None
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [choice]}
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice]}
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
 
 
-def usage_chunk(rid: str, model: str, obj: str, use: dict) -> dict:
-    """The extra last chunk of ``stream_options={"include_usage": true}``: no choices, the usage."""
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": use}
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds: the role (first chunk), text, or nothing (the chunk with the finish reason)."""
+
+    role: Literal["assistant"] | None = Field(None, exclude_if=_is_none)
+    content: str | None = Field(None, exclude_if=_is_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]  # empty in the last chunk of stream_options={"include_usage": true}
+    usage: Usage | None = Field(None, exclude_if=_is_none)
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, exclude_if=_is_none)
 
 
 # -- /metrics -------------------------------------------------------------------
@@ -317,37 +497,53 @@ class Metrics:
             if not cancelled:
                 self.last_tokens_per_second = stats.tokens_per_second
 
-    def render(self, *, waiting: int, running: int) -> str:
-        """Prometheus text exposition format (version 0.0.4)."""
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-            out.extend(f"{name}{labels} {value:g}" for labels, value in samples)
-
+    def families(self, *, waiting: int, running: int) -> list:
+        """The metrics as prometheus_client metric families (a snapshot)."""
+        requests = CounterMetricFamily("eaglewire_requests", "HTTP requests by route and status code",
+                                       labels=["path", "status"])
+        position = GaugeMetricFamily("eaglewire_position_acceptance",
+                                     "share of verify passes that accepted draft depth d", labels=["position"])
         with self._lock:
-            metric("eaglewire_requests_total", "counter", "HTTP requests by route and status code",
-                   [(f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.requests.items())])
-            metric("eaglewire_requests_cancelled_total", "counter", "generations stopped by a client that left",
-                   [("", self.cancelled)])
-            metric("eaglewire_prompt_tokens_total", "counter", "prompt tokens prefilled", [("", self.prompt_tokens)])
-            metric("eaglewire_generated_tokens_total", "counter", "tokens generated", [("", self.generated)])
-            rounds, cumulative, buckets = sum(self.accept_counts), 0, []
-            for i, n in enumerate(self.accept_counts):
-                cumulative += n
-                buckets.append((f'_bucket{{le="{i + 1}"}}', cumulative))
-            accept_sum = sum((i + 1) * n for i, n in enumerate(self.accept_counts))
-            metric("eaglewire_accept_length", "histogram", "tokens per target verify pass (bonus token included)",
-                   buckets + [('_bucket{le="+Inf"}', rounds), ("_sum", accept_sum), ("_count", rounds)])
-            metric("eaglewire_position_acceptance", "gauge", "share of verify passes that accepted draft depth d",
-                   [(f'{{position="{d + 1}"}}', n / max(rounds, 1)) for d, n in enumerate(self.position_accepts)])
-            metric("eaglewire_generation_seconds_total", "counter", "seconds the engine spent generating",
-                   [("", self.generation_seconds)])
-            metric("eaglewire_tokens_per_second", "gauge", "decode speed of the last finished request",
-                   [("", self.last_tokens_per_second)])
-        metric("eaglewire_queue_depth", "gauge", "requests waiting for the engine", [("", waiting)])
-        metric("eaglewire_requests_running", "gauge", "requests being generated", [("", running)])
-        return "\n".join(out) + "\n"
+            for (path, status), n in sorted(self.requests.items()):
+                requests.add_metric([path, str(status)], n)
+            rounds = sum(self.accept_counts)
+            cumulative = [sum(self.accept_counts[:i + 1]) for i in range(len(self.accept_counts))]
+            accept = HistogramMetricFamily(
+                "eaglewire_accept_length", "tokens per target verify pass (bonus token included)",
+                buckets=[(str(i + 1), n) for i, n in enumerate(cumulative)] + [("+Inf", rounds)],
+                sum_value=sum((i + 1) * n for i, n in enumerate(self.accept_counts)))
+            for d, n in enumerate(self.position_accepts):
+                position.add_metric([str(d + 1)], n / max(rounds, 1))
+            return [
+                requests,
+                CounterMetricFamily("eaglewire_requests_cancelled", "generations stopped by a client that left",
+                                    value=self.cancelled),
+                CounterMetricFamily("eaglewire_prompt_tokens", "prompt tokens prefilled", value=self.prompt_tokens),
+                CounterMetricFamily("eaglewire_generated_tokens", "tokens generated", value=self.generated),
+                accept, position,
+                CounterMetricFamily("eaglewire_generation_seconds", "seconds the engine spent generating",
+                                    value=self.generation_seconds),
+                GaugeMetricFamily("eaglewire_tokens_per_second", "decode speed of the last finished request",
+                                  value=self.last_tokens_per_second),
+                GaugeMetricFamily("eaglewire_queue_depth", "requests waiting for the engine", value=waiting),
+                GaugeMetricFamily("eaglewire_requests_running", "requests being generated", value=running),
+            ]
+
+    def render(self, *, waiting: int, running: int) -> bytes:
+        """The Prometheus text exposition (format 0.0.4), written by prometheus_client."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(self.families(waiting=waiting, running=running)))
+        return generate_latest(registry)
+
+
+class _Snapshot:
+    """A prometheus_client collector of families taken at one scrape."""
+
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
 
 
 # -- middleware: the API key, and responses counted for /metrics --------------
@@ -376,18 +572,66 @@ class CountRequests:
 
 
 class BearerAuth:
-    """ASGI middleware: /v1 routes need ``Authorization: Bearer <api_key>`` (checked before the body)."""
+    """ASGI middleware: /v1 routes need ``Authorization: Bearer <api_key>`` (checked before the body;
+    the scheme is case-insensitive, as RFC 9110 has it)."""
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                why = "no API key was given" if not given else "the API key is wrong"
+            given = dict(scope["headers"]).get(b"authorization", b"").strip()
+            scheme, _, key = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
+                if not given or (scheme.lower() == b"bearer" and not key.strip()):
+                    why = "no API key was given"
+                elif scheme.lower() != b"bearer":
+                    why = f"the Authorization scheme is {scheme.decode(errors='replace')!r}, not Bearer"
+                else:
+                    why = "the API key is wrong"
                 body = error_body(f"{why}; send the server's --api-key as 'Authorization: Bearer KEY'",
                                   code="invalid_api_key")
                 response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """ASGI middleware: a request body over ``max_bytes`` is refused with 413 before anything parses
+    it — at once by its Content-Length, else as soon as the bytes received pass the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(f"{int(declared)} bytes", scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(f"more than {self.max_bytes} bytes", scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:  # later reads: disconnect detection
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, size: str, scope, receive, send) -> None:
+        body = error_body(f"the request body is {size}, over this server's limit of {self.max_bytes} bytes "
+                          f"(--max-request-bytes); send a shorter request or raise the limit")
+        await JSONResponse(body, 413)(scope, receive, send)
