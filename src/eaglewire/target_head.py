@@ -55,7 +55,7 @@ def read_tensors(names: list[str], locations: dict[str, Path], *, where: Path) -
     return out
 
 
-def load_target_head(spec: str, *, dtype: torch.dtype = torch.float32) -> Target:
+def load_target_head(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Target:
     """A Target whose embedding, final norm and lm_head are real and whose layers are meta.
 
     ``head``, ``embed_tokens``, ``fingerprint`` and the size properties work; running the
@@ -84,6 +84,8 @@ def load_target_head(spec: str, *, dtype: torch.dtype = torch.float32) -> Target
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
     if model.get_output_embeddings().weight.is_meta:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied
+    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
+        module.to(device)  # the layers stay on meta
     log.info("target %s: head only (%d of %d tensors read)", path, len(tensors), len(locations))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     target = Target(model=model, tokenizer=tokenizer, spec=spec)

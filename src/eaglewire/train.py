@@ -67,11 +67,14 @@ class TrainConfig:
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped"})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
+    head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
             raise ValueError("give exactly one of --data (shards from `eaglewire prepare`) or "
                              "--online-data (conversations captured live)")
+        if self.head_only and self.data is None:
+            raise ValueError("--head-only trains on stored states (--data); online capture runs the whole target")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
         for name in ("epochs", "batch_tokens", "grad_accum", "eval_interval", "save_interval", "log_interval", "draft_vocab_size"):
@@ -83,7 +86,7 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
     # Fields that may change between an interrupted run and its resume.
-    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device"})
+    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device", "head_only"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -185,6 +188,10 @@ class Trainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
+        if target is None and config.head_only:
+            from eaglewire.target_head import load_target_head
+
+            target = load_target_head(config.target, device=self.device)
         self.target = target or load_target(config.target, device=self.device)
         allow = set(config.allow_target_mismatch or ())
         if config.data is not None:

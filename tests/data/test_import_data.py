@@ -232,3 +232,20 @@ def test_config_only_target_records_what_it_knows(shards, target_dir, tmp_path):
     assert (fp.num_layers, fp.hidden_size, fp.weights_sha256) == (L, H, "unknown")
     assert summary.unknown == ["weights_sha256", "tokenizer_sha256", "chat_template_sha256"]
     assert "--allow-target-mismatch weights_sha256" in summary.notes[0]
+
+
+def test_train_on_imported_data_with_the_head_only(shards, target_dir, tmp_path):
+    """Training on imported shards reads only the head; it trains exactly as with the full target."""
+    from eaglewire.train import TrainConfig, train
+
+    src = write_vllm(ShardDataset(shards), tmp_path / "src")
+    run_import("vllm", src, tmp_path / "data", target_dir, boundaries=[*AUX, L])
+    results = []
+    for head_only in (True, False):
+        cfg = TrainConfig(out=str(tmp_path / f"draft-{head_only}"), target=str(target_dir), data=str(tmp_path / "data"),
+                          head_only=head_only, max_steps=3, batch_tokens=64, val_sequences=1, draft_vocab_size=64,
+                          eval_interval=3, save_interval=3, log_interval=1, ttt_steps=2, device="cpu")
+        results.append(train(cfg, progress=False))
+    assert results[0].final_eval == results[1].final_eval
+    with pytest.raises(ValueError, match="--head-only trains on stored states"):
+        TrainConfig(out="o", online_data="x", head_only=True)
