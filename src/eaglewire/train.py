@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from eaglewire.checkpoint import atomic_torch_save, load_draft, save_draft
+from eaglewire.checkpoint import atomic_torch_save, save_draft
 from eaglewire.contract import HiddenStateContract, default_aux_boundaries
 from eaglewire.data.shards import dist_rank_world
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
@@ -48,7 +48,7 @@ class TrainConfig:
     ttt_steps: int = field(default=7, metadata={"help": "training-time-test unroll steps"})
     loss_decay: float = field(default=0.8, metadata={"help": "weight of step j is loss_decay**j"})
     draft_vocab_size: int = field(default=8192, metadata={"help": "draft vocabulary size (most frequent assistant tokens)"})
-    init_draft: str | None = field(default=None, metadata={"help": "start from this draft's weights and vocabulary (same contract; new optimizer and schedule)"})
+    init_draft: str | None = field(default=None, metadata={"help": "start from this draft's weights and vocabulary (same contract; new optimizer and schedule); an SGLang, SpecForge, speculators or EAGLE directory is converted"})
     epochs: int = field(default=1, metadata={"help": "passes over the training split"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     minutes: float | None = field(default=None, metadata={"help": "stop (resumably) after this much wall time"})
@@ -233,7 +233,9 @@ class Trainer:
     def _initial_draft(self, dcfg: DraftConfig) -> Eagle3Draft:
         """The --init-draft weights, checked to fit this run: same contract and architecture, and
         none of its held-out sequences in this run's training split."""
-        draft, contract, stored = load_draft(self.config.init_draft, target=self.target)
+        from eaglewire.foreign_draft import load_any_draft
+
+        draft, contract, stored, _ = load_any_draft(self.config.init_draft, target=self.target)  # foreign: converted
         self.contract.check_same(contract, what=f"--init-draft {self.config.init_draft}")
         if draft.config != dcfg:
             diff = {k: (v, getattr(dcfg, k)) for k, v in draft.config.to_dict().items() if getattr(dcfg, k) != v}

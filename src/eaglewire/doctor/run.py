@@ -21,6 +21,8 @@ from eaglewire.doctor.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import (SERVING_ENGINES, config_fix, lint_flags, predicted_tau,
                                       read_engine_config)
+from eaglewire.foreign_draft import detect_draft_format, load_any_draft
+from eaglewire.presets import resolve_draft
 from eaglewire.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class DoctorConfig:
-    draft: str = field(metadata={"help": "draft directory (native eaglewire checkpoint)"})
+    draft: str = field(metadata={"help": "draft directory: native, or SGLang/SpecForge/speculators/EAGLE (detected, converted, its reading stated)"})
     target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str | None = field(default=None, metadata={"help": "shard directory (enables the capture drift check)"})
     conversations: str | None = field(default=None, metadata={"help": "conversations (preset or file) to capture now"})
@@ -60,12 +62,16 @@ class DoctorConfig:
 def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorReport:
     start = time.perf_counter()
     target = target or load_target(config.target)
-    draft, contract, draft_cfg = load_draft(config.draft)  # checked below, as a verdict, not an exception
+    report = DoctorReport(draft=config.draft, target=config.target)
+    if detect_draft_format(resolve_draft(config.draft)) == "native":
+        draft, contract, draft_cfg = load_draft(config.draft)  # checked below, as a verdict, not an exception
+    else:  # a foreign draft records no target: it is converted for this one, its reading stated
+        draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target)
+        report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     draft = draft.to(target.device)
     summary = draft_cfg.get("training") or {}
     declared = list(contract.aux_boundaries)
     L = target.num_layers
-    report = DoctorReport(draft=config.draft, target=config.target)
 
     identity_ok = _check_identity(report, contract, target)
     serving, serving_steps = _serving(report, config, declared, L)
