@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models
 
 from eaglewire.cli import main
 from eaglewire.contract import HiddenStateContract
@@ -18,24 +16,14 @@ from eaglewire.data.import_data import ImportDataConfig, import_data
 from eaglewire.data.shards import ShardDataset, ShardWriter
 from eaglewire.target import load_target
 from eaglewire.target_head import load_target_head
-from tiny import tiny_target
+from tiny import save_tiny_dir
 
 L, H, AUX = 8, 64, (2, 4, 5)
 
 
-def save_tiny(path: Path, arch: str = "llama") -> Path:
-    """A tiny random target saved as a model directory with a word-level tokenizer."""
-    target = tiny_target(arch, num_layers=L, hidden_size=H, initializer_range=0.2)
-    target.model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(256)}
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("target"))
+    return save_tiny_dir(tmp_path_factory.mktemp("target"), num_layers=L, hidden_size=H)
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,11 @@ class DoctorConfig:
     engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
     json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
+    stored: bool = field(default=False, metadata={"help": "judge from the stored states in --data alone, the target never "
+                                                          "run: --target needs only its config, tokenizer, embedding, "
+                                                          "final norm and lm_head"})
+    labels: str = field(default="head", metadata={"help": "--stored: the target's signal from its head on the stored "
+                                                          "last state (head) or the stored next tokens (tokens)"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:
@@ -60,6 +65,10 @@ class DoctorConfig:
 
 
 def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorReport:
+    if config.stored:  # the target is never run: doctor/stored.py
+        from eaglewire.doctor.stored import run_stored_doctor
+
+        return run_stored_doctor(config)
     start = time.perf_counter()
     target = target or load_target(config.target)
     report = DoctorReport(draft=config.draft, target=config.target)
