@@ -82,3 +82,23 @@ def test_stored_needs_data(setup):
     root, target_dir, _ = setup
     with pytest.raises(ValueError, match="--stored measures on stored states: pass --data"):
         run_doctor(DoctorConfig(draft=str(root / "draft"), target=str(target_dir), stored=True))
+
+
+def test_doctor_takes_a_foreign_draft_and_states_its_reading(setup, tmp_path):
+    import json
+
+    from eaglewire.formats import export_draft
+
+    root, target_dir, target = setup
+    export_draft(root / "draft", "sglang", tmp_path / "sg")
+    config = json.loads((tmp_path / "sg" / "config.json").read_text())
+    config.pop("eaglewire")  # as SGLang / SpecForge write it: no contract
+    (tmp_path / "sg" / "config.json").write_text(json.dumps(config))
+    native = run_doctor(doctor_config(root, target_dir, stored=True))
+    for stored in (False, True):
+        cfg = doctor_config(root, target_dir, stored=stored)
+        cfg.draft = str(tmp_path / "sg")
+        report = run_doctor(cfg, target=None if stored else target)
+        check = next(c for c in report.checks if c.name == "draft format")
+        assert "specforge draft (detected): config ids [1, 3, 4]" in check.summary and "[2, 4, 5]" in check.summary
+        assert abs(report.accuracy["acc@0"] - native.accuracy["acc@0"]) <= 0.005

@@ -33,7 +33,8 @@ def detect_draft_format(path: str | Path) -> str:
     """``native``, ``speculators``, ``specforge`` or ``eagle`` (see the module table)."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{path} is not a draft directory: no config.json")
+        raise FileNotFoundError(f"{path} is not a draft directory: no config.json (train one with `eaglewire "
+                                "train`, or pass an SGLang, SpecForge, speculators or EAGLE draft directory)")
     config = json.loads(cfg_path.read_text())
     if config.get("format") == CHECKPOINT_FORMAT:
         return "native"
