@@ -49,7 +49,7 @@ def test_stored_doctor_matches_the_full_doctor(setup):
     assert abs(full.accuracy["acc@0"] - stored.accuracy["acc@0"]) <= 0.005
     assert stored.facts["reply tokens"] == full.facts["reply tokens"]
     skipped = next(c for c in stored.checks if c.verdict == "skip")
-    assert "need the target to run" in skipped.summary
+    assert "needs the target to run" in skipped.summary
     assert stored.exit_code == 0, stored.render()
 
 
@@ -102,3 +102,23 @@ def test_doctor_takes_a_foreign_draft_and_states_its_reading(setup, tmp_path):
         check = next(c for c in report.checks if c.name == "draft format")
         assert "specforge draft (detected): config ids [1, 3, 4]" in check.summary and "[2, 4, 5]" in check.summary
         assert abs(report.accuracy["acc@0"] - native.accuracy["acc@0"]) <= 0.005
+
+
+def test_drift_between_two_stored_captures(setup, tmp_path):
+    from eaglewire.data.shards import ShardDataset
+
+    root, target_dir, _ = setup
+    ds = ShardDataset(root / "data")
+    g = torch.Generator().manual_seed(3)
+    for name, noise in (("same", 0.0), ("noisy", 0.5)):
+        with ShardWriter(tmp_path / name, ds.contract, source={"test": name}, dtype="fp16") as w:
+            for sid, item in zip(ds.sequence_ids, ds):
+                aux = item["aux_hidden"].float()
+                aux[:, 64:128] += noise * aux[:, 64:128].std() * torch.randn(aux.shape[0], 64, generator=g)  # boundary 4
+                w.add(sid, item["input_ids"], item["loss_mask"], aux, item["last_hidden"])
+    reports = {name: run_doctor(doctor_config(root, target_dir, stored=True, compare_data=str(tmp_path / name)))
+               for name in ("same", "noisy")}
+    same, noisy = (next(c for c in reports[n].checks if c.name == "capture drift") for n in ("same", "noisy"))
+    assert same.verdict == "ok" and "24 sequences captured twice" in same.summary
+    assert noisy.verdict == "fail" and any(e.startswith("boundary 4: cosine 0.8") for e in noisy.evidence)
+    assert any(e.startswith("boundary 2: cosine 1.0") for e in noisy.evidence)

@@ -51,6 +51,8 @@ class DoctorConfig:
     stored: bool = field(default=False, metadata={"help": "judge from the stored states in --data alone, the target never "
                                                           "run: --target needs only its config, tokenizer, embedding, "
                                                           "final norm and lm_head"})
+    compare_data: str | None = field(default=None, metadata={"help": "--stored: a second capture of the same "
+                                                                     "sequences (another engine or precision): drift"})
     labels: str = field(default="head", metadata={"help": "--stored: the target's signal from its head on the stored "
                                                           "last state (head) or the stored next tokens (tokens)"})
 

@@ -27,7 +27,7 @@ from eaglewire.contract import SOFT_FIELDS
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
-from eaglewire.doctor.measure import EvalBatch, Sequence, coverage, isolation_accuracy
+from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.foreign_draft import detect_draft_format, load_any_draft
 from eaglewire.presets import resolve_draft
@@ -97,6 +97,68 @@ def stored_layouts(stored: list[int], k: int, declared: list[int], serving: dict
     return out
 
 
+def _state(item: dict, contract, boundary: int) -> torch.Tensor:
+    """One stored boundary of a sequence, [T, H] (L is the stored last state)."""
+    if boundary == contract.num_layers and boundary not in contract.aux_boundaries:
+        return item["last_hidden"].float()
+    H, i = contract.target.hidden_size, list(contract.aux_boundaries).index(boundary)
+    return item["aux_hidden"][:, i * H:(i + 1) * H].float()  # [T, H]
+
+
+@torch.no_grad()
+def stored_drift(a: ShardDataset, b: ShardDataset, seq_ids: list[str]) -> tuple[list[Drift], int]:
+    """Per boundary both captures hold: cosine and relative error of ``b``'s states against
+    ``a``'s over the sequences both hold with the same tokens; (drifts, sequences compared)."""
+    L = a.contract.num_layers
+    common = [x for x in a.contract.aux_boundaries if x in b.contract.aux_boundaries] + [L]
+    index_b = {sid: i for i, sid in enumerate(b.sequence_ids)}
+    index_a = {sid: i for i, sid in enumerate(a.sequence_ids)}
+    sums = {x: [0.0, 0, 0.0, 0.0] for x in common}  # cosine sum, tokens, |diff|^2, |ref|^2
+    compared = 0
+    for sid in seq_ids:
+        if sid not in index_b:
+            continue
+        ia, ib = a[index_a[sid]], b[index_b[sid]]
+        if not torch.equal(ia["input_ids"], ib["input_ids"]):
+            continue
+        compared += 1
+        for x in common:
+            ref, other = _state(ia, a.contract, x), _state(ib, b.contract, x)  # [T, H]
+            s = sums[x]
+            s[0] += float(torch.nn.functional.cosine_similarity(ref, other, dim=-1).sum())
+            s[1] += ref.shape[0]
+            s[2] += float((other - ref).pow(2).sum())
+            s[3] += float(ref.pow(2).sum())
+    drifts = [Drift(x, c / max(n, 1), (d / max(r, 1e-30)) ** 0.5) for x, (c, n, d, r) in sums.items()]
+    return drifts, compared
+
+
+def _check_stored_drift(report: DoctorReport, ds: ShardDataset, config, picked: list[int], target: Target,
+                        draft, declared: list[int], acc0: float) -> None:
+    other = ShardDataset(config.compare_data, verify=False)
+    drifts, compared = stored_drift(ds, other, [ds.sequence_ids[i] for i in picked])
+    if not compared:
+        report.add(Check("capture drift", "skip", f"{config.compare_data} holds none of the measured sequences "
+                         "with the same tokens", fix="capture the same sequences in both set-ups"))
+        return
+    evidence = [f"boundary {d.boundary}: cosine {d.cosine:.5f}, relative error {d.relative_error:.2e}" for d in drifts]
+    if set(declared) <= set(other.contract.aux_boundaries) | {other.contract.num_layers}:
+        index = {sid: i for i, sid in enumerate(other.sequence_ids)}
+        mine = [index[ds.sequence_ids[i]] for i in picked if ds.sequence_ids[i] in index]
+        batches = stored_batches(other, mine, target, draft, labels=config.labels, max_length=config.max_length)
+        evidence.append(f"acc@0 on {config.compare_data}: "
+                        f"{isolation_accuracy(draft, batches, declared, steps=1)[0].acc:.3f} ({config.data}: {acc0:.3f})")
+    worst = min(d.cosine for d in drifts)
+    what = f"{compared} sequences captured twice ({config.data} vs {config.compare_data})"
+    if worst >= 0.999:
+        report.add(Check("capture drift", "ok", f"the two captures agree on {what}", evidence))
+    else:
+        report.add(Check("capture drift", "warn" if worst >= 0.99 else "fail",
+                         f"the two captures differ (lowest cosine {worst:.4f}) on {what}", evidence,
+                         fix="capture in the precision, quantization and norm placement the draft was trained on, "
+                             "or retrain on states captured the way they will be served"))
+
+
 def _pick(ds: ShardDataset, summary: dict, config) -> tuple[list[int], str | None]:
     """Held-out sequences when the draft recorded them and the data hold them, else the last ones."""
     index = {sid: i for i, sid in enumerate(ds.sequence_ids)}
@@ -152,8 +214,10 @@ def run_stored_doctor(config) -> DoctorReport:
     _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
     _check_served(report, draft, batches, declared, serving, acc0, stored, config, L)
     _check_alignment(report, draft, batches, declared, acc0, counts[0].valid)
-    report.add(Check("skipped", "skip", "measured acceptance and capture drift need the target to run; "
-                     "this run never ran it (--stored)"))
+    if config.compare_data:
+        _check_stored_drift(report, ds, config, picked, target, draft, declared, acc0)
+    skipped = "measured acceptance" + ("" if config.compare_data else " and capture drift (or pass --compare-data)")
+    report.add(Check("skipped", "skip", f"{skipped}: needs the target to run; this run never ran it (--stored)"))
     report.facts = {"held-out sequences": len(picked), "reply tokens": counts[0].valid, "source": config.data,
                     "draft vocab coverage": round(inside / max(counted, 1), 4),
                     "seconds": round(time.perf_counter() - start, 1)}
