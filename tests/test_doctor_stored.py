@@ -80,6 +80,8 @@ def test_layouts_are_every_ordered_choice_of_the_stored():
 
 def test_stored_needs_data(setup):
     root, target_dir, _ = setup
+    with pytest.raises(ValueError, match="--compare-data and --labels read stored states: add --stored"):
+        DoctorConfig(draft="d", labels="tokens")
     with pytest.raises(ValueError, match="--stored measures on stored states: pass --data"):
         run_doctor(DoctorConfig(draft=str(root / "draft"), target=str(target_dir), stored=True))
 

@@ -219,6 +219,7 @@ def test_config_only_target_records_what_it_knows(shards, target_dir, tmp_path):
     fp = ShardDataset(tmp_path / "out").contract.target
     assert (fp.num_layers, fp.hidden_size, fp.weights_sha256) == (L, H, "unknown")
     assert summary.unknown == ["weights_sha256", "tokenizer_sha256", "chat_template_sha256"]
+    assert ShardDataset(tmp_path / "out").manifest["source"]["fingerprint_unknown"] == summary.unknown
     assert "--allow-target-mismatch weights_sha256" in summary.notes[0]
 
 

@@ -222,7 +222,7 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
                 log.warning("skipping %s: %s (%s)", rows.seq_id, rows.reason, rows.detail)
                 continue
             if writer is None:
-                writer = _writer(config, partial, plan, fingerprint, scale is not None, src)
+                writer = _writer(config, partial, plan, fingerprint, scale is not None, src, unknown)
             try:
                 writer.add(item.seq_id, *rows)
                 added += 1
@@ -249,7 +249,7 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
 
 
 def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: TargetFingerprint,
-            post_norm: bool, src: Path) -> ShardWriter:
+            post_norm: bool, src: Path, unknown: list[str]) -> ShardWriter:
     contract = HiddenStateContract(aux_boundaries=tuple(plan.stored[i] for i in plan.aux_index),
                                    target=fingerprint)
     row_bytes = (len(plan.aux_index) + 1) * fingerprint.hidden_size * _BYTES[config.dtype]
@@ -257,7 +257,7 @@ def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: Ta
         "imported_from": str(src.resolve()), "layout": config.layout, "stored_boundaries": plan.stored,
         "last_hidden": ("specforge post-norm state / norm(1) (head-equivalent to boundary L)" if post_norm
                         else f"stored boundary {fingerprint.num_layers}"),
-        "target": config.target, "tokens": config.tokens}
+        "target": config.target, "tokens": config.tokens, "fingerprint_unknown": unknown}
     return ShardWriter(partial, contract, source=source, dtype=config.dtype,
                        shard_tokens=max(1, config.shard_mb * 2**20 // row_bytes))
 

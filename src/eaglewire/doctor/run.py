@@ -59,6 +59,8 @@ class DoctorConfig:
     def __post_init__(self) -> None:
         if self.data and self.conversations:
             raise ValueError("give --data (shards) or --conversations, not both")
+        if not self.stored and (self.compare_data or self.labels != "head"):
+            raise ValueError("--compare-data and --labels read stored states: add --stored")
         if self.engine not in SERVING_ENGINES:
             raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(SERVING_ENGINES)}")
         for name in ("num_sequences", "max_length", "steps"):
