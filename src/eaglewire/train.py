@@ -198,6 +198,12 @@ class Trainer:
             self.source: Source = ShardSource(config.data, self.target, allow=allow)
         else:
             self.source = self._online_source()
+        if config.data is not None:
+            from eaglewire.data.import_data import ABSENT_LAST
+
+            if self.source.dataset.manifest["source"].get("last_hidden") == ABSENT_LAST:
+                raise TrainingError(f"--data {config.data} holds no boundary-L state (imported with --no-last), "
+                                    "the target's signal in training; import a capture that holds it")
         self.contract: HiddenStateContract = self.source.contract
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues

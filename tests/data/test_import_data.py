@@ -238,3 +238,28 @@ def test_train_on_imported_data_with_the_head_only(shards, target_dir, tmp_path)
     assert results[0].final_eval == results[1].final_eval
     with pytest.raises(ValueError, match="--head-only trains on stored states"):
         TrainConfig(out="o", online_data="x", head_only=True)
+
+
+def test_a_capture_without_boundary_L_is_for_token_labels_only(shards, target_dir, tmp_path):
+    from eaglewire.data.import_data import ABSENT_LAST
+    from eaglewire.doctor import DoctorConfig, run_doctor
+    from eaglewire.train import TrainConfig, TrainingError, train
+
+    ds = ShardDataset(shards)
+    src = tmp_path / "src"
+    src.mkdir()
+    for seq_id, item in zip(ds.sequence_ids, ds):  # the aux states only, as the seeds' [0, 3, 31, 59]
+        save_file({"hidden_states": stored_states(item)[:, :len(AUX)].contiguous(), "token_ids": item["input_ids"]},
+                  str(src / f"{seq_id}.safetensors"))
+    with pytest.raises(ForeignDataError, match="none is boundary 8 .* or pass --no-last"):
+        run_import("vllm", src, tmp_path / "out", target_dir, boundaries=list(AUX))
+    summary = run_import("vllm", src, tmp_path / "out", target_dir, boundaries=list(AUX), no_last=True)
+    back = ShardDataset(tmp_path / "out")
+    assert back.manifest["source"]["last_hidden"] == ABSENT_LAST and "--labels tokens" in summary.notes[-1]
+    for a, b in zip(ds, back):
+        assert torch.equal(a["aux_hidden"], b["aux_hidden"]) and not b["last_hidden"].any()
+    with pytest.raises(TrainingError, match="holds no boundary-L state"):
+        train(TrainConfig(out=str(tmp_path / "d"), target=str(target_dir), data=str(tmp_path / "out"), head_only=True,
+                          device="cpu"), progress=False)
+    with pytest.raises(ValueError, match="pass --labels tokens"):
+        run_doctor(DoctorConfig(draft="unused", target=str(target_dir), data=str(tmp_path / "out"), stored=True))

@@ -38,6 +38,8 @@ from eaglewire.target_head import config_fingerprint, load_target_head, unnorm_w
 log = logging.getLogger(__name__)
 
 _BYTES = {"bf16": 2, "fp16": 2}
+# manifest source.last_hidden of shards without a boundary-L state (train and the head refuse them)
+ABSENT_LAST = "absent (zeros)"
 BOUNDARY_HELP = ("eaglewire boundary b = input of layer b (0 = embedding output, L = last layer before the "
                  "final norm). vLLM and speculators ids are boundaries verbatim; SpecForge id i is boundary i + 1")
 
@@ -58,6 +60,9 @@ class ImportDataConfig:
                 "and adds the loss mask)"})
     dtype: str = field(default="bf16", metadata={"help": "stored hidden dtype: bf16 or fp16"})
     shard_mb: int = field(default=512, metadata={"help": "approximate shard size; bounds the memory in use"})
+    no_last: bool = field(default=False, metadata={
+        "help": "the capture holds no boundary-L state: store zeros in its place (for doctor --stored --labels "
+                "tokens; train refuses such shards)"})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -74,7 +79,8 @@ class Plan:
 
     stored: list[int]  # boundary of each stored state
     aux_index: list[int]  # indices into stored, in the contract's aux order
-    last_index: int | None  # index of boundary L among the stored, None for a post-norm source
+    last_index: int | None  # index of boundary L among the stored, None for a post-norm source or none
+    absent: bool = False  # no boundary-L state at all (--no-last): zeros stand in
 
 
 @dataclass
@@ -120,13 +126,16 @@ def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
     if len(stored) != n:
         raise ForeignDataError(f"--boundaries {stored} names {len(stored)} states but sample {first.seq_id} "
                                f"stores {n} per token")
-    last_index = None
-    if not post_norm:
+    last_index, absent = None, False
+    if not post_norm and num_layers not in stored and config.no_last:
+        absent = True
+    elif not post_norm:
         if num_layers not in stored:
             raise ForeignDataError(
                 f"--boundaries {stored}: none is boundary {num_layers} (the last layer's state before the final "
                 f"norm, of this {num_layers}-layer target), which training needs as the target's signal. "
-                f"Capture it too (layer id {num_layers} in vLLM/speculators)")
+                f"Capture it too (layer id {num_layers} in vLLM/speculators), or pass --no-last to import the "
+                "states for doctor --stored --labels tokens only")
         if config.layout == "speculators" and stored[-1] != num_layers:
             raise ForeignDataError(f"--boundaries {stored}: speculators stores the verifier's last state last, "
                                    f"so the last boundary must be {num_layers}")
@@ -135,7 +144,7 @@ def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
     aux = validate_boundaries(list(config.aux_boundaries or default), num_layers)
     if missing := [b for b in aux if b not in stored]:
         raise ForeignDataError(f"--aux-boundaries {aux}: {missing} are not stored (stored: {stored})")
-    return Plan(stored=stored, aux_index=[stored.index(b) for b in aux], last_index=last_index)
+    return Plan(stored=stored, aux_index=[stored.index(b) for b in aux], last_index=last_index, absent=absent)
 
 
 def shard_rows(sample: Sample, plan: Plan, hidden_size: int, scale: torch.Tensor | None
@@ -161,6 +170,8 @@ def shard_rows(sample: Sample, plan: Plan, hidden_size: int, scale: torch.Tensor
             return Skip(sample.seq_id, "wrong shape", f"hidden_state {list(sample.post_norm_last.shape)}; "
                         f"expected [{ids.shape[0]}, {hidden_size}]")
         last = sample.post_norm_last.float() / scale  # [T, H]
+    elif plan.absent:
+        last = torch.zeros(ids.shape[0], hidden_size)  # [T, H] no signal: doctor --labels tokens only
     else:
         last = s[:, plan.last_index]  # [T, H]
     aux = s[:, plan.aux_index].reshape(ids.shape[0], -1)  # [T, k*H]
@@ -222,7 +233,7 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
                 log.warning("skipping %s: %s (%s)", rows.seq_id, rows.reason, rows.detail)
                 continue
             if writer is None:
-                writer = _writer(config, partial, plan, fingerprint, scale is not None, src, unknown)
+                writer = _writer(config, partial, plan, fingerprint, src, unknown)
             try:
                 writer.add(item.seq_id, *rows)
                 added += 1
@@ -242,21 +253,24 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
     os.replace(partial, out)
     notes = [f"fingerprint fields {unknown} are unknown (no weights/tokenizer in --target): train or doctor "
              f"with --allow-target-mismatch {','.join(unknown)}"] if unknown else []
-    if plan.last_index is None:
+    if plan.absent:
+        notes.append(f"no boundary-L state: last_hidden is {ABSENT_LAST}; use doctor --stored --labels tokens")
+    elif plan.last_index is None:
         notes.append("last_hidden holds SpecForge's post-norm state mapped back through the final norm")
     return ImportSummary(out=out, contract=writer.contract, sequences=totals["sequences"], tokens=totals["tokens"],
                          skipped=dict(skipped), unknown=unknown, notes=notes)
 
 
 def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: TargetFingerprint,
-            post_norm: bool, src: Path, unknown: list[str]) -> ShardWriter:
+            src: Path, unknown: list[str]) -> ShardWriter:
     contract = HiddenStateContract(aux_boundaries=tuple(plan.stored[i] for i in plan.aux_index),
                                    target=fingerprint)
     row_bytes = (len(plan.aux_index) + 1) * fingerprint.hidden_size * _BYTES[config.dtype]
     source: dict[str, Any] = {
         "imported_from": str(src.resolve()), "layout": config.layout, "stored_boundaries": plan.stored,
-        "last_hidden": ("specforge post-norm state / norm(1) (head-equivalent to boundary L)" if post_norm
-                        else f"stored boundary {fingerprint.num_layers}"),
+        "last_hidden": (ABSENT_LAST if plan.absent else f"stored boundary {fingerprint.num_layers}"
+                        if plan.last_index is not None else
+                        "specforge post-norm state / norm(1) (head-equivalent to boundary L)"),
         "target": config.target, "tokens": config.tokens, "fingerprint_unknown": unknown}
     return ShardWriter(partial, contract, source=source, dtype=config.dtype,
                        shard_tokens=max(1, config.shard_mb * 2**20 // row_bytes))

@@ -25,6 +25,7 @@ import torch
 
 from eaglewire.contract import SOFT_FIELDS
 from eaglewire.data.prepare import batches_by_tokens
+from eaglewire.data.import_data import ABSENT_LAST
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
@@ -185,6 +186,9 @@ def run_stored_doctor(config) -> DoctorReport:
     report = DoctorReport(draft=config.draft, target=config.target)
     target = load_target_head(config.target)
     ds = ShardDataset(config.data, verify=False)
+    if config.labels == "head" and ds.manifest["source"].get("last_hidden") == ABSENT_LAST:
+        raise ValueError(f"--data {config.data} holds no boundary-L state (imported with --no-last): the head has "
+                         "nothing to read; pass --labels tokens")
     foreign = detect_draft_format(resolve_draft(config.draft)) != "native"
     draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target if foreign else None)
     if notes:
