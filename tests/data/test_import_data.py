@@ -263,3 +263,13 @@ def test_a_capture_without_boundary_L_is_for_token_labels_only(shards, target_di
                           device="cpu"), progress=False)
     with pytest.raises(ValueError, match="pass --labels tokens"):
         run_doctor(DoctorConfig(draft="unused", target=str(target_dir), data=str(tmp_path / "out"), stored=True))
+    from eaglewire.checkpoint import save_draft
+    from eaglewire.draft import DraftConfig, Eagle3Draft
+
+    target = load_target_head(str(target_dir))
+    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=len(AUX), draft_vocab_size=256,
+                                                vocab_size=256))
+    save_draft(tmp_path / "draft", draft, back.contract)
+    report = run_doctor(DoctorConfig(draft=str(tmp_path / "draft"), target=str(target_dir), data=str(tmp_path / "out"),
+                                     stored=True, labels="tokens", include_training=True))
+    assert report.facts["reply tokens"] > 0 and "acc@0" in report.accuracy
