@@ -37,3 +37,16 @@ def tiny_config(arch: str, *, vocab_size: int = 256, num_layers: int = 8, hidden
 
 def tiny_target(arch: str = "llama", *, seed: int = 0, tokenizer=None, **kwargs) -> Target:
     return target_from_config(tiny_config(arch, **kwargs), seed=seed, tokenizer=tokenizer)
+
+
+def save_tiny_dir(path, arch: str = "llama", *, num_layers: int = 8, hidden_size: int = 64, vocab_size: int = 256):
+    """A tiny random target saved as a model directory with a word-level tokenizer (a --target)."""
+    from tokenizers import Tokenizer, models
+
+    target = tiny_target(arch, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
+                         initializer_range=0.2)
+    target.model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    tok.save_pretrained(path)
+    return path

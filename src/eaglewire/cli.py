@@ -134,6 +134,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_data(args: argparse.Namespace) -> int:
+    from eaglewire.data.import_data import ImportDataConfig, import_data
+
+    config = config_from_args(ImportDataConfig, argparse.Namespace(**vars(args), layout=args.from_))
+    summary = import_data(config)
+    print(_table(summary.rows(), f"imported {config.layout} captures into {summary.out}"))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from eaglewire.bench import BenchConfig, run_bench
     from eaglewire.bench_report import terminal_table, write_report
@@ -250,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sglang-rule", default="always_plus_one", choices=["always_plus_one", "plus_one_if_first_is_one"])
     p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
     p.set_defaults(func=cmd_import)
+
+    from eaglewire.data.import_data import ImportDataConfig
+    from eaglewire.data.foreign import LAYOUTS
+
+    p = sub.add_parser("import-data", help="hidden states captured by vLLM, speculators or SpecForge -> shards")
+    p.add_argument("--from", dest="from_", required=True, choices=LAYOUTS)
+    p.add_argument("src", help="the directory of captured states")
+    add_config_args(p, ImportDataConfig)
+    p.set_defaults(func=cmd_import_data)
 
     from eaglewire.bench import BenchConfig
 

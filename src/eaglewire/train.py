@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from eaglewire.checkpoint import atomic_torch_save, load_draft, save_draft
+from eaglewire.checkpoint import atomic_torch_save, save_draft
 from eaglewire.contract import HiddenStateContract, default_aux_boundaries
 from eaglewire.data.shards import dist_rank_world
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
@@ -48,7 +48,7 @@ class TrainConfig:
     ttt_steps: int = field(default=7, metadata={"help": "training-time-test unroll steps"})
     loss_decay: float = field(default=0.8, metadata={"help": "weight of step j is loss_decay**j"})
     draft_vocab_size: int = field(default=8192, metadata={"help": "draft vocabulary size (most frequent assistant tokens)"})
-    init_draft: str | None = field(default=None, metadata={"help": "start from this draft's weights and vocabulary (same contract; new optimizer and schedule)"})
+    init_draft: str | None = field(default=None, metadata={"help": "start from this draft's weights and vocabulary (same contract; new optimizer and schedule); an SGLang, SpecForge, speculators or EAGLE directory is converted"})
     epochs: int = field(default=1, metadata={"help": "passes over the training split"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     minutes: float | None = field(default=None, metadata={"help": "stop (resumably) after this much wall time"})
@@ -67,11 +67,14 @@ class TrainConfig:
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped"})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
+    head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
             raise ValueError("give exactly one of --data (shards from `eaglewire prepare`) or "
                              "--online-data (conversations captured live)")
+        if self.head_only and self.data is None:
+            raise ValueError("--head-only trains on stored states (--data); online capture runs the whole target")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
         for name in ("epochs", "batch_tokens", "grad_accum", "eval_interval", "save_interval", "log_interval", "draft_vocab_size"):
@@ -83,7 +86,7 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
     # Fields that may change between an interrupted run and its resume.
-    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device"})
+    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device", "head_only"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -185,12 +188,22 @@ class Trainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
+        if target is None and config.head_only:
+            from eaglewire.target_head import load_target_head
+
+            target = load_target_head(config.target, device=self.device)
         self.target = target or load_target(config.target, device=self.device)
         allow = set(config.allow_target_mismatch or ())
         if config.data is not None:
             self.source: Source = ShardSource(config.data, self.target, allow=allow)
         else:
             self.source = self._online_source()
+        if config.data is not None:
+            from eaglewire.data.import_data import ABSENT_LAST
+
+            if self.source.dataset.manifest["source"].get("last_hidden") == ABSENT_LAST:
+                raise TrainingError(f"--data {config.data} holds no boundary-L state (imported with --no-last), "
+                                    "the target's signal in training; import a capture that holds it")
         self.contract: HiddenStateContract = self.source.contract
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
@@ -226,7 +239,9 @@ class Trainer:
     def _initial_draft(self, dcfg: DraftConfig) -> Eagle3Draft:
         """The --init-draft weights, checked to fit this run: same contract and architecture, and
         none of its held-out sequences in this run's training split."""
-        draft, contract, stored = load_draft(self.config.init_draft, target=self.target)
+        from eaglewire.foreign_draft import load_any_draft
+
+        draft, contract, stored, _ = load_any_draft(self.config.init_draft, target=self.target)  # foreign: converted
         self.contract.check_same(contract, what=f"--init-draft {self.config.init_draft}")
         if draft.config != dcfg:
             diff = {k: (v, getattr(dcfg, k)) for k, v in draft.config.to_dict().items() if getattr(dcfg, k) != v}

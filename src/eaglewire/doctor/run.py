@@ -21,6 +21,8 @@ from eaglewire.doctor.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import (SERVING_ENGINES, config_fix, lint_flags, predicted_tau,
                                       read_engine_config)
+from eaglewire.foreign_draft import detect_draft_format, load_any_draft
+from eaglewire.presets import resolve_draft
 from eaglewire.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class DoctorConfig:
-    draft: str = field(metadata={"help": "draft directory (native eaglewire checkpoint)"})
+    draft: str = field(metadata={"help": "draft directory: native, or SGLang/SpecForge/speculators/EAGLE (detected, converted, its reading stated)"})
     target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str | None = field(default=None, metadata={"help": "shard directory (enables the capture drift check)"})
     conversations: str | None = field(default=None, metadata={"help": "conversations (preset or file) to capture now"})
@@ -46,10 +48,19 @@ class DoctorConfig:
     engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
     json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
+    stored: bool = field(default=False, metadata={"help": "judge from the stored states in --data alone, the target never "
+                                                          "run: --target needs only its config, tokenizer, embedding, "
+                                                          "final norm and lm_head"})
+    compare_data: str | None = field(default=None, metadata={"help": "--stored: a second capture of the same "
+                                                                     "sequences (another engine or precision): drift"})
+    labels: str = field(default="head", metadata={"help": "--stored: the target's signal from its head on the stored "
+                                                          "last state (head) or the stored next tokens (tokens)"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:
             raise ValueError("give --data (shards) or --conversations, not both")
+        if not self.stored and (self.compare_data or self.labels != "head"):
+            raise ValueError("--compare-data and --labels read stored states: add --stored")
         if self.engine not in SERVING_ENGINES:
             raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(SERVING_ENGINES)}")
         for name in ("num_sequences", "max_length", "steps"):
@@ -58,14 +69,22 @@ class DoctorConfig:
 
 
 def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorReport:
+    if config.stored:  # the target is never run: doctor/stored.py
+        from eaglewire.doctor.stored import run_stored_doctor
+
+        return run_stored_doctor(config)
     start = time.perf_counter()
     target = target or load_target(config.target)
-    draft, contract, draft_cfg = load_draft(config.draft)  # checked below, as a verdict, not an exception
+    report = DoctorReport(draft=config.draft, target=config.target)
+    if detect_draft_format(resolve_draft(config.draft)) == "native":
+        draft, contract, draft_cfg = load_draft(config.draft)  # checked below, as a verdict, not an exception
+    else:  # a foreign draft records no target: it is converted for this one, its reading stated
+        draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target)
+        report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     draft = draft.to(target.device)
     summary = draft_cfg.get("training") or {}
     declared = list(contract.aux_boundaries)
     L = target.num_layers
-    report = DoctorReport(draft=config.draft, target=config.target)
 
     identity_ok = _check_identity(report, contract, target)
     serving, serving_steps = _serving(report, config, declared, L)

@@ -1,0 +1,277 @@
+"""``eaglewire import-data``: hidden states captured by vLLM, speculators or SpecForge -> shards.
+
+Shapes: T tokens of one sample, n states stored per token, k aux boundaries, H hidden size.
+
+The sources record states, not which layers they are, so the contract is built from what
+the caller states (``--boundaries``, in eaglewire's numbering) and the target's fingerprint;
+an import refuses rather than guess. Samples stream one file at a time into a resumable
+``ShardWriter`` in ``OUT.partial``, renamed to ``OUT`` once complete, so ``OUT`` is never
+half-written. A sample that fails a check (unreadable, wrong shape, NaN/inf, token ids that
+differ from the dataset's) is skipped, logged and counted in the manifest's ``source``.
+
+Post-norm sources (SpecForge stores the final state after the final norm): shards hold the
+pre-norm boundary L, to which every consumer applies final norm + lm_head. The norm cannot be
+undone, but an RMS norm is idempotent on unit-RMS vectors, so the import stores
+u = y / norm(1) (norm(1) is the norm's per-channel scale), and norm(u) == y up to its eps:
+the head then gives SpecForge's logits. That needs the target's final norm weight (read
+alone, never the model), and is recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from eaglewire.contract import HiddenStateContract, TargetFingerprint, validate_boundaries
+from eaglewire.data.foreign import (LAYOUTS, ForeignDataError, Sample, Skip, read_rows, read_specforge,
+                                    read_speculators, read_vllm)
+from eaglewire.data.shards import DTYPES, ShardError, ShardWriter
+from eaglewire.target_head import config_fingerprint, load_target_head, unnorm_weight
+
+log = logging.getLogger(__name__)
+
+_BYTES = {"bf16": 2, "fp16": 2}
+# manifest source.last_hidden of shards without a boundary-L state (train and the head refuse them)
+ABSENT_LAST = "absent (zeros)"
+BOUNDARY_HELP = ("eaglewire boundary b = input of layer b (0 = embedding output, L = last layer before the "
+                 "final norm). vLLM and speculators ids are boundaries verbatim; SpecForge id i is boundary i + 1")
+
+
+@dataclass(kw_only=True)
+class ImportDataConfig:
+    src: str = field(metadata={"cli": False})
+    layout: str = field(metadata={"cli": False})
+    out: str = field(metadata={"help": "shard directory to create (must not exist)"})
+    target: str = field(metadata={"help": "the target's model directory: config.json (+ tokenizer) is enough; "
+                                          "with weights, only the embedding, final norm and lm_head are read"})
+    boundaries: list[int] | None = field(default=None, metadata={
+        "help": "boundary of every stored state, in stored order (SpecForge: its aux states only)"})
+    aux_boundaries: list[int] | None = field(default=None, metadata={
+        "help": "stored boundaries the shards' aux holds, in order (default: every stored one but L)"})
+    tokens: str | None = field(default=None, metadata={
+        "help": "jsonl rows with input_ids and loss_mask (speculators: row i = hs_i; vllm: checks token_ids "
+                "and adds the loss mask)"})
+    dtype: str = field(default="bf16", metadata={"help": "stored hidden dtype: bf16 or fp16"})
+    shard_mb: int = field(default=512, metadata={"help": "approximate shard size; bounds the memory in use"})
+    no_last: bool = field(default=False, metadata={
+        "help": "the capture holds no boundary-L state: store zeros in its place (for doctor --stored --labels "
+                "tokens; train refuses such shards)"})
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--from {self.layout!r} is not a known layout; choose one of {', '.join(LAYOUTS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not a shard dtype; choose one of {', '.join(DTYPES)}")
+        if self.shard_mb < 1:
+            raise ValueError(f"--shard-mb must be >= 1, got {self.shard_mb}")
+
+
+@dataclass
+class Plan:
+    """Where each shard tensor comes from: stored state indices for aux (in order) and for L."""
+
+    stored: list[int]  # boundary of each stored state
+    aux_index: list[int]  # indices into stored, in the contract's aux order
+    last_index: int | None  # index of boundary L among the stored, None for a post-norm source or none
+    absent: bool = False  # no boundary-L state at all (--no-last): zeros stand in
+
+
+@dataclass
+class ImportSummary:
+    out: Path
+    contract: HiddenStateContract
+    sequences: int
+    tokens: int
+    skipped: dict[str, int]
+    unknown: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, str]]:
+        rows = [("aux boundaries", str(list(self.contract.aux_boundaries))),
+                ("sequences", f"{self.sequences:,}"), ("tokens", f"{self.tokens:,}")]
+        rows += [(f"skipped: {why}", f"{n:,}") for why, n in sorted(self.skipped.items())]
+        return rows + [("note", n) for n in self.notes]
+
+
+def _target(spec: str) -> tuple[TargetFingerprint, torch.Tensor | None, list[str]]:
+    """(fingerprint, the final norm's scale or None, fingerprint fields unknown)."""
+    try:
+        target = load_target_head(spec)
+    except ValueError as e:  # no weights or no tokenizer (HeadOnlyError is one too)
+        log.info("%s; recording what its config says", e)
+        fingerprint, unknown = config_fingerprint(spec)
+        return fingerprint, None, unknown
+    return target.fingerprint, unnorm_weight(target), []
+
+
+def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
+    """The stored boundaries and the aux/last picks, from the flags and the first sample."""
+    n = first.states.shape[1] if first.states.ndim == 3 else None
+    if n is None:
+        raise ForeignDataError(f"sample {first.seq_id}: hidden states {list(first.states.shape)} are not "
+                               "[T, n, H] (tokens, stored states, hidden)")
+    post_norm = first.post_norm_last is not None
+    if config.boundaries is None:
+        what = "aux states" if post_norm else "states"
+        raise ForeignDataError(f"{n} {what} stored per token, their layers not recorded: pass --boundaries "
+                               f"with {n} values ({BOUNDARY_HELP})")
+    stored = validate_boundaries(list(config.boundaries), num_layers)
+    if len(stored) != n:
+        raise ForeignDataError(f"--boundaries {stored} names {len(stored)} states but sample {first.seq_id} "
+                               f"stores {n} per token")
+    last_index, absent = None, False
+    if not post_norm and num_layers not in stored and config.no_last:
+        absent = True
+    elif not post_norm:
+        if num_layers not in stored:
+            raise ForeignDataError(
+                f"--boundaries {stored}: none is boundary {num_layers} (the last layer's state before the final "
+                f"norm, of this {num_layers}-layer target), which training needs as the target's signal. "
+                f"Capture it too (layer id {num_layers} in vLLM/speculators), or pass --no-last to import the "
+                "states for doctor --stored --labels tokens only")
+        if config.layout == "speculators" and stored[-1] != num_layers:
+            raise ForeignDataError(f"--boundaries {stored}: speculators stores the verifier's last state last, "
+                                   f"so the last boundary must be {num_layers}")
+        last_index = stored.index(num_layers)
+    default = [b for b in stored if b != num_layers]
+    aux = validate_boundaries(list(config.aux_boundaries or default), num_layers)
+    if missing := [b for b in aux if b not in stored]:
+        raise ForeignDataError(f"--aux-boundaries {aux}: {missing} are not stored (stored: {stored})")
+    return Plan(stored=stored, aux_index=[stored.index(b) for b in aux], last_index=last_index, absent=absent)
+
+
+def shard_rows(sample: Sample, plan: Plan, hidden_size: int, scale: torch.Tensor | None
+               ) -> tuple[torch.Tensor, ...] | Skip:
+    """(input_ids [T], loss_mask [T], aux [T, k*H], last [T, H]) of one sample, or why it is skipped."""
+    s, ids = sample.states, sample.input_ids
+    want = [ids.shape[0], len(plan.stored), hidden_size]
+    if ids.ndim != 1 or list(s.shape) != want or ids.shape[0] == 0:
+        return Skip(sample.seq_id, "wrong shape",
+                    f"hidden states {list(s.shape)} for {list(ids.shape)} token ids; expected {want}")
+    if not s.is_floating_point() or ids.is_floating_point():
+        return Skip(sample.seq_id, "wrong dtype", f"hidden states {s.dtype}, token ids {ids.dtype}")
+    mask = sample.loss_mask if sample.loss_mask is not None else torch.ones_like(ids)
+    if mask.shape != ids.shape or not ((mask == 0) | (mask == 1)).all():
+        return Skip(sample.seq_id, "bad loss mask", f"loss mask {list(mask.shape)} {mask.dtype} for "
+                    f"{ids.shape[0]} tokens; expected 0/1 per token")
+    if sample.post_norm_last is not None:
+        if scale is None:
+            raise ForeignDataError("a SpecForge capture stores the final state after the final norm; the import "
+                                   "maps it back through the target's final norm weight, so --target must hold "
+                                   "the weights (only the final norm, embedding and lm_head are read)")
+        if list(sample.post_norm_last.shape) != [ids.shape[0], hidden_size]:
+            return Skip(sample.seq_id, "wrong shape", f"hidden_state {list(sample.post_norm_last.shape)}; "
+                        f"expected [{ids.shape[0]}, {hidden_size}]")
+        last = sample.post_norm_last.float() / scale  # [T, H]
+    elif plan.absent:
+        last = torch.zeros(ids.shape[0], hidden_size)  # [T, H] no signal: doctor --labels tokens only
+    else:
+        last = s[:, plan.last_index]  # [T, H]
+    aux = s[:, plan.aux_index].reshape(ids.shape[0], -1)  # [T, k*H]
+    bad = ~(torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1))  # [T]
+    if bad.any():
+        return Skip(sample.seq_id, "non-finite states", f"{int(bad.sum())} of {ids.shape[0]} tokens hold NaN/inf")
+    return ids, mask, aux, last
+
+
+def _read(config: ImportDataConfig, src: Path) -> Iterator[Sample | Skip]:
+    tokens = Path(config.tokens) if config.tokens else None
+    if config.layout == "vllm":
+        return _with_rows(read_vllm(src), tokens) if tokens else read_vllm(src)
+    if config.layout == "speculators":
+        return read_speculators(src, tokens)
+    if config.boundaries is None:
+        raise ForeignDataError(f"SpecForge samples store their aux states concatenated, their layers not "
+                               f"recorded: pass --boundaries ({BOUNDARY_HELP})")
+    return read_specforge(src, len(config.boundaries))
+
+
+def _with_rows(samples: Iterator[Sample | Skip], tokens: Path) -> Iterator[Sample | Skip]:
+    """vLLM samples checked against jsonl rows (by id) and given their loss masks."""
+    rows = {str(r.get("id")): r for r in read_rows(tokens)}
+    for s in samples:
+        if isinstance(s, Sample):
+            row = rows.get(s.seq_id)
+            if row is None:
+                yield Skip(s.seq_id, "no row for these states", f"{tokens} has no row with id {s.seq_id!r}")
+                continue
+            if row["input_ids"] != s.input_ids.tolist():
+                yield Skip(s.seq_id, "token ids differ from the rows' input_ids",
+                           f"request {s.seq_id}: token_ids differ from row {s.seq_id!r} of {tokens}")
+                continue
+            s.loss_mask = torch.tensor(row["loss_mask"])
+        yield s
+
+
+def import_data(config: ImportDataConfig) -> ImportSummary:
+    """Stream ``config.src`` into shards in ``config.out``; see the module docstring."""
+    src, out = Path(config.src), Path(config.out)
+    if not src.is_dir():
+        raise FileNotFoundError(f"source {src} is not a directory of {config.layout} captures")
+    if out.exists():
+        raise ValueError(f"--out {out} already exists; an import writes a new shard directory, choose another")
+    partial = out.with_name(out.name + ".partial")
+    fingerprint, scale, unknown = _target(config.target)
+    samples = _read(config, src)
+    skipped: Counter[str] = Counter()
+    writer: ShardWriter | None = None
+    plan, added = None, 0
+    try:
+        for item in samples:
+            if isinstance(item, Sample) and plan is None:
+                plan = make_plan(config, item, fingerprint.num_layers)
+            rows = item if isinstance(item, Skip) else shard_rows(item, plan, fingerprint.hidden_size, scale)
+            if isinstance(rows, Skip):
+                skipped[rows.reason] += 1
+                log.warning("skipping %s: %s (%s)", rows.seq_id, rows.reason, rows.detail)
+                continue
+            if writer is None:
+                writer = _writer(config, partial, plan, fingerprint, src, unknown)
+            try:
+                writer.add(item.seq_id, *rows)
+                added += 1
+            except (ShardError, ValueError) as e:
+                skipped["rejected by the shard writer"] += 1
+                log.warning("skipping %s: %s", item.seq_id, e)
+        if added == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            reasons = ", ".join(f"{n} {why}" for why, n in skipped.items()) or "the source is empty"
+            raise ForeignDataError(f"nothing imported from {src}: {reasons}")
+        writer.source["skipped"] = dict(skipped)
+        totals = writer.close()
+    except BaseException:
+        if writer is not None and partial.exists():
+            writer.__exit__(Exception, None, None)  # keep the finished shards: a rerun resumes
+        raise
+    os.replace(partial, out)
+    notes = [f"fingerprint fields {unknown} are unknown (no weights/tokenizer in --target): train or doctor "
+             f"with --allow-target-mismatch {','.join(unknown)}"] if unknown else []
+    if plan.absent:
+        notes.append(f"no boundary-L state: last_hidden is {ABSENT_LAST}; use doctor --stored --labels tokens")
+    elif plan.last_index is None:
+        notes.append("last_hidden holds SpecForge's post-norm state mapped back through the final norm")
+    return ImportSummary(out=out, contract=writer.contract, sequences=totals["sequences"], tokens=totals["tokens"],
+                         skipped=dict(skipped), unknown=unknown, notes=notes)
+
+
+def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: TargetFingerprint,
+            src: Path, unknown: list[str]) -> ShardWriter:
+    contract = HiddenStateContract(aux_boundaries=tuple(plan.stored[i] for i in plan.aux_index),
+                                   target=fingerprint)
+    row_bytes = (len(plan.aux_index) + 1) * fingerprint.hidden_size * _BYTES[config.dtype]
+    source: dict[str, Any] = {
+        "imported_from": str(src.resolve()), "layout": config.layout, "stored_boundaries": plan.stored,
+        "last_hidden": (ABSENT_LAST if plan.absent else f"stored boundary {fingerprint.num_layers}"
+                        if plan.last_index is not None else
+                        "specforge post-norm state / norm(1) (head-equivalent to boundary L)"),
+        "target": config.target, "tokens": config.tokens, "fingerprint_unknown": unknown}
+    return ShardWriter(partial, contract, source=source, dtype=config.dtype,
+                       shard_tokens=max(1, config.shard_mb * 2**20 // row_bytes))
+

@@ -1,0 +1,263 @@
+"""``eaglewire doctor --stored``: the wiring test from stored states, the target never run.
+
+At a 1T-parameter target's scale the target cannot be loaded here, but its captured states can:
+shards (``prepare`` or ``import-data``) holding every stored boundary. The draft is fed those
+states exactly as in training; the target's signal comes from its head applied to the stored
+boundary-L state (``--labels head``: only the embedding, final norm and lm_head are read, see
+``target_head.py``) or from the stored next tokens (``--labels tokens``). Every ordered choice
+of k stored boundaries is a candidate layout, so a draft trained on the first three of four
+stored states and served the last three is named as such, with both fixes. Checks that need
+the target to run (measured acceptance, capture drift against a fresh capture) are skipped,
+and the report says why.
+
+Shapes: B batch, T tokens, H hidden, k aux boundaries, V target vocab, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from eaglewire.contract import SOFT_FIELDS
+from eaglewire.data.prepare import batches_by_tokens
+from eaglewire.data.import_data import ABSENT_LAST
+from eaglewire.data.shards import ShardDataset
+from eaglewire.data.sources import pad_right
+from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
+from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.foreign_draft import detect_draft_format, load_any_draft
+from eaglewire.presets import resolve_draft
+from eaglewire.target import Target
+from eaglewire.target_head import load_target_head
+from eaglewire.ttt import TargetSignal, signal_positions, target_signal
+
+log = logging.getLogger(__name__)
+
+LABELS = ("head", "tokens")
+MAX_LAYOUTS = 720  # ordered choices measured; beyond it only the declared and serving ones
+
+
+def token_signal(input_ids: torch.Tensor, needed: torch.Tensor, draft_ids: torch.Tensor,
+                 t2d: torch.Tensor) -> TargetSignal:
+    """The stored next token as the target's (one-hot) signal: index q judges x_{q+1}.
+
+    input_ids / needed [B, T]; draft_ids [Vd] target id of each draft id; t2d [V] bool.
+    """
+    B, T = input_ids.shape
+    argmax = torch.zeros_like(input_ids)
+    argmax[:, :-1] = input_ids[:, 1:]  # [B, T]
+    to_draft = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of a target id (where t2d)
+    in_vocab = t2d[argmax] & needed  # [B, T]
+    probs = torch.zeros(B, T, len(draft_ids))  # [B, T, Vd]
+    probs[in_vocab, to_draft[argmax[in_vocab]]] = 1.0
+    return TargetSignal(probs=probs, argmax=argmax, in_vocab=in_vocab)
+
+
+def stored_batches(ds: ShardDataset, indices: list[int], target: Target, draft, *, labels: str,
+                   max_length: int, batch_tokens: int = 2048) -> list[EvalBatch]:
+    """EvalBatches whose states are the stored ones: boundary b -> [B, T, H] for every stored b."""
+    H, bounds, L = ds.contract.target.hidden_size, list(ds.contract.aux_boundaries), ds.contract.num_layers
+    seqs = []
+    for i in indices:
+        item = ds[i]
+        seqs.append(Sequence(ds.sequence_ids[i], item["input_ids"][:max_length], item["loss_mask"][:max_length],
+                             item["aux_hidden"][:max_length], item["last_hidden"][:max_length]))
+    out = []
+    for batch in batches_by_tokens(seqs, batch_tokens):
+        T = max(len(s.input_ids) for s in batch)
+        ids, mask = pad_right([s.input_ids for s in batch], T), pad_right([s.loss_mask for s in batch], T)  # [B, T]
+        aux = pad_right([s.stored_aux.float() for s in batch], T)  # [B, T, k*H]
+        last = pad_right([s.stored_last.float() for s in batch], T)  # [B, T, H]
+        states = dict(zip(bounds, aux.split(H, dim=-1)))  # boundary -> [B, T, H]
+        states[L] = last
+        needed = signal_positions(mask)
+        with torch.no_grad():
+            emb = target.embed_tokens(ids.to(target.device)).float()  # [B, T, H]
+            signal = (target_signal(target.head, last.to(target.dtype), draft.draft_to_target, draft.t2d, needed)
+                      if labels == "head" else token_signal(ids, needed, draft.draft_to_target, draft.t2d))
+        out.append(EvalBatch(input_ids=ids, loss_mask=mask, states=states, emb=emb, signal=signal,
+                             stored_aux=aux, stored_last=last, lengths=[len(s.input_ids) for s in batch]))
+    return out
+
+
+def stored_layouts(stored: list[int], k: int, declared: list[int], serving: dict[str, list[int]]
+                   ) -> dict[tuple[int, ...], list[str]]:
+    """Candidate layout -> why: every ordered choice of k stored boundaries (capped), the
+    declared one and each serving reading whose boundaries are stored."""
+    out: dict[tuple[int, ...], list[str]] = {}
+    for layout in itertools.islice(itertools.permutations(stored, k), MAX_LAYOUTS):
+        out[layout] = ["stored"]
+    for label, layout in [("declared", declared), *serving.items()]:
+        if set(layout) <= set(stored) and len(layout) == k:
+            out.setdefault(tuple(layout), []).insert(0, label)
+    return out
+
+
+def _state(item: dict, contract, boundary: int) -> torch.Tensor:
+    """One stored boundary of a sequence, [T, H] (L is the stored last state)."""
+    if boundary == contract.num_layers and boundary not in contract.aux_boundaries:
+        return item["last_hidden"].float()
+    H, i = contract.target.hidden_size, list(contract.aux_boundaries).index(boundary)
+    return item["aux_hidden"][:, i * H:(i + 1) * H].float()  # [T, H]
+
+
+@torch.no_grad()
+def stored_drift(a: ShardDataset, b: ShardDataset, seq_ids: list[str]) -> tuple[list[Drift], int]:
+    """Per boundary both captures hold: cosine and relative error of ``b``'s states against
+    ``a``'s over the sequences both hold with the same tokens; (drifts, sequences compared)."""
+    L = a.contract.num_layers
+    common = [x for x in a.contract.aux_boundaries if x in b.contract.aux_boundaries] + [L]
+    index_b = {sid: i for i, sid in enumerate(b.sequence_ids)}
+    index_a = {sid: i for i, sid in enumerate(a.sequence_ids)}
+    sums = {x: [0.0, 0, 0.0, 0.0] for x in common}  # cosine sum, tokens, |diff|^2, |ref|^2
+    compared = 0
+    for sid in seq_ids:
+        if sid not in index_b:
+            continue
+        ia, ib = a[index_a[sid]], b[index_b[sid]]
+        if not torch.equal(ia["input_ids"], ib["input_ids"]):
+            continue
+        compared += 1
+        for x in common:
+            ref, other = _state(ia, a.contract, x), _state(ib, b.contract, x)  # [T, H]
+            s = sums[x]
+            s[0] += float(torch.nn.functional.cosine_similarity(ref, other, dim=-1).sum())
+            s[1] += ref.shape[0]
+            s[2] += float((other - ref).pow(2).sum())
+            s[3] += float(ref.pow(2).sum())
+    drifts = [Drift(x, c / max(n, 1), (d / max(r, 1e-30)) ** 0.5) for x, (c, n, d, r) in sums.items()]
+    return drifts, compared
+
+
+def _check_stored_drift(report: DoctorReport, ds: ShardDataset, config, picked: list[int], target: Target,
+                        draft, declared: list[int], acc0: float) -> None:
+    other = ShardDataset(config.compare_data, verify=False)
+    drifts, compared = stored_drift(ds, other, [ds.sequence_ids[i] for i in picked])
+    if not compared:
+        report.add(Check("capture drift", "skip", f"{config.compare_data} holds none of the measured sequences "
+                         "with the same tokens", fix="capture the same sequences in both set-ups"))
+        return
+    evidence = [f"boundary {d.boundary}: cosine {d.cosine:.5f}, relative error {d.relative_error:.2e}" for d in drifts]
+    if set(declared) <= set(other.contract.aux_boundaries) | {other.contract.num_layers}:
+        index = {sid: i for i, sid in enumerate(other.sequence_ids)}
+        mine = [index[ds.sequence_ids[i]] for i in picked if ds.sequence_ids[i] in index]
+        batches = stored_batches(other, mine, target, draft, labels=config.labels, max_length=config.max_length)
+        evidence.append(f"acc@0 on {config.compare_data}: "
+                        f"{isolation_accuracy(draft, batches, declared, steps=1)[0].acc:.3f} ({config.data}: {acc0:.3f})")
+    worst = min(d.cosine for d in drifts)
+    what = f"{compared} sequences captured twice ({config.data} vs {config.compare_data})"
+    if worst >= 0.999:
+        report.add(Check("capture drift", "ok", f"the two captures agree on {what}", evidence))
+    else:
+        report.add(Check("capture drift", "warn" if worst >= 0.99 else "fail",
+                         f"the two captures differ (lowest cosine {worst:.4f}) on {what}", evidence,
+                         fix="capture in the precision, quantization and norm placement the draft was trained on, "
+                             "or retrain on states captured the way they will be served"))
+
+
+def _pick(ds: ShardDataset, summary: dict, config) -> tuple[list[int], str | None]:
+    """Held-out sequences when the draft recorded them and the data hold them, else the last ones."""
+    index = {sid: i for i, sid in enumerate(ds.sequence_ids)}
+    heldout = [] if config.include_training else list(summary.get("heldout_sequence_ids") or [])
+    picked = [index[s] for s in heldout if s in index][:config.num_sequences]
+    if picked:
+        return picked, None
+    n = min(config.num_sequences, len(ds))
+    return list(range(len(ds) - n, len(ds))), (
+        None if config.include_training else "the draft records no held-out sequence of these shards: measuring "
+        "on the last ones, which training may have seen")
+
+
+def run_stored_doctor(config) -> DoctorReport:
+    """The doctor on stored states (``config.data``) with the target's head only."""
+    from eaglewire.doctor.run import _check_accuracy, _check_alignment, _check_layouts, _serving
+
+    start = time.perf_counter()
+    if config.labels not in LABELS:
+        raise ValueError(f"--labels {config.labels!r} is not one of {', '.join(LABELS)}")
+    if not config.data:
+        raise ValueError("--stored measures on stored states: pass --data SHARDS (from `eaglewire prepare` or "
+                         "`eaglewire import-data`, holding every stored boundary)")
+    report = DoctorReport(draft=config.draft, target=config.target)
+    target = load_target_head(config.target)
+    ds = ShardDataset(config.data, verify=False)
+    if config.labels == "head" and ds.manifest["source"].get("last_hidden") == ABSENT_LAST:
+        raise ValueError(f"--data {config.data} holds no boundary-L state (imported with --no-last): the head has "
+                         "nothing to read; pass --labels tokens")
+    foreign = detect_draft_format(resolve_draft(config.draft)) != "native"
+    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target if foreign else None)
+    if notes:
+        report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
+    summary = draft_cfg.get("training") or {}
+    declared, stored, L = list(contract.aux_boundaries), list(ds.contract.aux_boundaries), ds.contract.num_layers
+    if not _identity(report, contract, ds, target):
+        return report
+    serving, _ = _serving(report, config, declared, L)
+    picked, warning = _pick(ds, summary, config)
+    if warning:
+        report.add(Check("data", "warn", warning))
+    batches = stored_batches(ds, picked, target, draft, labels=config.labels, max_length=config.max_length)
+    inside, counted = coverage(batches)
+    if config.labels == "tokens":
+        report.add(Check("labels", "ok", "judged against the stored next tokens (no lm_head used)"))
+    if missing := [b for b in declared if b not in stored + [L]]:
+        report.add(Check("accuracy in isolation", "fail", f"the draft reads boundaries {declared}; {missing} "
+                         f"are not among the stored {stored}", fix="import the data with every stored state "
+                         "(`eaglewire import-data --aux-boundaries ...`)"))
+        return report
+    counts = isolation_accuracy(draft, batches, declared, steps=config.steps)
+    acc0 = counts[0].acc
+    report.accuracy = {"acc@0": acc0} | {f"cond acc@{j}": c.cond_acc for j, c in enumerate(counts[1:], 1)}
+    _check_accuracy(report, counts, summary, f"stored states in {config.data}")
+    layouts = stored_layouts(stored + [b for b in declared if b == L], len(declared), declared, serving)
+    _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
+    _check_served(report, draft, batches, declared, serving, acc0, stored, config, L)
+    _check_alignment(report, draft, batches, declared, acc0, counts[0].valid)
+    if config.compare_data:
+        _check_stored_drift(report, ds, config, picked, target, draft, declared, acc0)
+    skipped = "measured acceptance" + ("" if config.compare_data else " and capture drift (or pass --compare-data)")
+    report.add(Check("skipped", "skip", f"{skipped}: needs the target to run; this run never ran it (--stored)"))
+    report.facts = {"held-out sequences": len(picked), "reply tokens": counts[0].valid, "source": config.data,
+                    "draft vocab coverage": round(inside / max(counted, 1), 4),
+                    "seconds": round(time.perf_counter() - start, 1)}
+    if config.json:
+        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.json).write_text(json.dumps(report.to_dict(), indent=1))
+    return report
+
+
+def _identity(report: DoctorReport, contract, ds: ShardDataset, target: Target) -> bool:
+    """The draft, the stored data and the head must belong to one target."""
+    hard = []
+    for what, fp in (("stored data", ds.contract.target), ("--target", target.fingerprint)):
+        diff = contract.target.differences(fp)
+        hard += [f"{k}: draft {a!r}, {what} {b!r}" for k, (a, b) in diff.items() if k not in SOFT_FIELDS]
+    if hard:
+        report.add(Check("identity", "fail", "the draft, the stored states and the target are not of one target",
+                         hard, fix="pass the target and the data the draft was trained for"))
+        return False
+    report.add(Check("identity", "ok", "the draft, the stored states and the head belong to one target"))
+    return True
+
+
+def _check_served(report, draft, batches, declared, serving, acc0, stored, config, L) -> None:
+    """Name what the engine feeds against what the draft was trained on, with both fixes."""
+    from eaglewire.doctor.serving import config_fix
+
+    for label, served in serving.items():
+        if served == declared:
+            continue
+        measured = (f": acc@0 {isolation_accuracy(draft, batches, served, steps=1)[0].acc:.3f} there vs "
+                    f"{acc0:.3f} as trained" if set(served) <= set(batches[0].states) else "")
+        retrain = (f"retrain on the layout the engine feeds: `eaglewire import-data ... --aux-boundaries "
+                   f"{','.join(map(str, served))}`, then `eaglewire train`" if set(served) <= set(stored)
+                   else f"retrain on boundaries {served} (capture them)")
+        report.add(Check("trained vs served", "fail", f"trained on {declared}, {label} will feed {served}{measured}",
+                         [f"stored boundaries: {stored}"],
+                         fix=f"either {config_fix(config.engine, declared, L)}"
+                             f", or {retrain}"))

@@ -1,0 +1,126 @@
+"""doctor --stored: stored states + the target's head only measure what the full doctor measures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglewire.capture import capture
+from eaglewire.contract import HiddenStateContract
+from eaglewire.data.shards import ShardWriter
+from eaglewire.doctor import DoctorConfig, run_doctor
+from eaglewire.doctor.stored import stored_layouts, token_signal
+from eaglewire.target import load_target
+from eaglewire.train import TrainConfig, train
+from tiny import save_tiny_dir
+
+AUX = (2, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target directory, shards captured from it (fp16), and a draft trained briefly on them."""
+    root = tmp_path_factory.mktemp("stored")
+    target_dir = save_tiny_dir(root / "target")
+    target = load_target(str(target_dir), device="cpu", dtype="fp32")
+    contract = HiddenStateContract(aux_boundaries=AUX, target=target.fingerprint)
+    g = torch.Generator().manual_seed(0)
+    with ShardWriter(root / "data", contract, source={"test": True}, dtype="fp16") as w:
+        for i in range(24):
+            ids = torch.randint(0, 256, (1, 24), generator=g)
+            got = capture(target, ids, contract)
+            w.add(f"s{i}", ids[0], torch.arange(24) >= 4, got.aux_hidden[0], got.last_hidden[0])
+    train(TrainConfig(out=str(root / "draft"), target=str(target_dir), data=str(root / "data"), head_only=True,
+                      max_steps=15, lr=3e-3, warmup_steps=2, batch_tokens=256, val_sequences=4, draft_vocab_size=128,
+                      ttt_steps=1, eval_interval=15, save_interval=15, device="cpu"), progress=False)
+    return root, target_dir, target
+
+
+def doctor_config(root, target_dir, **kw) -> DoctorConfig:
+    return DoctorConfig(draft=str(root / "draft"), target=str(target_dir), data=str(root / "data"),
+                        include_training=True, engine_prompts=0, **kw)
+
+
+def test_stored_doctor_matches_the_full_doctor(setup):
+    root, target_dir, target = setup
+    full = run_doctor(doctor_config(root, target_dir), target=target)
+    stored = run_doctor(doctor_config(root, target_dir, stored=True))
+    assert full.accuracy["acc@0"] > 0  # a draft that predicts something, so equality means something
+    assert abs(full.accuracy["acc@0"] - stored.accuracy["acc@0"]) <= 0.005
+    assert stored.facts["reply tokens"] == full.facts["reply tokens"]
+    skipped = next(c for c in stored.checks if c.verdict == "skip")
+    assert "needs the target to run" in skipped.summary
+    assert stored.exit_code == 0, stored.render()
+
+
+def test_labels_tokens_judge_against_the_stored_next_tokens(setup):
+    root, target_dir, _ = setup
+    report = run_doctor(doctor_config(root, target_dir, stored=True, labels="tokens"))
+    assert any(c.name == "labels" for c in report.checks)
+    assert 0.0 <= report.accuracy["acc@0"] <= 1.0
+
+
+def test_token_signal_is_the_next_token():
+    ids = torch.tensor([[5, 7, 9, 2]])
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[2, 7, 9]] = True  # draft ids 0, 1, 2
+    needed = torch.tensor([[True, True, True, False]])
+    sig = token_signal(ids, needed, torch.tensor([2, 7, 9]), t2d)
+    assert sig.argmax[0, :3].tolist() == [7, 9, 2]
+    assert sig.probs[0, :3].argmax(-1).tolist() == [1, 2, 0] and sig.probs[0, 3].sum() == 0
+    assert sig.in_vocab[0].tolist() == [True, True, True, False]
+
+
+def test_layouts_are_every_ordered_choice_of_the_stored():
+    layouts = stored_layouts([0, 2, 4, 6], 3, [0, 2, 4], {"sglang": [2, 4, 6], "other": [1, 2, 3]})
+    assert len(layouts) == 4 * 3 * 2
+    assert layouts[(0, 2, 4)][0] == "declared" and layouts[(2, 4, 6)][0] == "sglang"
+    assert (1, 2, 3) not in layouts  # not stored: cannot be measured
+
+
+def test_stored_needs_data(setup):
+    root, target_dir, _ = setup
+    with pytest.raises(ValueError, match="--compare-data and --labels read stored states: add --stored"):
+        DoctorConfig(draft="d", labels="tokens")
+    with pytest.raises(ValueError, match="--stored measures on stored states: pass --data"):
+        run_doctor(DoctorConfig(draft=str(root / "draft"), target=str(target_dir), stored=True))
+
+
+def test_doctor_takes_a_foreign_draft_and_states_its_reading(setup, tmp_path):
+    import json
+
+    from eaglewire.formats import export_draft
+
+    root, target_dir, target = setup
+    export_draft(root / "draft", "sglang", tmp_path / "sg")
+    config = json.loads((tmp_path / "sg" / "config.json").read_text())
+    config.pop("eaglewire")  # as SGLang / SpecForge write it: no contract
+    (tmp_path / "sg" / "config.json").write_text(json.dumps(config))
+    native = run_doctor(doctor_config(root, target_dir, stored=True))
+    for stored in (False, True):
+        cfg = doctor_config(root, target_dir, stored=stored)
+        cfg.draft = str(tmp_path / "sg")
+        report = run_doctor(cfg, target=None if stored else target)
+        check = next(c for c in report.checks if c.name == "draft format")
+        assert "specforge draft (detected): config ids [1, 3, 4]" in check.summary and "[2, 4, 5]" in check.summary
+        assert abs(report.accuracy["acc@0"] - native.accuracy["acc@0"]) <= 0.005
+
+
+def test_drift_between_two_stored_captures(setup, tmp_path):
+    from eaglewire.data.shards import ShardDataset
+
+    root, target_dir, _ = setup
+    ds = ShardDataset(root / "data")
+    g = torch.Generator().manual_seed(3)
+    for name, noise in (("same", 0.0), ("noisy", 0.5)):
+        with ShardWriter(tmp_path / name, ds.contract, source={"test": name}, dtype="fp16") as w:
+            for sid, item in zip(ds.sequence_ids, ds):
+                aux = item["aux_hidden"].float()
+                aux[:, 64:128] += noise * aux[:, 64:128].std() * torch.randn(aux.shape[0], 64, generator=g)  # boundary 4
+                w.add(sid, item["input_ids"], item["loss_mask"], aux, item["last_hidden"])
+    reports = {name: run_doctor(doctor_config(root, target_dir, stored=True, compare_data=str(tmp_path / name)))
+               for name in ("same", "noisy")}
+    same, noisy = (next(c for c in reports[n].checks if c.name == "capture drift") for n in ("same", "noisy"))
+    assert same.verdict == "ok" and "24 sequences captured twice" in same.summary
+    assert noisy.verdict == "fail" and any(e.startswith("boundary 4: cosine 0.8") for e in noisy.evidence)
+    assert any(e.startswith("boundary 2: cosine 1.0") for e in noisy.evidence)
