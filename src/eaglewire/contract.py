@@ -393,34 +393,40 @@ def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_a
     return validate_boundaries(bounds, num_layers)
 
 
-def sglang_readings(ids: list[int], num_layers: int) -> dict[str, list[int] | str]:
-    """How SGLang reads ``ids`` on each target family: label -> boundaries captured, or why
-    it cannot (the families that agree share one label)."""
+def sglang_families() -> dict[str, list[str]]:
+    """Target families whose SGLang model files read ids alike: ``"llama/mistral/..."`` -> archs."""
     groups: dict[tuple[str, bool, bool], list[str]] = {}
     for arch, f in SGLANG_FILES.items():
         groups.setdefault((f.ids, f.captures_last, f.block_output), []).append(arch)
+    return {"/".join(archs): archs for archs in groups.values()}
+
+
+def sglang_readings(ids: list[int], num_layers: int) -> dict[str, list[int] | str]:
+    """How SGLang reads ``ids`` on each target family: label -> boundaries captured, or why
+    it cannot (families whose model files agree share one label)."""
     out: dict[str, list[int] | str] = {}
-    for archs in groups.values():
-        label = f"sglang {SGLANG_VERSION} on {'/'.join(archs)} targets"
+    for family, archs in sglang_families().items():
+        label = f"sglang {SGLANG_VERSION} on {family} targets"
         try:
             out[label] = from_engine(ids, num_layers, "sglang", target_arch=archs[0])
         except ContractError as e:
             out[label] = str(e)
-        if SGLANG_FILES[archs[0]].block_output and isinstance(out[label], list) and max(out[label]) > 0:
-            out[label] = (f"layers {out[label]}, but as block outputs without the residual, not the "
-                          "residual-stream boundaries (see gemma3_causal.py)")
+        got = out[label]
+        if SGLANG_FILES[archs[0]].block_output and isinstance(got, list) and max(got) > 0:
+            out[label] = (f"the inputs of layers {got}, but as the previous block's output without the "
+                          f"residual, not the residual-stream boundaries ({SGLANG_FILES[archs[0]].path})")
     return out
 
 
 def sglang_ambiguity(boundaries: list[int], ids: list[int], num_layers: int) -> str | None:
     """A sentence naming the target families on which SGLang reads ``ids`` as other than
-    ``boundaries`` (None if every family reads them the same)."""
-    readings = sglang_readings(ids, num_layers)
+    ``boundaries`` (None if all read them alike; Gemma 3, wrong for any ids, is left out)."""
+    readings = {k: v for k, v in sglang_readings(ids, num_layers).items() if "gemma3" not in k}
     wrong = {k: v for k, v in readings.items() if v != list(boundaries)}
     if not wrong:
         return None
-    return (f"SGLang config ids {list(ids)} capture {list(boundaries)} only on some targets; "
-            + "; ".join(f"{k}: {v if isinstance(v, str) else f'boundaries {v}'}" for k, v in wrong.items()))
+    return (f"On other targets SGLang reads ids {list(ids)} differently: "
+            + "; ".join(f"{k}: {v if isinstance(v, str) else f'boundaries {v}'}" for k, v in wrong.items()) + ".")
 
 
 def _check_llamacpp_expressible(boundaries: list[int], num_layers: int) -> None:
