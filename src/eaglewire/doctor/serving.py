@@ -61,7 +61,7 @@ def read_engine_config(engine: str, config: dict[str, Any], num_layers: int, dec
             default = default_aux_boundaries(num_layers)
             out.notes.append(f"{label}: no ids where it looks, so it silently falls back to its default layers "
                              f"(boundaries {default})")
-            out.readings[f"{label} (default)"] = default
+            out.readings[f"{label}, its default layers"] = default
         elif engine == "sglang" and arch is None:
             for family, got in sglang_readings(ids, num_layers).items():
                 if isinstance(got, list):

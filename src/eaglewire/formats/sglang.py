@@ -23,18 +23,23 @@ from eaglewire.draft import DraftConfig
 from eaglewire.formats.eagle import ARCHITECTURE, FormatError, llama_layer_config, parse_llama_layer
 
 
-def build_config(cfg: DraftConfig, ids: list[int], boundaries: list[int], *, dtype: str) -> dict[str, Any]:
+def build_config(cfg: DraftConfig, ids: list[int], boundaries: list[int] | None = None, *,
+                 dtype: str | None = None) -> dict[str, Any]:
     """config.json of a SGLang draft: ``ids`` in SGLang's convention for the target's model
-    file (nested), ``boundaries`` for vLLM (top level), the dtype engines should run it in."""
-    return {
+    file (nested); ``boundaries`` for vLLM (top level) and the dtype engines should run it
+    in, when given (an eaglewire export gives both; SpecForge writes neither)."""
+    config = {
         "architectures": [ARCHITECTURE],
         **llama_layer_config(cfg),
-        "torch_dtype": dtype,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True},
-        "eagle_aux_hidden_state_layer_ids": list(boundaries),
     }
+    if dtype is not None:
+        config["torch_dtype"] = dtype
+    if boundaries is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(boundaries)
+    return config
 
 
 def num_aux(d: dict[str, Any]) -> int:
