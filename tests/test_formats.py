@@ -535,3 +535,38 @@ def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
     imported, _, _ = load_draft(tmp_path / "imported", target=target)
     for j, ours in enumerate(our_ttt_logits(imported, target, inputs, steps)):
         assert (ours - peer[f"created_step{j}"]).abs().max() <= 1e-4, j
+
+
+# ---------------------------------------------------------------- boundary order
+
+def test_non_ascending_boundaries_are_refused_on_every_path(tmp_path, chat_tiny_target, target_dir, capsys):
+    """Engines feed aux states in layer order, so [5, 2, 7] would be served as [2, 5, 7]: refused
+    wherever a layout enters (capture, prepare, train, contract, export of a hand-edited draft)."""
+    from eaglewire.capture import capture
+    from eaglewire.cli import main
+
+    with pytest.raises(ContractError, match=r"\[5, 2, 7\] are not ascending; sort them \(--aux-boundaries 2,5,7\)"):
+        capture(chat_tiny_target, torch.tensor([[1, 2, 3]]), [5, 2, 7])
+    common = ["--target", str(target_dir), "--aux-boundaries", "5,2,7"]
+    for argv in (["prepare", *common, "--out", str(tmp_path / "p"), "--data", "x"],
+                 ["train", *common, "--out", str(tmp_path / "t"), "--online-data", "x"],
+                 ["contract", "--num-layers", "8", "--aux-boundaries", "5,2,7"]):
+        assert main(argv) == 2, argv
+        assert "sort them (--aux-boundaries 2,5,7)" in capsys.readouterr().err, argv
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 5, 7])
+    config = json.loads((native / "config.json").read_text())
+    config["contract"]["aux_boundaries"] = [5, 2, 7]
+    (native / "config.json").write_text(json.dumps(config))
+    assert main(["export", "--draft", str(native), "--to", "sglang", "--out", str(tmp_path / "sg")]) == 2
+    assert "not ascending" in capsys.readouterr().err and not (tmp_path / "sg").exists()
+
+
+def test_vllm_feeds_foreign_ids_in_layer_order(tmp_path, chat_tiny_target):
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 5, 7])
+    export_draft(native, "vllm", tmp_path / "v", target=chat_tiny_target, verifier_name="org/tiny")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    del config["eaglewire"]
+    config["eagle_aux_hidden_state_layer_ids"] = [5, 2, 7]  # written by another tool
+    (tmp_path / "v" / "config.json").write_text(json.dumps(config))
+    back = import_draft(tmp_path / "v", "vllm", chat_tiny_target, tmp_path / "back")
+    assert back.aux_boundaries == [2, 5, 7] and any("vLLM sorts the ids" in n for n in back.notes)
