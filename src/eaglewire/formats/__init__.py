@@ -283,10 +283,10 @@ def _local_dir(spec: str | None) -> Path | None:
     return path.resolve() if path is not None and path.is_dir() else None
 
 
-def stored_dtype(spec: str | None, fallback: str) -> str:
-    """The dtype a target checkpoint stores (its config.json), else ``fallback``: what
-    engines' ``--dtype auto`` should pick for the draft too (SGLang reads a missing
-    ``torch_dtype`` as fp32 and then runs fp16)."""
+def stored_dtype(spec: str | None) -> str | None:
+    """The dtype a target checkpoint stores (its config.json; None when ``spec`` is not a
+    local directory): what engines' ``--dtype auto`` should pick for the draft too (SGLang
+    reads a missing ``torch_dtype`` as fp32 and then runs fp16)."""
     path = _local_dir(spec)
     if path is not None and (path / "config.json").is_file():
         cfg = json.loads((path / "config.json").read_text())
@@ -294,7 +294,17 @@ def stored_dtype(spec: str | None, fallback: str) -> str:
             dtype = c.get("dtype") or c.get("torch_dtype")
             if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
                 return dtype
-    return fallback
+    return None
+
+
+def _serving_dtype(spec: str | None, fallback: str, notes: list[str]) -> str:
+    dtype = stored_dtype(spec)
+    if dtype is None:
+        dtype = fallback
+        notes.append(f"target {spec!r} is not a local model directory, so its stored dtype is unknown: wrote "
+                     f"torch_dtype {dtype} (the dtype the draft was made against). SGLang and vLLM run the draft "
+                     "in that dtype; set it to the target's own (e.g. bfloat16) if that differs")
+    return dtype
 
 
 def _vllm_reading_of_sglang(bounds: list[int], ids: list[int], arch: str) -> str:
@@ -361,7 +371,7 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target_
         ids = to_engine(bounds, L, "sglang", target_arch=arch)
         ambiguity = sglang_ambiguity(bounds, ids, L)
         notes = [ambiguity] if ambiguity else []
-        dtype = stored_dtype(spec, contract.target.dtype)
+        dtype = _serving_dtype(spec, contract.target.dtype, notes)
         engine_config, tensors = {**sglang.build_config(cfg, ids, bounds, dtype=dtype), **record}, state
         serving = sglang.serving_md(draft_path=str(out.resolve()), target_name=shown, boundaries=bounds, ids=ids,
                                     target_arch=arch, model_file=model_file("sglang", arch).path,
@@ -372,7 +382,8 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target_
         target = target if target is not None else _load_export_target(config, src)
         notes = contract.check_target(target.fingerprint, what=f"draft {src}", allow=allow)
         notes += speculators.verifier_notes(name, is_local_path=bool(name) and Path(name).expanduser().exists())
-        dtype = stored_dtype(target.spec, str(target.dtype).removeprefix("torch."))
+        stored = stored_dtype(target.spec)
+        dtype = stored or _serving_dtype(spec, str(target.dtype).removeprefix("torch."), notes)
         engine_config = {**speculators.build_config(cfg, ids, verifier_name=name, num_steps=num_steps, dtype=dtype,
                                                     verifier_architecture=contract.target.architecture),
                          **record}

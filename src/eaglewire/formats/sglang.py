@@ -93,8 +93,9 @@ def serving_md(*, draft_path: str, target_name: str, boundaries: list[int], ids:
         f"reads in `{model_file}`. The draft reads target boundaries {boundaries}; "
         f"`eagle_config.eagle_aux_hidden_state_layer_ids` is {json.dumps(ids)}, from which that model file "
         "captures exactly those boundaries.", "",
-        f"**The ids are only right for this target's model file.** {ambiguity or ''} Export again for "
-        "another target; the wrong reading feeds the draft other layers without any error.", "",
+        " ".join(["**The ids are only right for this target's model file.**", *([ambiguity] if ambiguity else []),
+                  "Export again for another target; the wrong reading feeds the draft other layers without "
+                  "any error."]), "",
         "Chain drafting (top-k 1; SGLang requires num-draft-tokens = num-steps + 1):", "",
         "```bash",
         f"python -m sglang.launch_server --model-path {target_name} \\",
