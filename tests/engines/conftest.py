@@ -28,8 +28,10 @@ def _fetch(name: str, version: str, into: Path) -> Path:
     if found:
         return found[0]
     into.mkdir(parents=True, exist_ok=True)
+    # the wheels' own tags, whatever this machine is: only their .py files are read
     run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                          "--python-version", "3.11", f"{name}=={version}", "-d", str(into)],
+                          "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+                          "--platform", "manylinux_2_28_x86_64", f"{name}=={version}", "-d", str(into)],
                          capture_output=True, text=True, timeout=900)
     found = sorted(into.glob(f"{name}-{version}-*.whl"))
     if run.returncode == 0 and found:

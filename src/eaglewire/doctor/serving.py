@@ -75,8 +75,9 @@ def read_engine_config(engine: str, config: dict[str, Any], num_layers: int, dec
                 out.readings[label] = from_engine(ids, num_layers, engine, target_arch=arch)
             except EngineConventionError as e:
                 out.problems.append(f"{label}: {e}")
-            if where.block_output and any(b > 0 for b in out.readings.get(label, [])):
-                out.problems.append(_cannot(declared, num_layers, engine, arch))
+            cannot = _cannot(declared, num_layers, engine, arch) if where.block_output else ""
+            if cannot and any(b > 0 for b in out.readings.get(label, [])):
+                out.problems.append(cannot)
     fc = (sglang.num_aux if engine == "sglang" else speculators.num_aux)(config)
     if fc != len(declared):
         fix = ("set num_aux_hidden_states" if engine == "sglang" else "set transformer_layer_config."
@@ -97,8 +98,7 @@ def _cannot(declared: list[int], num_layers: int, engine: str, arch: str | None)
 
 def config_fix(engine: str, declared: list[int], num_layers: int, arch: str | None = None) -> str:
     """The exact config change that makes ``engine`` capture ``declared`` on this target."""
-    notes: list[str] = []
-    arch = _known_arch(arch, notes)
+    arch = _known_arch(arch, [])
     try:
         if engine == "sglang":
             if arch is not None:
