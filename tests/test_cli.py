@@ -75,7 +75,15 @@ def test_user_errors_exit_2_with_a_message(tmp_path, target_dir, capsys):
 def test_contract_command(capsys):
     assert main(["contract", "--num-layers", "30", "--aux-boundaries", "0,3,30"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["vllm"] == [0, 3, 30] and shown["sglang"].startswith("not expressible")
+    assert shown["vllm"] == [0, 3, 30]  # no --target-arch: every SGLang model file's reading
+    assert shown["sglang"]["llama/mistral/qwen2/qwen3"].startswith("not expressible")
+    assert shown["sglang"]["gpt_oss"] == [0, 3, 30]
+    assert main(["contract", "--num-layers", "30", "--aux-boundaries", "3,16,28", "--target-arch", "llama"]) == 0
+    llama = json.loads(capsys.readouterr().out)
+    assert main(["contract", "--num-layers", "30", "--aux-boundaries", "3,16,28", "--target-arch", "deepseek_v3"]) == 0
+    deepseek = json.loads(capsys.readouterr().out)
+    assert (llama["sglang"], deepseek["sglang"]) == ([2, 15, 27], [3, 16, 28])
+    assert deepseek["rules"]["sglang"].startswith("sglang/srt/models/deepseek_v2.py")
 
 
 def test_checkpoint_round_trip_and_foreign_target(tmp_path, chat_tiny_target):

@@ -3,14 +3,19 @@ import dataclasses
 import pytest
 
 from eaglewire.contract import (
+    SGLANG_FILES,
+    TARGET_ARCHS,
+    VLLM_FILES,
     ContractError,
     EngineConventionError,
     HiddenStateContract,
     TargetFingerprint,
     default_aux_boundaries,
+    engine_refusal,
     from_engine,
     sglang_ambiguity,
     sglang_readings,
+    target_arch,
     to_engine,
     validate_boundaries,
 )
@@ -53,10 +58,19 @@ def test_invalid_boundaries(bounds, message):
             contract(bounds)
 
 
-def test_order_is_kept_and_matters():
-    assert contract((27, 2, 15)).aux_boundaries == (27, 2, 15)
-    with pytest.raises(ContractError, match=r"aux boundaries \[27, 2, 15\]"):
-        contract((2, 15, 27)).check_same(contract((27, 2, 15)))
+def test_non_ascending_boundaries_are_refused_with_the_sorted_fix():
+    # vLLM sorts the ids and SGLang captures in layer order: [15, 2, 27] would be fed as [2, 15, 27]
+    with pytest.raises(ContractError, match=r"\[15, 2, 27\] are not ascending; sort them \(--aux-boundaries 2,15,27\)"):
+        validate_boundaries([15, 2, 27], 30)
+    with pytest.raises(ContractError, match="not ascending"):
+        contract((27, 2, 15))
+    with pytest.raises(ContractError, match="not ascending"):
+        HiddenStateContract.from_dict({**contract().to_dict(), "aux_boundaries": [27, 2, 15]})
+
+
+def test_check_same_compares_layouts():
+    with pytest.raises(ContractError, match=r"aux boundaries \[2, 15, 28\]"):
+        contract((2, 15, 27)).check_same(contract((2, 15, 28)))
 
 
 def test_malformed_dict():
@@ -80,52 +94,91 @@ def test_target_mismatch_override_and_soft_dtype():
     assert contract().check_target(FP) == []
 
 
-@pytest.mark.parametrize("engine", ["vllm", "speculators", "specforge", "sglang"])
-@pytest.mark.parametrize("bounds", [[2, 15, 27], [3, 10, 20, 25], [27, 2, 15]])
-def test_round_trip_every_engine(engine, bounds):
-    ids = to_engine(bounds, 30, engine)
-    assert from_engine(ids, 30, engine) == bounds
+ARCH_ENGINES = [("vllm", None), ("speculators", None), ("specforge", None)] + [
+    ("sglang", a) for a in TARGET_ARCHS if a != "gemma3"]
+
+
+@pytest.mark.parametrize("engine, arch", ARCH_ENGINES)
+@pytest.mark.parametrize("bounds", [[2, 15, 27], [3, 10, 20, 25], [4, 16, 28], [1, 15, 29]])
+def test_round_trip_every_engine(engine, arch, bounds):
+    try:
+        ids = to_engine(bounds, 30, engine, target_arch=arch)
+    except EngineConventionError:
+        return  # refusals are checked below and against the engines' code (tests/engines)
+    assert from_engine(ids, 30, engine, target_arch=arch) == bounds
+
+
+def test_sglang_reading_depends_on_the_target_model_file():
+    # issue 19's case: ids [3, 15, 27] are [4, 16, 28] on llama.py, [3, 15, 27] on deepseek_v2.py
+    assert from_engine([3, 15, 27], 30, "sglang", target_arch="llama") == [4, 16, 28]
+    assert from_engine([3, 15, 27], 30, "sglang", target_arch="deepseek_v3") == [3, 15, 27]
+    assert to_engine([3, 16, 28], 30, "sglang", target_arch="llama") == [2, 15, 27]
+    assert to_engine([3, 16, 28], 30, "sglang", target_arch="DeepseekV3ForCausalLM") == [3, 16, 28]
+    # the reference layout is wired alike on every file (SpecForge's ids)
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "gpt_oss"):
+        assert to_engine([2, 15, 27], 30, "sglang", target_arch=arch) == [1, 14, 26]
+    assert from_engine([1, 29, 57], 61, "sglang", target_arch="deepseek_v3") == [2, 30, 58]
+    with pytest.raises(ContractError, match="target_arch"):
+        to_engine([2, 15, 27], 30, "sglang")
+
+
+def test_boundary_zero_and_L_per_model_file():
+    assert to_engine([0, 15, 27], 30, "sglang", target_arch="llama") == [-1, 14, 26]
+    assert from_engine([-1, 14, 26], 30, "sglang", target_arch="llama") == [0, 15, 27]
+    assert to_engine([0, 15, 27], 30, "sglang", target_arch="deepseek_v3") == [0, 15, 27]
+    assert to_engine([2, 15, 30], 30, "sglang", target_arch="gpt_oss") == [2, 15, 30]  # verbatim when max == L
+    assert to_engine([0, 15, 27], 30, "sglang", target_arch="gpt_oss") == [-1, 14, 26]
+    assert to_engine([0, 3, 30], 30, "vllm") == [0, 3, 30]
+    with pytest.raises(EngineConventionError, match="boundary 30"):
+        to_engine([2, 15, 30], 30, "sglang", target_arch="qwen3")
+    with pytest.raises(EngineConventionError, match="first id is 1"):
+        to_engine([1, 15, 27], 30, "sglang", target_arch="deepseek_v3")
+
+
+def test_engines_without_a_working_reading_refuse_with_the_reason():
+    with pytest.raises(EngineConventionError, match="without the residual"):
+        to_engine([2, 15, 27], 30, "sglang", target_arch="gemma3")
+    with pytest.raises(EngineConventionError, match="SupportsEagle3"):
+        to_engine([2, 15, 27], 30, "vllm", target_arch="gemma3")
+    assert engine_refusal("vllm", "glm4_moe_lite") and engine_refusal("vllm", "llama") is None
+    # ids naming a layer the file never captures: fewer states than fc takes
+    with pytest.raises(EngineConventionError, match="captures only boundaries"):
+        from_engine([1, 14, 29], 30, "sglang", target_arch="llama")
+
+
+def test_every_arch_has_a_reading_in_both_engines_and_names_its_source():
+    assert set(SGLANG_FILES) == set(VLLM_FILES) == set(TARGET_ARCHS)
+    for f in [*SGLANG_FILES.values(), *VLLM_FILES.values()]:
+        assert f.path.endswith(".py") and f.function
+    assert target_arch("Qwen3ForCausalLM") == "qwen3" and target_arch("gemma3_text") == "gemma3"
+    with pytest.raises(ContractError, match="'FalconForCausalLM' has no engine reading"):
+        target_arch("FalconForCausalLM")
+
+
+def test_sglang_readings_name_each_family_and_the_ambiguity():
+    readings = sglang_readings([3, 14, 26], 30)
+    assert readings["sglang 0.5.23 on llama/mistral/qwen2/qwen3 targets"] == [4, 15, 27]
+    assert readings["sglang 0.5.23 on deepseek_v3/glm4_moe_lite targets"] == [3, 14, 26]
+    note = sglang_ambiguity([4, 15, 27], [3, 14, 26], 30)
+    assert "deepseek_v3/glm4_moe_lite targets: boundaries [3, 14, 26]" in note and "llama" not in note
+    assert sglang_ambiguity([2, 15, 27], [1, 14, 26], 30) is None
 
 
 def test_known_conventions():
-    # SpecForge and SGLang name the same physical layers "output of layer i".
     assert to_engine([2, 15, 27], 30, "specforge") == [1, 14, 26]
-    assert to_engine([2, 15, 27], 30, "sglang") == [1, 14, 26]
-    assert to_engine([0, 3, 30], 30, "vllm") == [0, 3, 30]
-    # DeepSeek-V3 (61 layers) SGLang example ids [1, 29, 57] mean boundaries [2, 30, 58].
-    assert from_engine([1, 29, 57], 61, "sglang") == [2, 30, 58]
-    assert from_engine([1, 29, 57], 61, "sglang", sglang_rule="plus_one_if_first_is_one") == [2, 30, 58]
     assert from_engine(None, 30, "sglang") == [2, 15, 27]
     assert from_engine([5, 6, 7], 30, "eagle") == [2, 15, 27]
-
-
-def test_sglang_new_rule_reads_other_ids_verbatim():
-    assert sglang_readings([3, 14, 26]) == {"always_plus_one": [4, 15, 27],
-                                            "plus_one_if_first_is_one": [3, 14, 26]}
-    assert to_engine([4, 15, 27], 30, "sglang", sglang_rule="plus_one_if_first_is_one") == [4, 15, 27]
-    note = sglang_ambiguity([4, 15, 27], [3, 14, 26])
-    assert "since mid-2026 capture boundaries [3, 14, 26]" in note
-    assert "before mid-2026 wire it right" in note
-    assert sglang_ambiguity([2, 15, 27], [1, 14, 26]) is None
+    assert from_engine([27, 2, 15], 30, "vllm") == [2, 15, 27]  # vLLM sorts
 
 
 @pytest.mark.parametrize("engine, bounds, message", [
-    ("sglang", [0, 3, 27], "boundary 0"),
-    ("sglang", [2, 15, 30], "boundary 30"),
     ("specforge", [0, 3, 27], "boundary 0"),
     ("specforge", [2, 15, 30], "post-norm"),
     ("eagle", [3, 15, 27], "hard-codes"),
 ])
 def test_inexpressible_layouts_fail_loudly(engine, bounds, message):
-    with pytest.raises(EngineConventionError, match=message) as e:
+    with pytest.raises(EngineConventionError, match=message):
         to_engine(bounds, 30, engine)
-    if engine == "sglang":
-        assert "vLLM" in str(e.value)  # says what to do instead
-
-
-def test_sglang_new_rule_cannot_start_at_one():
-    with pytest.raises(EngineConventionError, match="boundary 1"):
-        to_engine([1, 15, 27], 30, "sglang", sglang_rule="plus_one_if_first_is_one")
 
 
 def test_unknown_engine():

@@ -42,9 +42,31 @@ def test_predicted_tau_of_a_chain():
 
 
 def test_sglang_reading_of_ids_in_the_other_convention():
-    reading = read_engine_config("sglang", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}},
-                                 30, [2, 15, 27])
-    assert sorted(reading.readings.values()) == [[2, 15, 27], [3, 16, 28]]  # the two SGLang rules disagree
+    config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}
+    reading = read_engine_config("sglang", config, 30, [2, 15, 27], "LlamaForCausalLM")
+    assert reading.readings == {"sglang 0.5.23 (sglang/srt/models/llama.py)": [3, 16, 28]}
+    every = read_engine_config("sglang", config, 30, [2, 15, 27]).readings  # no architecture: every model file
+    assert every["sglang 0.5.23 on llama/mistral/qwen2/qwen3 targets"] == [3, 16, 28]
+    assert every["sglang 0.5.23 on deepseek_v3/glm4_moe_lite targets"] == [2, 15, 27]
+
+
+def test_vllm_reading_the_sglang_export_without_top_level_ids_is_one_layer_off_or_default():
+    config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    reading = read_engine_config("vllm", config, 30, [2, 15, 27], "llama")
+    assert reading.readings == {"vllm 0.33.0 (V2 runner, the default), its default layers": [2, 15, 27],
+                                "vllm 0.33.0 (V1 runner)": [1, 14, 26]}
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 15, 27]  # what an eaglewire SGLang export adds
+    assert read_engine_config("vllm", config, 30, [2, 15, 27], "llama").readings == {"vllm 0.33.0": [2, 15, 27]}
+
+
+def test_engine_problems_beyond_the_ids():
+    four = {"eagle_aux_hidden_state_layer_ids": [1, 3, 5, 7]}
+    reading = read_engine_config("vllm", four, 30, [1, 3, 5, 7], "llama")
+    assert any("sizes the draft's fc for 3 aux states" in p for p in reading.problems)
+    gemma = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    reading = read_engine_config("sglang", gemma, 30, [2, 15, 27], "Gemma3ForCausalLM")
+    assert any("without the residual" in p for p in reading.problems)
+    assert any("SupportsEagle3" in p for p in read_engine_config("vllm", four, 30, [1, 3, 5, 7], "gemma3").problems)
 
 
 def test_sglang_ignores_top_level_ids_and_falls_back_silently():
@@ -55,7 +77,7 @@ def test_sglang_ignores_top_level_ids_and_falls_back_silently():
 
 def test_vllm_reads_top_level_ids_verbatim():
     reading = read_engine_config("vllm", {"eagle_aux_hidden_state_layer_ids": [0, 2, 15]}, 30, [0, 2, 15])
-    assert reading.readings == {"vllm": [0, 2, 15]}
+    assert reading.readings == {"vllm 0.33.0": [0, 2, 15]} and reading.problems == []
 
 
 def test_lint_sglang_flags_it_would_silently_change():
@@ -66,9 +88,10 @@ def test_lint_sglang_flags_it_would_silently_change():
     assert verdict == "warn" and "overrides" in what and fix == "--speculative-num-draft-tokens 6"
 
 
-def test_lint_sglang_cannot_capture_the_embedding_output():
-    flags = lint_flags("sglang", "--speculative-num-steps=3", [0, 2, 15], 30)
-    assert [v for v, _, _ in flags.problems] == ["fail"] and "boundary 0" in flags.problems[0][1]
+def test_lint_sglang_boundaries_its_model_file_cannot_capture():
+    flags = lint_flags("sglang", "--speculative-num-steps=3", [2, 15, 30], 30, "llama")
+    assert [v for v, _, _ in flags.problems] == ["fail"] and "boundary 30" in flags.problems[0][2]
+    assert lint_flags("sglang", "--speculative-num-steps=3", [0, 2, 15], 30, "llama").problems == []  # id -1
 
 
 def test_lint_vllm_method():
@@ -154,16 +177,15 @@ def test_doctor_names_first_k_vs_last_k_miswiring_and_the_fix(tmp_path, trained,
 
 @pytest.mark.real
 def test_doctor_catches_an_sglang_vllm_off_by_one(tmp_path, trained, smollm2_target):
-    """vLLM-convention ids [2, 15, 27] in a SGLang config: older SGLang adds +1 -> [3, 16, 28]."""
+    """vLLM-convention ids [2, 15, 27] in a SGLang config: SGLang's llama.py adds 1 -> [3, 16, 28]."""
     draft, shards = trained["default"]
     served = tmp_path / "config.json"
     served.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}))
-    report, checks = _doctor(smollm2_target, draft, shards, engine="sglang", engine_config=str(served),
-                             sglang_rule="always_plus_one")
+    report, checks = _doctor(smollm2_target, draft, shards, engine="sglang", engine_config=str(served))
     assert report.exit_code == 1
     wiring = checks["engine wiring"]
     assert wiring.verdict == "fail" and "[3, 16, 28]" in " ".join(wiring.evidence)
-    assert "[1, 14, 26]" in wiring.fix  # the ids that wire it right on every SGLang
+    assert "[1, 14, 26]" in wiring.fix  # the ids that wire it right on SmolLM2's model file (llama.py)
     acc = {tuple(r.layout): r.acc0 for r in report.layouts}
     assert acc[(2, 15, 27)] > acc[(3, 16, 28)], acc
 

@@ -54,20 +54,23 @@ def assert_same_draft(a: Path, b: Path) -> None:
 
 # ---------------------------------------------------------------- round trips
 
-@pytest.mark.parametrize("rule", ["always_plus_one", "plus_one_if_first_is_one"])
-def test_sglang_round_trip_is_identity(tmp_path, chat_tiny_target, rule):
+def test_sglang_round_trip_is_identity(tmp_path, chat_tiny_target):
     native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
-    report = export_draft(native, "sglang", tmp_path / "sg", sglang_rule=rule, verifier_name="org/tiny")
+    report = export_draft(native, "sglang", tmp_path / "sg", verifier_name="org/tiny")
     config = json.loads((tmp_path / "sg" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True}
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]  # for vLLM, which looks there first
     assert config["target_hidden_size"] == 64 and config["draft_vocab_size"] == 512
     assert config["vocab_size"] == chat_tiny_target.vocab_size and config["tie_word_embeddings"] is False
-    assert report.engine_ids == [1, 3, 5] and report.notes == []  # first id 1: both rules agree
+    assert config["torch_dtype"] == "float32" and config["eaglewire"]["target_arch"] == "llama"
+    assert report.engine_ids == [1, 3, 5]  # first id 1: every model file agrees, no note on that
+    [note] = report.notes  # the recorded target 'tiny-test' is no directory: its stored dtype is unknown
+    assert "stored dtype is unknown: wrote torch_dtype float32" in note
     names = set(load_file(str(tmp_path / "sg" / "model.safetensors")))
     assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
-    back = import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "back", sglang_rule=rule)
-    assert back.aux_boundaries == [2, 4, 6] and back.notes == []
+    back = import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "back")
+    assert back.aux_boundaries == [2, 4, 6] and back.notes == []  # the recorded contract agrees
     assert_same_draft(native, tmp_path / "back")
     assert read_draft_config(tmp_path / "back")["training"]["format"] == "sglang"
 
@@ -81,6 +84,7 @@ def test_speculators_round_trip_is_identity(tmp_path, chat_tiny_target, to):
     assert config["eagle_aux_hidden_state_layer_ids"] == [0, 4, 8] == report.engine_ids
     assert (config["norm_before_residual"], config["norm_output"]) == (False, False)
     assert config["transformer_layer_config"]["vocab_size"] == chat_tiny_target.vocab_size
+    assert config["transformer_layer_config"]["num_aux_hidden_states"] == 3 and config["torch_dtype"] == "float32"
     sc = config["speculators_config"]
     assert sc["verifier"] == {"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]}
     assert sc["default_proposal_method"] == sc["proposal_methods"][0]["proposal_type"] == "greedy"
@@ -100,47 +104,109 @@ def test_full_vocabulary_draft_drops_and_restores_the_maps(tmp_path, chat_tiny_t
     assert_same_draft(native, tmp_path / "back")
 
 
-def test_recorded_contract_beats_a_wrong_sglang_rule(tmp_path, chat_tiny_target):
+def test_recorded_contract_beats_another_target_arch(tmp_path, chat_tiny_target):
     native = make_native(tmp_path / "native", chat_tiny_target, [3, 4, 6])
-    export_draft(native, "sglang", tmp_path / "sg", sglang_rule="plus_one_if_first_is_one")
-    back = import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "back")  # old rule
+    export_draft(native, "sglang", tmp_path / "sg", target_arch="deepseek_v3")  # ids [3, 4, 6] verbatim
+    back = import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "back")  # llama.py: +1
     assert back.aux_boundaries == [3, 4, 6]
     assert any("exported this draft for [3, 4, 6]" in n for n in back.notes)
-    # Without the record, the ids are read under the chosen rule and the ambiguity is named.
+    # Without the record, the ids are read with the target's model file and the other readings named.
     config = json.loads((tmp_path / "sg" / "config.json").read_text())
     del config["eaglewire"]
     (tmp_path / "sg" / "config.json").write_text(json.dumps(config))
     bare = import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "bare")
     assert bare.aux_boundaries == [4, 5, 7]
-    assert any("--sglang-rule plus_one_if_first_is_one" in n for n in bare.notes)
+    assert any("deepseek_v3/glm4_moe_lite targets: boundaries [3, 4, 6]" in n for n in bare.notes)
+    assert import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "ds",
+                        target_arch="deepseek_v3").aux_boundaries == [3, 4, 6]
 
 
-# ---------------------------------------------------------------- what SGLang cannot serve
+# ---------------------------------------------------------------- per target model file
 
-def test_sglang_export_names_the_ambiguity(tmp_path, chat_tiny_target):
+def test_sglang_export_follows_the_target_model_file(tmp_path, chat_tiny_target):
     native = make_native(tmp_path / "native", chat_tiny_target, [3, 4, 6])
-    report = export_draft(native, "sglang", tmp_path / "sg")
-    assert report.engine_ids == [2, 3, 5]
-    assert len(report.notes) == 1
-    assert "SGLang releases since mid-2026 capture boundaries [2, 3, 5]" in report.notes[0]
-    assert "SGLang releases before mid-2026 wire it right" in report.notes[0]
+    report = export_draft(native, "sglang", tmp_path / "sg")  # the contract records LlamaForCausalLM
+    assert report.engine_ids == [2, 3, 5]  # llama.py adds 1 to every id
+    assert "deepseek_v3/glm4_moe_lite targets: boundaries [2, 3, 5]" in report.notes[0]
     serving = (tmp_path / "sg" / "SERVING.md").read_text()
-    assert report.notes[0] in serving and "which only SGLang releases before mid-2026 capture exactly" in serving
+    assert report.notes[0] in serving and "sglang/srt/models/llama.py" in serving
+    assert export_draft(native, "sglang", tmp_path / "ds", target_arch="deepseek_v3").engine_ids == [3, 4, 6]
 
 
-def test_sglang_export_rejects_the_embedding_boundary(tmp_path, chat_tiny_target):
+def test_sglang_export_expresses_boundary_zero_on_llama_files(tmp_path, chat_tiny_target):
     native = make_native(tmp_path / "native", chat_tiny_target, [0, 3, 7])
-    with pytest.raises(EngineConventionError, match="boundary 0"):
-        export_draft(native, "sglang", tmp_path / "sg")
-    assert not (tmp_path / "sg").exists()
+    assert export_draft(native, "sglang", tmp_path / "sg").engine_ids == [-1, 2, 6]
+    back = import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "back")
+    assert back.aux_boundaries == [0, 3, 7]  # import agrees with export about boundary 0
+    with pytest.raises(EngineConventionError, match="boundary 8"):
+        export_draft(make_native(tmp_path / "n8", chat_tiny_target, [2, 4, 8]), "sglang", tmp_path / "x")
+    with pytest.raises(EngineConventionError, match="without the residual"):
+        export_draft(native, "sglang", tmp_path / "gemma", target_arch="gemma3")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "gemma").exists()
 
 
-def test_sglang_export_rejects_four_aux_states(tmp_path, chat_tiny_target):
+def test_four_aux_states_export_for_both_engines(tmp_path, chat_tiny_target):
+    # SGLang sizes fc from the nested id list; vLLM only from num_aux_hidden_states
     native = make_native(tmp_path / "native", chat_tiny_target, [1, 3, 5, 7])
-    with pytest.raises(FormatError, match="fuses 4 target states.*3 x target_hidden_size.*--to vllm"):
-        export_draft(native, "sglang", tmp_path / "sg")
+    report = export_draft(native, "sglang", tmp_path / "sg")
+    config = json.loads((tmp_path / "sg" / "config.json").read_text())
+    assert report.engine_ids == [0, 2, 4, 6] and sglang.num_aux(config) == 4
     report = export_draft(native, "vllm", tmp_path / "v", target=chat_tiny_target, verifier_name="org/tiny")
-    assert report.engine_ids == [1, 3, 5, 7]
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert report.engine_ids == [1, 3, 5, 7] and speculators.num_aux(config) == 4
+    del config["transformer_layer_config"]["num_aux_hidden_states"]
+    assert speculators.num_aux(config) == 3  # what vLLM 0.33.0 would size fc for without it
+    _, _, notes = speculators.parse_config(config)
+    assert any("sizes fc for 3 aux states" in n for n in notes)
+
+
+def test_vllm_export_refuses_a_target_vllm_serves_no_eagle3_for(tmp_path, chat_tiny_target):
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
+    with pytest.raises(EngineConventionError, match="SupportsEagle3"):
+        export_draft(native, "vllm", tmp_path / "v", target=chat_tiny_target, target_arch="gemma3")
+
+
+def test_every_serving_md_says_how_the_other_engine_reads_it(tmp_path, chat_tiny_target):
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
+    export_draft(native, "sglang", tmp_path / "sg", verifier_name="org/tiny")
+    text = (tmp_path / "sg" / "SERVING.md").read_text()
+    assert "vLLM 0.33.0: reads the top-level `eagle_aux_hidden_state_layer_ids` [2, 4, 6]" in text
+    assert "nested SGLang ids [1, 3, 5] verbatim (one layer off)" in text
+    export_draft(native, "vllm", tmp_path / "v", target=chat_tiny_target, verifier_name="org/tiny")
+    text = (tmp_path / "v" / "SERVING.md").read_text()
+    assert "SGLang 0.5.23 cannot load it" in text and "[1, 3, 5] for this `llama` target" in text
+    assert "one layer off" in text
+
+
+def test_vllm_export_keeps_the_embedding_in_the_targets_stored_dtype(tmp_path, chat_tiny_target, target_dir):
+    config = json.loads((target_dir / "config.json").read_text())
+    bf16 = tmp_path / "bf16_target"
+    bf16.mkdir()
+    for f in target_dir.iterdir():
+        (bf16 / f.name).symlink_to(f)
+    (bf16 / "config.json").unlink()
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
+    chat_tiny_target.spec = str(bf16)
+    try:
+        report = export_draft(native, "vllm", tmp_path / "v", target=chat_tiny_target)
+    finally:
+        chat_tiny_target.spec = "random:llama"
+    tensors = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert tensors["embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(tensors["embed_tokens.weight"], chat_tiny_target.embed_tokens.weight.to(torch.bfloat16))
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert report.files
+
+
+def test_verifier_name_defaults_to_the_local_target_directory(tmp_path, chat_tiny_target, target_dir):
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
+    config = json.loads((native / "config.json").read_text())
+    config["training"]["target"] = os.path.relpath(target_dir)
+    (native / "config.json").write_text(json.dumps(config))
+    report = export_draft(native, "vllm", tmp_path / "v", target=chat_tiny_target)
+    written = json.loads((tmp_path / "v" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert written["name_or_path"] == str(target_dir.resolve()) and report.notes == []
 
 
 def test_serving_md_has_consistent_launch_flags(tmp_path, chat_tiny_target):
@@ -148,7 +214,6 @@ def test_serving_md_has_consistent_launch_flags(tmp_path, chat_tiny_target):
     export_draft(native, "sglang", tmp_path / "sg", num_steps=3, verifier_name="org/tiny")
     text = (tmp_path / "sg" / "SERVING.md").read_text()
     assert "--model-path org/tiny" in text and "--speculative-algorithm EAGLE3" in text
-    assert "every SGLang version" in text
     assert f"--speculative-draft-model-path {(tmp_path / 'sg').resolve()}" in text
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in text
     export_draft(native, "vllm", tmp_path / "v", num_steps=3, target=chat_tiny_target)
@@ -232,16 +297,19 @@ def test_deepseek_v3_sglang_ids_mean_boundaries_2_30_58():
     fields, ids, notes = sglang.parse_config(SGLANG_DEEPSEEK_V3)
     assert ids == [1, 29, 57] and notes == []
     assert (fields["head_dim"], fields["target_hidden_size"], fields["draft_vocab_size"]) == (128, 7168, 32000)
-    for rule in ("always_plus_one", "plus_one_if_first_is_one"):  # first id 1: both rules agree
-        assert infer_boundaries("sglang", ids, 61, sglang_rule=rule) == ([2, 30, 58], [])
+    for arch in ("deepseek_v3", "llama"):  # first id 1: every model file agrees
+        bounds, notes = infer_boundaries("sglang", ids, 61, target_arch=arch)
+        assert bounds == [2, 30, 58] and "other targets" not in notes[0]
     assert infer_boundaries("specforge", ids, 61) == ([2, 30, 58], [])
 
 
-def test_sglang_ids_not_starting_at_one_are_ambiguous():
-    bounds, notes = infer_boundaries("sglang", [2, 15, 28], 32)
-    assert bounds == [3, 16, 29]
-    assert "SGLang releases since mid-2026 capture boundaries [2, 15, 28]" in notes[0]
-    assert "--sglang-rule plus_one_if_first_is_one" in notes[0]
+def test_sglang_ids_not_starting_at_one_are_read_per_model_file():
+    bounds, notes = infer_boundaries("sglang", [2, 15, 28], 32, target_arch="llama")
+    assert bounds == [3, 16, 29] and "sglang/srt/models/llama.py" in notes[0]
+    assert "deepseek_v3/glm4_moe_lite targets: boundaries [2, 15, 28]" in notes[0]
+    assert infer_boundaries("sglang", [2, 15, 28], 32, target_arch="deepseek_v3")[0] == [2, 15, 28]
+    with pytest.raises(ContractError, match="target_arch"):
+        infer_boundaries("sglang", [2, 15, 28], 32)
 
 
 def test_configs_without_ids_mean_the_default_layers():
@@ -469,3 +537,38 @@ def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
     imported, _, _ = load_draft(tmp_path / "imported", target=target)
     for j, ours in enumerate(our_ttt_logits(imported, target, inputs, steps)):
         assert (ours - peer[f"created_step{j}"]).abs().max() <= 1e-4, j
+
+
+# ---------------------------------------------------------------- boundary order
+
+def test_non_ascending_boundaries_are_refused_on_every_path(tmp_path, chat_tiny_target, target_dir, capsys):
+    """Engines feed aux states in layer order, so [5, 2, 7] would be served as [2, 5, 7]: refused
+    wherever a layout enters (capture, prepare, train, contract, export of a hand-edited draft)."""
+    from eaglewire.capture import capture
+    from eaglewire.cli import main
+
+    with pytest.raises(ContractError, match=r"\[5, 2, 7\] are not ascending; sort them \(--aux-boundaries 2,5,7\)"):
+        capture(chat_tiny_target, torch.tensor([[1, 2, 3]]), [5, 2, 7])
+    common = ["--target", str(target_dir), "--aux-boundaries", "5,2,7"]
+    for argv in (["prepare", *common, "--out", str(tmp_path / "p"), "--data", "x"],
+                 ["train", *common, "--out", str(tmp_path / "t"), "--online-data", "x"],
+                 ["contract", "--num-layers", "8", "--aux-boundaries", "5,2,7"]):
+        assert main(argv) == 2, argv
+        assert "sort them (--aux-boundaries 2,5,7)" in capsys.readouterr().err, argv
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 5, 7])
+    config = json.loads((native / "config.json").read_text())
+    config["contract"]["aux_boundaries"] = [5, 2, 7]
+    (native / "config.json").write_text(json.dumps(config))
+    assert main(["export", "--draft", str(native), "--to", "sglang", "--out", str(tmp_path / "sg")]) == 2
+    assert "not ascending" in capsys.readouterr().err and not (tmp_path / "sg").exists()
+
+
+def test_vllm_feeds_foreign_ids_in_layer_order(tmp_path, chat_tiny_target):
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 5, 7])
+    export_draft(native, "vllm", tmp_path / "v", target=chat_tiny_target, verifier_name="org/tiny")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    del config["eaglewire"]
+    config["eagle_aux_hidden_state_layer_ids"] = [5, 2, 7]  # written by another tool
+    (tmp_path / "v" / "config.json").write_text(json.dumps(config))
+    back = import_draft(tmp_path / "v", "vllm", chat_tiny_target, tmp_path / "back")
+    assert back.aux_boundaries == [2, 5, 7] and any("vLLM sorts the ids" in n for n in back.notes)

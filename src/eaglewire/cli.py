@@ -117,7 +117,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from eaglewire.formats import export_draft
 
-    report = export_draft(args.draft, args.to, args.out, sglang_rule=args.sglang_rule,
+    report = export_draft(args.draft, args.to, args.out, target_arch=args.target_arch,
                           verifier_name=args.verifier_name, num_steps=args.num_steps,
                           allow=set(args.allow_target_mismatch or ()))
     print(report.summary())
@@ -129,7 +129,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from eaglewire.target import load_target
 
     report = import_draft(args.src, args.from_, load_target(args.target, device="cpu", dtype="fp32"), args.out,
-                          sglang_rule=args.sglang_rule, allow=set(args.allow_target_mismatch or ()))
+                          target_arch=args.target_arch, allow=set(args.allow_target_mismatch or ()))
     print(report.summary())
     return 0
 
@@ -156,25 +156,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_contract(args: argparse.Namespace) -> int:
-    """Show how each engine names a boundary layout of a target."""
-    from eaglewire.contract import ENGINES, EngineConventionError, default_aux_boundaries, sglang_ambiguity, to_engine
+    """Show how each engine names a boundary layout of a target, and which code says so."""
+    from eaglewire.contract import (ENGINES, SGLANG_VERSION, VLLM_VERSION, EngineConventionError, default_aux_boundaries,
+                                    model_file, sglang_families, target_arch, to_engine, validate_boundaries)
 
     if args.num_layers is None:
         from eaglewire.target import load_target
 
-        num_layers = load_target(args.target, device="cpu").num_layers
+        target = load_target(args.target, device="cpu")
+        num_layers, arch = target.num_layers, args.target_arch or target.fingerprint.architecture
     else:
-        num_layers = args.num_layers
-    bounds = args.aux_boundaries or default_aux_boundaries(num_layers)
-    result: dict[str, object] = {"num_layers": num_layers, "aux_boundaries": bounds}
-    for engine in ENGINES:
+        num_layers, arch = args.num_layers, args.target_arch
+    arch = target_arch(arch) if arch else None
+    bounds = validate_boundaries(args.aux_boundaries or default_aux_boundaries(num_layers), num_layers)
+    result: dict[str, object] = {"num_layers": num_layers, "aux_boundaries": bounds, "target_arch": arch,
+                                 "versions": {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}}
+
+    def ids(engine: str, a: str | None) -> object:
         try:
-            result[engine] = to_engine(bounds, num_layers, engine)
+            return to_engine(bounds, num_layers, engine, target_arch=a)
         except EngineConventionError as e:
-            result[engine] = f"not expressible: {e}"
-    sglang_ids = result["sglang"]
-    if isinstance(sglang_ids, list):
-        result["sglang_note"] = sglang_ambiguity(bounds, sglang_ids) or "both SGLang rules read these ids the same way"
+            return f"not expressible: {e}"
+
+    for engine in ENGINES:
+        if engine == "sglang" and arch is None:  # the rule depends on the model file: show every one
+            result[engine] = {family: ids(engine, archs[0]) for family, archs in sglang_families().items()}
+        else:
+            result[engine] = ids(engine, arch if engine in ("sglang", "vllm", "speculators") else None)
+    if arch is not None:
+        result["rules"] = {e: f"{model_file(e, arch).path}: {model_file(e, arch).function}" for e in ("sglang", "vllm")}
     print(json.dumps(result, indent=2))
     return 0
 
@@ -245,8 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True)
     p.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators"])
     p.add_argument("--out", required=True)
-    p.add_argument("--sglang-rule", default="always_plus_one", choices=["always_plus_one", "plus_one_if_first_is_one"])
-    p.add_argument("--verifier-name", default=None, help="target path or hub id written into the export")
+    p.add_argument("--target-arch", default=None, help="the target's architecture, whose model file sets the "
+                   "engine's reading of the ids (default: the one the draft records), e.g. llama, qwen3, deepseek_v3")
+    p.add_argument("--verifier-name", default=None, help="target path or hub id written into the export "
+                   "(default: the recorded target, as an absolute path when it is a local directory)")
     p.add_argument("--num-steps", type=int, default=5, help="speculative steps suggested in SERVING.md")
     p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
     p.set_defaults(func=cmd_export)
@@ -256,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="the checkpoint directory to import")
     p.add_argument("--target", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--sglang-rule", default="always_plus_one", choices=["always_plus_one", "plus_one_if_first_is_one"])
+    p.add_argument("--target-arch", default=None, help="the target's architecture whose SGLang model file "
+                   "reads the ids (default: the target's own)")
     p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
     p.set_defaults(func=cmd_import)
 
@@ -280,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--num-layers", type=int, default=None, help="skip loading the target")
     p.add_argument("--aux-boundaries", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    p.add_argument("--target-arch", default=None, help="the target's architecture (llama, qwen3, deepseek_v3, "
+                   "...; default: the target's own; with --num-layers and none: every SGLang model file)")
     p.set_defaults(func=cmd_contract)
     return parser
 

@@ -3,17 +3,25 @@
 Canonical index: the *boundary*. A decoder with L layers has L + 1 residual-stream
 boundaries; boundary b is the input of layer b (= output of layer b - 1), boundary 0 is
 the embedding output and boundary L the last layer's output *before* the final norm.
+A draft's boundaries are strictly ascending: every engine feeds the aux states in layer
+order (vLLM sorts the ids, SGLang and llama.cpp capture while walking the layers).
 
-Every engine numbers these differently. This module is the only place that translates:
+Every engine numbers these differently, and SGLang differently per target model file.
+This module is the only place that translates; each reading is a function of (engine,
+engine version, target architecture), read from the engines' released code (the file and
+function of every rule: docs/engines.md; tests/engines checks them against the wheels):
 
-| engine                 | id -> boundary                       | boundaries it can express |
-|------------------------|--------------------------------------|---------------------------|
-| vllm / speculators     | b = id                               | 0..L                      |
-| specforge              | b = id + 1  (HF hidden_states[id+1]) | 1..L-1 (L would be post-norm) |
-| sglang, always +1      | b = id + 1                           | 1..L-1                    |
-| sglang, +1 if first==1 | b = id + 1 if ids[0] == 1 else id    | 1..L-1                    |
-| llamacpp               | b = id (input of layer id)           | 0..L-1, exactly 3         |
-| eagle (reference)      | hard-coded [2, L//2, L-3]            | only that layout          |
+| engine (version)        | target model file                      | id -> boundary                   | boundaries |
+|-------------------------|----------------------------------------|----------------------------------|------------|
+| vllm / speculators 0.33 | llama, qwen2/qwen3, deepseek_v2, gpt_oss | b = id (ids sorted)            | 0..L       |
+| vllm 0.33               | gemma3, glm4_moe_lite                  | no EAGLE-3 support               | none       |
+| sglang 0.5.23           | llama (mistral), qwen2, qwen3          | b = id + 1  (id -1 -> 0)         | 0..L-1     |
+| sglang 0.5.23           | gemma3_causal                          | id + 1, but captures the block's output without the residual | 0 only |
+| sglang 0.5.23           | deepseek_v2 (DeepSeek-V3), glm4_moe_lite | b = id + 1 if ids[0] == 1 else id | 0..L-1, not starting at 1 |
+| sglang 0.5.23           | gpt_oss                                | b = id if max(id) == L else id + 1 | 0..L     |
+| specforge               | (HF hidden_states[id + 1])             | b = id + 1                       | 1..L-1     |
+| llamacpp (b11434)       | any                                    | b = id, exactly 3                | 0..L-1     |
+| eagle (reference)       | any                                    | hard-coded [2, L//2, L-3]        | that only  |
 """
 
 from __future__ import annotations
@@ -27,16 +35,12 @@ CONTRACT_VERSION = 1
 Engine = Literal["sglang", "vllm", "speculators", "specforge", "llamacpp", "eagle"]
 ENGINES: tuple[str, ...] = ("sglang", "vllm", "speculators", "specforge", "llamacpp", "eagle")
 
+# The releases the readings below were taken from (tests/engines re-reads them).
+SGLANG_VERSION = "0.5.23"
+VLLM_VERSION = "0.33.0"
+
 # llama.cpp (build 11434) copies the input of layer i for id i and fuses exactly three.
 LLAMACPP_NUM_AUX = 3
-
-# SGLang's two readings of eagle_aux_hidden_state_layer_ids.
-SglangRule = Literal["always_plus_one", "plus_one_if_first_is_one"]
-SGLANG_RULES: tuple[str, ...] = ("always_plus_one", "plus_one_if_first_is_one")
-SGLANG_RULE_VERSIONS = {
-    "always_plus_one": "SGLang releases before mid-2026",
-    "plus_one_if_first_is_one": "SGLang releases since mid-2026",
-}
 
 # Fingerprint fields whose difference is only a warning: a draft trained on fp32 captures
 # may be served in bf16 (the doctor measures the drift that causes).
@@ -77,6 +81,12 @@ def validate_boundaries(boundaries: list[int], num_layers: int) -> list[int]:
     dup = sorted({b for b in out if out.count(b) > 1})
     if dup:
         raise ContractError(f"aux boundaries {out} repeat {dup}; each boundary may appear once")
+    if out != sorted(out):
+        raise ContractError(
+            f"aux boundaries {out} are not ascending; sort them (--aux-boundaries "
+            f"{','.join(map(str, sorted(out)))}): every engine feeds the aux states in layer order "
+            "(vLLM sorts the ids, SGLang and llama.cpp capture while walking the layers), so a draft "
+            "trained on another order would be fed its states permuted")
     return out
 
 
@@ -171,49 +181,169 @@ class HiddenStateContract:
         return other.check_target(self.target, what=what, allow=allow)
 
 
-# ---------------------------------------------------------------- engine translation
+# ---------------------------------------------------------------- target architectures
 
-def sglang_read(ids: list[int], rule: str) -> list[int]:
-    """The boundaries SGLang captures for config ``ids`` under ``rule``."""
-    if rule not in SGLANG_RULES:
-        raise ContractError(f"unknown SGLang rule {rule!r}; known: {', '.join(SGLANG_RULES)}")
-    plus_one = rule == "always_plus_one" or (ids and ids[0] == 1)
-    return [i + 1 for i in ids] if plus_one else list(ids)
-
-
-def _check_sglang_expressible(boundaries: list[int], num_layers: int) -> None:
-    for b in boundaries:
-        if b == 0:
-            raise EngineConventionError(
-                "SGLang cannot capture boundary 0 (the embedding output): its id would be -1, "
-                "which SGLang drops or crashes on. Retrain with a layout without boundary 0 "
-                f"(e.g. {default_aux_boundaries(num_layers)}), or serve with vLLM or eaglewire")
-        if b == num_layers:
-            raise EngineConventionError(
-                f"SGLang cannot capture boundary {num_layers} (the last layer's pre-norm output "
-                f"of a {num_layers}-layer target): no layer {num_layers} exists to capture before, "
-                "so SGLang silently drops it. Retrain without it, or serve with vLLM or eaglewire")
+# The target families eaglewire knows an engine reading for (HF model_type spelling).
+TARGET_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "deepseek_v3",
+                                 "glm4_moe_lite", "gpt_oss")
+_ARCH_ALIASES = {
+    "llamaforcausallm": "llama", "mistralforcausallm": "mistral", "qwen2forcausallm": "qwen2",
+    "qwen3forcausallm": "qwen3", "gemma3forcausallm": "gemma3", "gemma3forconditionalgeneration": "gemma3",
+    "gemma3_text": "gemma3", "deepseekv3forcausallm": "deepseek_v3", "glm4moeliteforcausallm": "glm4_moe_lite",
+    "gptossforcausallm": "gpt_oss",
+}
 
 
-def _check_llamacpp_expressible(boundaries: list[int], num_layers: int) -> None:
-    if len(boundaries) != LLAMACPP_NUM_AUX:
+def target_arch(name: str) -> str:
+    """A target's HF architecture (``LlamaForCausalLM``) or model_type (``llama``) -> a TARGET_ARCHS key."""
+    key = str(name).strip().lower()
+    arch = key if key in TARGET_ARCHS else _ARCH_ALIASES.get(key)
+    if arch is None:
+        raise ContractError(
+            f"target architecture {name!r} has no engine reading in eaglewire (SGLang's depends on the "
+            f"target's model file); known: {', '.join(TARGET_ARCHS)} (or their HF class names). If the "
+            "target is a variant of one of these, pass that one (--target-arch)")
+    return arch
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFile:
+    """How one engine release's target model file turns config ids into captured boundaries."""
+
+    engine: str
+    path: str  # in the engine's wheel
+    function: str  # where the id rule lives
+    ids: str  # plus_one | plus_one_if_first_is_one | verbatim_if_max_is_L | verbatim
+    captures_last: bool  # boundary L (after the last layer, before the norm) can be captured
+    block_output: bool = False  # captures a layer's output without the residual, not the stream
+    unsupported: str | None = None  # why this engine serves no EAGLE-3 draft on this target
+
+
+def _sglang(path: str, cls: str, ids: str = "plus_one", *, last: bool = False, block_output: bool = False) -> ModelFile:
+    return ModelFile(engine="sglang", path=f"sglang/srt/models/{path}", ids=ids, captures_last=last,
+                     function=f"{cls}.set_eagle3_layers_to_capture", block_output=block_output)
+
+
+def _vllm(path: str, model: str, *, unsupported: str | None = None) -> ModelFile:
+    return ModelFile(engine="vllm", path=f"vllm/model_executor/models/{path}", ids="verbatim",
+                     captures_last=unsupported is None, unsupported=unsupported,
+                     function=f"{model}.forward + EagleModelMixin._set_aux_hidden_state_layers (sorted)")
+
+
+_NO_VLLM_EAGLE3 = ("vLLM {v}'s {cls} does not implement SupportsEagle3, so vLLM refuses an EAGLE-3 draft "
+                   "for this target; serve it with SGLang or eaglewire")
+SGLANG_FILES: dict[str, ModelFile] = {
+    "llama": _sglang("llama.py", "LlamaForCausalLM"),
+    "mistral": _sglang("llama.py", "LlamaForCausalLM"),  # models/mistral.py subclasses it
+    "qwen2": _sglang("qwen2.py", "Qwen2ForCausalLM"),
+    "qwen3": _sglang("qwen3.py", "Qwen3ForCausalLM"),
+    "gemma3": _sglang("gemma3_causal.py", "Gemma3ForCausalLM", last=True, block_output=True),
+    "deepseek_v3": _sglang("deepseek_v2.py", "DeepseekV2ForCausalLM", "plus_one_if_first_is_one"),
+    "glm4_moe_lite": _sglang("glm4_moe_lite.py", "Glm4MoeLiteForCausalLM", "plus_one_if_first_is_one"),
+    "gpt_oss": _sglang("gpt_oss.py", "GptOssForCausalLM", "verbatim_if_max_is_L", last=True),
+}
+VLLM_FILES: dict[str, ModelFile] = {
+    "llama": _vllm("llama.py", "LlamaModel"),
+    "mistral": _vllm("llama.py", "LlamaModel"),  # models/mistral.py subclasses LlamaForCausalLM
+    "qwen2": _vllm("qwen2.py", "Qwen2Model"),
+    "qwen3": _vllm("qwen2.py", "Qwen2Model"),  # Qwen3Model subclasses Qwen2Model
+    "gemma3": _vllm("gemma3.py", "Gemma3Model", unsupported=_NO_VLLM_EAGLE3.format(
+        v=VLLM_VERSION, cls="Gemma3ForCausalLM (models/gemma3.py)")),
+    "deepseek_v3": _vllm("deepseek_v2.py", "DeepseekV2Model"),
+    "glm4_moe_lite": _vllm("glm4_moe_lite.py", "Glm4MoeLiteModel", unsupported=_NO_VLLM_EAGLE3.format(
+        v=VLLM_VERSION, cls="Glm4MoeLiteForCausalLM (models/glm4_moe_lite.py)")),
+    "gpt_oss": _vllm("gpt_oss.py", "GptOssModel"),
+}
+_VLLM_GENERIC = _vllm("llama.py", "LlamaModel")
+
+
+def model_file(engine: str, arch: str | None) -> ModelFile:
+    """The model file whose rule ``engine`` applies to a target of architecture ``arch``."""
+    if engine in ("vllm", "speculators"):
+        return _VLLM_GENERIC if arch is None else VLLM_FILES[target_arch(arch)]
+    if engine == "sglang":
+        if arch is None:
+            raise ContractError(
+                f"SGLang {SGLANG_VERSION} reads the ids differently per target model file; give the "
+                f"target's architecture (target_arch / --target-arch: {', '.join(TARGET_ARCHS)})")
+        return SGLANG_FILES[target_arch(arch)]
+    raise ContractError(f"engine {engine!r} has no per-model-file reading; known: sglang, vllm, speculators")
+
+
+def engine_refusal(engine: str, arch: str | None) -> str | None:
+    """Why ``engine`` serves no EAGLE-3 draft on this target at all (None: it does)."""
+    if engine not in ("sglang", "vllm", "speculators") or arch is None:
+        return None
+    return model_file(engine, arch).unsupported
+
+
+# ---------------------------------------------------------------- engine readings
+
+def sglang_layers_to_capture(ids: list[int], rule: str, num_layers: int) -> list[int]:
+    """The ``layers_to_capture`` SGLang's ``set_eagle3_layers_to_capture`` sets for ``ids`` under ``rule``."""
+    ids = list(ids)
+    if rule == "plus_one":
+        return [i + 1 for i in ids]
+    if rule == "plus_one_if_first_is_one":
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+    if rule == "verbatim_if_max_is_L":
+        return ids if ids and max(ids) == num_layers else [i + 1 for i in ids]
+    raise ContractError(f"unknown SGLang id rule {rule!r}")
+
+
+def captured_boundaries(layers: list[int], num_layers: int, captures_last: bool) -> list[int]:
+    """Boundaries a forward captures for ``layers_to_capture``: the input of each layer ``i in
+    layers`` (in layer order) and, where the file does, the stream after the last layer."""
+    got = sorted({i for i in layers if 0 <= i < num_layers})
+    return got + [num_layers] if captures_last and num_layers in layers else got
+
+
+def _engine_read(ids: list[int], num_layers: int, f: ModelFile) -> list[int]:
+    layers = ids if f.ids == "verbatim" else sglang_layers_to_capture(ids, f.ids, num_layers)
+    return captured_boundaries(layers, num_layers, f.captures_last)
+
+
+def _sglang_ids(boundaries: list[int], num_layers: int, f: ModelFile) -> list[int]:
+    where = f"SGLang {SGLANG_VERSION}'s {f.path} ({f.function})"
+    instead = "Retrain on another layout (e.g. [2, L//2, L-3]), or serve with vLLM or eaglewire"
+    if f.block_output and any(b > 0 for b in boundaries):
         raise EngineConventionError(
-            f"llama.cpp fuses exactly {LLAMACPP_NUM_AUX} target states (extract_layers); this layout has "
-            f"{len(boundaries)} ({list(boundaries)}). Retrain on 3 boundaries (e.g. "
-            f"{default_aux_boundaries(num_layers)}), or serve with vLLM, SGLang or eaglewire")
-    if num_layers in boundaries:
+            f"{where} captures, for every layer after the first, the previous block's output without the "
+            "residual (the layer returns them apart and only hidden_states is kept), not the residual-stream "
+            "boundary the draft was trained on: SGLang would feed this Gemma 3 target's draft other states. "
+            "Serve it with eaglewire")
+    if num_layers in boundaries and not f.captures_last:
         raise EngineConventionError(
-            f"llama.cpp cannot capture boundary {num_layers} (the last layer's pre-norm output of a "
-            f"{num_layers}-layer target): it copies the input of layer i for id i, and there is no layer "
-            f"{num_layers}. Retrain without it, or serve with vLLM or eaglewire")
+            f"{where} cannot capture boundary {num_layers} (the last layer's pre-norm output of a "
+            f"{num_layers}-layer target): its id would ask for the input of layer {num_layers}, which does "
+            f"not exist, so the draft would get fewer states than its fc takes. {instead}")
+    if f.ids == "plus_one":
+        ids = [b - 1 for b in boundaries]
+    elif f.ids == "plus_one_if_first_is_one":
+        if boundaries[0] == 1:
+            raise EngineConventionError(
+                f"{where} adds 1 to the ids only when the first id is 1: a first id 0 means boundary 0 and a "
+                f"first id 1 means boundary 2, so no id list starts at boundary 1. {instead}")
+        ids = [b - 1 for b in boundaries] if boundaries[0] == 2 else list(boundaries)
+    elif f.ids == "verbatim_if_max_is_L":
+        ids = list(boundaries) if boundaries[-1] == num_layers else [b - 1 for b in boundaries]
+    else:
+        raise ContractError(f"unknown SGLang id rule {f.ids!r}")
+    assert _engine_read(ids, num_layers, f) == boundaries, (ids, boundaries, f)
+    return ids
 
 
-def to_engine(boundaries: list[int], num_layers: int, engine: str, *,
-              sglang_rule: str = "always_plus_one") -> list[int]:
-    """Layer ids that make ``engine`` capture exactly ``boundaries``; error if it cannot."""
+def to_engine(boundaries: list[int], num_layers: int, engine: str, *, target_arch: str | None = None) -> list[int]:
+    """Layer ids that make ``engine`` capture exactly ``boundaries`` on a target of architecture
+    ``target_arch`` (required for SGLang); EngineConventionError if it cannot."""
     boundaries = validate_boundaries(list(boundaries), num_layers)
     if engine in ("vllm", "speculators"):
+        why = engine_refusal(engine, target_arch)
+        if why:
+            raise EngineConventionError(why)
         return boundaries
+    if engine == "sglang":
+        return _sglang_ids(boundaries, num_layers, model_file("sglang", target_arch))
     if engine == "specforge":
         for b in boundaries:
             if b in (0, num_layers):
@@ -222,20 +352,6 @@ def to_engine(boundaries: list[int], num_layers: int, engine: str, *,
                     + ("rejects negative ids" if b == 0 else
                        "reads HF hidden_states[L], which is post-norm, not the pre-norm state"))
         return [b - 1 for b in boundaries]
-    if engine == "sglang":
-        _check_sglang_expressible(boundaries, num_layers)
-        if sglang_rule == "always_plus_one":
-            return [b - 1 for b in boundaries]
-        if sglang_rule != "plus_one_if_first_is_one":
-            raise ContractError(f"unknown SGLang rule {sglang_rule!r}; known: {', '.join(SGLANG_RULES)}")
-        if boundaries[0] == 2:
-            return [b - 1 for b in boundaries]  # first id 1 -> +1 applied
-        if boundaries[0] == 1:
-            raise EngineConventionError(
-                "SGLang (since mid-2026) cannot express a layout starting at boundary 1: id 0 is "
-                "taken verbatim (boundary 0) and id 1 gets +1 (boundary 2). Export for older SGLang "
-                "(--sglang-rule always_plus_one) or serve with vLLM or eaglewire")
-        return list(boundaries)  # taken verbatim
     if engine == "llamacpp":
         _check_llamacpp_expressible(boundaries, num_layers)
         return boundaries
@@ -249,44 +365,78 @@ def to_engine(boundaries: list[int], num_layers: int, engine: str, *,
     raise ContractError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
 
 
-def from_engine(ids: list[int] | None, num_layers: int, engine: str, *,
-                sglang_rule: str = "always_plus_one") -> list[int]:
-    """Boundaries that ``engine`` captures for config ``ids`` (None: the engine's default)."""
+def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_arch: str | None = None) -> list[int]:
+    """Boundaries that ``engine`` captures for config ``ids`` (None: the engine's default) on a
+    target of architecture ``target_arch`` (required for SGLang), in the order it feeds them."""
+    if engine not in ENGINES:
+        raise ContractError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     if engine == "eagle" or ids is None:
         # Every engine falls back to [2, L//2, L-3] when the config carries no ids.
-        if engine not in ENGINES:
-            raise ContractError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
         return default_aux_boundaries(num_layers)
     ids = [int(i) for i in ids]
-    if engine in ("vllm", "speculators"):
-        bounds = ids
+    if engine in ("vllm", "speculators", "sglang"):
+        f = model_file(engine, target_arch)
+        bounds = _engine_read(ids, num_layers, f)
+        if len(bounds) != len(ids):
+            name = "SGLang " + SGLANG_VERSION if engine == "sglang" else "vLLM " + VLLM_VERSION
+            raise EngineConventionError(
+                f"{name}'s {f.path} captures only boundaries {bounds} for ids {ids} on a {num_layers}-layer "
+                f"target: {len(ids) - len(bounds)} of them name no layer it captures (or repeat one), so the "
+                f"draft would get {len(bounds)} states for an fc that takes {len(ids)}")
     elif engine == "specforge":
         if any(i < 0 for i in ids):
             raise EngineConventionError(f"SpecForge ids {ids} contain a negative id; SpecForge rejects them")
         bounds = [i + 1 for i in ids]
-    elif engine == "sglang":
-        bounds = sglang_read(ids, sglang_rule)
-    elif engine == "llamacpp":
+    else:  # llamacpp
         _check_llamacpp_expressible(ids, num_layers)
         bounds = ids
-    else:
-        raise ContractError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     return validate_boundaries(bounds, num_layers)
 
 
-def sglang_readings(ids: list[int]) -> dict[str, list[int]]:
-    """How each SGLang rule reads ``ids``: rule -> boundaries captured."""
-    return {rule: sglang_read(list(ids), rule) for rule in SGLANG_RULES}
+def sglang_families() -> dict[str, list[str]]:
+    """Target families whose SGLang model files read ids alike: ``"llama/mistral/..."`` -> archs."""
+    groups: dict[tuple[str, bool, bool], list[str]] = {}
+    for arch, f in SGLANG_FILES.items():
+        groups.setdefault((f.ids, f.captures_last, f.block_output), []).append(arch)
+    return {"/".join(archs): archs for archs in groups.values()}
 
 
-def sglang_ambiguity(boundaries: list[int], ids: list[int]) -> str | None:
-    """A sentence naming the SGLang versions that miswire ``ids``, or None if all agree."""
-    readings = sglang_readings(ids)
-    wrong = [r for r, b in readings.items() if b != list(boundaries)]
+def sglang_readings(ids: list[int], num_layers: int) -> dict[str, list[int] | str]:
+    """How SGLang reads ``ids`` on each target family: label -> boundaries captured, or why
+    it cannot (families whose model files agree share one label)."""
+    out: dict[str, list[int] | str] = {}
+    for family, archs in sglang_families().items():
+        label = f"sglang {SGLANG_VERSION} on {family} targets"
+        try:
+            out[label] = from_engine(ids, num_layers, "sglang", target_arch=archs[0])
+        except ContractError as e:
+            out[label] = str(e)
+        got = out[label]
+        if SGLANG_FILES[archs[0]].block_output and isinstance(got, list) and max(got) > 0:
+            out[label] = (f"the inputs of layers {got}, but as the previous block's output without the "
+                          f"residual, not the residual-stream boundaries ({SGLANG_FILES[archs[0]].path})")
+    return out
+
+
+def sglang_ambiguity(boundaries: list[int], ids: list[int], num_layers: int) -> str | None:
+    """A sentence naming the target families on which SGLang reads ``ids`` as other than
+    ``boundaries`` (None if all read them alike; Gemma 3, wrong for any ids, is left out)."""
+    readings = {k: v for k, v in sglang_readings(ids, num_layers).items() if "gemma3" not in k}
+    wrong = {k: v for k, v in readings.items() if v != list(boundaries)}
     if not wrong:
         return None
-    right = [r for r in SGLANG_RULES if r not in wrong]
-    parts = [f"{SGLANG_RULE_VERSIONS[r]} capture boundaries {readings[r]}" for r in wrong]
-    ok = (" and ".join(SGLANG_RULE_VERSIONS[r] for r in right) + f" wire it right ({list(boundaries)})"
-          if right else "no SGLang version wires it right")
-    return f"ids {list(ids)}: " + "; ".join(parts) + f"; {ok}"
+    return (f"On other targets SGLang reads ids {list(ids)} differently: "
+            + "; ".join(f"{k}: {v if isinstance(v, str) else f'boundaries {v}'}" for k, v in wrong.items()) + ".")
+
+
+def _check_llamacpp_expressible(boundaries: list[int], num_layers: int) -> None:
+    if len(boundaries) != LLAMACPP_NUM_AUX:
+        raise EngineConventionError(
+            f"llama.cpp fuses exactly {LLAMACPP_NUM_AUX} target states (extract_layers); this layout has "
+            f"{len(boundaries)} ({list(boundaries)}). Retrain on 3 boundaries (e.g. "
+            f"{default_aux_boundaries(num_layers)}), or serve with vLLM, SGLang or eaglewire")
+    if num_layers in boundaries:
+        raise EngineConventionError(
+            f"llama.cpp cannot capture boundary {num_layers} (the last layer's pre-norm output of a "
+            f"{num_layers}-layer target): it copies the input of layer i for id i, and there is no layer "
+            f"{num_layers}. Retrain without it, or serve with vLLM or eaglewire")

@@ -9,7 +9,7 @@ def candidate_layouts(declared: list[int], num_layers: int,
                       serving: dict[str, list[int]] | None = None) -> dict[tuple[int, ...], list[str]]:
     """layout -> reasons it is a candidate, in a stable order.
 
-    - the declared layout and each serving reading (SGLang's two rules, vLLM, defaults);
+    - the declared layout and each serving reading (SGLang's per model file, vLLM's, defaults);
     - every boundary shifted by -1/+1 alone, and all together (an engine's off-by-one);
     - first-k and last-k of k+1 captured boundaries (the declared ones plus one more, e.g.
       the embedding output, the engine default or the final state): tools that capture one

@@ -44,7 +44,8 @@ class DoctorConfig:
     engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators"})
     engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load"})
     engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
-    sglang_rule: str | None = field(default=None, metadata={"help": "the SGLang rule in use (default: check both)"})
+    target_arch: str | None = field(default=None, metadata={"help": "the target's architecture as the engine loads "
+                                                                    "it (default: the one the draft records)"})
     engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
     json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
@@ -87,7 +88,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     L = target.num_layers
 
     identity_ok = _check_identity(report, contract, target)
-    serving, serving_steps = _serving(report, config, declared, L)
+    serving, serving_steps = _serving(report, config, declared, L, config.target_arch or contract.target.architecture)
     sequences, source = _load_sequences(config, target, contract, summary, report)
     if not sequences:
         report.add(Check("data", "fail", "no held-out sequence with reply tokens to measure on",
@@ -142,13 +143,13 @@ def _check_identity(report: DoctorReport, contract: HiddenStateContract, target:
     return True
 
 
-def _serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int
+def _serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str
              ) -> tuple[dict[str, list[int]], int]:
     """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
     the chain length it drafts, SGLang's default 5 when the flags do not say)."""
     steps = 5
     if config.engine_flags:
-        flags = lint_flags(config.engine, config.engine_flags, declared, L)
+        flags = lint_flags(config.engine, config.engine_flags, declared, L, arch)
         worst = "fail" if any(v == "fail" for v, _, _ in flags.problems) else (
             "warn" if flags.problems else "ok")
         report.add(Check("serving flags", worst,
@@ -163,13 +164,14 @@ def _serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L:
                          f"{config.engine} will capture", fix="pass the config.json the engine will load"))
         return {}, steps
     cfg = json.loads(Path(config.engine_config).read_text())
-    reading = read_engine_config(config.engine, cfg, L, declared, config.sglang_rule)
+    reading = read_engine_config(config.engine, cfg, L, declared, arch)
     wrong = {label: b for label, b in reading.readings.items() if b != declared}
-    evidence = [f"{label} captures boundaries {b}" for label, b in reading.readings.items()] + reading.notes
-    if wrong:
+    evidence = ([f"{label} captures boundaries {b}" for label, b in reading.readings.items()] + reading.notes
+                + reading.problems)
+    if wrong or reading.problems:
         report.add(Check("engine wiring", "fail",
                          f"{config.engine} will feed the draft boundaries other than the {declared} it was trained on",
-                         evidence, fix=config_fix(config.engine, declared, L)))
+                         evidence, fix=config_fix(config.engine, declared, L, arch)))
     else:
         report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
     return reading.readings, steps

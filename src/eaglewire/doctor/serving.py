@@ -1,5 +1,7 @@
 """The serving side as the engine will see it: which boundaries an engine captures for a
-config, and the launch flags it would silently change. Pure functions over dicts/strings.
+config, and the launch flags it would silently change. Pure functions over dicts/strings;
+where each engine keeps its ids is read by ``formats.read_ids`` (the one reader, shared with
+import), what the ids mean on the target's model file by contract.py.
 """
 
 from __future__ import annotations
@@ -9,66 +11,114 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from eaglewire.contract import (SGLANG_RULE_VERSIONS, SGLANG_RULES, EngineConventionError, default_aux_boundaries,
-                                from_engine, sglang_read, to_engine)
+from eaglewire.contract import (SGLANG_VERSION, ContractError, EngineConventionError, default_aux_boundaries,
+                                engine_refusal, from_engine, model_file, sglang_families, sglang_readings, target_arch,
+                                to_engine)
+from eaglewire.formats import read_ids, sglang, speculators
 
 SERVING_ENGINES: tuple[str, ...] = ("eaglewire", "sglang", "vllm", "speculators")
 
 
 @dataclass
 class EngineReading:
-    """What an engine captures for a config: one reading per rule (SGLang has two)."""
+    """What an engine captures for a config: one reading per model file or runner where
+    the config alone is ambiguous, and what stops the engine from serving it as trained."""
 
     engine: str
     ids: list[int] | None  # as found in the config (None: absent -> engine default)
-    readings: dict[str, list[int]]  # label -> boundaries captured
+    readings: dict[str, list[int]]  # label -> boundaries captured, in the order fed
     notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # the engine fails or feeds other states
+
+
+def _known_arch(arch: str | None, notes: list[str]) -> str | None:
+    if arch is None:
+        return None
+    try:
+        return target_arch(arch)
+    except ContractError as e:
+        notes.append(f"{e}; showing every reading")
+        return None
 
 
 def read_engine_config(engine: str, config: dict[str, Any], num_layers: int, declared: list[int],
-                       sglang_rule: str | None = None) -> EngineReading:
-    """Boundaries ``engine`` will capture for ``config`` (the engine's own keys only: the
-    contract eaglewire records beside them is exactly what engines ignore)."""
+                       arch: str | None = None) -> EngineReading:
+    """Boundaries ``engine`` will capture for ``config`` on a target of architecture ``arch``
+    (None: every SGLang model file's reading). The engine's own keys only: the contract
+    eaglewire records beside them is exactly what engines ignore."""
     if engine == "eaglewire":
         return EngineReading(engine, None, {"eaglewire": list(declared)})
-    if engine == "sglang":
-        nested = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
-        ids = nested.get("eagle_aux_hidden_state_layer_ids")
-        notes = []
+    if engine not in SERVING_ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(SERVING_ENGINES)}")
+    found, notes = read_ids(engine, config)
+    out = EngineReading(engine, next(iter(found.values())), {}, notes)
+    arch = _known_arch(arch, out.notes)
+    refusal = engine_refusal(engine, arch)
+    if refusal:
+        out.problems.append(refusal)
+    for label, ids in found.items():
         if ids is None:
-            top = config.get("eagle_aux_hidden_state_layer_ids")
-            where = (f"ids {top} sit at the top level, where SGLang never looks" if top is not None
-                     else "the config has no eagle_config.eagle_aux_hidden_state_layer_ids")
             default = default_aux_boundaries(num_layers)
-            notes.append(f"{where}: SGLang silently falls back to its default layers (boundaries {default})")
-            return EngineReading(engine, None, {"sglang (default)": default}, notes)
-        rules = [sglang_rule] if sglang_rule else list(SGLANG_RULES)
-        return EngineReading(engine, list(ids), {f"sglang ({SGLANG_RULE_VERSIONS[r]})": sglang_read(list(ids), r)
-                                                 for r in rules})
-    if engine in ("vllm", "speculators"):
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
-        notes = []
-        if ids is None:
-            notes.append("the config has no top-level eagle_aux_hidden_state_layer_ids: vLLM silently "
-                         f"falls back to its default layers (boundaries {default_aux_boundaries(num_layers)})")
-        return EngineReading(engine, ids, {engine: from_engine(ids, num_layers, "vllm")}, notes)
-    raise ValueError(f"unknown engine {engine!r}; known: {', '.join(SERVING_ENGINES)}")
+            out.notes.append(f"{label}: no ids where it looks, so it silently falls back to its default layers "
+                             f"(boundaries {default})")
+            out.readings[f"{label}, its default layers"] = default
+        elif engine == "sglang" and arch is None:
+            for family, got in sglang_readings(ids, num_layers).items():
+                if isinstance(got, list):
+                    out.readings[family] = got
+                else:
+                    out.notes.append(f"{family}: {got}")
+        else:
+            where = model_file(engine, arch)
+            label = f"sglang {SGLANG_VERSION} ({where.path})" if engine == "sglang" else label
+            try:
+                out.readings[label] = from_engine(ids, num_layers, engine, target_arch=arch)
+            except EngineConventionError as e:
+                out.problems.append(f"{label}: {e}")
+            cannot = _cannot(declared, num_layers, engine, arch) if where.block_output else ""
+            if cannot and any(b > 0 for b in out.readings.get(label, [])):
+                out.problems.append(cannot)
+    fc = (sglang.num_aux if engine == "sglang" else speculators.num_aux)(config)
+    if fc != len(declared):
+        fix = ("set num_aux_hidden_states" if engine == "sglang" else "set transformer_layer_config."
+               "num_aux_hidden_states") + f" to {len(declared)} (or list {len(declared)} ids)"
+        out.problems.append(f"{engine} sizes the draft's fc for {fc} aux states but the draft fuses "
+                            f"{len(declared)}: loading fails; {fix}")
+    return out
 
 
-def config_fix(engine: str, declared: list[int], num_layers: int) -> str:
-    """The exact config change that makes ``engine`` capture ``declared``."""
+def _cannot(declared: list[int], num_layers: int, engine: str, arch: str | None) -> str:
+    """Why ``engine`` cannot capture ``declared`` on this target ('' if it can)."""
+    try:
+        to_engine(declared, num_layers, engine, target_arch=arch)
+    except EngineConventionError as e:
+        return str(e)
+    return ""
+
+
+def config_fix(engine: str, declared: list[int], num_layers: int, arch: str | None = None) -> str:
+    """The exact config change that makes ``engine`` capture ``declared`` on this target."""
+    arch = _known_arch(arch, [])
     try:
         if engine == "sglang":
-            old = to_engine(declared, num_layers, "sglang", sglang_rule="always_plus_one")
-            new = to_engine(declared, num_layers, "sglang", sglang_rule="plus_one_if_first_is_one")
-            if old == new:
-                return f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {json.dumps(old)}}}'
-            return (f'set eagle_config.eagle_aux_hidden_state_layer_ids to {json.dumps(new)} for '
-                    f'{SGLANG_RULE_VERSIONS["plus_one_if_first_is_one"]} or {json.dumps(old)} for '
-                    f'{SGLANG_RULE_VERSIONS["always_plus_one"]} (or re-export with `eaglewire export --to sglang '
-                    '--sglang-rule ...`)')
+            if arch is not None:
+                ids = to_engine(declared, num_layers, "sglang", target_arch=arch)
+                return (f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {json.dumps(ids)}}} (the rule '
+                        f"of {model_file('sglang', arch).path}), or re-export with `eaglewire export --to sglang`")
+            options = []
+            for family, archs in sglang_families().items():
+                try:
+                    options.append(f"{json.dumps(to_engine(declared, num_layers, 'sglang', target_arch=archs[0]))} "
+                                   f"on {family} targets")
+                except EngineConventionError:
+                    options.append(f"none on {family} targets")
+            return ("set eagle_config.eagle_aux_hidden_state_layer_ids to " + "; ".join(options)
+                    + " (or re-export with `eaglewire export --to sglang`, which reads the target's architecture)")
         if engine in ("vllm", "speculators"):
-            return f'set the top-level "eagle_aux_hidden_state_layer_ids": {json.dumps(declared)}'
+            to_engine(declared, num_layers, engine, target_arch=arch)
+            return (f'set the top-level "eagle_aux_hidden_state_layer_ids": {json.dumps(declared)} and '
+                    f"transformer_layer_config.num_aux_hidden_states: {len(declared)} (or re-export with "
+                    "`eaglewire export --to vllm`)")
     except EngineConventionError as e:
         return str(e)
     return f"serve with boundaries {declared}"
@@ -82,10 +132,16 @@ class Flags:
     problems: list[tuple[str, str, str]] = field(default_factory=list)  # (verdict, what, fix)
 
 
-def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int) -> Flags:
-    """Launch flags the engine would silently change or cannot honour."""
+def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, arch: str | None = None) -> Flags:
+    """Launch flags the engine would silently change or cannot honour (``arch``: the target's
+    architecture, for what its model file can capture)."""
     args = _parse_flags(shlex.split(flags))
     out = Flags()
+    arch = _known_arch(arch, [])
+    if engine in ("sglang", "vllm") and arch is not None:
+        cannot = _cannot(declared, num_layers, engine, arch)
+        if cannot:
+            out.problems.append(("fail", f"{engine} cannot feed this draft {declared} on this target", cannot))
     if engine == "vllm":
         raw = args.get("speculative-config")
         if raw is None:
@@ -113,14 +169,6 @@ def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int) ->
         if algo is not None and algo.upper() != "EAGLE3":
             out.problems.append(("fail", f"--speculative-algorithm {algo}: SGLang will not feed aux states "
                                  "to an EAGLE-3 draft", "--speculative-algorithm EAGLE3"))
-        if 0 in declared:
-            out.problems.append(("fail", "the draft reads boundary 0 (the embedding output), which SGLang "
-                                 "cannot capture (id -1 is dropped or crashes)",
-                                 "retrain without boundary 0, or serve with vLLM or eaglewire"))
-        if num_layers in declared:
-            out.problems.append(("fail", f"the draft reads boundary {num_layers} (the last layer's pre-norm "
-                                 "output), which SGLang cannot capture", "retrain without it, or serve with "
-                                 "vLLM or eaglewire"))
     steps, topk, tokens = out.num_steps, out.topk, out.num_draft_tokens
     if topk == 1 and steps is not None and tokens is not None and tokens != steps + 1:
         silently = "SGLang overrides it with only a log warning" if engine == "sglang" else "eaglewire refuses it"

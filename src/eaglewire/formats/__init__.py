@@ -1,16 +1,19 @@
 """Export eaglewire drafts for serving engines; import drafts other tools made.
 
-| format           | export | import | config ids mean (contract.py)           |
-|------------------|--------|--------|-----------------------------------------|
-| sglang           | yes    | yes    | SGLang's rule, chosen with sglang_rule  |
-| vllm/speculators | yes    | yes    | boundaries verbatim                     |
-| specforge        | -      | yes    | output of layer i (boundary i + 1)      |
-| eagle            | -      | yes    | none: hard-coded [2, L//2, L-3]         |
+| format           | export | import | config ids mean (contract.py)                       |
+|------------------|--------|--------|-----------------------------------------------------|
+| sglang           | yes    | yes    | SGLang's rule for the target's model file           |
+| vllm/speculators | yes    | yes    | boundaries verbatim (vLLM sorts them)               |
+| specforge        | -      | yes    | output of layer i (boundary i + 1)                  |
+| eagle            | -      | yes    | none: hard-coded [2, L//2, L-3]                     |
 
-An export writes ``config.json``, ``model.safetensors`` and ``SERVING.md`` (launch flags) and
-records the contract under the config key ``eaglewire`` (engines ignore unknown keys). An
-import reads the ids in the tool's convention (a recorded contract wins), checks dimensions
-against the target and writes a native draft. native -> export -> import is the identity.
+An export writes ``config.json``, ``model.safetensors`` and ``SERVING.md`` (launch flags, and
+how the other engines would read the directory) and records the contract under the config
+key ``eaglewire`` (engines ignore unknown keys). The target's architecture picks the SGLang
+rule (the draft's contract records it). An import reads the ids in the tool's convention (a
+recorded contract wins), checks dimensions against the target and writes a native draft.
+native -> export -> import is the identity. ``read_ids`` is the one reader of where each
+engine keeps its ids; the doctor uses it too.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglewire.checkpoint import CHECKPOINT_FORMAT, atomic_write_text, read_draft_config, save_draft
-from eaglewire.contract import (SGLANG_RULE_VERSIONS, SGLANG_RULES, ContractError, HiddenStateContract,
-                                default_aux_boundaries, from_engine, sglang_ambiguity, to_engine)
+from eaglewire.contract import (SGLANG_VERSION, VLLM_VERSION, ContractError, EngineConventionError,
+                                HiddenStateContract, default_aux_boundaries, engine_refusal, from_engine, model_file,
+                                sglang_ambiguity, to_engine)
+from eaglewire.contract import target_arch as target_arch_key
 from eaglewire.draft import DraftConfig
 from eaglewire.presets import resolve_draft
 from eaglewire.formats import eagle, sglang, specforge, speculators
@@ -44,7 +49,7 @@ _MODULES = {"sglang": sglang, "specforge": specforge, "eagle": eagle, "speculato
 _CONVENTIONS = {**{f: f for f in _MODULES}, "vllm": "speculators"}  # format -> contract.py engine
 
 __all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "ExportReport", "FormatError", "ImportReport",
-           "export_draft", "import_draft", "infer_boundaries", "read_checkpoint"]
+           "export_draft", "import_draft", "infer_boundaries", "read_checkpoint", "read_ids"]
 
 
 @dataclass(kw_only=True)
@@ -85,33 +90,57 @@ def _check_choice(value: str, choices: tuple[str, ...], param: str) -> str:
 
 # ---------------------------------------------------------------- boundaries
 
+def read_ids(engine: str, config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
+    """Where ``engine`` finds its aux ids in ``config``: (label -> ids, None for its default;
+    notes). The one reader of each engine's keys: import and the doctor both use it."""
+    if engine in ("sglang", "specforge"):
+        ids, notes = sglang.config_ids(config, reader="SGLang" if engine == "sglang" else "SpecForge")
+        return {engine: ids}, notes
+    if engine in ("vllm", "speculators"):
+        return speculators.id_readings(config), []
+    if engine == "eagle":
+        return {"eagle": None}, []
+    raise ValueError(f"engine {engine!r} is not one of sglang, specforge, vllm, speculators, eagle")
+
+
+def default_target_arch(target_arch: str | None, architecture: str) -> str:
+    """``target_arch`` if given, else the target's recorded HF architecture, as a contract key."""
+    try:
+        return target_arch_key(target_arch or architecture)
+    except ContractError as e:
+        raise type(e)(f"{e}. The target records architecture {architecture!r}") from e
+
+
 def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
-                     sglang_rule: str = "always_plus_one") -> tuple[list[int], list[str]]:
+                     target_arch: str | None = None) -> tuple[list[int], list[str]]:
     """(boundaries a ``fmt`` checkpoint with config ``ids`` was made for, notes).
 
     Missing ids, and every EAGLE reference checkpoint, mean the default [2, L//2, L-3]
-    that every tool falls back to; the notes say so. For sglang, a note names the SGLang
-    versions that read ``ids`` differently.
+    that every tool falls back to; the notes say so. sglang ids are read with the rule of
+    the target's model file (``target_arch``, required); a note names the target families
+    on which SGLang reads them differently.
     """
     convention = _CONVENTIONS[_check_choice(fmt, IMPORT_FORMATS, "format")]
-    _check_choice(sglang_rule, SGLANG_RULES, "sglang_rule")
     if ids is None or convention == "eagle":
         bounds = default_aux_boundaries(num_layers)
         why = ("the EAGLE reference code hard-codes its aux layers" if convention == "eagle"
                else "the config carries no aux layer ids")
         return bounds, [f"{why}: assuming the default boundaries {bounds} ([2, L//2, L-3]) that every "
                         "tool falls back to; a draft trained on other layers would be fed the wrong states"]
+    arch = target_arch if convention in ("sglang", "speculators") else None
     try:
-        bounds = from_engine(ids, num_layers, convention, sglang_rule=sglang_rule)
-    except ContractError as e:
+        bounds = from_engine(ids, num_layers, convention, target_arch=arch)
+    except EngineConventionError as e:
         raise type(e)(f"config ids {ids} ({fmt} convention) do not fit this {num_layers}-layer target: {e}. "
                       "Was the draft made for another target?") from e
     notes = []
-    ambiguity = sglang_ambiguity(bounds, ids) if convention == "sglang" else None
-    if ambiguity:
-        other = next(r for r in SGLANG_RULES if r != sglang_rule)
-        notes.append(f"{ambiguity}. Imported as {SGLANG_RULE_VERSIONS[sglang_rule]} read it; if the draft "
-                     f"was trained for {SGLANG_RULE_VERSIONS[other]}, import with --sglang-rule {other}")
+    if convention == "sglang":
+        f = model_file("sglang", arch)
+        ambiguity = sglang_ambiguity(bounds, ids, num_layers)
+        notes.append(f"read ids {ids} as boundaries {bounds} with the rule of {f.path} ({target_arch_key(arch)} "
+                     f"target){'; ' + ambiguity if ambiguity else ''}")
+    if list(ids) != bounds and convention == "speculators":
+        notes.append(f"vLLM sorts the ids: {ids} feeds boundaries {bounds} in that order")
     return bounds, notes
 
 
@@ -182,9 +211,12 @@ def _check_embedding(embed: torch.Tensor | None, target: Target, allow: frozense
 
 
 def import_draft(src_dir: str | Path, from_: str, target: Target, out_dir: str | Path, *,
-                 sglang_rule: str = "always_plus_one", allow: frozenset[str] | set[str] = frozenset()
+                 target_arch: str | None = None, allow: frozenset[str] | set[str] = frozenset()
                  ) -> ImportReport:
     """Convert a ``from_`` checkpoint directory into a native draft for ``target`` in ``out_dir``.
+
+    sglang ids are read with the rule of the target's model file (``target_arch``, default:
+    the target's own architecture).
 
     Raises FormatError (unreadable or unrepresentable checkpoint), ContractError (made for
     another target; ``allow`` may contain ``weights_sha256`` to accept a different
@@ -201,7 +233,8 @@ def import_draft(src_dir: str | Path, from_: str, target: Target, out_dir: str |
     tensors, foreign = eagle.split_state(state, where=str(src))
     cfg = eagle.draft_config(fields, tensors, where=where, target_hidden_size=ht, draft_vocab_size=vd)
     _check_dims(cfg, target, where)
-    bounds, more = infer_boundaries(fmt, ids, target.num_layers, sglang_rule=sglang_rule)
+    arch = (default_target_arch(target_arch, target.fingerprint.architecture) if fmt == "sglang" else target_arch)
+    bounds, more = infer_boundaries(fmt, ids, target.num_layers, target_arch=arch)
     record = (config.get(RECORD_KEY) or {}).get("contract")
     if record is not None:
         bounds, more = _recorded_boundaries(record, bounds, target, allow)
@@ -245,20 +278,71 @@ def _load_export_target(config: dict[str, Any], src: Path) -> Target:
     return load_target(spec, device="cpu", dtype="fp32")
 
 
-def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, sglang_rule: str = "always_plus_one",
+def _local_dir(spec: str | None) -> Path | None:
+    path = Path(spec).expanduser() if spec else None
+    return path.resolve() if path is not None and path.is_dir() else None
+
+
+def stored_dtype(spec: str | None) -> str | None:
+    """The dtype a target checkpoint stores (its config.json; None when ``spec`` is not a
+    local directory): what engines' ``--dtype auto`` should pick for the draft too (SGLang
+    reads a missing ``torch_dtype`` as fp32 and then runs fp16)."""
+    path = _local_dir(spec)
+    if path is not None and (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+        for c in (cfg, cfg.get("text_config") or {}):
+            dtype = c.get("dtype") or c.get("torch_dtype")
+            if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+                return dtype
+    return None
+
+
+def _serving_dtype(spec: str | None, fallback: str, notes: list[str]) -> str:
+    dtype = stored_dtype(spec)
+    if dtype is None:
+        dtype = fallback
+        notes.append(f"target {spec!r} is not a local model directory, so its stored dtype is unknown: wrote "
+                     f"torch_dtype {dtype} (the dtype the draft was made against). SGLang and vLLM run the draft "
+                     "in that dtype; set it to the target's own (e.g. bfloat16) if that differs")
+    return dtype
+
+
+def _vllm_reading_of_sglang(bounds: list[int], ids: list[int], arch: str) -> str:
+    why = engine_refusal("vllm", arch)
+    if why:
+        return f"serves no EAGLE-3 draft for this target: {why}."
+    off = ("one layer off" if [i + 1 for i in ids] == bounds else "other boundaries") if ids != bounds else "the same"
+    return (f"reads the top-level `eagle_aux_hidden_state_layer_ids` {json.dumps(bounds)} (written for it; SGLang "
+            "never looks there) verbatim and captures the same boundaries. Without that key its V1 runner would "
+            f"read the nested SGLang ids {json.dumps(ids)} verbatim ({off}) and its default V2 runner would fall "
+            "back to [2, L//2, L-3]: do not remove it.")
+
+
+def _sglang_ids_note(bounds: list[int], L: int, arch: str | None) -> str:
+    if arch is None:
+        return "this target's architecture has no SGLang reading in eaglewire (pass --target-arch)"
+    try:
+        ids = to_engine(bounds, L, "sglang", target_arch=arch)
+    except EngineConventionError as e:
+        return f"SGLang cannot serve this draft on this target: {e}"
+    return f"its nested ids would be {json.dumps(ids)} for this `{arch}` target"
+
+
+def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target_arch: str | None = None,
                  verifier_name: str | None = None, target: Target | None = None, num_steps: int = 5,
                  allow: frozenset[str] | set[str] = frozenset()) -> ExportReport:
     """Write the native draft in ``draft_dir`` in the format of engine ``to`` to ``out_dir``.
 
-    sglang: ids for ``sglang_rule`` (EngineConventionError for a boundary SGLang cannot
-    capture; FormatError unless the draft fuses 3 states). vllm/speculators: needs the
-    target's embedding (``target``, else loaded from the spec the draft records; checked
-    against the contract, ``allow`` as in ``HiddenStateContract.check_target``).
-    ``verifier_name`` is the target's path or HF id as the engine should load it;
-    ``num_steps`` the draft tokens per step in SERVING.md and the speculators config.
+    The engine's reading is the one of the target's model file: ``target_arch`` (default: the
+    architecture the draft's contract records). sglang: EngineConventionError for a layout
+    that model file cannot capture. vllm/speculators: needs the target's embedding
+    (``target``, else loaded from the spec the draft records; checked against the contract,
+    ``allow`` as in ``HiddenStateContract.check_target``). ``verifier_name`` is the target's
+    path or HF id as the engine should load it (default: the recorded target, as an absolute
+    path when it is a local directory); ``num_steps`` the draft tokens per step in SERVING.md
+    and the speculators config. Both write ``torch_dtype``: the target's stored dtype.
     """
     fmt = _check_choice(to, EXPORT_FORMATS, "export format")
-    _check_choice(sglang_rule, SGLANG_RULES, "sglang_rule")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps {num_steps!r} must be an integer >= 1 (draft tokens per step)")
     src, out = resolve_draft(draft_dir), Path(out_dir)
@@ -269,31 +353,47 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, sglang_
     cfg = DraftConfig.from_dict(config["draft"])
     state = load_file(str(src / "model.safetensors"))
     bounds, L = list(contract.aux_boundaries), contract.num_layers
-    name = verifier_name or (config.get("training") or {}).get("target")
+    spec = (config.get("training") or {}).get("target")
+    name = verifier_name or (str(_local_dir(spec)) if _local_dir(spec) else spec)
     shown = name or "<the target's path or id>"
-    record = {RECORD_KEY: {"contract": contract.to_dict(), "exported_from": str(src)}}
     if fmt == "sglang":
-        sglang.check_exportable(cfg)
-        ids = to_engine(bounds, L, "sglang", sglang_rule=sglang_rule)
-        ambiguity = sglang_ambiguity(bounds, ids)
-        notes = [ambiguity] if ambiguity else []
-        engine_config, tensors = {**sglang.build_config(cfg, ids), **record}, state
-        serving = sglang.serving_md(draft_path=str(out.resolve()), target_name=shown, boundaries=bounds,
-                                    ids=ids, sglang_rule=sglang_rule, ambiguity=ambiguity, num_steps=num_steps)
+        arch = default_target_arch(target_arch, contract.target.architecture)
     else:
+        try:
+            arch = default_target_arch(target_arch, contract.target.architecture)
+        except ContractError:
+            if target_arch:
+                raise
+            arch = None  # vLLM reads ids verbatim on every model file that serves EAGLE-3
+    record = {RECORD_KEY: {"contract": contract.to_dict(), "exported_from": str(src), "target_arch": arch,
+                           "engine": f"sglang {SGLANG_VERSION}" if fmt == "sglang" else f"vllm {VLLM_VERSION}"}}
+    if fmt == "sglang":
+        ids = to_engine(bounds, L, "sglang", target_arch=arch)
+        ambiguity = sglang_ambiguity(bounds, ids, L)
+        notes = [ambiguity] if ambiguity else []
+        dtype = _serving_dtype(spec, contract.target.dtype, notes)
+        engine_config, tensors = {**sglang.build_config(cfg, ids, bounds, dtype=dtype), **record}, state
+        serving = sglang.serving_md(draft_path=str(out.resolve()), target_name=shown, boundaries=bounds, ids=ids,
+                                    target_arch=arch, model_file=model_file("sglang", arch).path,
+                                    vllm_reading=_vllm_reading_of_sglang(bounds, ids, arch),
+                                    ambiguity=ambiguity, num_steps=num_steps)
+    else:
+        ids = to_engine(bounds, L, "speculators", target_arch=arch)
         target = target if target is not None else _load_export_target(config, src)
         notes = contract.check_target(target.fingerprint, what=f"draft {src}", allow=allow)
         notes += speculators.verifier_notes(name, is_local_path=bool(name) and Path(name).expanduser().exists())
-        ids = to_engine(bounds, L, "speculators")
-        engine_config = {**speculators.build_config(cfg, ids, verifier_name=name, num_steps=num_steps,
+        stored = stored_dtype(target.spec)
+        dtype = stored or _serving_dtype(spec, str(target.dtype).removeprefix("torch."), notes)
+        engine_config = {**speculators.build_config(cfg, ids, verifier_name=name, num_steps=num_steps, dtype=dtype,
                                                     verifier_architecture=contract.target.architecture),
                          **record}
         keep_maps = speculators.check_vocab_maps(cfg, state["d2t"])
         tensors = speculators.to_speculators_names(
             {k: v for k, v in state.items() if keep_maps or k not in ("d2t", "t2d")})
-        tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", state["fc.weight"].dtype)
-        serving = speculators.serving_md(draft_path=str(out.resolve()), target_name=shown,
-                                         boundaries=bounds, num_steps=num_steps)
+        # the target's stored values: vLLM shares the target's embedding only when exactly equal
+        tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", getattr(torch, dtype))
+        serving = speculators.serving_md(draft_path=str(out.resolve()), target_name=shown, boundaries=bounds,
+                                         num_steps=num_steps, sglang_ids=_sglang_ids_note(bounds, L, arch))
     files = _write_export(out, engine_config, tensors, serving)
     for note in notes:
         log.warning("%s", note)
