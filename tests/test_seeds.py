@@ -52,10 +52,9 @@ def sglang_config(path: Path, ids: list[int]) -> Path:
 
 
 def doctor(draft: Path, data: Path, target: Path, engine_config: Path):
-    # plus_one_if_first_is_one is that DeepSeek reading (+1 only when the first id is 1)
+    # the contract records the target's architecture (deepseek_v3), which picks SGLang's deepseek_v2.py reading
     return run_doctor(DoctorConfig(draft=str(draft), target=str(target), data=str(data), stored=True,
-                                   engine="sglang", engine_config=str(engine_config),
-                                   sglang_rule="plus_one_if_first_is_one", include_training=True))
+                                   engine="sglang", engine_config=str(engine_config), include_training=True))
 
 
 def test_seeds_first_three_trained_last_three_served(tmp_path, monkeypatch):
@@ -83,6 +82,7 @@ def test_seeds_first_three_trained_last_three_served(tmp_path, monkeypatch):
     check = next(c for c in served.checks if c.name == "trained vs served")
     assert check.verdict == "fail" and f"trained on {FIRST3}" in check.summary and f"will feed {LAST3}" in check.summary
     assert check.fix.startswith("either ") and "--aux-boundaries 2,4,6" in check.fix and "retrain" in check.fix
+    assert "[0, 2, 4]" in check.fix  # deepseek_v2.py takes ids verbatim unless the first is 1: the embedding is id 0
 
     fixed = doctor(tmp_path / "draft", tmp_path / "stored", target, sglang_config(tmp_path / "ok.json", FIRST3))
     assert [c.name for c in fixed.checks if c.verdict == "fail"] == [], fixed.render()

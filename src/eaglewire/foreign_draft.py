@@ -11,8 +11,8 @@ ids in. Detection:
 | ``eagle_config.eagle_aux_hidden_state_layer_ids`` | specforge | output of layer i (boundary i + 1) |
 | none of these                                 | eagle        | the hard-coded [2, L//2, L-3]  |
 
-SGLang and SpecForge write the same files; SGLang's newer rule reads some ids differently, and
-the import's notes name the versions that disagree. An eaglewire export's recorded contract wins.
+SGLang and SpecForge write the same files; SGLang reads the ids per target model file
+(``contract.py``), and the import's notes name the readings that disagree. An eaglewire export's recorded contract wins.
 """
 
 from __future__ import annotations

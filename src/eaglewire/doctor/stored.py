@@ -197,7 +197,8 @@ def run_stored_doctor(config) -> DoctorReport:
     declared, stored, L = list(contract.aux_boundaries), list(ds.contract.aux_boundaries), ds.contract.num_layers
     if not _identity(report, contract, ds, target):
         return report
-    serving, _ = _serving(report, config, declared, L)
+    arch = config.target_arch or contract.target.architecture
+    serving, _ = _serving(report, config, declared, L, arch)
     picked, warning = _pick(ds, summary, config)
     if warning:
         report.add(Check("data", "warn", warning))
@@ -216,7 +217,7 @@ def run_stored_doctor(config) -> DoctorReport:
     _check_accuracy(report, counts, summary, f"stored states in {config.data}")
     layouts = stored_layouts(stored + [b for b in declared if b == L], len(declared), declared, serving)
     _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
-    _check_served(report, draft, batches, declared, serving, acc0, stored, config, L)
+    _check_served(report, draft, batches, declared, serving, acc0, stored, config, L, arch)
     _check_alignment(report, draft, batches, declared, acc0, counts[0].valid)
     if config.compare_data:
         _check_stored_drift(report, ds, config, picked, target, draft, declared, acc0)
@@ -245,7 +246,7 @@ def _identity(report: DoctorReport, contract, ds: ShardDataset, target: Target) 
     return True
 
 
-def _check_served(report, draft, batches, declared, serving, acc0, stored, config, L) -> None:
+def _check_served(report, draft, batches, declared, serving, acc0, stored, config, L, arch) -> None:
     """Name what the engine feeds against what the draft was trained on, with both fixes."""
     from eaglewire.doctor.serving import config_fix
 
@@ -259,5 +260,5 @@ def _check_served(report, draft, batches, declared, serving, acc0, stored, confi
                    else f"retrain on boundaries {served} (capture them)")
         report.add(Check("trained vs served", "fail", f"trained on {declared}, {label} will feed {served}{measured}",
                          [f"stored boundaries: {stored}"],
-                         fix=f"either {config_fix(config.engine, declared, L)}"
+                         fix=f"either {config_fix(config.engine, declared, L, arch)}"
                              f", or {retrain}"))
