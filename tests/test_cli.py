@@ -123,3 +123,16 @@ def test_prepare_regenerates_only_the_first_turns_when_asked(tmp_path, target_di
     assert [r["num_regenerated_turns"] for r in regenerated] == [1, 1, 1]
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in regenerated)
     assert json.loads((out / "manifest.json").read_text())["source"]["max_turns"] == 1
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
+    import eaglewire.data.prepare
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eaglewire.data.prepare, "prepare", interrupted)
+    assert main(["prepare", "--data", "x.json", "--out", str(tmp_path / "d"), "--no-progress"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "interrupted; run the same command to resume"
+    assert "Traceback" not in captured.err + captured.out

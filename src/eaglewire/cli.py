@@ -279,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     _set_threads(args.threads)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        # Every long command resumes from what it wrote; a traceback would only hide that.
+        print("\ninterrupted; run the same command to resume", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         # User-facing errors carry their own explanation; no traceback needed.
         logging.getLogger("eaglewire").debug("error", exc_info=True)

@@ -355,7 +355,8 @@ class ShardWriter:
             self.close()
             return
         # Keep what is written; a resume redoes the buffered sequences rather than trusting them.
-        log.warning("writer for %s stopped by %s; %d buffered sequences were not written, a resume "
+        # Ctrl-C is the user's own doing: the CLI says the one line that matters (resume).
+        (log.debug if exc_type is KeyboardInterrupt else log.warning)("writer for %s stopped by %s; %d buffered sequences were not written, a resume "
                     "redoes them", self.out_dir, exc_type.__name__, len(self._buffer))
         self._closed = True
 
