@@ -31,7 +31,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(_table(summary.rows(), f"prepared {summary.out}"))
     if summary.skipped:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(summary.skipped.items(), key=lambda x: -x[1]))
-        print(f"skipped conversations: {skipped}", file=sys.stderr)
+        print(f"skipped conversations: {skipped} (each by id and reason in {summary.out}/manifest*.json, "
+              "status.load_report)", file=sys.stderr)
     return 0
 
 
