@@ -136,3 +136,16 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert captured.err.strip() == "interrupted; run the same command to resume"
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_prepare_rerun_with_other_settings_names_the_fix(tmp_path, target_dir, chats, capsys):
+    args = ["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(tmp_path / "s"),
+            "--batch-tokens", "256", "--no-progress"]
+    assert main(args + ["--max-length", "64"]) == 0
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["status"]["complete"] is True
+    capsys.readouterr()
+    assert main(args + ["--max-length", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "max_length: recorded 64, now 16" in err and "--overwrite" in err
+    assert main(args + ["--max-length", "48", "--overwrite"]) == 0
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["source"]["max_length"] == 48
