@@ -143,7 +143,7 @@ def resolve_template(config: PrepareConfig, tokenizer) -> tuple[str, str]:
         raise ValueError(f"--target {config.target}: its tokenizer has no chat template (a base model?), "
                          "so conversations cannot be rendered. Pass --chat-template FILE (a Jinja chat "
                          "template), or --template plain to render them as 'User: ... / Assistant: ...' "
-                         "text (README, \"Base models\")")
+                         "text (README, \"Pipeline\")")
     return "tokenizer", text
 
 
