@@ -131,3 +131,29 @@ def test_prepare_regenerates_only_the_first_turns_when_asked(tmp_path, target_di
     assert [r["num_regenerated_turns"] for r in regenerated] == [1, 1, 1]
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in regenerated)
     assert json.loads((out / "manifest.json").read_text())["source"]["max_turns"] == 1
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
+    import eaglewire.data.prepare
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eaglewire.data.prepare, "prepare", interrupted)
+    assert main(["prepare", "--data", "x.json", "--out", str(tmp_path / "d"), "--no-progress"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "interrupted; run the same command to resume"
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_prepare_rerun_with_other_settings_names_the_fix(tmp_path, target_dir, chats, capsys):
+    args = ["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(tmp_path / "s"),
+            "--batch-tokens", "256", "--no-progress"]
+    assert main(args + ["--max-length", "64"]) == 0
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["status"]["complete"] is True
+    capsys.readouterr()
+    assert main(args + ["--max-length", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "max_length: recorded 64, now 16" in err and "--overwrite" in err
+    assert main(args + ["--max-length", "48", "--overwrite"]) == 0
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["source"]["max_length"] == 48

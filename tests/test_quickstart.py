@@ -32,6 +32,7 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
     for name in ("stages.json", "summary.md", "doctor.txt", "doctor.json", "bench/bench.md", "draft/config.json"):
         assert (out / name).is_file(), name
     assert "bench 1,2,1,3" in (out / "summary.md").read_text()
+    assert "| serve with |" in (out / "summary.md").read_text()  # it ends with what to serve
 
     import eaglewire.train
 
@@ -48,3 +49,38 @@ def test_quickstart_refuses_a_folder_with_other_settings(tmp_path, inputs, chat_
     (out / "stages.json").write_text(json.dumps({"config": {"minutes": 99}}))
     with pytest.raises(ValueError, match="other settings"):
         run_quickstart(QuickstartConfig(out=str(out)), target=chat_tiny_target, progress=False)
+
+
+def _bench(*speedups):
+    rows = [{"name": "1,0,0,0", "method": "plain", "tokens_per_second": 18.0, "speedup": 1.0, "tau_pooled": 1.0}]
+    names = ["1,1,1,2", "1,4,4,8", "1,5,4,12,0.1"]
+    rows += [{"name": n, "method": "eagle3", "tokens_per_second": 18.0 * s, "speedup": s, "tau_pooled": 1.3}
+             for n, s in zip(names, speedups)]
+    return rows
+
+
+def test_quickstart_ends_with_the_fastest_config_when_one_pays():
+    from eaglewire.quickstart import verdict_rows
+
+    rows = verdict_rows(_bench(1.05, 0.8, 1.2))
+    assert rows[0][0] == "serve with" and rows[0][1].startswith("1,5,4,12,0.1: 1.20x")
+    assert "--speculative-num-draft-tokens 12 --draft-min-prob 0.1" in rows[0][1]
+
+
+def test_quickstart_says_plain_and_why_when_no_config_pays():
+    from eaglewire.quickstart import REFERENCE_BEST, verdict_rows
+
+    rows = verdict_rows(_bench(0.79, 0.75, 0.95))
+    text = " ".join(v for _, v in rows)
+    assert rows[0][1].startswith("plain decoding")
+    assert "too weak" in text and "1,5,4,12,0.1, runs at 0.95x" in text
+    assert f"{REFERENCE_BEST['speedup']:.2f}x" in text and "BENCHMARKS.md" in text
+    assert "~8 h on 2 CPU cores" in text and "benchmarks/reference_draft.sh" in text
+
+
+def test_quickstart_measures_the_configs_that_pay_first():
+    from eaglewire.bench import parse_configs
+
+    configs = QuickstartConfig().bench_configs.split(";")
+    assert {"1,0,0,0", "1,1,1,2", "1,5,4,12,0.1"} <= set(configs)
+    parse_configs(QuickstartConfig().bench_configs)  # a valid bench --configs

@@ -210,3 +210,19 @@ def test_split_and_schedule():
     assert lr_lambda(0, 10, 100) == pytest.approx(0.1)
     assert lr_lambda(10, 10, 100) == pytest.approx(1.0)
     assert lr_lambda(100, 10, 100) == pytest.approx(0.0)
+
+
+def test_incomplete_shards_are_refused_unless_allowed(tmp_path, conversations_file, chat_tiny_target, caplog):
+    shards = tmp_path / "shards"
+    prepare(PrepareConfig(out=str(shards), data=str(conversations_file), max_length=64, batch_tokens=256),
+            target=chat_tiny_target, progress=False)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["status"].update(complete=False, conversations=300)  # as a run stopped early leaves it
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    base = dict(data=str(shards), device="cpu", ttt_steps=2, draft_vocab_size=64, max_steps=1,
+                val_sequences=2, batch_tokens=256)
+    with pytest.raises(ValueError, match=r"incomplete.*24 sequences from the 300 conversations planned"):
+        train(TrainConfig(out=str(tmp_path / "d"), **base), target=chat_tiny_target, progress=False)
+    result = train(TrainConfig(out=str(tmp_path / "d2"), allow_incomplete_data=True, **base),
+                   target=chat_tiny_target, progress=False)
+    assert result.steps == 1 and "INCOMPLETE DATA" in caplog.text

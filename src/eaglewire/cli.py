@@ -31,7 +31,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(_table(summary.rows(), f"prepared {summary.out}"))
     if summary.skipped:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(summary.skipped.items(), key=lambda x: -x[1]))
-        print(f"skipped conversations: {skipped}", file=sys.stderr)
+        print(f"skipped conversations: {skipped} (each by id and reason in {summary.out}/manifest*.json, "
+              "status.load_report)", file=sys.stderr)
     return 0
 
 
@@ -312,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     _set_threads(args.threads)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        # Every long command resumes from what it wrote; a traceback would only hide that.
+        print("\ninterrupted; run the same command to resume", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         # User-facing errors carry their own explanation; no traceback needed.
         logging.getLogger("eaglewire").debug("error", exc_info=True)

@@ -235,9 +235,16 @@ def resolve_target_path(spec: str) -> Path:
 
 
 def load_tokenizer(spec: str):
-    """Tokenizer of a target given as preset name, HF directory or .gguf file."""
+    """Tokenizer of a target given as preset name, HF directory or .gguf file.
+
+    A .gguf file not yet converted is read for its tokenizer alone (seconds), so checks on the
+    tokenizer (e.g. that it has a chat template) come before the expensive dequantization.
+    """
     from transformers import AutoTokenizer
 
+    gguf = fetch_asset(TARGET_PRESETS[spec].asset) if spec in TARGET_PRESETS else Path(spec).expanduser()
+    if gguf.suffix == ".gguf" and gguf.is_file() and not (_gguf_cache_dir(gguf) / "DONE").is_file():
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return AutoTokenizer.from_pretrained(str(resolve_target_path(spec)))
 
 

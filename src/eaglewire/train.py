@@ -68,6 +68,7 @@ class TrainConfig:
     resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped"})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
     head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
+    allow_incomplete_data: bool = field(default=False, metadata={"help": "train on --data whose `prepare` did not finish (refused otherwise; a warning says how much it covers)"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
@@ -86,7 +87,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
     # Fields that may change between an interrupted run and its resume.
-    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device", "head_only"})
+    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
+                                   "head_only", "allow_incomplete_data"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -195,7 +197,8 @@ class Trainer:
         self.target = target or load_target(config.target, device=self.device)
         allow = set(config.allow_target_mismatch or ())
         if config.data is not None:
-            self.source: Source = ShardSource(config.data, self.target, allow=allow)
+            self.source: Source = ShardSource(config.data, self.target, allow=allow,
+                                              allow_incomplete=config.allow_incomplete_data)
         else:
             self.source = self._online_source()
         if config.data is not None:

@@ -377,3 +377,25 @@ def test_dataset_pickles_for_dataloader_workers(tmp_path):
     assert torch.equal(clone[3]["aux_hidden"], ds[3]["aux_hidden"])
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     assert [item["input_ids"].shape[0] for item in loader] == ds.lengths
+
+
+def test_resume_with_another_source_is_refused(tmp_path):
+    write(tmp_path, make_sequences(3))
+    with pytest.raises(ShardError, match=r"max_length: recorded 64, now 16.*--overwrite"):
+        ShardWriter(tmp_path, contract(), source={**SOURCE, "max_length": 16})
+    assert json.loads((tmp_path / "manifest.json").read_text())["source"] == SOURCE
+
+
+def test_status_is_recorded_and_read_back(tmp_path):
+    from eaglewire.data.shards import incomplete_reason
+
+    with ShardWriter(tmp_path, contract(), source=SOURCE, shard_tokens=1) as w:
+        w.set_status(complete=False, conversations=5)
+        for s in make_sequences(2):
+            w.add(**s)
+    reason = incomplete_reason(ShardDataset(tmp_path).manifest)
+    assert reason is not None and "2 sequences from the 5 conversations" in reason
+    ShardWriter(tmp_path, contract(), source=SOURCE).set_status(complete=True)
+    assert incomplete_reason(ShardDataset(tmp_path).manifest) is None
+    write(tmp_path / "plain", make_sequences(2))  # no status (another writer): taken as complete
+    assert incomplete_reason(ShardDataset(tmp_path / "plain").manifest) is None

@@ -33,6 +33,20 @@ ROLE_ALIASES: dict[str, str] = {
 }
 
 _CHUNK_CHARS = 1 << 20  # JSON array read size; grows while one record does not fit
+MAX_SKIPPED_LISTED = 1000  # skipped records named one by one in a report; the counts cover all
+
+# ``--template plain``: a minimal documented template for base models without a chat template.
+# A system message is a paragraph, a user turn "User: ...", an assistant turn "Assistant: ..."
+# ended by the EOS token (which the loss mask covers, as it does an end-of-turn token); turns
+# are separated by a blank line; the generation prompt is "Assistant: ".
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
+    "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
 _SEPARATORS = " \t\r\n,\ufeff"
 
 
@@ -52,6 +66,22 @@ class LoadReport:
     truncated: bool = False  # the file ended mid-record (or could not be parsed further)
     truncated_at_byte: int | None = None  # where the last complete record ended
     dropped_bytes: int = 0  # bytes after truncated_at_byte that were not parsed
+    # the first MAX_SKIPPED_LISTED skipped records: {"id", "reason"} (+ "line" in JSONL, 1-based)
+    skipped_records: list[dict[str, Any]] = field(default_factory=list)
+
+    def skip(self, reason: str, **where: Any) -> None:
+        self.skipped[reason] += 1
+        if len(self.skipped_records) < MAX_SKIPPED_LISTED:
+            self.skipped_records.append({**where, "reason": reason})
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a manifest records: counts, the skipped records by id, the truncation."""
+        return {"path": self.path, "loaded": self.loaded, "skipped": dict(self.skipped.most_common()),
+                "skipped_records": self.skipped_records,
+                "skipped_records_listed": f"the first {MAX_SKIPPED_LISTED}" if sum(self.skipped.values())
+                > MAX_SKIPPED_LISTED else "all",
+                "truncated": self.truncated, "truncated_at_byte": self.truncated_at_byte,
+                "dropped_bytes": self.dropped_bytes}
 
     def summary(self) -> str:
         """One line: how many conversations were kept, what was skipped and why, truncation."""
@@ -120,15 +150,16 @@ def iter_conversations(path: str | Path, *, report: LoadReport) -> Iterator[Conv
     return _normalised(records, report)
 
 
-def _normalised(records: Iterator[tuple[int, Any]], report: LoadReport) -> Iterator[Conversation]:
-    for index, record in records:
+def _normalised(records: Iterator[tuple[int, Any, dict]], report: LoadReport) -> Iterator[Conversation]:
+    for index, record, where in records:
+        rid = record.get("id") if isinstance(record, dict) else None
+        cid = str(index if rid is None else rid)
         messages = normalise_record(record)
         if isinstance(messages, str):
-            report.skipped[messages] += 1
+            report.skip(messages, id=cid, **where)
             continue
         report.loaded += 1
-        rid = record.get("id")
-        yield Conversation(id=str(index if rid is None else rid), messages=messages)
+        yield Conversation(id=cid, messages=messages)
 
 
 def _first_char(path: Path) -> str | None:
@@ -140,8 +171,8 @@ def _first_char(path: Path) -> str | None:
     return None
 
 
-def _iter_json_array(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
-    """Yield (index, record) of a JSON array one record at a time; a cut-off tail is reported."""
+def _iter_json_array(path: Path, report: LoadReport) -> Iterator[tuple[int, Any, dict]]:
+    """Yield (index, record, {}) of a JSON array one record at a time; a cut-off tail is reported."""
     decoder = json.JSONDecoder()
     buf, pos, eof = "", 0, False
     byte = 0  # byte offset of buf[pos] in the file
@@ -168,7 +199,7 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]
                     continue
                 byte += len(buf[pos:end].encode("utf-8"))
                 pos, last_end = end, byte
-                yield index, record
+                yield index, record, {}
                 index += 1
             elif last_end is None:  # the opening '[' (the format check saw it first)
                 pos, byte = pos + 1, byte + 1
@@ -185,25 +216,26 @@ def _report_cut(report: LoadReport, path: Path, last_end: int, why: str) -> None
                 "complete record", path, last_end, why, report.dropped_bytes)
 
 
-def _iter_jsonl(path: Path, report: LoadReport) -> Iterator[tuple[int, Any]]:
-    """Yield (index, record) per non-blank line; a line that is not JSON is counted and skipped."""
+def _iter_jsonl(path: Path, report: LoadReport) -> Iterator[tuple[int, Any, dict]]:
+    """Yield (index, record, {"line": n}) per non-blank line; a line that is not JSON is
+    counted, listed in the report and skipped with a warning that names its line."""
     index, byte = 0, 0
     with open(path, "rb") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             start, byte = byte, byte + len(line)
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
-                report.skipped["malformed record"] += 1
+                report.skip("malformed record", id=str(index), line=number)
                 if not line.endswith(b"\n") and byte == path.stat().st_size:
-                    _report_cut(report, path, start, f"last line cut off: {err}")
+                    _report_cut(report, path, start, f"last line {number} cut off: {err}")
                 else:
-                    log.debug("%s: skipping malformed line at byte %d: %s", path, start, err)
+                    log.warning("%s: line %d is not JSON (%s); skipping it", path, number, err)
                 index += 1
                 continue
-            yield index, record
+            yield index, record, {"line": number}
             index += 1
 
 

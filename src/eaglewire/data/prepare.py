@@ -5,7 +5,9 @@ Shapes: B batch, T tokens, H target hidden size, k number of aux boundaries.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +17,13 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglewire.capture import capture
-from eaglewire.contract import HiddenStateContract, default_aux_boundaries
-from eaglewire.data.conversations import TokenizedConversation, load_conversations, tokenize_conversation
-from eaglewire.data.shards import ShardWriter, dist_rank_world, shard_work
+from eaglewire.contract import HiddenStateContract, default_aux_boundaries, validate_boundaries
+from eaglewire.data.conversations import (
+    PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
+from eaglewire.data.shards import ShardWriter, dist_rank_world, read_sources, shard_work, source_differences
 from eaglewire.data.sources import pad_right
 from eaglewire.presets import DATA_PRESETS, data_path
-from eaglewire.target import Target, load_target
+from eaglewire.target import Target, load_target, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ class PrepareConfig:
     shard_tokens: int = field(default=65536, metadata={"help": "tokens per shard file"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     dtype: str = field(default="auto", metadata={"help": "target compute dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16"})
+    chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file to render conversations with (instead of the tokenizer's; for base models)"})
+    template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})
+    overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over"})
 
     def __post_init__(self) -> None:
         if self.num_conversations is not None and self.num_conversations < 1:
@@ -57,6 +63,16 @@ class PrepareConfig:
                              "so that one sequence fits a batch")
         if self.storage_dtype not in ("bf16", "fp16"):
             raise ValueError(f"storage_dtype must be bf16 or fp16, got {self.storage_dtype!r}")
+        if self.template not in TEMPLATES:
+            raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {self.template!r}")
+        if self.template == "plain" and self.chat_template is not None:
+            raise ValueError("give --chat-template FILE or --template plain, not both")
+
+
+TEMPLATES = ("chat", "plain")
+_HASH_WHOLE = 64 << 20  # files up to this size are hashed whole; larger ones by size + ends
+_PREPARED = re.compile(r"(manifest(\.rank\d+-of-\d+)?\.json|shard-(r\d+-)?\d+\.safetensors|"
+                       r"regenerated\.rank\d+\.jsonl)(\.tmp)?")
 
 
 @dataclass
@@ -93,6 +109,98 @@ class PrepareSummary:
 
 def resolve_data(data: str) -> Path:
     return data_path(data) if data in DATA_PRESETS else Path(data)
+
+
+def file_identity(path: Path) -> dict[str, object]:
+    """What identifies an input file's content: size and sha256 (whole, or of the first and
+    last MiB for files over 64 MiB)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _HASH_WHOLE:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            digest.update(f.read(1 << 20))
+            f.seek(size - (1 << 20))
+            digest.update(f.read())
+    return {"bytes": size, "sha256": digest.hexdigest(),
+            "hashed": "whole file" if size <= _HASH_WHOLE else "first and last MiB"}
+
+
+def resolve_template(config: PrepareConfig, tokenizer) -> tuple[str, str]:
+    """(name, text) of the chat template to render with; refuses, before any model is loaded,
+    a tokenizer without one unless --chat-template or --template plain says what to use."""
+    if config.chat_template is not None:
+        path = Path(config.chat_template)
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {path}: no such file; pass a Jinja chat template file")
+        return str(path), path.read_text()
+    if config.template == "plain":
+        return "plain", PLAIN_TEMPLATE
+    text = getattr(tokenizer, "chat_template", None)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"--target {config.target}: its tokenizer has no chat template (a base model?), "
+                         "so conversations cannot be rendered. Pass --chat-template FILE (a Jinja chat "
+                         "template), or --template plain to render them as 'User: ... / Assistant: ...' "
+                         "text (README, \"Pipeline\")")
+    return "tokenizer", text
+
+
+def source_record(config: PrepareConfig, path: Path, template: tuple[str, str]) -> dict[str, object]:
+    """The input's identity and every setting that shapes the stored sequences; a resume must match."""
+    name, text = template
+    record: dict[str, object] = {
+        "data": config.data, "path": str(path), "file": file_identity(path), "offset": config.offset,
+        "num_conversations": config.num_conversations, "max_length": config.max_length,
+        "aux_boundaries": config.aux_boundaries, "regenerated": config.regenerate,
+        "template": {"name": name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                     **({"text": text} if name != "tokenizer" else {})}}
+    if config.regenerate:
+        record["regenerate"] = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
+                                **({"batch_size": config.regenerate_batch_size} if config.temperature else {})}
+        if config.max_turns is not None:
+            record["max_turns"] = config.max_turns
+    return record
+
+
+def check_resumable(out: Path, source: dict[str, object]) -> None:
+    """Refuse to resume into ``out`` when what it holds came from other input or settings."""
+    for name, recorded in read_sources(out):
+        if recorded != source:
+            raise ValueError(f"--out {out} already holds data prepared from other input or with other "
+                             f"settings ({name}: {source_differences(recorded, source)}). Resuming would "
+                             "mix them. Use another --out, or add --overwrite to delete that data and "
+                             "start over")
+
+
+def _check_boundaries_early(config: PrepareConfig, target: Target | None) -> None:
+    """Check --aux-boundaries against the layer count from config.json, before loading weights."""
+    if config.aux_boundaries is None:
+        return
+    if target is not None:
+        num_layers = target.num_layers
+    elif (Path(config.target) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(config.target)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        num_layers = getattr(cfg, "num_hidden_layers", None)
+        if not isinstance(num_layers, int):
+            return  # the contract check after loading says it
+    else:
+        return
+    validate_boundaries(list(config.aux_boundaries), num_layers)
+
+
+def remove_prepared(out: Path) -> None:
+    """--overwrite: delete what `prepare` writes (manifests, shards, regenerated replies), nothing else."""
+    if not out.is_dir():
+        return
+    for path in sorted(out.iterdir()):
+        if _PREPARED.fullmatch(path.name) and path.is_file():
+            log.info("--overwrite: removing %s", path)
+            path.unlink()
 
 
 def batches_by_tokens(seqs: list[TokenizedConversation], batch_tokens: int) -> Iterator[list[TokenizedConversation]]:
@@ -136,28 +244,39 @@ def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bo
     """Run the data pipeline into ``config.out``; resumes when the directory holds earlier work."""
     start = time.perf_counter()
     out = Path(config.out)
+    _check_boundaries_early(config, target)
+    source_path = resolve_data(config.data)
+    if not source_path.is_file():
+        raise FileNotFoundError(f"--data {config.data}: {source_path} is not a file; pass a preset "
+                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json or a messages .jsonl file")
+    # Everything that can be refused is checked before the target is loaded.
+    template = resolve_template(config, target.tokenizer if target is not None else load_tokenizer(config.target))
+    source = source_record(config, source_path, template)
+    if config.overwrite:
+        remove_prepared(out)
+    else:
+        check_resumable(out, source)
+    conversations, report = load_conversations(source_path, limit=config.num_conversations, offset=config.offset)
+    log.info("%s", report.summary())
     out.mkdir(parents=True, exist_ok=True)
     target = target or load_target(config.target, device=config.device, dtype=config.dtype)
+    if getattr(target.tokenizer, "chat_template", None) != template[1]:
+        target.tokenizer.chat_template = template[1]  # the fingerprint records what is used
+        target._fingerprint = None
     boundaries = config.aux_boundaries or default_aux_boundaries(target.num_layers)
     contract = HiddenStateContract(aux_boundaries=tuple(boundaries), target=target.fingerprint)
     rank, world = dist_rank_world()
-
-    source_path = resolve_data(config.data)
-    conversations, report = load_conversations(source_path, limit=config.num_conversations, offset=config.offset)
-    log.info("%s", report.summary())
     conversations = shard_work(conversations, rank, world)
-    if config.regenerate:
-        conversations = _regenerate(target, conversations, out, config, rank, progress)
 
-    source = {"data": config.data, "path": str(source_path), "offset": config.offset,
-              "num_conversations": config.num_conversations, "regenerated": config.regenerate,
-              "max_length": config.max_length}
-    if config.regenerate and config.max_turns is not None:
-        source["max_turns"] = config.max_turns
     writer = ShardWriter(out, contract, source=source, dtype=config.storage_dtype,
                          shard_tokens=config.shard_tokens, rank=rank, world_size=world)
+    # Written before any work: an interrupted run leaves data that says it is incomplete.
+    writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict())
+    if config.regenerate:
+        conversations = _regenerate(target, conversations, out, config, rank, progress)
     resumed = len(writer.done_ids)
-    truncated = dropped = 0
+    truncated = 0
+    dropped: list[str] = []
     bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
     with writer:
         for chunk in _chunks(conversations, 64):
@@ -169,7 +288,7 @@ def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bo
                 seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length)
                 truncated += seq.num_tokens_before_truncation > len(seq.input_ids)
                 if sum(seq.loss_mask) == 0:
-                    dropped += 1
+                    dropped.append(conv.id)
                     bar.update(1)
                     continue
                 todo.append(seq)
@@ -179,11 +298,13 @@ def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bo
                                torch.tensor(seq.loss_mask, dtype=torch.uint8), aux, last)
                 bar.update(len(batch))
         totals = writer.close()
+        writer.set_status(complete=True, conversations=len(conversations), dropped_no_reply=dropped,
+                          truncated_to_max_length_this_run=truncated)
     bar.close()
     return PrepareSummary(
         out=str(out), conversations_loaded=len(conversations), sequences=totals["sequences"],
         tokens=totals["tokens"], loss_tokens=totals["loss_tokens"], bytes_on_disk=totals["bytes"],
-        truncated_sequences=truncated, dropped_no_loss_tokens=dropped, resumed_sequences=resumed,
+        truncated_sequences=truncated, dropped_no_loss_tokens=len(dropped), resumed_sequences=resumed,
         seconds=time.perf_counter() - start, skipped=dict(report.skipped))
 
 

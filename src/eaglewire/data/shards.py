@@ -14,7 +14,9 @@ A shard is one safetensors file holding S sequences concatenated along tokens, u
 | offsets     | [S+1]    | int64; sequence s is tokens offsets[s]:offsets[s+1]     |
 
 ``manifest.json`` (under torchrun one ``manifest.rank{r}-of-{w}.json`` per rank) lists the
-finished shards with their sha256. Shard and manifest are each written to a temp file and
+finished shards with their sha256, the ``source`` the data came from (the input's identity and
+the settings; a resume must match it) and, when written by ``prepare``, a ``status``: whether
+the run completed, how many conversations it planned, what it skipped and why. Shard and manifest are each written to a temp file and
 moved into place with ``os.replace``, so a crash loses only the sequences still buffered,
 and a resume redoes exactly those.
 """
@@ -109,6 +111,39 @@ def _totals(shards: list[dict[str, Any]]) -> dict[str, Any]:
             "bytes_per_token": size / tokens if tokens else 0.0}
 
 
+def source_differences(recorded: Any, now: Any) -> str:
+    """``key: recorded X, now Y; ...`` for the top-level keys of two source records that differ."""
+    if not isinstance(recorded, dict) or not isinstance(now, dict):
+        return f"recorded {str(recorded)[:200]}, now {str(now)[:200]}"
+    keys = [k for k in {**recorded, **now} if recorded.get(k) != now.get(k)]
+    return "; ".join(f"{k}: recorded {json.dumps(recorded.get(k))[:200]}, now {json.dumps(now.get(k))[:200]}"
+                     for k in keys)
+
+
+def read_sources(data_dir: str | Path) -> list[tuple[str, Any]]:
+    """(manifest part name, recorded source) of every part in ``data_dir``; [] for none."""
+    data_dir = Path(data_dir)
+    return [(name, part["source"]) for name, part in _read_parts(data_dir)] if data_dir.is_dir() else []
+
+
+def incomplete_reason(manifest: dict[str, Any]) -> str | None:
+    """Why a merged manifest's data is incomplete (with what it covers), or None.
+
+    Parts without a ``status`` (written by other tools or older versions) count as complete.
+    """
+    parts, statuses = manifest["parts"], manifest["statuses"]
+    world = max((st.get("world_size", 1) for st in statuses if st), default=1)
+    stopped = [name for name, st in zip(parts, statuses) if st is not None and not st.get("complete")]
+    if not stopped and len(parts) >= world:
+        return None
+    planned = sum(st.get("conversations", 0) for st in statuses if st)
+    stored = manifest["totals"]["sequences"]
+    missing = f"; {world - len(parts)} of {world} ranks wrote nothing" if len(parts) < world else ""
+    return (f"its `eaglewire prepare` did not finish ({', '.join(stopped) or 'some ranks'} "
+            f"incomplete{missing}): it holds {stored:,} sequences from the {planned:,} conversations "
+            "planned")
+
+
 def _read_parts(data_dir: Path) -> list[tuple[str, dict[str, Any]]]:
     """Every manifest part in ``data_dir`` as (file name, manifest): manifest.json first, then by rank."""
     names = [p.name for p in data_dir.glob("manifest*.json") if _MANIFEST_RE.fullmatch(p.name)]
@@ -181,6 +216,7 @@ class ShardWriter:
         self.contract, self.dtype, self.shard_tokens = contract, dtype, shard_tokens
         self.rank, self.world_size = rank, world_size
         self.source = json.loads(json.dumps(source))  # fails now, not after the first shard
+        self.status: dict[str, Any] | None = None  # prepare's progress record; see set_status
         name = "manifest.json" if world_size == 1 else f"manifest.rank{rank}-of-{world_size}.json"
         self._manifest_path = self.out_dir / name
         self._prefix = "shard-" if world_size == 1 else f"shard-r{rank}-"
@@ -202,6 +238,11 @@ class ShardWriter:
             if part["dtype"] != self.dtype:
                 raise ShardError(f"{what} are stored as {part['dtype']} but this writer stores "
                                  f"{self.dtype}; pass --dtype {part['dtype']} or use another --out")
+            if part["source"] != self.source:
+                raise ShardError(f"{what} were prepared from other input or with other settings "
+                                 f"({source_differences(part['source'], self.source)}); adding to them "
+                                 "would mix two data sets. Use another --out, or pass --overwrite "
+                                 "to delete them and start over")
             shards = [s for s in part["shards"] if _entry_problem(self.out_dir, s) is None]
             if name == self._manifest_path.name:
                 for s in part["shards"]:
@@ -210,9 +251,7 @@ class ShardWriter:
                                     self.out_dir / s["file"], problem, s["num_sequences"])
                 dropped = len(shards) != len(part["shards"])
                 self._shards = shards
-                if part.get("source") != self.source:
-                    log.warning("%s: this run's source differs from the recorded one (%s); recording "
-                                "this run's", name, str(part.get("source"))[:300])
+                self.status = part.get("status")
                 keep.update(s["file"] for s in shards)
             else:
                 keep.update(s["file"] for s in part["shards"])  # never touch other parts' files
@@ -334,11 +373,18 @@ class ShardWriter:
         self._write_manifest()
         log.info("wrote %s: %d sequences, %d tokens", path, entry["num_sequences"], entry["num_tokens"])
 
+    def set_status(self, **status: Any) -> None:
+        """Update the manifest's ``status`` (e.g. complete=False at the start, True at the end) now."""
+        self.status = {**(self.status or {}), **json.loads(json.dumps(status))}
+        self._write_manifest()
+
     def _write_manifest(self) -> None:
-        _write_json_atomic(self._manifest_path, {
-            "format_version": SHARD_FORMAT_VERSION, "contract": self.contract.to_dict(),
-            "source": self.source, "dtype": self.dtype, "rank": self.rank, "world_size": self.world_size,
-            "shards": self._shards, "totals": _totals(self._shards)})
+        manifest = {"format_version": SHARD_FORMAT_VERSION, "contract": self.contract.to_dict(),
+                    "source": self.source, "dtype": self.dtype, "rank": self.rank,
+                    "world_size": self.world_size, "shards": self._shards, "totals": _totals(self._shards)}
+        if self.status is not None:
+            manifest["status"] = self.status
+        _write_json_atomic(self._manifest_path, manifest)
 
     def close(self) -> dict[str, Any]:
         """Flush the last partial shard, write the manifest, return this writer's totals (idempotent)."""
@@ -355,7 +401,8 @@ class ShardWriter:
             self.close()
             return
         # Keep what is written; a resume redoes the buffered sequences rather than trusting them.
-        log.warning("writer for %s stopped by %s; %d buffered sequences were not written, a resume "
+        # Ctrl-C is the user's own doing: the CLI says the one line that matters (resume).
+        (log.debug if exc_type is KeyboardInterrupt else log.warning)("writer for %s stopped by %s; %d buffered sequences were not written, a resume "
                     "redoes them", self.out_dir, exc_type.__name__, len(self._buffer))
         self._closed = True
 
@@ -392,9 +439,11 @@ def _merge_parts(data_dir: Path) -> dict[str, Any]:
             shards.append(s)
     if not shards:
         raise ShardError(f"{data_dir} holds no shards yet (its manifest lists none); {hint}")
+    statuses = [part.get("status") and {**part["status"], "world_size": part.get("world_size", 1)}
+                for _, part in parts]
     return {"format_version": SHARD_FORMAT_VERSION, "contract": first["contract"],
             "source": first["source"], "dtype": first["dtype"], "parts": [n for n, _ in parts],
-            "shards": shards, "totals": _totals(shards)}
+            "statuses": statuses, "shards": shards, "totals": _totals(shards)}
 
 
 def _read_header(path: Path) -> tuple[int, dict[str, Any]]:

@@ -16,7 +16,7 @@ import torch
 from eaglewire.capture import capture
 from eaglewire.contract import HiddenStateContract
 from eaglewire.data.conversations import load_conversations, tokenize_conversation
-from eaglewire.data.shards import ShardDataset
+from eaglewire.data.shards import ShardDataset, ShardError, incomplete_reason
 from eaglewire.target import Target
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,20 @@ def pad_right(rows: list[torch.Tensor], length: int) -> torch.Tensor:
 class ShardSource:
     """Offline: sequences and their states from a shard directory."""
 
-    def __init__(self, data_dir: str, target: Target, *, allow: set[str] | frozenset[str] = frozenset()) -> None:
-        self.dataset = ShardDataset(data_dir, target=target.fingerprint, allow=allow)
+    def __init__(self, data_dir: str, target: Target, *, allow: set[str] | frozenset[str] = frozenset(),
+                 allow_incomplete: bool = False) -> None:
+        self.dataset = ShardDataset(data_dir)
         self.contract = self.dataset.contract
+        adopt_template(target, self.dataset.manifest["source"], self.contract)
+        what = f"shards in {data_dir}"
+        for w in self.contract.check_target(target.fingerprint, what=what, allow=allow):
+            log.warning("%s: %s", what, w)
+        if (why := incomplete_reason(self.dataset.manifest)) is not None:
+            if not allow_incomplete:
+                raise ShardError(f"{data_dir} is incomplete: {why}. Run the same `eaglewire prepare` "
+                                 "command again to finish it (it resumes), or pass --allow-incomplete-data "
+                                 "to train on what is there")
+            log.warning("TRAINING ON INCOMPLETE DATA (--allow-incomplete-data): %s %s", data_dir, why)
         self.sequence_ids = self.dataset.sequence_ids
         self.lengths = self.dataset.lengths
 
@@ -64,6 +75,25 @@ class ShardSource:
         T = max(len(it["input_ids"]) for it in items)
         return Batch(**{name: pad_right([it[name] for it in items], T).to(device)
                         for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")})
+
+
+def adopt_template(target: Target, source: dict, contract: HiddenStateContract) -> None:
+    """Give the target's tokenizer the chat template the data was prepared with (a
+    ``--chat-template`` file or ``--template plain``), when the manifest records its text and
+    the contract its hash, so that the fingerprint check compares like with like."""
+    template = source.get("template") if isinstance(source, dict) else None
+    text = template.get("text") if isinstance(template, dict) else None
+    tok = target.tokenizer
+    if not isinstance(text, str) or tok is None or getattr(tok, "chat_template", None) == text:
+        return
+    from eaglewire.target import chat_template_sha256
+
+    probe = type("T", (), {"chat_template": text})()
+    if chat_template_sha256(probe) != contract.target.chat_template_sha256:
+        return  # not the template the states were captured with: let the check say so
+    log.info("using the chat template the data was prepared with (%s)", template.get("name"))
+    tok.chat_template = text
+    target._fingerprint = None
 
 
 class OnlineSource:
