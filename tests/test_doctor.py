@@ -94,7 +94,8 @@ def test_inconclusive_is_neither_passed_nor_failed():
     report.add(Check("identity", "ok", "fine"))
     report.add(Check("evidence", "inconclusive", "too little evidence", fix="more"))
     assert (report.status, report.exit_code) == ("inconclusive", 3)
-    assert "INCONCLUSIVE: 0 failed, 1 inconclusive" in report.render() and "PASSED" not in report.render()
+    text = report.render()
+    assert "INCONCLUSIVE evidence" in text and "INCONCLUSIVE: 0 failed, 1 inconclusive" in text and "PASSED" not in text
     assert report.to_dict()["ok"] is False and report.to_dict()["status"] == "inconclusive"
     report.add(Check("layout sweep", "fail", "wrong layers"))
     assert (report.status, report.exit_code) == ("failed", 1)

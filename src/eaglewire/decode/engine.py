@@ -83,7 +83,7 @@ def check_spec_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
 class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
-    accept_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included
+    accept_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included (the output may keep fewer of the last)
     verified_lengths: list[int] = field(default_factory=list)  # tokens per verify round, root included
     position_accepts: list[int] = field(default_factory=list)  # rounds that accepted depth d+1
     draft_seconds: float = 0.0

@@ -71,12 +71,13 @@ class DoctorReport:
             lines.append("  " + ", ".join(f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in self.facts.items()))
         lines.append("")
         width = max(len(c.name) for c in self.checks) if self.checks else 0
+        tags = max([5] + [len(c.verdict) for c in self.checks])
+        pad = " " * (tags + 1)
         for c in self.checks:
-            tag = "INCON" if c.verdict == "inconclusive" else c.verdict.upper()
-            lines.append(f"{tag:<5} {c.name:<{width}}  {c.summary}")
-            lines += [f"      {'':<{width}}  · {e}" for e in c.evidence]
+            lines.append(f"{c.verdict.upper():<{tags}} {c.name:<{width}}  {c.summary}")
+            lines += [f"{pad}{'':<{width}}  · {e}" for e in c.evidence]
             if c.fix:
-                lines.append(f"      {'':<{width}}  fix: {c.fix}")
+                lines.append(f"{pad}{'':<{width}}  fix: {c.fix}")
         if self.layouts:
             lines += ["", "layout sweep (draft acc@0 on held-out reply tokens, fed as in training)"]
             best = max(r.acc0 for r in self.layouts)
