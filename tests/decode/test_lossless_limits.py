@@ -18,6 +18,7 @@ import torch
 
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings
+from eaglewire.decode.tree import Tree
 from test_engine import random_draft
 from tiny import tiny_target
 
@@ -79,7 +80,6 @@ def oracle(decoder: SpecDecoder, continuation: list[int], prompt_len: int) -> No
                 tokens.append((right + 1) % V)  # a sibling the target rejects
                 parents.append(parents[parent])
                 depths.append(depth)
-        from eaglewire.decode.tree import Tree
         return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
                     scores=-torch.arange(len(tokens), dtype=torch.float))
 

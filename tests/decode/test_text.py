@@ -10,7 +10,8 @@ def sample_ids(tok, seed: int, n: int = 60) -> list[int]:
     rng = random.Random(seed)
     ids = tok("Grüße, 東京! naïve café — 🙂 ok.\n  x = [1, 2]", add_special_tokens=False)["input_ids"]
     ids += [rng.randrange(len(tok)) for _ in range(n)]
-    rng.shuffle(ids) if seed % 2 else None
+    if seed % 2:
+        rng.shuffle(ids)
     return ids
 
 
