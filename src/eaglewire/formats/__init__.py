@@ -4,6 +4,7 @@
 |------------------|--------|--------|-----------------------------------------|
 | sglang           | yes    | yes    | SGLang's rule, chosen with sglang_rule  |
 | vllm/speculators | yes    | yes    | boundaries verbatim                     |
+| llamacpp (GGUF)  | yes    | -      | boundaries verbatim, exactly 3          |
 | specforge        | -      | yes    | output of layer i (boundary i + 1)      |
 | eagle            | -      | yes    | none: hard-coded [2, L//2, L-3]         |
 
@@ -36,7 +37,7 @@ from eaglewire.target import Target, load_target
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMATS: tuple[str, ...] = ("sglang", "vllm", "speculators")
+EXPORT_FORMATS: tuple[str, ...] = ("sglang", "vllm", "speculators", "llamacpp")
 IMPORT_FORMATS: tuple[str, ...] = ("sglang", "specforge", "speculators", "vllm", "eagle")
 RECORD_KEY = "eaglewire"
 _MODULES = {"sglang": sglang, "specforge": specforge, "eagle": eagle, "speculators": speculators,
@@ -258,6 +259,10 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, sglang_
     ``num_steps`` the draft tokens per step in SERVING.md and the speculators config.
     """
     fmt = _check_choice(to, EXPORT_FORMATS, "export format")
+    if fmt == "llamacpp":  # a GGUF made from the vllm export by llama.cpp's converter (formats/llamacpp.py)
+        from eaglewire.formats import llamacpp
+        return llamacpp.export(draft_dir, out_dir, verifier_name=verifier_name, target=target, num_steps=num_steps,
+                               allow=allow)
     _check_choice(sglang_rule, SGLANG_RULES, "sglang_rule")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps {num_steps!r} must be an integer >= 1 (draft tokens per step)")
