@@ -196,10 +196,12 @@ def serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], ids:
 
 def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0", target_outtype: str = "f16",
            llamacpp_dir: str | Path | None = None, verifier_name: str | None = None, target=None,
-           num_steps: int = 3, threads: int = 2, allow: frozenset[str] | set[str] = frozenset()):
+           num_steps: int = 3, threads: int = 2, allow: frozenset[str] | set[str] = frozenset(),
+           target_path: str | Path | None = None):
     """Write ``draft-<outtype>.gguf`` (and ``target-<target_outtype>.gguf``, a link to the cached
     conversion) plus ``SERVING.md`` into ``out_dir``; the speculators export it is converted from
-    stays in ``out_dir/speculators``. Raises EngineConventionError for a layout llama.cpp cannot
+    stays in ``out_dir/speculators``. ``target_path``: the target's directory or .gguf (default: the
+    one the draft records). Raises EngineConventionError for a layout llama.cpp cannot
     feed, FormatError when the written GGUF does not carry the contract's layers."""
     from eaglewire.formats import ExportReport, _check_choice, export_draft
     from eaglewire.target import resolve_target_path
@@ -212,10 +214,15 @@ def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0",
     bounds, L = list(contract.aux_boundaries), contract.num_layers
     ids = to_engine(bounds, L, "llamacpp")  # refuses before any heavy work
     tree = engine.require_tree(llamacpp_dir)
-    spec = (config.get("training") or {}).get("target")
-    if target is None and not spec:
-        raise FormatError(f"draft {src} records no target; llama.cpp's converter needs the target's directory")
-    target_dir = resolve_target_path(target.spec if target is not None and target.spec != "custom" else spec)
+    spec = str(target_path) if target_path is not None else (config.get("training") or {}).get("target")
+    if not spec:
+        raise FormatError(f"draft {src} records no target; llama.cpp's converter needs the target's directory "
+                          "(pass target_path)")
+    target_dir = resolve_target_path(spec)
+    if target is None and target_path is not None:
+        from eaglewire.target import load_target
+
+        target = load_target(spec, device="cpu", dtype="fp32")  # its embedding goes into the speculators export
     spec_report = export_draft(src, "vllm", out / "speculators", verifier_name=verifier_name or str(target_dir),
                                target=target, num_steps=num_steps, allow=allow)
     architecture = contract.target.architecture
@@ -240,7 +247,7 @@ def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0",
         link.unlink(missing_ok=True)
         link.symlink_to(cached)
         files.append(link.name)
-        target_shown = str(link.resolve())
+        target_shown = str(link.absolute())
     else:
         target_shown = others[0] if others else "<the target as GGUF>"
     atomic_write_text(out / "SERVING.md", serving_md(
