@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, DoctorConfig)
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("export", help="write a draft in SGLang or vLLM/speculators format")
+    p = sub.add_parser("export", help="write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
     p.add_argument("--draft", required=True)
     p.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators", "llamacpp"])
     p.add_argument("--out", required=True)
