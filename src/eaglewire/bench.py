@@ -408,7 +408,7 @@ def llamacpp_stats(answer: dict, verify_steps: int | None, num_steps: int) -> Ge
     tokens = list(answer.get("tokens") or [])
     drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
     if drafted:
-        rounds = verify_steps if verify_steps is not None else -(-drafted // max(num_steps, 1))
+        rounds = verify_steps if verify_steps else -(-drafted // max(num_steps, 1))
         base, extra = divmod(accepted, max(rounds, 1))
         accept = [1 + base + (1 if r < extra else 0) for r in range(rounds)]  # sums to rounds + accepted
         vbase, vextra = divmod(drafted, max(rounds, 1))

@@ -181,7 +181,8 @@ def cmd_engines(args: argparse.Namespace) -> int:
         if server is None or tree is None:
             print(f"llama.cpp is not installed: {llamacpp.INSTALL_HINT}", file=sys.stderr)
             return 1
-        found = llamacpp.Installation(server=server, tree=tree, build=llamacpp.server_build(server), how="found")
+        build = llamacpp.BUILD if server == llamacpp.built_server(llamacpp.source_dir()) else llamacpp.server_build(server)
+        found = llamacpp.Installation(server=server, tree=tree, build=build, how="found")
     if bar is not None:
         bar.close()
     print(_table(found.rows(), f"llama.cpp (pinned build {llamacpp.BUILD})"))

@@ -48,15 +48,16 @@ def prompt_ids(smollm2_tokenizer):
     return [encode_prompt(smollm2_tokenizer, p, chat=True) for p in PROMPTS]
 
 
-def test_exported_draft_loads_unedited_with_the_contracts_layers(exported, server_binary, tmp_path):
+def test_exported_draft_loads_unedited_with_the_contracts_layers(exported, server_binary, prompt_ids, tmp_path):
     from eaglewire.formats.llamacpp import draft_layers, read_gguf_metadata
 
     out, report = exported
     assert draft_layers(read_gguf_metadata(out / "draft-q8_0.gguf")) == report.aux_boundaries == [2, 15, 27]
     config = engine.ServerConfig(model=out / "target-f32.gguf", draft=out / "draft-q8_0.gguf", n_max=3)
     with engine.LlamaServer(server_binary, config, log_path=tmp_path / "server.log") as server:
-        assert server.url
-    assert "EAGLE3 extract_layers = [2, 15, 27]" in (tmp_path / "server.log").read_text()
+        answer = engine.complete(server.url, prompt_ids[0], n_predict=16)
+    assert "loading draft model" in (tmp_path / "server.log").read_text()
+    assert answer["timings"]["draft_n"] > 0  # the draft is in use
 
 
 def test_greedy_outputs_are_identical_and_tau_is_llamacpps(exported, server_binary, prompt_ids, tmp_path):

@@ -251,9 +251,10 @@ def test_find_server_order(tmp_path, monkeypatch):
     on_path = fake_server(tmp_path / "bin" / "llama-server", "print('version: 1')")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     assert engine.find_server() == on_path
-    cached = fake_server(engine.built_server(engine.source_dir()), "print('version: 11434 (abc)')")
+    cached = fake_server(engine.built_server(engine.source_dir()), "print('version: 0.6.0 (build 11434, commit abc)')")
     assert engine.find_server() == cached  # the pinned build wins over PATH
     assert engine.server_build(cached) == engine.BUILD
+    assert engine.server_build(on_path) is None  # "version: 1" names no build
     given = fake_server(tmp_path / "mine" / "build" / "bin" / "llama-server", "")
     assert engine.find_server(tmp_path / "mine") == given
 

@@ -184,9 +184,10 @@ def served_tau(timings: list[dict], verify_steps: int | None, num_steps: int) ->
     Without the steps count (no --metrics) every round is taken to draft the full chain."""
     drafted = sum(int(t.get("draft_n", 0)) for t in timings)
     accepted = sum(int(t.get("draft_n_accepted", 0)) for t in timings)
-    exact = verify_steps is not None
-    steps = verify_steps if exact else -(-drafted // max(num_steps, 1))
-    return (1.0 + accepted / steps if steps else 1.0), steps, exact
+    if verify_steps:
+        return 1.0 + accepted / verify_steps, verify_steps, True
+    steps = -(-drafted // max(num_steps, 1))
+    return (1.0 + accepted / steps if steps else 1.0), steps, False
 
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, num_steps: int) -> ServedTau:

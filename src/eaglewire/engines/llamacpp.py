@@ -112,13 +112,14 @@ def require_tree(llamacpp_dir: str | Path | None = None) -> Path:
 
 
 def server_build(binary: Path) -> int | None:
-    """The build number ``llama-server --version`` reports (None if it says none)."""
+    """The build number ``llama-server --version`` reports (None if it says none: a build from
+    the sdist has no git history and reports build 0)."""
     try:
         proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    m = re.search(r"version:\s*(\d+)", proc.stdout + proc.stderr)
-    return int(m.group(1)) if m else None
+    m = re.search(r"\(build (\d+)", proc.stdout + proc.stderr)
+    return int(m.group(1)) or None if m else None
 
 
 # ------------------------------------------------------------------ installing it
@@ -241,7 +242,7 @@ def install(*, llamacpp_dir: str | Path | None = None, jobs: int | None = None, 
             server, how = Path(shutil.which(SERVER)), "PATH"
         else:
             server, how = build_server(root, jobs=jobs, progress=progress), "built"
-    build = server_build(server)
+    build = BUILD if server == built_server(root) else server_build(server)
     if build is not None and build != BUILD:
         log.warning("%s reports build %s; eaglewire's llama.cpp facts (EAGLE-3 architectures, flags) are "
                     "for build %s", server, build, BUILD)
