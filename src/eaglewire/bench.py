@@ -342,11 +342,12 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
     once) and/or llama-server (started per config)."""
     prompts = bench_prompts(config)
     rows: list[Row] = []
-    if "eaglewire" in config.engine:
+    if "eaglewire" in config.engine or config.compare:  # the HF baselines need the target loaded too
         target = target or load_target(config.target, device=config.device)
         tok = target.tokenizer
         encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
-        rows += _run_eaglewire(config, target, encoded, progress)
+        runs = config.runs if "eaglewire" in config.engine else []
+        rows += _run_eaglewire(config, target, encoded, runs, progress)
     else:
         from eaglewire.target import load_tokenizer
 
@@ -357,9 +358,10 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
     return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
 
 
-def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], progress: bool) -> list[Row]:
+def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: list[RunConfig],
+                   progress: bool) -> list[Row]:
     draft = contract = None
-    if any(r.spec is not None for r in config.runs):
+    if any(r.spec is not None for r in runs):
         draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
                                         device=target.device)
     tok = target.tokenizer
@@ -374,7 +376,7 @@ def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], progre
         return _hf_generate(target, ids, _hf_config(config, stops, pad_id, pld, max_new), config.seed + i)
 
     jobs = []  # (row name, method, generate(prompt index, ids, max new tokens) -> (tokens, stats))
-    for run in config.runs:
+    for run in runs:
         decoder = SpecDecoder(target) if run.spec is None else SpecDecoder(target, draft, contract, run.spec)
         jobs.append((run.label, "plain" if run.spec is None else "eagle3", partial(engine, decoder)))
     for method in config.compare or ():

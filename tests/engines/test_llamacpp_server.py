@@ -18,7 +18,7 @@ pytestmark = pytest.mark.llamacpp
 
 PROMPTS = ["Write a short poem about the sea.", "What is the capital of France? Explain briefly.",
            "Give me three tips for learning to cook."]
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -48,28 +48,33 @@ def prompt_ids(smollm2_tokenizer):
     return [encode_prompt(smollm2_tokenizer, p, chat=True) for p in PROMPTS]
 
 
-def test_exported_draft_loads_unedited_with_the_contracts_layers(exported, server_binary, prompt_ids, tmp_path):
+@pytest.fixture(scope="module")
+def drafted_server(exported, server_binary):
+    out, _ = exported
+    config = engine.ServerConfig(model=out / "target-f32.gguf", draft=out / "draft-q8_0.gguf", n_max=3)
+    with engine.LlamaServer(server_binary, config, log_path=out / "draft-server.log") as server:
+        yield server
+
+
+def test_exported_draft_loads_unedited_with_the_contracts_layers(exported, drafted_server, prompt_ids):
     from eaglewire.formats.llamacpp import draft_layers, read_gguf_metadata
 
     out, report = exported
     assert draft_layers(read_gguf_metadata(out / "draft-q8_0.gguf")) == report.aux_boundaries == [2, 15, 27]
-    config = engine.ServerConfig(model=out / "target-f32.gguf", draft=out / "draft-q8_0.gguf", n_max=3)
-    with engine.LlamaServer(server_binary, config, log_path=tmp_path / "server.log") as server:
-        answer = engine.complete(server.url, prompt_ids[0], n_predict=16)
-    assert "loading draft model" in (tmp_path / "server.log").read_text()
+    answer = engine.complete(drafted_server.url, prompt_ids[0], n_predict=8)
+    assert "loading draft model" in drafted_server.log_path.read_text()
     assert answer["timings"]["draft_n"] > 0  # the draft is in use
 
 
-def test_greedy_outputs_are_identical_and_tau_is_llamacpps(exported, server_binary, prompt_ids, tmp_path):
+def test_greedy_outputs_are_identical_and_tau_is_llamacpps(exported, server_binary, drafted_server, prompt_ids,
+                                                           tmp_path):
     from eaglewire.doctor.llamacpp import measure_served
 
     out, _ = exported
     plain = engine.ServerConfig(model=out / "target-f32.gguf")
     with engine.LlamaServer(server_binary, plain, log_path=tmp_path / "plain.log") as server:
         expected = [engine.complete(server.url, ids, n_predict=NEW_TOKENS)["tokens"] for ids in prompt_ids]
-    drafted = engine.ServerConfig(model=out / "target-f32.gguf", draft=out / "draft-q8_0.gguf", n_max=3)
-    with engine.LlamaServer(server_binary, drafted, log_path=tmp_path / "draft.log") as server:
-        served = measure_served(server.url, prompt_ids, max_new_tokens=NEW_TOKENS, num_steps=3)
+    served = measure_served(drafted_server.url, prompt_ids, max_new_tokens=NEW_TOKENS, num_steps=3)
     assert served.outputs == expected  # speculation is lossless
     assert all(len(o) > 0 for o in expected)
     assert served.counted_exactly and served.drafted > 0 and served.verify_steps > 0
@@ -87,7 +92,7 @@ def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "chat": True}) + "\n" for p in PROMPTS[:2]))
     config = BenchConfig(dataset=str(prompts), draft="reference", engine=["llamacpp"], configs="1,0,0,0;1,3,1,4;1,6,4,24",
-                         max_new_tokens=32, warmup=0, out=str(tmp_path / "bench"),
+                         max_new_tokens=16, warmup=0, out=str(tmp_path / "bench"),
                          llamacpp_target=str(out / "target-f32.gguf"), llamacpp_draft=str(out / "draft-q8_0.gguf"))
     result = run_bench(config, progress=False)
     assert [r.name for r in result.rows] == ["llamacpp 1,0,0,0", "llamacpp 1,3,1,4"]  # trees are eaglewire's alone

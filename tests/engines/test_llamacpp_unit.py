@@ -329,3 +329,16 @@ def test_export_writes_a_gguf_with_the_contracts_layers(tmp_path, target_dir):
         export_draft(four, "llamacpp", tmp_path / "out4", target=target)
     assert not (tmp_path / "out4").exists()
     assert os.path.exists(tmp_path / "out" / "speculators" / "config.json")
+
+
+def test_bench_without_llama_server_says_how_to_install_it(tmp_path, monkeypatch, chat_tiny_target):
+    from eaglewire.bench import run_bench
+
+    monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi", "chat": True}) + "\n")
+    config = BenchConfig(dataset=str(prompts), engine=["llamacpp"], configs="1,0,0,0", out=str(tmp_path / "b"),
+                         llamacpp_target=str(tmp_path / "t.gguf"))
+    with pytest.raises(engine.LlamaCppError, match="engines install llamacpp"):
+        run_bench(config, target=chat_tiny_target, progress=False)
