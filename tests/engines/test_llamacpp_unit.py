@@ -363,3 +363,18 @@ def test_install_unpacks_the_sdist_tree_and_uses_a_server_on_path(tmp_path, monk
     assert (found.server, found.how, found.build) == (on_path, "PATH", engine.BUILD)
     assert any("unpacking" in s for s in stages) and not any("building" in s for s in stages)
     assert engine.install(progress=lambda stage, percent: stages.append(stage)).tree == found.tree  # once
+
+
+def test_engines_which_reports_what_the_commands_will_use(tmp_path, monkeypatch, capsys):
+    from eaglewire.cli import main
+
+    monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(["engines", "which", "llamacpp"]) == 1
+    assert "engines install llamacpp" in capsys.readouterr().err
+    (engine.source_dir() / "gguf-py").mkdir(parents=True)
+    (engine.source_dir() / engine.CONVERTER).write_text("")
+    server = fake_server(engine.built_server(engine.source_dir()), "print('version: 0.6.0 (build 0, commit unknown)')")
+    assert main(["engines", "which", "llamacpp"]) == 0
+    out = capsys.readouterr().out
+    assert str(server) in out and str(engine.BUILD) in out  # the cached build is the pinned one, whatever it says
