@@ -263,6 +263,16 @@ def same_output_as_plain(row: Row, rows: list[Row]) -> int | None:
     return sum(a == b for a, b in zip(row.outputs, plain.outputs))
 
 
+def same_output_across_engines(row: Row, rows: list[Row]) -> int | None:
+    """For a llama.cpp row: prompts whose output equals eaglewire's plain row's, up to the stop
+    token (eaglewire keeps it, llama.cpp drops it); None without both rows."""
+    ours = next((r for r in rows if r.method == "plain" and r.engine_name == "eaglewire"), None)
+    if row.engine_name != "llamacpp" or ours is None:
+        return None
+    return sum(a[:len(b)] == b and len(a) - len(b) <= 1 or b[:len(a)] == a and len(b) - len(a) <= 1
+               for a, b in zip(ours.outputs, row.outputs))
+
+
 @dataclass
 class BenchResult:
     config: BenchConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglewire.bench import BenchResult, Row, position_acceptance, same_output_as_plain, speedup, tau_per_request, \
-    tau_pooled, time_split, verified_per_pass
+from eaglewire.bench import BenchResult, Row, position_acceptance, same_output_across_engines, same_output_as_plain, \
+    speedup, tau_per_request, tau_pooled, time_split, verified_per_pass
 
 HEADERS = ["config", "method", "tok/s", "speedup", "τ pooled", "τ per-request", "verified/pass",
            "acceptance by position", "draft s", "verify s", "prefill s", "other s", "new tokens", "same as plain"]
@@ -43,6 +43,7 @@ def row_dict(row: Row, rows: list[Row], greedy: bool) -> dict:
         "position_acceptance": [round(a, 3) for a in position_acceptance(row.stats)],
         "seconds": {k: round(v, 3) for k, v in split.items()} if row.engine else {"total": round(split["total"], 3)},
         "same_output_as_plain": same,
+        "same_output_as_eaglewire_plain": same_output_across_engines(row, rows) if greedy else None,
         "per_request": [{"new_tokens": s.new_tokens, "verify_passes": s.rounds if row.engine else None,
                          "tau": round(s.accept_length, 3) if row.engine and s.rounds else None,
                          "seconds": round(s.total_seconds, 3), "finish_reason": s.finish_reason} for s in row.stats],

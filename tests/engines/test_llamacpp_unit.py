@@ -378,3 +378,12 @@ def test_engines_which_reports_what_the_commands_will_use(tmp_path, monkeypatch,
     assert main(["engines", "which", "llamacpp"]) == 0
     out = capsys.readouterr().out
     assert str(server) in out and str(engine.BUILD) in out  # the cached build is the pinned one, whatever it says
+
+
+def test_outputs_across_engines_match_up_to_the_stop_token():
+    from eaglewire.bench import same_output_across_engines
+
+    ours = Row("1,0,0,0", "plain", [], [[5, 6, 2], [5, 6, 7], [1, 2, 3]])
+    theirs = Row("llamacpp 1,0,0,0", "plain", [], [[5, 6], [5, 6, 7], [1, 9, 3]], engine_name="llamacpp")
+    assert same_output_across_engines(theirs, [ours, theirs]) == 2
+    assert same_output_across_engines(ours, [ours, theirs]) is None
