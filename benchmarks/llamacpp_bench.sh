@@ -35,6 +35,10 @@ $EW bench $COMMON --engine llamacpp --llamacpp-threads "$THREADS" \
   --llamacpp-target "$OUT/export-f16/target-f16.gguf" --llamacpp-draft "$DRAFT" --out "$OUT/f16" > "$OUT/f16.txt" 2>&1
 $EW bench $COMMON --engine llamacpp --llamacpp-threads "$THREADS" \
   --llamacpp-target "$Q41" --llamacpp-draft "$DRAFT" --out "$OUT/q4_1" > "$OUT/q4_1.txt" 2>&1
+# the draft unquantized too (f32 GGUF), to tell a q8_0 draft's loss of acceptance from the engine's
+$EW export --to llamacpp --draft reference --out "$OUT/export-f32-draft" --outtype f32 --target-outtype f32 --num-steps 3
+$EW bench $COMMON --engine llamacpp --llamacpp-threads "$THREADS" --llamacpp-target "$OUT/export-f32/target-f32.gguf" \
+  --llamacpp-draft "$OUT/export-f32-draft/draft-f32.gguf" --out "$OUT/f32-draft-f32" > "$OUT/f32-draft-f32.txt" 2>&1
 
 # doctor against a running llama-server (f32 target, chain of 3): served τ vs eaglewire's engine
 SERVER=$($PY -c "from eaglewire.engines.llamacpp import require_server; print(require_server())")
@@ -53,5 +57,5 @@ for _ in range(600):
 $EW doctor --draft reference --engine llamacpp --engine-config "$DRAFT" --engine-flags "$FLAGS" \
   --engine-url "http://127.0.0.1:$PORT" --engine-prompts 8 --engine-tokens 64 > "$OUT/doctor.txt" 2>&1 || true
 kill $PID
-grep -h -A8 "^config" "$OUT"/f32.txt "$OUT"/f16.txt "$OUT"/q4_1.txt
+grep -h -A8 "^config" "$OUT"/f32.txt "$OUT"/f16.txt "$OUT"/q4_1.txt "$OUT"/f32-draft-f32.txt
 tail -25 "$OUT/doctor.txt"
