@@ -42,11 +42,12 @@ class DoctorConfig:
     include_training: bool = field(default=False, metadata={"help": "measure on any sequences, not only those "
                                                                      "the draft held out from training"})
     steps: int = field(default=3, metadata={"help": "draft steps measured in isolation (acc@0, cond acc@1..)"})
-    engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators"})
-    engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load"})
+    engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators, llamacpp"})
+    engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load (llamacpp: the draft .gguf)"})
     engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
     target_arch: str | None = field(default=None, metadata={"help": "the target's architecture as the engine loads "
                                                                     "it (default: the one the draft records)"})
+    engine_url: str | None = field(default=None, metadata={"help": "a running llama-server (--engine llamacpp): measure its served τ on the held-out prompts"})
     engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
     min_tokens: int = field(default=1000, metadata={"help": "judged reply tokens below which the verdict is "
@@ -65,8 +66,11 @@ class DoctorConfig:
             raise ValueError("give --data (shards) or --conversations, not both")
         if not self.stored and (self.compare_data or self.labels != "head"):
             raise ValueError("--compare-data and --labels read stored states: add --stored")
-        if self.engine not in SERVING_ENGINES:
-            raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(SERVING_ENGINES)}")
+        engines = tuple(dict.fromkeys(SERVING_ENGINES + ("llamacpp",)))
+        if self.engine not in engines:
+            raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(engines)}")
+        if self.engine_url and self.engine != "llamacpp":
+            raise ValueError(f"--engine-url measures a running llama-server; it needs --engine llamacpp, not {self.engine!r}")
         for name in ("num_sequences", "max_length", "steps", "min_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -91,7 +95,13 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     L = target.num_layers
 
     identity_ok = _check_identity(report, contract, target)
-    serving, serving_steps = _serving(report, config, declared, L, config.target_arch or contract.target.architecture)
+    arch = config.target_arch or contract.target.architecture
+    if config.engine == "llamacpp":
+        from eaglewire.doctor import llamacpp
+
+        serving, serving_steps = llamacpp.serving(report, config, declared, L, arch)
+    else:
+        serving, serving_steps = _serving(report, config, declared, L, arch)
     sequences, source = _load_sequences(config, target, contract, summary, report)
     if not sequences:
         report.add(Check("data", "fail", "no held-out sequence with reply tokens to measure on",
@@ -118,7 +128,14 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
     _check_drift(report, draft, batches, declared, L, config.steps, acc0)
     _check_alignment(report, draft, batches, declared, acc0, counts[0].valid)
-    _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, serving_steps)
+    rounds = _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, serving_steps)
+    if config.engine_url:
+        from eaglewire.doctor import llamacpp
+
+        served = llamacpp.measure_served(config.engine_url, [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]],
+                                         max_new_tokens=config.engine_tokens, num_steps=serving_steps)
+        report.add(llamacpp.served_check(served, rounds.measured_tau if rounds and rounds.rounds else None,
+                                         predicted_tau(acc0, cond, serving_steps), serving_steps))
 
     report.facts = {"held-out sequences": len(sequences), "judged tokens": counts[0].valid,
                     "source": source, "seconds": round(time.perf_counter() - start, 1)}
@@ -320,7 +337,7 @@ def _check_alignment(report, draft, batches, declared, acc0, n) -> None:
 MIN_ROUND_AGREEMENT = 0.9
 
 
-def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> None:
+def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> RoundAgreement | None:
     """The engine's greedy chain on held-out prompts, round by round against the replay of the
     training-time unroll on the text it produced (``replay.py``): they must accept the same."""
     from eaglewire.data.regenerate import stop_token_ids
@@ -330,7 +347,7 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
     if config.engine_prompts < 1:
         report.add(Check("acceptance", "skip", f"predicted τ {predicted:.2f} for a chain of {steps}; "
                          "measurement skipped (--engine-prompts 0)"))
-        return
+        return None
     decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1))
     stop = set(stop_token_ids(target.tokenizer, target.model))
     rounds, prompts = RoundAgreement(), sequences[:config.engine_prompts]
@@ -358,6 +375,7 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
     else:
         report.add(Check("acceptance", "ok", f"measured τ {measured:.2f}; the engine accepts what training "
                      f"predicts in {rounds.agree} of {rounds.rounds} rounds", evidence))
+    return rounds
 
 
 # ------------------------------------------------------------------ data
