@@ -11,7 +11,7 @@ def test_capture_matches_hf_hidden_states(arch):
     target = tiny_target(arch)
     L, H = target.num_layers, target.hidden_size
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    bounds = [0, 2, L - 1, 4]  # any order: concatenation follows the list
+    bounds = [0, 2, 4, L - 1]  # ascending (engines feed layer order); concatenation follows the list
     got = capture(target, ids, bounds)
     ref = target.model(ids, output_hidden_states=True)
     assert got.aux_hidden.shape == (2, 12, len(bounds) * H)

@@ -272,4 +272,4 @@ def test_a_capture_without_boundary_L_is_for_token_labels_only(shards, target_di
     save_draft(tmp_path / "draft", draft, back.contract)
     report = run_doctor(DoctorConfig(draft=str(tmp_path / "draft"), target=str(target_dir), data=str(tmp_path / "out"),
                                      stored=True, labels="tokens", include_training=True))
-    assert report.facts["reply tokens"] > 0 and "acc@0" in report.accuracy
+    assert report.facts["judged tokens"] > 0 and "acc@0" in report.accuracy
