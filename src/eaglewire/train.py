@@ -20,11 +20,14 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from eaglewire.checkpoint import atomic_torch_save, save_draft
+from eaglewire.checkpoint import save_draft
 from eaglewire.contract import HiddenStateContract, default_aux_boundaries
-from eaglewire.data.shards import dist_rank_world
+from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
+from eaglewire.distributed import dist_rank_world
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.fileio import atomic_torch_save
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import Target, load_target, resolve_device
 from eaglewire.ttt import StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll
 from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
@@ -38,7 +41,7 @@ METRICS_FILE = "metrics.jsonl"
 @dataclass(kw_only=True)
 class TrainConfig:
     out: str = field(metadata={"help": "draft output directory (checkpoint, metrics, plots)"})
-    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str | None = field(default=None, metadata={"help": "shard directory written by `eaglewire prepare` (offline mode)"})
     online_data: str | None = field(default=None, metadata={"help": "conversations (preset or file) captured live (online mode)"})
     num_conversations: int | None = field(default=None, metadata={"help": "online mode: use at most this many conversations"})
@@ -128,15 +131,7 @@ def batch_plan(indices: list[int], lengths: list[int], batch_tokens: int, seed: 
     batches: list[list[int]] = []
     for w in range(0, len(order), 64):
         window = sorted(order[w:w + 64], key=lambda i: lengths[i])
-        batch: list[int] = []
-        for i in window:
-            longest = max([lengths[j] for j in batch] + [lengths[i]])
-            if batch and (len(batch) + 1) * longest > batch_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        if batch:
-            batches.append(batch)
+        batches += pack_by_tokens(window, [lengths[i] for i in window], batch_tokens)
     rng.shuffle(batches)
     return batches
 
