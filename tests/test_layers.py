@@ -136,3 +136,18 @@ def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     with pytest.raises(AssertionError, match="eaglewire.nowhere has no layer"):
         layer_of("eaglewire.nowhere")
+
+
+def test_docs_draw_the_same_layers():
+    doc = (SRC.parent / "docs" / "architecture.md").read_text()
+    drawing = doc.split("## Layers", 1)[1].split("```")[1]
+    rows = {line.split()[0]: line for line in drawing.splitlines() if line.strip() and line.split()[0].isalpha()}
+    for layer, prefixes in LAYERS:
+        assert layer in rows, f"docs/architecture.md draws no layer {layer!r}"
+        for prefix in prefixes:
+            path = SRC / prefix.replace(".", "/")
+            if prefix == "eaglewire" or not (path.is_dir() or path.with_suffix(".py").exists()):
+                continue
+            short = prefix.removeprefix("eaglewire.").replace(".", "/") + ("/" if path.is_dir() else "")
+            words = rows[layer].replace(",", " ").replace("·", " ").split()
+            assert short in words, f"docs/architecture.md does not draw {short} in layer {layer!r}"
