@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 THREADS ?= 2
 
-.PHONY: quickstart test bench
+.PHONY: quickstart test bench llamacpp
 
 $(BIN)/eaglewire: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,3 +24,9 @@ bench: $(BIN)/eaglewire
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/capture_throughput.py
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/train_step.py --threads $(THREADS)
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/engine_speed.py --threads $(THREADS)
+
+# llama.cpp (pinned build) into the user cache, once: ~25 min on 2 cores. Then its tests.
+llamacpp: $(BIN)/eaglewire
+	$(BIN)/pip install -q -e '.[test,llamacpp]'
+	$(BIN)/eaglewire engines install llamacpp --jobs $(THREADS)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/pytest -q -m llamacpp tests/engines/test_llamacpp_server.py

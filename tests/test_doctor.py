@@ -5,9 +5,10 @@ import json
 
 import pytest
 
+from eaglewire.doctor.evidence import judge_sweep, lead_noise, predicts_nothing
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.run import misaligned_shift
+from eaglewire.doctor.run import DoctorConfig, _check_evidence, misaligned_shift
 from eaglewire.doctor.serving import lint_flags, predicted_tau, read_engine_config
 
 # ------------------------------------------------------------------ pure pieces
@@ -111,6 +112,100 @@ def test_report_exit_code_and_json():
     assert json.loads(json.dumps(report.to_dict()))["ok"] is False
 
 
+def test_inconclusive_is_neither_passed_nor_failed():
+    report = DoctorReport(draft="d", target="t")
+    report.add(Check("identity", "ok", "fine"))
+    report.add(Check("evidence", "inconclusive", "too little evidence", fix="more"))
+    assert (report.status, report.exit_code) == ("inconclusive", 3)
+    text = report.render()
+    assert "INCONCLUSIVE evidence" in text and "INCONCLUSIVE: 0 failed, 1 inconclusive" in text and "PASSED" not in text
+    assert report.to_dict()["ok"] is False and report.to_dict()["status"] == "inconclusive"
+    report.add(Check("layout sweep", "fail", "wrong layers"))
+    assert (report.status, report.exit_code) == ("failed", 1)
+
+
+def test_noise_on_a_lead_is_two_binomial_standard_errors():
+    assert lead_noise(0.5, 0.5, 1000) == pytest.approx(2 * (0.5 / 1000) ** 0.5)  # 0.045
+    assert lead_noise(0.3, 0.3, 1_000_000) == 0.02  # tiny differences never matter
+    assert lead_noise(0.3, 0.2, 100) > lead_noise(0.3, 0.2, 10_000)
+
+
+def test_predicts_nothing_needs_evidence_of_it():
+    assert predicts_nothing(0.0, 106)  # the Gemma / Phi-3 drafts: 0 of 106 is known to be < 5%
+    assert not predicts_nothing(0.0, 20)  # 0 of 20 could still be a 10% draft
+    assert not predicts_nothing(0.3, 1000)
+
+
+def test_sweep_ranks_nothing_when_every_layout_scores_zero():
+    judged = judge_sweep({(2, 4, 5): 0.0, (1, 4, 5): 0.0, (3, 4, 5): 0.0}, [2, 4, 5], 500)
+    assert judged.verdict == "inconclusive" and "no layout scores above chance" in judged.summary
+
+
+def test_sweep_says_within_noise_and_never_calls_a_runner_up_the_best():
+    n = 106  # the Gemma draft's one sequence: noise ~±0.14
+    behind = judge_sweep({(2, 4, 5): 0.40, (1, 4, 5): 0.45, (3, 4, 5): 0.30}, [2, 4, 5], n)
+    assert behind.verdict == "ok" and "within noise of the best" in behind.summary and "[1, 4, 5]" in behind.summary
+    assert "is the best" not in behind.summary and behind.best == [1, 4, 5]
+    assert "noise ±0.136" in behind.evidence[0] and "106 judged tokens" in behind.evidence[0]
+    ahead = judge_sweep({(2, 4, 5): 0.45, (1, 4, 5): 0.40}, [2, 4, 5], n)
+    assert ahead.verdict == "ok" and "within noise of [1, 4, 5]" in ahead.summary
+    clear = judge_sweep({(2, 4, 5): 0.45, (1, 4, 5): 0.40}, [2, 4, 5], 100_000)
+    assert "is the best of 2 candidates, beyond noise" in clear.summary
+    wrong = judge_sweep({(2, 4, 5): 0.20, (1, 4, 5): 0.45}, [2, 4, 5], 1000)
+    assert wrong.verdict == "fail" and wrong.best == [1, 4, 5] and "beyond noise" in wrong.summary
+
+
+def test_too_little_evidence_is_inconclusive_and_says_where_more_comes_from():
+    def judge(n, sequences, **kw):
+        report = DoctorReport(draft="d", target="t")
+        _check_evidence(report, n, sequences, DoctorConfig(draft="d", **kw), {"heldout_sequence_ids": ["x"]})
+        return report.checks[0]
+
+    assert judge(1500, 20).verdict == "ok"
+    few = judge(106, 1)  # the source ran out: one held-out sequence
+    assert few.verdict == "inconclusive" and "106 judged reply tokens" in few.summary
+    assert "the draft recorded 1 held out" in few.fix and "about 10 are needed" in few.fix
+    assert "--conversations" in few.fix and "--include-training" in few.fix
+    capped = judge(400, 8, num_sequences=8)  # the flag held it back
+    assert "raise --num-sequences from 8 to about 20" in capped.fix
+    assert judge(400, 8, num_sequences=8, min_tokens=300).verdict == "ok"
+    with pytest.raises(ValueError, match="--min-tokens must be >= 1, got 0"):
+        DoctorConfig(draft="d", min_tokens=0)
+
+
+def test_doctor_never_passes_a_draft_that_predicts_nothing(tmp_path, chat_tiny_target):
+    """A random draft on a few conversations: the old doctor said OK to its acc@0 0.000 and called
+    the declared layout the best of candidates that all scored 0."""
+    import torch
+
+    from eaglewire.checkpoint import save_draft
+    from eaglewire.contract import HiddenStateContract
+    from eaglewire.doctor import run_doctor
+    from eaglewire.draft import DraftConfig, Eagle3Draft
+
+    target = chat_tiny_target
+    V = target.vocab_size
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=3, draft_vocab_size=V, vocab_size=V))
+    draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    save_draft(tmp_path / "d", draft, HiddenStateContract(aux_boundaries=(2, 4, 5), target=target.fingerprint))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": p}, {"role": "assistant", "content": f"Here is my answer to: {p} " * 3}]}) + "\n"
+        for i, p in enumerate(PROMPTS[:6])))
+    report = run_doctor(DoctorConfig(draft=str(tmp_path / "d"), conversations=str(chats), engine_prompts=1,
+                                     engine_tokens=8), target=target)
+    checks = {c.name: c for c in report.checks}
+    text = report.render()
+    assert report.exit_code == 1 and report.status == "failed", text
+    assert checks["accuracy in isolation"].verdict == "fail" and "predicts nothing" in checks["accuracy in isolation"].summary
+    assert checks["layout sweep"].verdict == "inconclusive" and "is the best" not in text
+    assert checks["evidence"].verdict == "inconclusive" and "only 6 held-out sequence(s)" in checks["evidence"].fix
+    assert checks["alignment"].verdict == "inconclusive"
+    assert "OK" not in {c.verdict.upper() for c in report.checks if c.name in ("accuracy in isolation", "layout sweep")}
+    assert f"judged tokens {report.facts['judged tokens']:,}" in text and 0 < report.facts["judged tokens"] < 1000
+
+
 def test_verdicts_are_checked():
     with pytest.raises(ValueError, match="verdict"):
         Check("x", "maybe", "?")
@@ -151,9 +246,11 @@ def trained(tmp_path_factory, smollm2_target):
 
 
 def _doctor(smollm2_target, draft, shards, **kw):
-    from eaglewire.doctor import DoctorConfig, run_doctor
+    from eaglewire.doctor import run_doctor
 
-    config = DoctorConfig(draft=draft, data=shards, include_training=True, engine_prompts=2, engine_tokens=16, **kw)
+    # 12 short replies give a few hundred judged tokens, enough for these drafts' large effects
+    config = DoctorConfig(draft=draft, data=shards, include_training=True, engine_prompts=2, engine_tokens=16,
+                          min_tokens=200, **kw)
     report = run_doctor(config, target=smollm2_target)
     return report, {c.name: c for c in report.checks}
 
@@ -187,7 +284,8 @@ def test_doctor_catches_an_sglang_vllm_off_by_one(tmp_path, trained, smollm2_tar
     assert wiring.verdict == "fail" and "[3, 16, 28]" in " ".join(wiring.evidence)
     assert "[1, 14, 26]" in wiring.fix  # the ids that wire it right on SmolLM2's model file (llama.py)
     acc = {tuple(r.layout): r.acc0 for r in report.layouts}
-    assert acc[(2, 15, 27)] > acc[(3, 16, 28)], acc
+    # neighbouring layers can tie on this small, overfit draft (0.8635 both with one thread): never worse
+    assert acc[(2, 15, 27)] >= acc[(3, 16, 28)], acc
 
 
 @pytest.mark.real

@@ -38,7 +38,7 @@ def setup(tmp_path_factory):
 
 def doctor_config(root, target_dir, **kw) -> DoctorConfig:
     return DoctorConfig(draft=str(root / "draft"), target=str(target_dir), data=str(root / "data"),
-                        include_training=True, engine_prompts=0, **kw)
+                        include_training=True, engine_prompts=0, min_tokens=200, **kw)
 
 
 def test_stored_doctor_matches_the_full_doctor(setup):
@@ -47,7 +47,7 @@ def test_stored_doctor_matches_the_full_doctor(setup):
     stored = run_doctor(doctor_config(root, target_dir, stored=True))
     assert full.accuracy["acc@0"] > 0  # a draft that predicts something, so equality means something
     assert abs(full.accuracy["acc@0"] - stored.accuracy["acc@0"]) <= 0.005
-    assert stored.facts["reply tokens"] == full.facts["reply tokens"]
+    assert stored.facts["judged tokens"] == full.facts["judged tokens"]
     skipped = next(c for c in stored.checks if c.verdict == "skip")
     assert "needs the target to run" in skipped.summary
     assert stored.exit_code == 0, stored.render()

@@ -54,7 +54,8 @@ def sglang_config(path: Path, ids: list[int]) -> Path:
 def doctor(draft: Path, data: Path, target: Path, engine_config: Path):
     # the contract records the target's architecture (deepseek_v3), which picks SGLang's deepseek_v2.py reading
     return run_doctor(DoctorConfig(draft=str(draft), target=str(target), data=str(data), stored=True,
-                                   engine="sglang", engine_config=str(engine_config), include_training=True))
+                                   engine="sglang", engine_config=str(engine_config), include_training=True,
+                                   min_tokens=100))  # 24 short rows: ~170 judged tokens
 
 
 def test_seeds_first_three_trained_last_three_served(tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ from eaglewire.target import load_target
 
 
 COMPARE_METHODS = ("hf", "hf-pld")
+ENGINES = ("eaglewire", "llamacpp")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
 HELDOUT = "sharegpt-heldout"
 
@@ -48,9 +49,23 @@ class BenchConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed of prompt i is seed + i"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the draft's"})
+    engine: list[str] = field(default_factory=lambda: ["eaglewire"], metadata={"help": "eaglewire, llamacpp or eaglewire,llamacpp (side by side on the same prompts)"})
+    llamacpp_target: str | None = field(default=None, metadata={"help": "llama.cpp: target GGUF (default: an f32 GGUF of the weights eaglewire runs)"})
+    llamacpp_draft: str | None = field(default=None, metadata={"help": "llama.cpp: draft GGUF (default: --draft exported with llama.cpp's converter, q8_0)"})
+    llamacpp_threads: int = field(default=2, metadata={"help": "llama.cpp: -t/-tb/-td/-tbd, pinned"})
+    llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use (default: `eaglewire engines install llamacpp`'s)"})
 
     def __post_init__(self) -> None:
         runs = parse_configs(self.configs)
+        unknown_engines = sorted(set(self.engine) - set(ENGINES))
+        if unknown_engines or not self.engine or len(set(self.engine)) < len(self.engine):
+            raise ValueError(f"--engine {','.join(self.engine)}: give {' or '.join(ENGINES)} or both, each once")
+        if "llamacpp" in self.engine:
+            llamacpp_runs(runs)  # a config llama.cpp cannot run is an error now, not after loading
+            if self.llamacpp_threads < 1:
+                raise ValueError(f"--llamacpp-threads must be >= 1, got {self.llamacpp_threads}")
+            if self.temperature != 0:
+                raise ValueError(f"--engine llamacpp compares greedy outputs; --temperature must be 0, got {self.temperature}")
         unknown = sorted(set(self.compare or ()) - set(COMPARE_METHODS))
         if unknown:
             raise ValueError(f"--compare {','.join(unknown)}: unknown baseline; choose from {', '.join(COMPARE_METHODS)}")
@@ -111,6 +126,27 @@ class RunConfig:
 
 
 CONFIG_FORMAT = "batch,steps,topk,draft-tokens[,min-prob] (e.g. 1,5,1,6 or 1,5,1,6,0.1)"
+
+
+def llamacpp_runs(runs: list[RunConfig]) -> list[RunConfig]:
+    """The configs llama.cpp runs: plain and chains (it drafts no trees). A chain of ``steps``
+    is ``--spec-draft-n-max steps --spec-draft-n-min 0``; min-prob, the probability a draft token
+    must reach, is ``--spec-draft-p-min``. Trees are eaglewire's alone; no chain left is an error."""
+    chains = [r for r in runs if r.spec is None or r.topk == 1]
+    if not any(r.spec is not None for r in chains) and any(r.spec is not None for r in runs):
+        trees = ";".join(r.label for r in runs if r.spec is not None)
+        raise ValueError(f"--configs {trees}: llama.cpp drafts chains only (topk 1); add a chain such as "
+                         "1,3,1,4 for --engine llamacpp")
+    return chains
+
+
+def llamacpp_server_config(run: RunConfig, *, model, draft, threads: int):
+    """The llama-server launch for ``run`` (``draft`` unused for plain runs)."""
+    from eaglewire.engines.llamacpp import ServerConfig
+
+    if run.spec is None:
+        return ServerConfig(model=model, threads=threads)
+    return ServerConfig(model=model, draft=draft, threads=threads, n_max=run.steps, n_min=0, p_min=run.min_prob)
 
 
 def parse_configs(text: str) -> list[RunConfig]:
@@ -189,10 +225,11 @@ def time_split(stats: list[GenerationStats]) -> dict[str, float]:
 class Row:
     """One report line: an engine config (plain / eagle3) or an HF baseline, over all prompts."""
 
-    name: str  # "1,5,1,6", or "hf" / "hf-pld"
+    name: str  # "1,5,1,6", "llamacpp 1,3,1,4", or "hf" / "hf-pld"
     method: str  # plain | eagle3 | hf | hf-pld
     stats: list[GenerationStats]  # one per prompt
     outputs: list[list[int]]  # new token ids per prompt
+    engine_name: str = "eaglewire"  # who decoded: eaglewire (and the HF baselines) or llamacpp
 
     @property
     def engine(self) -> bool:
@@ -207,18 +244,34 @@ class Row:
         return self.new_tokens / max(sum(s.total_seconds for s in self.stats), 1e-9)
 
 
+def plain_row(row: Row, rows: list[Row]) -> Row | None:
+    """The plain (steps 0) row of the engine that decoded ``row`` (eaglewire's for HF baselines)."""
+    engine = row.engine_name if row.engine else "eaglewire"
+    return next((r for r in rows if r.method == "plain" and r.engine_name == engine), None)
+
+
 def speedup(row: Row, rows: list[Row]) -> float | None:
-    """tokens/s relative to the run's plain (steps 0) row; None without one."""
-    plain = next((r for r in rows if r.method == "plain"), None)
+    """tokens/s relative to the same engine's plain (steps 0) row; None without one."""
+    plain = plain_row(row, rows)
     return row.tokens_per_second / plain.tokens_per_second if plain and plain.tokens_per_second else None
 
 
 def same_output_as_plain(row: Row, rows: list[Row]) -> int | None:
-    """How many prompts got exactly the plain row's tokens; None without a plain row or for it."""
-    plain = next((r for r in rows if r.method == "plain"), None)
+    """How many prompts got exactly the same engine's plain tokens; None without a plain row or for it."""
+    plain = plain_row(row, rows)
     if plain is None or row is plain:
         return None
     return sum(a == b for a, b in zip(row.outputs, plain.outputs))
+
+
+def same_output_across_engines(row: Row, rows: list[Row]) -> int | None:
+    """For a llama.cpp row: prompts whose output equals eaglewire's plain row's, up to the stop
+    token (eaglewire keeps it, llama.cpp drops it); None without both rows."""
+    ours = next((r for r in rows if r.method == "plain" and r.engine_name == "eaglewire"), None)
+    if row.engine_name != "llamacpp" or ours is None:
+        return None
+    return sum(a[:len(b)] == b and len(a) - len(b) <= 1 or b[:len(a)] == a and len(b) - len(a) <= 1
+               for a, b in zip(ours.outputs, row.outputs))
 
 
 @dataclass
@@ -296,15 +349,33 @@ def _hf_config(config: BenchConfig, stops: list[int], pad_id: int, pld: bool, ma
 
 
 def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> BenchResult:
-    """Load the target and draft once, then run every config and baseline on the same prompts."""
+    """Every config and baseline on the same prompts: eaglewire's engine (target and draft loaded
+    once) and/or llama-server (started per config)."""
     prompts = bench_prompts(config)
-    target = target or load_target(config.target, device=config.device)
+    rows: list[Row] = []
+    if "eaglewire" in config.engine or config.compare:  # the HF baselines need the target loaded too
+        target = target or load_target(config.target, device=config.device)
+        tok = target.tokenizer
+        encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
+        runs = config.runs if "eaglewire" in config.engine else []
+        rows += _run_eaglewire(config, target, encoded, runs, progress)
+    else:
+        from eaglewire.target import load_tokenizer
+
+        tok = target.tokenizer if target is not None else load_tokenizer(config.target)
+        encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
+    if "llamacpp" in config.engine:
+        rows += _run_llamacpp(config, encoded, progress)
+    return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
+
+
+def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: list[RunConfig],
+                   progress: bool) -> list[Row]:
     draft = contract = None
-    if any(r.spec is not None for r in config.runs):
+    if any(r.spec is not None for r in runs):
         draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
                                         device=target.device)
     tok = target.tokenizer
-    encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
     stops = stop_token_ids(tok, target.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
 
@@ -316,7 +387,7 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
         return _hf_generate(target, ids, _hf_config(config, stops, pad_id, pld, max_new), config.seed + i)
 
     jobs = []  # (row name, method, generate(prompt index, ids, max new tokens) -> (tokens, stats))
-    for run in config.runs:
+    for run in runs:
         decoder = SpecDecoder(target) if run.spec is None else SpecDecoder(target, draft, contract, run.spec)
         jobs.append((run.label, "plain" if run.spec is None else "eagle3", partial(engine, decoder)))
     for method in config.compare or ():
@@ -331,6 +402,84 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
     for i, ids in enumerate(tqdm(encoded, desc="bench", unit="prompt", disable=not progress)):
         for j, (_, _, generate) in enumerate(jobs):
             results[j].append(generate(i, ids, config.max_new_tokens))
-    rows = [Row(name, method, [st for _, st in res], [toks for toks, _ in res])
+    return [Row(name, method, [st for _, st in res], [toks for toks, _ in res])
             for (name, method, _), res in zip(jobs, results)]
-    return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
+
+
+# ------------------------------------------------------------------ llama.cpp
+
+def llamacpp_stats(answer: dict, verify_steps: int | None, num_steps: int) -> GenerationStats:
+    """GenerationStats of one llama-server answer, from its own counters.
+
+    llama.cpp reports per request only the drafted and accepted totals (``timings.draft_n``,
+    ``draft_n_accepted``); ``verify_steps`` (from /metrics) gives the rounds, else every round is
+    taken to draft the full chain. The rounds' accept lengths are spread evenly, so sums and
+    means (τ) are llama.cpp's own, per-round detail is not. Plain: one pass per token after
+    the first.
+    """
+    t = answer.get("timings") or {}
+    tokens = list(answer.get("tokens") or [])
+    drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
+    if drafted:
+        rounds = verify_steps if verify_steps else -(-drafted // max(num_steps, 1))
+        base, extra = divmod(accepted, max(rounds, 1))
+        accept = [1 + base + (1 if r < extra else 0) for r in range(rounds)]  # sums to rounds + accepted
+        vbase, vextra = divmod(drafted, max(rounds, 1))
+        verified = [1 + vbase + (1 if r < vextra else 0) for r in range(rounds)]
+    else:
+        accept = verified = [1] * max(len(tokens) - 1, 0)
+    prompt_s, gen_s = float(t.get("prompt_ms", 0.0)) / 1e3, float(t.get("predicted_ms", 0.0)) / 1e3
+    stopped = answer.get("stop_type") in ("eos", "word") or bool(answer.get("stopped_eos"))
+    return GenerationStats(prompt_tokens=int(t.get("prompt_n", 0)), new_tokens=len(tokens), accept_lengths=accept,
+                           verified_lengths=verified, prefill_seconds=prompt_s, total_seconds=prompt_s + gen_s,
+                           finish_reason="stop" if stopped else "length")
+
+
+def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
+    """(target GGUF, draft GGUF or None): given, or exported once into the report directory."""
+    needs_draft = any(r.spec is not None for r in llamacpp_runs(config.runs))
+    if config.llamacpp_target and (config.llamacpp_draft or not needs_draft):
+        return Path(config.llamacpp_target), Path(config.llamacpp_draft) if config.llamacpp_draft else None
+    from eaglewire.engines.llamacpp import require_tree
+    from eaglewire.formats.llamacpp import export, target_architecture, target_gguf
+    from eaglewire.target import resolve_target_path
+
+    if not needs_draft:
+        target_dir = resolve_target_path(config.target)
+        return target_gguf(target_dir, target_architecture(target_dir), "f32",
+                           tree=require_tree(config.llamacpp_dir)), None
+    out = config.out_dir / "llamacpp-export"
+    report = export(config.draft, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
+                    threads=config.llamacpp_threads, allow=set(config.allow_target_mismatch or ()))
+    draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
+        f for f in report.files if f.startswith("draft-"))
+    return Path(config.llamacpp_target) if config.llamacpp_target else out / "target-f32.gguf", draft
+
+
+def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool) -> list[Row]:
+    """One llama-server per config, started here (config-major: a server holds its own copy of
+    the target, so they do not run side by side); greedy, no prompt cache, threads pinned."""
+    from eaglewire.engines.llamacpp import LlamaServer, complete, metrics, require_server
+
+    server_bin = require_server(config.llamacpp_dir)
+    model, draft = _llamacpp_files(config)
+    rows = []
+    for run in llamacpp_runs(config.runs):
+        server_config = llamacpp_server_config(run, model=model, draft=draft, threads=config.llamacpp_threads)
+        log_path = config.out_dir / f"llama-server-{run.label.replace(',', '_')}.log"
+        config.out_dir.mkdir(parents=True, exist_ok=True)
+        stats, outputs = [], []
+        with LlamaServer(server_bin, server_config, log_path=log_path) as server:
+            for ids in encoded[:config.warmup]:
+                complete(server.url, ids, n_predict=min(16, config.max_new_tokens))
+            for ids in tqdm(encoded, desc=f"llama.cpp {run.label}", unit="prompt", disable=not progress):
+                before = metrics(server.url)
+                answer = complete(server.url, ids, n_predict=config.max_new_tokens)
+                after = metrics(server.url)
+                key = "spec_decode_num_drafts_total"
+                steps = int(after[key] - before[key]) if before and after and key in before else None
+                stats.append(llamacpp_stats(answer, steps, run.steps))
+                outputs.append(list(answer.get("tokens") or []))
+        rows.append(Row(f"llamacpp {run.label}", "plain" if run.spec is None else "eagle3", stats, outputs,
+                        engine_name="llamacpp"))
+    return rows

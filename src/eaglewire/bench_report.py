@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglewire.bench import BenchResult, Row, position_acceptance, same_output_as_plain, speedup, tau_per_request, \
-    tau_pooled, time_split, verified_per_pass
+from eaglewire.bench import BenchResult, Row, position_acceptance, same_output_across_engines, same_output_as_plain, \
+    speedup, tau_per_request, tau_pooled, time_split, verified_per_pass
 
 HEADERS = ["config", "method", "tok/s", "speedup", "τ pooled", "τ per-request", "verified/pass",
            "acceptance by position", "draft s", "verify s", "prefill s", "other s", "new tokens", "same as plain"]
@@ -17,7 +17,10 @@ TAU_NOTE = ("τ: tokens per target verify pass, bonus token included (1.0 = plai
             "side of τ. Speedup: tokens/s over the plain (steps 0) config of this run. "
             "Acceptance by position: share of verify passes that accepted the draft token at depth 1, 2, ... "
             "Same as plain (greedy only): prompts whose output equals the plain config's token for token; "
-            "speculation is lossless, so a shortfall means numerics (ties, bf16) or a bug.")
+            "speculation is lossless, so a shortfall means numerics (ties, bf16) or a bug. "
+            "llamacpp rows: llama-server started by the bench (threads pinned, greedy, no prompt cache); τ from "
+            "its own counters (1 + timings.draft_n_accepted / verify steps from /metrics), speedup and same-as-plain "
+            "against llama.cpp's own plain row; its time is prompt + generation as llama.cpp times them, no draft/verify split.")
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -30,7 +33,8 @@ def row_dict(row: Row, rows: list[Row], greedy: bool) -> dict:
     split = time_split(row.stats)
     same = same_output_as_plain(row, rows) if greedy else None
     return {
-        "name": row.name, "method": row.method, "prompts": len(row.stats), "new_tokens": row.new_tokens,
+        "name": row.name, "engine": row.engine_name, "method": row.method, "prompts": len(row.stats),
+        "new_tokens": row.new_tokens,
         "tokens_per_second": round(row.tokens_per_second, 2), "speedup": _round(speedup(row, rows), 3),
         "tau_pooled": _round(tau_pooled(row.stats) if row.engine else None, 3),
         "tau_per_request_mean": _round(tau_per_request(row.stats) if row.engine else None, 3),
@@ -39,6 +43,7 @@ def row_dict(row: Row, rows: list[Row], greedy: bool) -> dict:
         "position_acceptance": [round(a, 3) for a in position_acceptance(row.stats)],
         "seconds": {k: round(v, 3) for k, v in split.items()} if row.engine else {"total": round(split["total"], 3)},
         "same_output_as_plain": same,
+        "same_output_as_eaglewire_plain": same_output_across_engines(row, rows) if greedy else None,
         "per_request": [{"new_tokens": s.new_tokens, "verify_passes": s.rounds if row.engine else None,
                          "tau": round(s.accept_length, 3) if row.engine and s.rounds else None,
                          "seconds": round(s.total_seconds, 3), "finish_reason": s.finish_reason} for s in row.stats],
@@ -97,7 +102,7 @@ def to_json(result: BenchResult) -> dict:
     c = result.config
     return {"command": result.command, "target": c.target, "draft": c.draft, "dataset": c.dataset,
             "prompts": [p.id for p in result.prompts], "max_new_tokens": c.max_new_tokens,
-            "temperature": c.temperature, "seed": c.seed, "note": TAU_NOTE,
+            "temperature": c.temperature, "seed": c.seed, "engines": list(c.engine), "note": TAU_NOTE,
             "rows": [row_dict(r, result.rows, c.temperature == 0) for r in result.rows]}
 
 

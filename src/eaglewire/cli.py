@@ -106,6 +106,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from eaglewire.formats import export_draft
 
+    if args.to == "llamacpp":
+        from eaglewire.formats.llamacpp import export
+
+        print(export(args.draft, args.out, outtype=args.outtype, target_outtype=args.target_outtype,
+                     llamacpp_dir=args.llamacpp_dir, verifier_name=args.verifier_name, num_steps=args.num_steps,
+                     allow=set(args.allow_target_mismatch or ())).summary())
+        return 0
     report = export_draft(args.draft, args.to, args.out, target_arch=args.target_arch,
                           verifier_name=args.verifier_name, num_steps=args.num_steps,
                           allow=set(args.allow_target_mismatch or ()))
@@ -141,6 +148,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(terminal_table(result))
     paths = write_report(result, config.out_dir)
     print(f"\nreport written to {config.out_dir}: {', '.join(p.name for p in paths)}")
+    return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    """``eaglewire engines install llamacpp``: download and build llama.cpp once, with progress."""
+    from tqdm.auto import tqdm
+
+    from eaglewire.engines import llamacpp
+
+    bar = None
+
+    def progress(stage: str, percent: float | None) -> None:
+        nonlocal bar
+        if percent is None:
+            if bar is not None:
+                bar.close()
+                bar = None
+            print(stage, file=sys.stderr)
+            return
+        if bar is None:
+            bar = tqdm(total=100, desc=stage.split(" (")[0], unit="%", disable=args.no_progress)
+        bar.update(percent - bar.n)
+
+    if args.action == "install":
+        found = llamacpp.install(llamacpp_dir=args.llamacpp_dir, jobs=args.jobs, use_path=not args.build,
+                                 progress=progress)
+    else:
+        server, tree = llamacpp.find_server(args.llamacpp_dir), llamacpp.find_tree(args.llamacpp_dir)
+        if server is None or tree is None:
+            print(f"llama.cpp is not installed: {llamacpp.INSTALL_HINT}", file=sys.stderr)
+            return 1
+        build = llamacpp.BUILD if server == llamacpp.built_server(llamacpp.source_dir()) else llamacpp.server_build(server)
+        found = llamacpp.Installation(server=server, tree=tree, build=build, how="found")
+    if bar is not None:
+        bar.close()
+    print(_table(found.rows(), f"llama.cpp (pinned build {llamacpp.BUILD})"))
     return 0
 
 
@@ -191,6 +234,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
+    from eaglewire.formats.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
     from eaglewire.presets import DEFAULT_TARGET
     from eaglewire.train import TrainConfig
 
@@ -242,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, DoctorConfig)
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("export", help="write a draft in SGLang or vLLM/speculators format")
+    p = sub.add_parser("export", help="write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
     p.add_argument("--draft", required=True)
     p.add_argument("--to", required=True, choices=EXPORT_FORMATS)
     p.add_argument("--out", required=True)
@@ -252,7 +296,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the recorded target, as an absolute path when it is a local directory)")
     p.add_argument("--num-steps", type=int, default=5, help="speculative steps suggested in SERVING.md")
     p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
+    p.add_argument("--outtype", default="q8_0", choices=DRAFT_OUTTYPES, help="llamacpp: the draft GGUF's weights")
+    p.add_argument("--target-outtype", default="f16", choices=TARGET_OUTTYPES,
+                   help="llamacpp: also write the target as GGUF of this type (none: skip)")
+    p.add_argument("--llamacpp-dir", default=None, help="llamacpp: a llama.cpp tree (default: the one `engines install` made)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("engines", help="install or find third-party engines (llama.cpp)")
+    p.add_argument("action", choices=["install", "which"])
+    p.add_argument("engine", choices=["llamacpp"])
+    p.add_argument("--llamacpp-dir", default=None, help="use this llama.cpp build (directory or llama-server binary)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    p.add_argument("--build", action="store_true", help="build into the cache even when llama-server is on PATH")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("import", help="convert a SGLang, SpecForge, speculators or EAGLE draft")
     p.add_argument("--from", dest="from_", required=True, choices=IMPORT_FORMATS)

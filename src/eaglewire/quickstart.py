@@ -110,7 +110,7 @@ def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, pr
                                          json=str(out / "doctor.json")), target=target)
         (out / "doctor.txt").write_text(report.render() + "\n")
         print(report.render())
-        stages.record("doctor", {"ok": not report.failed,
+        stages.record("doctor", {"ok": report.status == "passed", "status": report.status,
                                  "verdicts": {c.name: c.verdict for c in report.checks}})
     if "bench" not in stages.done:
         _banner(f"4/4 bench: {config.bench_prompts} {config.bench_dataset} prompts, with and without the draft")
@@ -133,7 +133,7 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
             ("training", f"{t['steps']} steps, {t['tokens']:,} tokens, {t['seconds']:,.0f} s"
                          + ("" if t["finished"] else " (time budget reached)")),
             ("held-out acc@0 / cond acc@1", f"{t.get('val_acc_0', 0):.3f} / {t.get('val_cond_acc_1', 0):.3f}"),
-            ("doctor", ("passed" if d["ok"] else "FAILED") + ": "
+            ("doctor", d.get("status", "passed" if d["ok"] else "failed").upper() + ": "
              + ", ".join(f"{k} {v}" for k, v in d["verdicts"].items()))]
     for row in done["bench"]:
         tau = f", τ {row['tau_pooled']:.2f}" if row.get("tau_pooled") else ""

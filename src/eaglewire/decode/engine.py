@@ -83,7 +83,7 @@ def check_spec_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
 class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
-    accept_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included
+    accept_lengths: list[int] = field(default_factory=list)  # per verify round, bonus included (the output may keep fewer of the last)
     verified_lengths: list[int] = field(default_factory=list)  # tokens per verify round, root included
     position_accepts: list[int] = field(default_factory=list)  # rounds that accepted depth d+1
     draft_seconds: float = 0.0
@@ -224,7 +224,10 @@ class SpecDecoder:
         """Yield the new tokens of every round as they are accepted; stats land in ``self.stats``.
 
         Stops at a token of ``stop_token_ids`` (included in the output), when
-        ``should_stop(all new tokens)`` says so (e.g. a stop string), or at ``max_new_tokens``.
+        ``should_stop(all new tokens)`` says so (e.g. a stop string), or at ``max_new_tokens``,
+        at exactly the token where plain decoding stops, also inside an accepted block.
+        ``should_stop`` is asked once per new token, in order (so it may keep state, as
+        ``text.StopStrings`` does).
         """
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -250,13 +253,15 @@ class SpecDecoder:
         produced: list[int] = []
         new = [root]
         while True:
-            new, done = self._finish(produced, new, max_new_tokens, stop_token_ids, should_stop)
-            produced += new
+            before = len(produced)
+            finish = _take(produced, new, max_new_tokens, stop_token_ids, should_stop)
             stats.new_tokens = len(produced)
             stats.total_seconds = time.perf_counter() - start
-            if new:
-                yield new
-            if done:
+            if finish is not None:
+                stats.finish_reason = finish
+            if len(produced) > before:
+                yield produced[before:]
+            if finish is not None:
                 return
             t0 = time.perf_counter()
             tree = self._build_tree(root, root_out, dcache, P) if self.draft is not None else _root_only(root)
@@ -291,25 +296,27 @@ class SpecDecoder:
             return int(logits[-1].argmax())
         return int(sample(logits_to_probs(logits[-1:], sampling).cpu(), gen)[0])
 
-    def _finish(self, produced: list[int], new: list[int], max_new_tokens: int, stop_token_ids: set[int],
-                should_stop) -> tuple[list[int], bool]:
-        """Cut ``new`` at a stop token or the token limit; say whether generation ends."""
-        for i, tok in enumerate(new):
-            if tok in stop_token_ids:
-                self.stats.finish_reason = "stop"
-                return new[:i + 1], True
-        room = max_new_tokens - len(produced)
-        if len(new) >= room:
-            self.stats.finish_reason = "length"
-            return new[:room], True
-        if should_stop is not None and should_stop(produced + new):
-            self.stats.finish_reason = "stop"
-            return new, True
-        return new, False
-
     def generate(self, prompt_ids: list[int], **kwargs) -> tuple[list[int], GenerationStats]:
         tokens = [t for chunk in self.stream(prompt_ids, **kwargs) for t in chunk]
         return tokens, self.stats
+
+
+def _take(produced: list[int], new: list[int], max_new_tokens: int, stop_token_ids: set[int],
+          should_stop: Callable[[list[int]], bool] | None) -> str | None:
+    """Append ``new`` to ``produced`` token by token, as plain decoding would produce them, up to
+    the first token that ends generation; return the finish reason, or None to go on.
+
+    Per token: a stop token or a completed stop string is "stop" (it wins over the limit
+    reached at the same token), else the limit is "length". Tokens after it are dropped: an
+    accepted block may run past where plain decoding stops.
+    """
+    for tok in new:
+        produced.append(tok)
+        if tok in stop_token_ids or (should_stop is not None and should_stop(produced)):
+            return "stop"
+        if len(produced) >= max_new_tokens:
+            return "length"
+    return None
 
 
 def _root_only(root: int) -> Tree:

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-VERDICTS = ("ok", "warn", "fail", "skip")
+VERDICTS = ("ok", "warn", "fail", "skip", "inconclusive")
+# Exit codes: passed 0, failed 1 (2 is the CLI's user error), inconclusive 3: too little evidence
+# to pass, and nothing found wrong.
+EXIT_CODES = {"passed": 0, "failed": 1, "inconclusive": 3}
 
 
 @dataclass
 class Check:
     name: str
-    verdict: str  # ok / warn / fail / skip
+    verdict: str  # ok / warn / fail / skip / inconclusive (too little evidence to judge)
     summary: str
     evidence: list[str] = field(default_factory=list)
     fix: str | None = None
@@ -47,11 +50,18 @@ class DoctorReport:
         return any(c.verdict == "fail" for c in self.checks)
 
     @property
+    def status(self) -> str:
+        """failed (any check failed), inconclusive (none failed, one could not judge), or passed."""
+        if self.failed:
+            return "failed"
+        return "inconclusive" if any(c.verdict == "inconclusive" for c in self.checks) else "passed"
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.failed else 0
+        return EXIT_CODES[self.status]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"draft": self.draft, "target": self.target, "ok": not self.failed,
+        return {"draft": self.draft, "target": self.target, "ok": self.status == "passed", "status": self.status,
                 "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
                 "facts": self.facts, "accuracy": self.accuracy}
 
@@ -61,11 +71,13 @@ class DoctorReport:
             lines.append("  " + ", ".join(f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in self.facts.items()))
         lines.append("")
         width = max(len(c.name) for c in self.checks) if self.checks else 0
+        tags = max([5] + [len(c.verdict) for c in self.checks])
+        pad = " " * (tags + 1)
         for c in self.checks:
-            lines.append(f"{c.verdict.upper():<5} {c.name:<{width}}  {c.summary}")
-            lines += [f"      {'':<{width}}  · {e}" for e in c.evidence]
+            lines.append(f"{c.verdict.upper():<{tags}} {c.name:<{width}}  {c.summary}")
+            lines += [f"{pad}{'':<{width}}  · {e}" for e in c.evidence]
             if c.fix:
-                lines.append(f"      {'':<{width}}  fix: {c.fix}")
+                lines.append(f"{pad}{'':<{width}}  fix: {c.fix}")
         if self.layouts:
             lines += ["", "layout sweep (draft acc@0 on held-out reply tokens, fed as in training)"]
             best = max(r.acc0 for r in self.layouts)
@@ -73,10 +85,9 @@ class DoctorReport:
             for r in sorted(self.layouts, key=lambda r: -r.acc0):
                 mark = "  <- best" if r.acc0 == best and not tied else ""
                 lines.append(f"  {str(r.layout):<16} {r.acc0:6.3f}  {', '.join(r.labels)}{mark}")
-        fails = sum(c.verdict == "fail" for c in self.checks)
-        warns = sum(c.verdict == "warn" for c in self.checks)
-        lines += ["", f"{'FAILED' if fails else 'PASSED'}: {fails} failed, {warns} warning(s), "
-                      f"{sum(c.verdict == 'ok' for c in self.checks)} ok"]
+        count = {v: sum(c.verdict == v for c in self.checks) for v in VERDICTS}
+        lines += ["", f"{self.status.upper()}: {count['fail']} failed, {count['inconclusive']} inconclusive, "
+                      f"{count['warn']} warning(s), {count['ok']} ok"]
         return "\n".join(lines)
 
 

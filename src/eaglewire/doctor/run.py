@@ -14,6 +14,7 @@ import torch
 
 from eaglewire.checkpoint import load_draft
 from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
+from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
                                       engine_agreement, stored_accuracy)
@@ -41,13 +42,16 @@ class DoctorConfig:
     include_training: bool = field(default=False, metadata={"help": "measure on any sequences, not only those "
                                                                      "the draft held out from training"})
     steps: int = field(default=3, metadata={"help": "draft steps measured in isolation (acc@0, cond acc@1..)"})
-    engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators"})
-    engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load"})
+    engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators, llamacpp"})
+    engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load (llamacpp: the draft .gguf)"})
     engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
     target_arch: str | None = field(default=None, metadata={"help": "the target's architecture as the engine loads "
                                                                     "it (default: the one the draft records)"})
+    engine_url: str | None = field(default=None, metadata={"help": "a running llama-server (--engine llamacpp): measure its served τ on the held-out prompts"})
     engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
+    min_tokens: int = field(default=1000, metadata={"help": "judged reply tokens below which the verdict is "
+                                                             "inconclusive (too little evidence to pass)"})
     json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
     stored: bool = field(default=False, metadata={"help": "judge from the stored states in --data alone, the target never "
                                                           "run: --target needs only its config, tokenizer, embedding, "
@@ -62,9 +66,12 @@ class DoctorConfig:
             raise ValueError("give --data (shards) or --conversations, not both")
         if not self.stored and (self.compare_data or self.labels != "head"):
             raise ValueError("--compare-data and --labels read stored states: add --stored")
-        if self.engine not in SERVING_ENGINES:
-            raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(SERVING_ENGINES)}")
-        for name in ("num_sequences", "max_length", "steps"):
+        engines = tuple(dict.fromkeys(SERVING_ENGINES + ("llamacpp",)))
+        if self.engine not in engines:
+            raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(engines)}")
+        if self.engine_url and self.engine != "llamacpp":
+            raise ValueError(f"--engine-url measures a running llama-server; it needs --engine llamacpp, not {self.engine!r}")
+        for name in ("num_sequences", "max_length", "steps", "min_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
@@ -88,7 +95,13 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     L = target.num_layers
 
     identity_ok = _check_identity(report, contract, target)
-    serving, serving_steps = _serving(report, config, declared, L, config.target_arch or contract.target.architecture)
+    arch = config.target_arch or contract.target.architecture
+    if config.engine == "llamacpp":
+        from eaglewire.doctor import llamacpp
+
+        serving, serving_steps = llamacpp.serving(report, config, declared, L, arch)
+    else:
+        serving, serving_steps = _serving(report, config, declared, L, arch)
     sequences, source = _load_sequences(config, target, contract, summary, report)
     if not sequences:
         report.add(Check("data", "fail", "no held-out sequence with reply tokens to measure on",
@@ -110,13 +123,21 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     counts = isolation_accuracy(draft, batches, declared, steps=config.steps)
     acc0, cond = counts[0].acc, [c.cond_acc for c in counts[1:]]
     report.accuracy = {"acc@0": acc0} | {f"cond acc@{j}": c for j, c in enumerate(cond, 1)}
+    _check_evidence(report, counts[0].valid, len(sequences), config, summary)
     _check_accuracy(report, counts, summary, source)
     _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
     _check_drift(report, draft, batches, declared, L, config.steps, acc0)
     _check_alignment(report, draft, batches, declared, acc0, counts[0].valid)
-    _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, serving_steps)
+    rounds = _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, serving_steps)
+    if config.engine_url:
+        from eaglewire.doctor import llamacpp
 
-    report.facts = {"held-out sequences": len(sequences), "reply tokens": counts[0].valid,
+        served = llamacpp.measure_served(config.engine_url, [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]],
+                                         max_new_tokens=config.engine_tokens, num_steps=serving_steps)
+        report.add(llamacpp.served_check(served, rounds.measured_tau if rounds and rounds.rounds else None,
+                                         predicted_tau(acc0, cond, serving_steps), serving_steps))
+
+    report.facts = {"held-out sequences": len(sequences), "judged tokens": counts[0].valid,
                     "source": source, "seconds": round(time.perf_counter() - start, 1)}
     if config.json:
         Path(config.json).parent.mkdir(parents=True, exist_ok=True)
@@ -177,10 +198,40 @@ def _serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L:
     return reading.readings, steps
 
 
+def _check_evidence(report: DoctorReport, n: int, sequences: int, config: DoctorConfig, summary: dict) -> None:
+    """Judged tokens against the minimum; below it nothing can pass, and the fix says where more come from."""
+    what = f"{n:,} judged reply tokens on {sequences} held-out sequence(s) (minimum {config.min_tokens:,})"
+    if n >= config.min_tokens:
+        report.add(Check("evidence", "ok", what))
+        return
+    per = max(n / max(sequences, 1), 1.0)
+    need = math.ceil(config.min_tokens / per)
+    if sequences < config.num_sequences:  # the source ran out, not the flag
+        recorded = len(summary.get("heldout_sequence_ids") or [])
+        fix = (f"only {sequences} held-out sequence(s) were found" +
+               (f" (the draft recorded {recorded} held out)" if recorded and not config.include_training else "") +
+               f"; about {need} are needed: pass --conversations FILE with conversations training did not see "
+               "(--offset skips the first ones) or --data SHARDS not used in training; or --include-training "
+               "to also measure on training sequences (it reads optimistic)")
+    else:
+        fix = f"raise --num-sequences from {config.num_sequences} to about {need}, or --max-length (now {config.max_length})"
+    report.add(Check("evidence", "inconclusive", f"too little evidence to pass: {what}",
+                     [f"~{per:.0f} judged tokens per sequence; with {n:,} tokens an accuracy is known to about "
+                      f"±{2 * math.sqrt(0.25 / max(n, 1)):.3f}"], fix=fix))
+
+
 def _check_accuracy(report: DoctorReport, counts, summary: dict, source: str) -> None:
-    acc0 = counts[0].acc
+    acc0, n = counts[0].acc, counts[0].valid
     evidence = [f"acc@0 {acc0:.3f}" + "".join(f", cond acc@{j} {c.cond_acc:.3f}" for j, c in enumerate(counts[1:], 1))
-                + f" over {counts[0].valid:,} reply tokens"]
+                + f" over {n:,} judged reply tokens"]
+    if predicts_nothing(acc0, n):
+        high = wilson_bounds(acc0, n)[1]
+        report.add(Check("accuracy in isolation", "fail", f"the draft predicts nothing: acc@0 {acc0:.3f} "
+                         f"({source})", evidence + [f"at most {high:.3f} at ~95% confidence, under the "
+                                                   f"{USEFUL_ACC0} a draft needs to accept anything"],
+                         fix="a draft this weak cannot speed decoding, nor can its wiring be checked: train it "
+                         "longer or on more data, and check it was trained on this target's states"))
+        return
     recorded = (summary.get("final_eval") or {}).get("val_acc_0")
     verdict = "ok"
     if recorded is not None:
@@ -205,25 +256,25 @@ def _check_layouts(report, draft, batches, layouts, declared, serving, acc0, n, 
         acc = acc0 if list(layout) == declared else isolation_accuracy(draft, batches, list(layout), steps=1)[0].acc
         rows.append(LayoutRow(list(layout), labels, round(acc, 4), n))
     report.layouts = rows
-    best = max(rows, key=lambda r: r.acc0)
-    tol = _tolerance(best.acc0, n)
-    evidence = [f"best {best.layout} acc@0 {best.acc0:.3f}; declared {declared} {acc0:.3f}"]
-    if best.layout != declared and best.acc0 > acc0 + tol:
-        report.add(Check("layout sweep", "fail",
-                         f"the draft reads {best.layout} best, not the {declared} its contract declares",
-                         evidence, fix="the contract (or the data it was trained on) is mislabeled: re-capture with "
-                         f"--aux-boundaries {','.join(map(str, best.layout))} and retrain, or fix the recorded contract"))
+    judged = judge_sweep({tuple(r.layout): r.acc0 for r in rows}, declared, n)
+    if judged.verdict == "fail":
+        report.add(Check("layout sweep", "fail", judged.summary, judged.evidence,
+                         fix="the contract (or the data it was trained on) is mislabeled: re-capture with "
+                         f"--aux-boundaries {','.join(map(str, judged.best))} and retrain, or fix the recorded contract"))
+        return
+    if judged.verdict == "inconclusive":
+        report.add(Check("layout sweep", "inconclusive", judged.summary, judged.evidence,
+                         fix="nothing can be told apart until the draft predicts something: train it further"))
         return
     bad = {label: b for label, b in serving.items() if b != declared}
     if bad:
         by_layout = {tuple(r.layout): r.acc0 for r in rows}
         lines = [f"{label} feeds {b}: acc@0 {by_layout.get(tuple(b), float('nan')):.3f} instead of {acc0:.3f}"
                  for label, b in bad.items()]
-        report.add(Check("layout sweep", "fail", f"the serving side feeds another layout than the best, {declared}",
-                         evidence + lines, fix=config_fix(config.engine, declared, L)))
+        report.add(Check("layout sweep", "fail", f"the serving side feeds another layout than the declared {declared}",
+                         judged.evidence + lines, fix=config_fix(config.engine, declared, L)))
         return
-    report.add(Check("layout sweep", "ok", f"the declared layout {declared} is the best of {len(rows)} candidates",
-                     evidence))
+    report.add(Check("layout sweep", "ok", judged.summary, judged.evidence))
 
 
 def _check_drift(report, draft, batches, declared, L, steps, acc0) -> None:
@@ -270,7 +321,10 @@ def _check_alignment(report, draft, batches, declared, acc0, n) -> None:
     evidence.append(f"t+1 reads ahead (its state saw the next token), so it may score higher for any draft; "
                     f"only {LOOKAHEAD_GAIN:g}x the aligned accuracy counts as a shift")
     shift = misaligned_shift(acc0, shifted, n)
-    if shift is not None:
+    if shift is None and predicts_nothing(max([acc0, *shifted.values()]), n):
+        report.add(Check("alignment", "inconclusive", "the draft predicts nothing in any alignment: nothing to "
+                         "compare", evidence))
+    elif shift is not None:
         report.add(Check("alignment", "fail", f"the draft predicts better with states shifted by {shift:+d} token",
                          evidence, fix="the training data paired tokens with the states of their neighbours; "
                          "re-capture with `eaglewire prepare` and retrain"))
@@ -283,7 +337,7 @@ def _check_alignment(report, draft, batches, declared, acc0, n) -> None:
 MIN_ROUND_AGREEMENT = 0.9
 
 
-def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> None:
+def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> RoundAgreement | None:
     """The engine's greedy chain on held-out prompts, round by round against the replay of the
     training-time unroll on the text it produced (``replay.py``): they must accept the same."""
     from eaglewire.tokens import stop_token_ids
@@ -293,7 +347,7 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
     if config.engine_prompts < 1:
         report.add(Check("acceptance", "skip", f"predicted τ {predicted:.2f} for a chain of {steps}; "
                          "measurement skipped (--engine-prompts 0)"))
-        return
+        return None
     decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1))
     stop = set(stop_token_ids(target.tokenizer, target.model))
     rounds, prompts = RoundAgreement(), sequences[:config.engine_prompts]
@@ -309,6 +363,10 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
                 "a rejected token, where drafts are weaker, so this reads high)"]
     if rounds.rounds == 0:
         report.add(Check("acceptance", "skip", "no round to compare (raise --engine-tokens)", evidence))
+    elif rounds.measured_tokens == rounds.replayed_tokens == rounds.rounds:
+        report.add(Check("acceptance", "inconclusive", f"no draft token was accepted in {rounds.rounds} rounds, nor "
+                         "would training accept one: their agreement says nothing", evidence,
+                         fix="a draft that accepts nothing cannot show a decoding fault: train it further"))
     elif rounds.share < MIN_ROUND_AGREEMENT:
         report.add(Check("acceptance", "fail", f"the engine accepts other tokens than training predicts in "
                          f"{rounds.rounds - rounds.agree} of {rounds.rounds} rounds", evidence,
@@ -317,6 +375,7 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
     else:
         report.add(Check("acceptance", "ok", f"measured τ {measured:.2f}; the engine accepts what training "
                      f"predicts in {rounds.agree} of {rounds.rounds} rounds", evidence))
+    return rounds
 
 
 # ------------------------------------------------------------------ data

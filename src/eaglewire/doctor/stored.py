@@ -175,7 +175,7 @@ def _pick(ds: ShardDataset, summary: dict, config) -> tuple[list[int], str | Non
 
 def run_stored_doctor(config) -> DoctorReport:
     """The doctor on stored states (``config.data``) with the target's head only."""
-    from eaglewire.doctor.run import _check_accuracy, _check_alignment, _check_layouts, _serving
+    from eaglewire.doctor.run import _check_accuracy, _check_alignment, _check_evidence, _check_layouts, _serving
 
     start = time.perf_counter()
     if config.labels not in LABELS:
@@ -214,6 +214,7 @@ def run_stored_doctor(config) -> DoctorReport:
     counts = isolation_accuracy(draft, batches, declared, steps=config.steps)
     acc0 = counts[0].acc
     report.accuracy = {"acc@0": acc0} | {f"cond acc@{j}": c.cond_acc for j, c in enumerate(counts[1:], 1)}
+    _check_evidence(report, counts[0].valid, len(picked), config, summary)
     _check_accuracy(report, counts, summary, f"stored states in {config.data}")
     layouts = stored_layouts(stored + [b for b in declared if b == L], len(declared), declared, serving)
     _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
@@ -223,7 +224,7 @@ def run_stored_doctor(config) -> DoctorReport:
         _check_stored_drift(report, ds, config, picked, target, draft, declared, acc0)
     skipped = "measured acceptance" + ("" if config.compare_data else " and capture drift (or pass --compare-data)")
     report.add(Check("skipped", "skip", f"{skipped}: needs the target to run; this run never ran it (--stored)"))
-    report.facts = {"held-out sequences": len(picked), "reply tokens": counts[0].valid, "source": config.data,
+    report.facts = {"held-out sequences": len(picked), "judged tokens": counts[0].valid, "source": config.data,
                     "draft vocab coverage": round(inside / max(counted, 1), 4),
                     "seconds": round(time.perf_counter() - start, 1)}
     if config.json:

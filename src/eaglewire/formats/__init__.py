@@ -4,6 +4,7 @@
 |------------------|--------|--------|-----------------------------------------------------|
 | sglang           | yes    | yes    | SGLang's rule for the target's model file           |
 | vllm/speculators | yes    | yes    | boundaries verbatim (vLLM sorts them)               |
+| llamacpp (GGUF)  | yes    | -      | boundaries verbatim, exactly 3 (formats/llamacpp.py) |
 | specforge        | -      | yes    | output of layer i (boundary i + 1)                  |
 | eagle            | -      | yes    | none: hard-coded [2, L//2, L-3]                     |
 
@@ -41,7 +42,7 @@ from eaglewire.target import Target, load_target
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMATS: tuple[str, ...] = ("sglang", "vllm", "speculators")
+EXPORT_FORMATS: tuple[str, ...] = ("sglang", "vllm", "speculators", "llamacpp")
 IMPORT_FORMATS: tuple[str, ...] = ("sglang", "specforge", "speculators", "vllm", "eagle")
 RECORD_KEY = "eaglewire"
 _MODULES = {"sglang": sglang, "specforge": specforge, "eagle": eagle, "speculators": speculators,

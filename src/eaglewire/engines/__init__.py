@@ -1,0 +1,1 @@
+"""Third-party serving engines eaglewire installs, starts and measures (llama.cpp)."""

@@ -1,0 +1,262 @@
+"""The llama.cpp EAGLE-3 format: a GGUF draft made by llama.cpp's own converter.
+
+``convert_hf_to_gguf.py SPECULATORS_DIR --target-model-dir TARGET`` reads the speculators
+(vLLM) export and writes architecture ``eagle3`` with ``eagle3.target_layers`` (llama.cpp's
+``extract_layers``: it copies the *input* of layer i for id i, so ids are boundaries verbatim,
+exactly 3), ``eagle3.target_hidden_size`` and the norm flags. The export runs that converter
+with the tree's own gguf-py, reads the GGUF back with the ``gguf`` package and refuses a file
+whose layers differ from the contract. It also writes the target as GGUF (f32/f16 of the very
+weights eaglewire runs) and ``SERVING.md`` with the llama-server command.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from eaglewire.checkpoint import read_draft_config
+from eaglewire.contract import HiddenStateContract, to_engine
+from eaglewire.engines import llamacpp as engine
+from eaglewire.fileio import atomic_write_text
+from eaglewire.formats.eagle import FormatError
+from eaglewire.presets import cache_dir, resolve_draft
+
+log = logging.getLogger(__name__)
+
+DRAFT_OUTTYPES = ("q8_0", "f16", "bf16", "f32")
+TARGET_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "none")
+GGUF_ARCH = "eagle3"
+
+
+# ------------------------------------------------------------------ reading a GGUF draft
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file (tensors are not read)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise FormatError(f"{path} is not a readable GGUF file: {e}") from e
+    out: dict[str, Any] = {}
+    for name, f in reader.fields.items():
+        if name.startswith("tokenizer.ggml.") and name != "tokenizer.ggml.model":
+            continue  # vocabularies: large and not needed here
+        try:
+            value = f.contents()
+        except (ValueError, IndexError, TypeError):
+            continue
+        out[name] = value
+    out["tensor_names"] = [t.name for t in reader.tensors]
+    return out
+
+
+def draft_layers(meta: dict[str, Any]) -> list[int] | None:
+    """llama.cpp's extract_layers of a GGUF draft (``<arch>.target_layers``), None if absent."""
+    arch = meta.get("general.architecture")
+    value = meta.get(f"{arch}.target_layers")
+    return None if value is None else [int(v) for v in value]
+
+
+def layout_problem(meta: dict[str, Any], boundaries: list[int], num_layers: int, *,
+                   target_hidden_size: int | None = None, where: str = "the GGUF") -> str | None:
+    """What is wrong with a GGUF draft for a contract on ``boundaries`` of an
+    ``num_layers``-layer target, with the exact fix; None when llama.cpp will feed it as trained."""
+    arch = meta.get("general.architecture")
+    if arch != GGUF_ARCH:
+        return (f"{where} has architecture {arch!r}, not {GGUF_ARCH!r}: llama.cpp will not run it as an EAGLE-3 "
+                "draft. Convert the speculators export with llama.cpp's converter "
+                "(`eaglewire export --to llamacpp`)")
+    want = to_engine(boundaries, num_layers, "llamacpp")
+    have = draft_layers(meta)
+    if have != want:
+        shown = "no target_layers (llama.cpp refuses to load it)" if have is None else f"extract_layers {have}"
+        return (f"{where} has {shown}, but the draft was trained on boundaries {boundaries}, for which llama.cpp "
+                f"needs extract_layers {want} (the input of layer i for id i). Fix: re-export with "
+                "`eaglewire export --to llamacpp --draft DRAFT --out DIR`, or set "
+                f'"eagle_aux_hidden_state_layer_ids": {json.dumps(want)} in the speculators config.json and '
+                "convert it again")
+    hidden = meta.get(f"{arch}.target_hidden_size")
+    if target_hidden_size is not None and hidden is not None and int(hidden) != target_hidden_size:
+        return (f"{where} has target_hidden_size {int(hidden)} but the target's hidden size is {target_hidden_size}: "
+                "the draft was made for another target")
+    if meta.get(f"{arch}.norm_before_residual"):
+        return (f"{where} sets norm_before_residual: llama.cpp will normalise the residual, which an eaglewire draft "
+                "does not; convert from a config with \"norm_before_residual\": false")
+    return None
+
+
+# ------------------------------------------------------------------ running the converter
+
+def target_architecture(target_dir: Path) -> str:
+    """The transformers class of a target directory (config.json's architectures, else the
+    causal-LM class registered for its model_type)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = json.loads((target_dir / "config.json").read_text())
+    if config.get("architectures"):
+        return str(config["architectures"][0])
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    if name is None:
+        raise FormatError(f"{target_dir / 'config.json'} names no architectures and model_type "
+                          f"{config.get('model_type')!r} is not a causal LM transformers knows")
+    return name
+
+
+def converter_target_dir(target_dir: Path, architecture: str, into: Path) -> Path:
+    """A directory the converter accepts as ``--target-model-dir``: every file of ``target_dir``
+    linked, config.json rewritten with ``architectures`` when it lacks them (the converter
+    refuses a config without; dequantized GGUF targets have none)."""
+    config = json.loads((target_dir / "config.json").read_text())
+    into.mkdir(parents=True, exist_ok=True)
+    for item in target_dir.iterdir():
+        if item.name != "config.json" and not (into / item.name).exists():
+            (into / item.name).symlink_to(item.resolve())
+    if not config.get("architectures"):
+        config["architectures"] = [architecture]
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    return into
+
+
+def _check_sentencepiece() -> None:
+    try:
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        raise engine.LlamaCppError("llama.cpp's converter needs sentencepiece: pip install 'eaglewire[llamacpp]' "
+                                   "(or pip install sentencepiece)") from None
+
+
+def run_converter(tree: Path, model_dir: Path, outfile: Path, outtype: str, *,
+                  target_model_dir: Path | None = None) -> Path:
+    """``convert_hf_to_gguf.py`` of ``tree`` with that tree's gguf-py first on PYTHONPATH."""
+    _check_sentencepiece()
+    cmd = [sys.executable, str(tree / engine.CONVERTER), str(model_dir), "--outfile", str(outfile),
+           "--outtype", outtype]
+    if target_model_dir is not None:
+        cmd += ["--target-model-dir", str(target_model_dir)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "gguf-py")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    outfile.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s -> %s (%s) with llama.cpp's converter", model_dir, outfile.name, outtype)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not outfile.is_file():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+        raise engine.LlamaCppError(f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}):\n{tail}")
+    return outfile
+
+
+def target_gguf(target_dir: Path, architecture: str, outtype: str, *, tree: Path) -> Path:
+    """The target as a GGUF of ``outtype``, converted once into the cache."""
+    key = hashlib.sha256(f"{target_dir.resolve()}:{(target_dir / 'config.json').stat().st_mtime_ns}".encode())
+    out = cache_dir() / "gguf" / f"{target_dir.name}-{key.hexdigest()[:12]}-{outtype}.gguf"
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+        src = converter_target_dir(target_dir, architecture, Path(tmp) / "target")
+        partial = Path(tmp) / out.name
+        run_converter(tree, src, partial, outtype)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(partial, out)
+    return out
+
+
+# ------------------------------------------------------------------ export
+
+def serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], ids: list[int], num_steps: int,
+               threads: int, other_targets: list[str]) -> str:
+    t = str(threads)
+    cmd = [f"llama-server -m {target_gguf} \\", f"    -md {draft_gguf} \\",
+           f"    --spec-type draft-eagle3 --spec-draft-n-max {num_steps} --spec-draft-n-min 0 --spec-draft-p-min 0 \\",
+           f"    -t {t} -tb {t} -td {t} -tbd {t}"]
+    lines = ["# Serving this draft with llama.cpp", "",
+             f"GGUF EAGLE-3 draft (llama.cpp build {engine.BUILD}). It reads target boundaries {boundaries}; llama.cpp "
+             f"copies the input of layer i for id i, so its `extract_layers` are {ids} (verified after conversion).", "",
+             "```bash", *cmd, "```", "",
+             "llama.cpp drafts a greedy chain of `--spec-draft-n-max` tokens per step; `--spec-draft-p-min 0` keeps "
+             "every drafted token (a higher value stops drafting at an unsure token), `--spec-draft-n-min 0` keeps "
+             "short drafts. Pin the threads (`-t/-tb/-td/-tbd`): llama.cpp's threads collapse when other "
+             "processes share the cores.", "",
+             "llama.cpp feeds EAGLE-3 drafts only for targets whose graph exposes layer inputs (llama, qwen3, "
+             "qwen3moe, qwen35, qwen3next, gemma4, gpt-oss, lfm2, nemotron-h, ... at this build; not gemma3, qwen2, "
+             "mistral3, phi3, olmo, granite, glm4, deepseek2). `eaglewire doctor --engine llamacpp` checks it.", ""]
+    if other_targets:
+        lines += ["The target this draft was trained for is also available as " + ", ".join(f"`{p}`" for p in other_targets)
+                  + "; a requantized target (e.g. Q4) serves faster but accepts slightly fewer draft tokens.", ""]
+    return "\n".join(lines)
+
+
+def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0", target_outtype: str = "f16",
+           llamacpp_dir: str | Path | None = None, verifier_name: str | None = None, target=None,
+           num_steps: int = 3, threads: int = 2, allow: frozenset[str] | set[str] = frozenset(),
+           target_path: str | Path | None = None):
+    """Write ``draft-<outtype>.gguf`` (and ``target-<target_outtype>.gguf``, a link to the cached
+    conversion) plus ``SERVING.md`` into ``out_dir``; the speculators export it is converted from
+    stays in ``out_dir/speculators``. ``target_path``: the target's directory or .gguf (default: the
+    one the draft records). Raises EngineConventionError for a layout llama.cpp cannot
+    feed, FormatError when the written GGUF does not carry the contract's layers."""
+    from eaglewire.formats import ExportReport, _check_choice, export_draft
+    from eaglewire.target import resolve_target_path
+
+    _check_choice(outtype, DRAFT_OUTTYPES, "--outtype")
+    _check_choice(target_outtype, TARGET_OUTTYPES, "--target-outtype")
+    src, out = resolve_draft(draft_dir), Path(out_dir)
+    config = read_draft_config(src)
+    contract = HiddenStateContract.from_dict(config["contract"])
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    ids = to_engine(bounds, L, "llamacpp")  # refuses before any heavy work
+    tree = engine.require_tree(llamacpp_dir)
+    spec = str(target_path) if target_path is not None else (config.get("training") or {}).get("target")
+    if not spec:
+        raise FormatError(f"draft {src} records no target; llama.cpp's converter needs the target's directory "
+                          "(pass target_path)")
+    target_dir = resolve_target_path(spec)
+    if target is None and target_path is not None:
+        from eaglewire.target import load_target
+
+        target = load_target(spec, device="cpu", dtype="fp32")  # its embedding goes into the speculators export
+    spec_report = export_draft(src, "vllm", out / "speculators", verifier_name=verifier_name or str(target_dir),
+                               target=target, num_steps=num_steps, allow=allow)
+    architecture = contract.target.architecture
+    draft_file = out / f"draft-{outtype}.gguf"
+    with tempfile.TemporaryDirectory() as tmp:
+        conv_target = converter_target_dir(target_dir, architecture, Path(tmp) / "target")
+        run_converter(tree, out / "speculators", draft_file, outtype, target_model_dir=conv_target)
+    meta = read_gguf_metadata(draft_file)
+    problem = layout_problem(meta, bounds, L, target_hidden_size=contract.target.hidden_size, where=str(draft_file))
+    if problem:
+        raise FormatError(f"the converter wrote a draft llama.cpp would miswire: {problem}")
+    files = ["speculators/", draft_file.name]
+    others = [str(Path(spec).expanduser())] if spec and str(spec).endswith(".gguf") else []
+    if spec and not others:
+        from eaglewire.presets import TARGET_PRESETS, fetch_asset
+
+        if spec in TARGET_PRESETS:
+            others = [str(fetch_asset(TARGET_PRESETS[spec].asset))]
+    if target_outtype != "none":
+        cached = target_gguf(target_dir, architecture, target_outtype, tree=tree)
+        link = out / f"target-{target_outtype}.gguf"
+        link.unlink(missing_ok=True)
+        link.symlink_to(cached)
+        files.append(link.name)
+        target_shown = str(link.absolute())
+    else:
+        target_shown = others[0] if others else "<the target as GGUF>"
+    atomic_write_text(out / "SERVING.md", serving_md(
+        target_gguf=target_shown, draft_gguf=str(draft_file.resolve()), boundaries=bounds, ids=ids,
+        num_steps=num_steps, threads=threads, other_targets=[o for o in others if o != target_shown]))
+    atomic_write_text(out / "eaglewire-export.json", json.dumps(
+        {"contract": contract.to_dict(), "exported_from": str(src), "extract_layers": ids,
+         "draft_gguf": draft_file.name, "outtype": outtype, "llamacpp_build": engine.BUILD}, indent=2))
+    files += ["SERVING.md", "eaglewire-export.json"]
+    return ExportReport(format="llamacpp", out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+                        notes=spec_report.notes)

@@ -1,0 +1,103 @@
+"""The real llama-server (``-m llamacpp``): the exported reference draft loads unedited, greedy
+outputs with and without it are identical, and τ comes from llama.cpp's own counters.
+
+Skipped unless llama-server is installed (``eaglewire engines install llamacpp``); with
+EAGLEWIRE_BUILD_LLAMACPP=1 the fixture builds it into the cache first (~25 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from eaglewire.engines import llamacpp as engine
+
+pytestmark = pytest.mark.llamacpp
+
+PROMPTS = ["Write a short poem about the sea.", "What is the capital of France? Explain briefly.",
+           "Give me three tips for learning to cook."]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def server_binary():
+    if engine.find_server() is None or engine.find_tree() is None:
+        if os.environ.get("EAGLEWIRE_BUILD_LLAMACPP") != "1":
+            pytest.skip(f"llama-server is not installed: {engine.INSTALL_HINT} "
+                        "(or set EAGLEWIRE_BUILD_LLAMACPP=1 to build it here, ~25 min on 2 cores)")
+        engine.install()
+    return engine.require_server()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, server_binary):
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece (eaglewire[llamacpp])")
+    from eaglewire.formats.llamacpp import export
+
+    out = tmp_path_factory.mktemp("llamacpp-export")
+    report = export("reference", out, outtype="q8_0", target_outtype="f32", num_steps=3)
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_tokenizer):
+    from eaglewire.decode.text import encode_prompt
+
+    return [encode_prompt(smollm2_tokenizer, p, chat=True) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def drafted_server(exported, server_binary):
+    out, _ = exported
+    config = engine.ServerConfig(model=out / "target-f32.gguf", draft=out / "draft-q8_0.gguf", n_max=3)
+    with engine.LlamaServer(server_binary, config, log_path=out / "draft-server.log") as server:
+        yield server
+
+
+def test_exported_draft_loads_unedited_with_the_contracts_layers(exported, drafted_server, prompt_ids):
+    from eaglewire.formats.llamacpp import draft_layers, read_gguf_metadata
+
+    out, report = exported
+    assert draft_layers(read_gguf_metadata(out / "draft-q8_0.gguf")) == report.aux_boundaries == [2, 15, 27]
+    answer = engine.complete(drafted_server.url, prompt_ids[0], n_predict=8)
+    assert "loading draft model" in drafted_server.log_path.read_text()
+    assert answer["timings"]["draft_n"] > 0  # the draft is in use
+
+
+def test_greedy_outputs_are_identical_and_tau_is_llamacpps(exported, server_binary, drafted_server, prompt_ids,
+                                                           tmp_path):
+    from eaglewire.doctor.llamacpp import measure_served
+
+    out, _ = exported
+    plain = engine.ServerConfig(model=out / "target-f32.gguf")
+    with engine.LlamaServer(server_binary, plain, log_path=tmp_path / "plain.log") as server:
+        expected = [engine.complete(server.url, ids, n_predict=NEW_TOKENS)["tokens"] for ids in prompt_ids]
+    served = measure_served(drafted_server.url, prompt_ids, max_new_tokens=NEW_TOKENS, num_steps=3)
+    assert served.outputs == expected  # speculation is lossless
+    assert all(len(o) > 0 for o in expected)
+    assert served.counted_exactly and served.drafted > 0 and served.verify_steps > 0
+    assert served.tau == pytest.approx(1 + served.accepted / served.verify_steps)
+    assert 1.0 < served.tau <= 4.0  # a chain of 3 accepts between none and all
+    print(json.dumps({"tau": served.tau, "drafted": served.drafted, "accepted": served.accepted,
+                      "verify_steps": served.verify_steps}))
+
+
+def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):
+    from eaglewire.bench import BenchConfig, run_bench, same_output_as_plain, tau_pooled
+    from eaglewire.bench_report import write_report
+
+    out, _ = exported
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "chat": True}) + "\n" for p in PROMPTS[:2]))
+    config = BenchConfig(dataset=str(prompts), draft="reference", engine=["llamacpp"], configs="1,0,0,0;1,3,1,4;1,6,4,24",
+                         max_new_tokens=16, warmup=0, out=str(tmp_path / "bench"),
+                         llamacpp_target=str(out / "target-f32.gguf"), llamacpp_draft=str(out / "draft-q8_0.gguf"))
+    result = run_bench(config, progress=False)
+    assert [r.name for r in result.rows] == ["llamacpp 1,0,0,0", "llamacpp 1,3,1,4"]  # trees are eaglewire's alone
+    plain, drafted = result.rows
+    assert same_output_as_plain(drafted, result.rows) == 2
+    assert tau_pooled(plain.stats) == 1.0 and tau_pooled(drafted.stats) > 1.0
+    names = {p.name for p in write_report(result, config.out_dir)}
+    assert {"bench.json", "bench.md"} <= names
