@@ -341,8 +341,13 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target_
     path or HF id as the engine should load it (default: the recorded target, as an absolute
     path when it is a local directory); ``num_steps`` the draft tokens per step in SERVING.md
     and the speculators config. Both write ``torch_dtype``: the target's stored dtype.
+    llamacpp: ``formats/llamacpp.export`` (llama.cpp's converter over the vllm export).
     """
     fmt = _check_choice(to, EXPORT_FORMATS, "export format")
+    if fmt == "llamacpp":  # a GGUF made from the vllm export by llama.cpp's converter (formats/llamacpp.py)
+        from eaglewire.formats import llamacpp
+        return llamacpp.export(draft_dir, out_dir, verifier_name=verifier_name, target=target, num_steps=num_steps,
+                               allow=allow)
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps {num_steps!r} must be an integer >= 1 (draft tokens per step)")
     src, out = resolve_draft(draft_dir), Path(out_dir)
