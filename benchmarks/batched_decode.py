@@ -20,11 +20,13 @@ import time
 
 import torch
 
-from eaglewire.data.regenerate import RegenerateConfig, _generate, _generation_config, stop_token_ids
+from eaglewire.data.regenerate import RegenerateConfig, _generate, _generation_config
 from eaglewire.decode.batched import BatchedDecoder
 from eaglewire.decode.text import encode_prompt
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import load_prompts
 from eaglewire.target import load_target
+from eaglewire.tokens import stop_token_ids
 
 
 def timed(fn) -> tuple[list[tuple[list[int], bool]], float, int]:
@@ -61,7 +63,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(args.target, device="cpu", dtype="fp32")

@@ -16,12 +16,13 @@ import torch
 
 from eaglewire.capture import capture
 from eaglewire.contract import default_aux_boundaries
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import load_target
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)

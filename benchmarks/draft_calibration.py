@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from eaglewire.checkpoint import load_draft
 from eaglewire.data.shards import ShardDataset
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import load_target
 from eaglewire.ttt import target_signal, ttt_unroll
 
@@ -44,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--data", required=True, help="held-out shards (e.g. the target's own replies)")
-    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--num-sequences", type=int, default=None, help="the first N sequences only")
     ap.add_argument("--threads", type=int, default=2)

@@ -20,6 +20,7 @@ from eaglewire.checkpoint import load_draft
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.runner import HFRunner, LeanRunner
 from eaglewire.decode.text import encode_prompt
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import load_prompts
 from eaglewire.target import load_target
 
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--draft", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_target("smollm2-135m", device="cpu", dtype="fp32")
+    target = load_target(DEFAULT_TARGET, device="cpu", dtype="fp32")
     print(f"SmolLM2-135M fp32, {args.threads} threads, torch {torch.__version__}")
     with torch.no_grad():
         verify_cost(target, args.repeats)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from openai import OpenAI
 
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import load_prompts
 
 SERVER = """
@@ -143,7 +144,7 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, requests: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--draft", default=None, help="also measure with this draft directory")
     ap.add_argument("--spec", default=None, help="the draft shape: steps,topk,draft_tokens[,min_prob]")
     ap.add_argument("--clients", default="1,4,8", help="comma-separated concurrency levels")

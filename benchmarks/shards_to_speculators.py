@@ -71,6 +71,7 @@ from safetensors.torch import save_file
 
 from eaglewire.contract import to_engine
 from eaglewire.data.shards import ShardDataset, ShardWriter
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import load_target, resolve_target_path
 from eaglewire.vocab import count_tokens
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shuffle", type=int, metavar="SEED",
                    help="take sequences in a random order seeded by SEED instead of shard order "
                         "(shards from `eaglewire prepare` are sorted by length within each shard)")
-    p.add_argument("--target", default="smollm2-135m",
+    p.add_argument("--target", default=DEFAULT_TARGET,
                    help="the target the shards were captured from (preset, HF dir or .gguf)")
     p.add_argument("--peer-python", default="/work/peer-venv/bin/python",
                    help="python of the speculators environment (writes the Arrow dataset)")

@@ -157,3 +157,27 @@ def test_prepare_rerun_with_other_settings_names_the_fix(tmp_path, target_dir, c
     assert "max_length: recorded 64, now 16" in err and "--overwrite" in err
     assert main(args + ["--max-length", "48", "--overwrite"]) == 0
     assert json.loads((tmp_path / "s" / "manifest.json").read_text())["source"]["max_length"] == 48
+
+
+def test_defaults_and_choices_have_one_spelling():
+    """Every --target default is presets.DEFAULT_TARGET; export/import choices are the formats' own."""
+    import dataclasses
+
+    from eaglewire.bench import BenchConfig
+    from eaglewire.cli import build_parser
+    from eaglewire.data.prepare import PrepareConfig
+    from eaglewire.doctor import DoctorConfig
+    from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
+    from eaglewire.presets import DEFAULT_TARGET, TARGET_PRESETS
+    from eaglewire.quickstart import QuickstartConfig
+    from eaglewire.train import TrainConfig
+
+    assert DEFAULT_TARGET in TARGET_PRESETS
+    for config in (PrepareConfig, TrainConfig, DoctorConfig, QuickstartConfig, BenchConfig):
+        assert {f.name: f.default for f in dataclasses.fields(config)}["target"] == DEFAULT_TARGET, config
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for command in ("generate", "contract"):
+        assert sub[command].get_default("target") == DEFAULT_TARGET
+    flags = {cmd: {a.dest: a for a in sub[cmd]._actions} for cmd in ("export", "import")}
+    assert tuple(flags["export"]["to"].choices) == EXPORT_FORMATS
+    assert tuple(flags["import"]["from_"].choices) == IMPORT_FORMATS

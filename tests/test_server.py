@@ -30,7 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eaglewire.contract import HiddenStateContract
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
-from eaglewire.decode.text import StopStrings, encode_prompt, stop_token_ids
+from eaglewire.decode.text import StopStrings, encode_prompt
+from eaglewire.tokens import stop_token_ids
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.server import ServeConfig, Server, add_serve_args, create_app, serve_app
 

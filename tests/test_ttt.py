@@ -31,6 +31,8 @@ def test_shift_left():
     x = torch.arange(5)[None]
     assert shift_left(x, 2).tolist() == [[2, 3, 4, 0, 0]]
     assert shift_left(x, 0) is x
+    assert shift_left(x, -2).tolist() == [[0, 0, 0, 1, 2]]
+    assert shift_left(x, 5).tolist() == shift_left(x, -5).tolist() == [[0, 0, 0, 0, 0]]
 
 
 def test_prediction_of_token_m_is_counted_once_per_step():

@@ -23,6 +23,7 @@ from eaglewire.checkpoint import load_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import Prompt, load_prompts
 from eaglewire.target import load_target
 
@@ -35,7 +36,7 @@ HELDOUT = "sharegpt-heldout"
 
 @dataclass(kw_only=True)
 class BenchConfig:
-    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     draft: str | None = field(default=None, metadata={"help": "draft directory (needed by configs with steps > 0 and by sharegpt-heldout)"})
     dataset: str = field(default="mt-bench", metadata={"help": f"mt-bench, humaneval, {HELDOUT} (the draft's held-out ShareGPT conversations) or a JSONL file"})
     configs: str = field(default="1,0,0,0;1,5,1,6;1,6,4,24", metadata={"help": "';'-separated batch,steps,topk,draft-tokens[,min-prob]; steps 0 = plain decoding (write 1,0,0,0); min-prob: --draft-min-prob of `generate`"})

@@ -8,31 +8,19 @@ leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eaglewire.contract import ContractError, HiddenStateContract
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.fileio import atomic_save_safetensors, atomic_write_json
 from eaglewire.presets import resolve_draft
 
 CHECKPOINT_FORMAT = "eaglewire-eagle3"
 CHECKPOINT_VERSION = 1
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def save_draft(out_dir: str | Path, draft: Eagle3Draft, contract: HiddenStateContract,
@@ -43,13 +31,11 @@ def save_draft(out_dir: str | Path, draft: Eagle3Draft, contract: HiddenStateCon
     state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    atomic_save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     config = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION,
               "architectures": ["Eagle3Draft"], "draft": draft.config.to_dict(),
               "contract": contract.to_dict(), "training": training or {}}
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2))
+    atomic_write_json(out / "config.json", config)
     return out
 
 

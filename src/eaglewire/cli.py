@@ -58,23 +58,11 @@ def _spec_from_args(args):
                       num_draft_tokens=args.speculative_num_draft_tokens, min_prob=args.draft_min_prob)
 
 
-def load_decoder(target_spec: str, draft_dir: str | None, spec, *, device: str = "auto",
-                 allow: set[str] | frozenset[str] = frozenset()):
-    """Target (+ draft checked against it) -> a SpecDecoder."""
-    from eaglewire.checkpoint import load_draft
-    from eaglewire.decode.engine import SpecDecoder
-    from eaglewire.target import load_target
-
-    target = load_target(target_spec, device=device)
-    if draft_dir is None:
-        return SpecDecoder(target)
-    draft, contract, _ = load_draft(draft_dir, target=target, allow=allow, device=target.device)
-    return SpecDecoder(target, draft, contract, spec)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from eaglewire.decode.sampling import SamplingParams
-    from eaglewire.decode.text import TextStream, encode_prompt, stop_token_ids
+    from eaglewire.decode.text import TextStream, encode_prompt
+    from eaglewire.runtime import load_decoder
+    from eaglewire.tokens import stop_token_ids
 
     decoder = load_decoder(args.target, args.draft, _spec_from_args(args), device=args.device)
     tok = decoder.target.tokenizer
@@ -245,6 +233,9 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.prepare import PrepareConfig
+    from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
+    from eaglewire.formats.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
+    from eaglewire.presets import DEFAULT_TARGET
     from eaglewire.train import TrainConfig
 
     parser = argparse.ArgumentParser(prog="eaglewire", description=__doc__)
@@ -263,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="generate text with speculative decoding (stream to stdout)")
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=None, help="draft directory (none: plain decoding)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
@@ -297,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
     p.add_argument("--draft", required=True)
-    p.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators", "llamacpp"])
+    p.add_argument("--to", required=True, choices=EXPORT_FORMATS)
     p.add_argument("--out", required=True)
     p.add_argument("--target-arch", default=None, help="the target's architecture, whose model file sets the "
                    "engine's reading of the ids (default: the one the draft records), e.g. llama, qwen3, deepseek_v3")
@@ -305,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the recorded target, as an absolute path when it is a local directory)")
     p.add_argument("--num-steps", type=int, default=5, help="speculative steps suggested in SERVING.md")
     p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
-    p.add_argument("--outtype", default="q8_0", choices=["q8_0", "f16", "bf16", "f32"], help="llamacpp: the draft GGUF's weights")
-    p.add_argument("--target-outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "none"],
+    p.add_argument("--outtype", default="q8_0", choices=DRAFT_OUTTYPES, help="llamacpp: the draft GGUF's weights")
+    p.add_argument("--target-outtype", default="f16", choices=TARGET_OUTTYPES,
                    help="llamacpp: also write the target as GGUF of this type (none: skip)")
     p.add_argument("--llamacpp-dir", default=None, help="llamacpp: a llama.cpp tree (default: the one `engines install` made)")
     p.set_defaults(func=cmd_export)
@@ -321,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("import", help="convert a SGLang, SpecForge, speculators or EAGLE draft")
-    p.add_argument("--from", dest="from_", required=True, choices=["sglang", "specforge", "speculators", "vllm", "eagle"])
+    p.add_argument("--from", dest="from_", required=True, choices=IMPORT_FORMATS)
     p.add_argument("src", help="the checkpoint directory to import")
     p.add_argument("--target", required=True)
     p.add_argument("--out", required=True)
@@ -347,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("contract", help="how SGLang, vLLM, SpecForge and EAGLE name a boundary layout")
-    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--num-layers", type=int, default=None, help="skip loading the target")
     p.add_argument("--aux-boundaries", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--target-arch", default=None, help="the target's architecture (llama, qwen3, deepseek_v3, "

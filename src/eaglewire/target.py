@@ -10,7 +10,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eaglewire.contract import TargetFingerprint
+from eaglewire.fileio import atomic_path
 from eaglewire.presets import TARGET_PRESETS, cache_dir, fetch_asset
 
 log = logging.getLogger(__name__)
@@ -188,24 +188,23 @@ def _convert_gguf_unlocked(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s once into %s (later loads reuse it)", gguf.name, out)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    tmp.mkdir(parents=True)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # dequantized: plain weights from here on
-    config.save_pretrained(tmp)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied to the embedding; safetensors keeps one copy
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
-    (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_path(out, suffix=".partial") as tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        tmp.mkdir(parents=True)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # dequantized: plain weights from here on
+        config.save_pretrained(tmp)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied to the embedding; safetensors keeps one copy
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
+        shutil.rmtree(out, ignore_errors=True)  # a directory: the rename needs its place free
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

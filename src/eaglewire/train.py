@@ -14,17 +14,20 @@ import random
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from eaglewire.checkpoint import atomic_torch_save, save_draft
+from eaglewire.checkpoint import save_draft
 from eaglewire.contract import HiddenStateContract, default_aux_boundaries
-from eaglewire.data.shards import dist_rank_world
+from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
+from eaglewire.distributed import dist_rank_world
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.fileio import atomic_torch_save
+from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import Target, load_target, resolve_device
 from eaglewire.ttt import StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll
 from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
@@ -38,7 +41,7 @@ METRICS_FILE = "metrics.jsonl"
 @dataclass(kw_only=True)
 class TrainConfig:
     out: str = field(metadata={"help": "draft output directory (checkpoint, metrics, plots)"})
-    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str | None = field(default=None, metadata={"help": "shard directory written by `eaglewire prepare` (offline mode)"})
     online_data: str | None = field(default=None, metadata={"help": "conversations (preset or file) captured live (online mode)"})
     num_conversations: int | None = field(default=None, metadata={"help": "online mode: use at most this many conversations"})
@@ -128,15 +131,7 @@ def batch_plan(indices: list[int], lengths: list[int], batch_tokens: int, seed: 
     batches: list[list[int]] = []
     for w in range(0, len(order), 64):
         window = sorted(order[w:w + 64], key=lambda i: lengths[i])
-        batch: list[int] = []
-        for i in window:
-            longest = max([lengths[j] for j in batch] + [lengths[i]])
-            if batch and (len(batch) + 1) * longest > batch_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        if batch:
-            batches.append(batch)
+        batches += pack_by_tokens(window, [lengths[i] for i in window], batch_tokens)
     rng.shuffle(batches)
     return batches
 
@@ -177,6 +172,40 @@ class TrainResult:
     final_eval: dict[str, float]
     finished: bool  # False when stopped by --minutes / --max-steps before the planned end
     timers: dict[str, float]  # seconds in data, target head, draft forward, backward (this run)
+
+
+@dataclass(kw_only=True)
+class Position:
+    """Where the run stands; stored in the state file as a dict (resume reads it back)."""
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0  # micro-batches of this rank's plan already taken in this epoch
+    tokens: int = 0
+
+
+@dataclass(kw_only=True)
+class History:
+    evals: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0  # training time of the earlier runs (resume)
+
+
+@dataclass(kw_only=True)
+class RunState:
+    """What one ``Trainer.run`` carries from step to step."""
+    draft: Eagle3Draft
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    plans: list[list[list[int]]]  # per epoch: batches of sequence indices
+    per_epoch: int  # optimizer steps per epoch
+    total_steps: int
+    coverage: float  # draft-vocabulary coverage of the training tokens
+    start: float  # perf_counter at the start of this run (of its last save at the end)
+    position: Position
+    history: History
+    window: list[StepCounts]  # counts since the last log row
+    metrics_file: IO[str] | None
+    bar: Any  # tqdm
+    stopped_early: bool = False
 
 
 class Trainer:
@@ -295,7 +324,7 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
-    def _train_step(self, draft, optimizer, idxs: list[list[int]], where: dict[str, int]) -> tuple[list[StepCounts], int]:
+    def _train_step(self, draft, optimizer, idxs: list[list[int]], where: Position) -> tuple[list[StepCounts], int]:
         """One optimizer step over this rank's micro-batches ``idxs``; every rank's parts add up to
         the loss of the whole step (normalised by the step's global count of positions per TTT
         step), so N ranks x M micro-batches train exactly as one process with N x M micro-batches.
@@ -327,9 +356,9 @@ class Trainer:
         tokens = sum(self.source.lengths[i] for idx in idxs for i in idx)
         summed = self._all_sum([float(bad is not None), float(tokens)] + [v for c in step_counts for v in c.as_floats()])
         if summed[0]:
-            what = (f"loss is {bad[0]} at step {where['step']} (epoch {where['epoch']}, batch {where['batch']}, "
+            what = (f"loss is {bad[0]} at step {where.step} (epoch {where.epoch}, batch {where.batch}, "
                     f"sequences {[self.source.sequence_ids[i] for i in bad[1]]})" if bad else
-                    f"another rank's loss is not finite at step {where['step']}")
+                    f"another rank's loss is not finite at step {where.step}")
             raise TrainingError(f"{what}; the last good checkpoint in {self.out} is kept")
         t1 = time.perf_counter()
         self._sync_grads(draft)
@@ -389,6 +418,24 @@ class Trainer:
     # -- the loop ------------------------------------------------------------
 
     def run(self, progress: bool = True) -> TrainResult:
+        run = self._start_run(progress)
+        try:
+            while run.position.epoch < self.config.epochs and run.position.step < run.total_steps:
+                if not self._run_epoch(run):
+                    run.stopped_early = True
+                    break
+            self._finish_run(run)
+        finally:
+            run.bar.close()
+            if run.metrics_file:
+                run.metrics_file.close()
+        if self.rank == 0:
+            self._plot()
+        return self._result(run)
+
+    def _start_run(self, progress: bool) -> RunState:
+        """Draft, optimiser, schedule and batch plans of this run, resumed from --out's state file
+        when asked."""
         cfg = self.config
         start = time.perf_counter()
         draft, coverage = self.build_draft()
@@ -405,85 +452,102 @@ class Trainer:
         total_steps = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, min(cfg.warmup_steps, total_steps // 10 + 1), total_steps))
-        position = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0}
-        history: dict[str, Any] = {"evals": [], "seconds": 0.0}
+        position, history = Position(), History()
         state = self._load_state()
         if state is not None:
             draft.load_state_dict(state["draft"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"])
-            position, history = state["position"], state["history"]
-            log.info("resuming %s at step %d (epoch %d, batch %d)", self.out, position["step"],
-                     position["epoch"], position["batch"])
+            position, history = Position(**state["position"]), History(**state["history"])
+            log.info("resuming %s at step %d (epoch %d, batch %d)", self.out, position.step,
+                     position.epoch, position.batch)
         draft.train()
-        metrics_file = open(self.out / METRICS_FILE, "a") if self.rank == 0 else None
-        bar = tqdm(total=total_steps, initial=position["step"], desc="train", unit="step",
-                   disable=not progress or self.rank != 0)
-        window = [StepCounts() for _ in range(cfg.ttt_steps)]
-        stopped_early = False
+        return RunState(
+            draft=draft, optimizer=optimizer, scheduler=scheduler, plans=plans, per_epoch=per_epoch,
+            total_steps=total_steps, coverage=coverage, start=start, position=position, history=history,
+            window=[StepCounts() for _ in range(cfg.ttt_steps)],
+            metrics_file=open(self.out / METRICS_FILE, "a") if self.rank == 0 else None,
+            bar=tqdm(total=total_steps, initial=position.step, desc="train", unit="step",
+                     disable=not progress or self.rank != 0))
 
-        def summary(final_eval: dict | None = None) -> dict:
-            return {"target": cfg.target, "data": cfg.data or cfg.online_data, "steps": position["step"],
-                    "train_tokens": position["tokens"], "draft_vocab_coverage": round(coverage, 4),
-                    "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
-                    "config": cfg.identity(), "init_draft": self.init_lineage, "final_eval": final_eval or (history["evals"][-1] if history["evals"] else {}),
-                    "seconds": round(history["seconds"] + time.perf_counter() - start, 1)}
+    def _run_epoch(self, run: RunState) -> bool:
+        """Steps of the current epoch from where ``run`` stands; False when stopped early
+        (--minutes, --stop-at-step)."""
+        cfg, position = self.config, run.position
+        plan = run.plans[position.epoch]
+        # Step s of rank r takes plan[(s * A + i) * world + r] for i < A (A = grad_accum):
+        # over all ranks, the step's micro-batches are plan[s*A*world : (s+1)*A*world].
+        mine = plan[self.rank::self.world][:run.per_epoch * cfg.grad_accum]
+        while position.batch < len(mine) and position.step < run.total_steps:
+            out_of_time = cfg.minutes is not None and time.perf_counter() - run.start > cfg.minutes * 60
+            if out_of_time or position.step == cfg.stop_at_step:
+                return False
+            idxs = mine[position.batch:position.batch + cfg.grad_accum]
+            counts, tokens = self._train_step(run.draft, run.optimizer, idxs, position)
+            run.scheduler.step()
+            for w, c in zip(run.window, counts):
+                w.add(c)
+            position.batch += len(idxs)
+            position.step += 1
+            position.tokens += tokens
+            run.bar.update(1)
+            self._after_step(run)
+        if position.batch >= len(mine):
+            position.epoch += 1
+            position.batch = 0
+        return True
 
-        try:
-            while position["epoch"] < cfg.epochs and position["step"] < total_steps:
-                plan = plans[position["epoch"]]
-                # Step s of rank r takes plan[(s * A + i) * world + r] for i < A (A = grad_accum):
-                # over all ranks, the step's micro-batches are plan[s*A*world : (s+1)*A*world].
-                mine = plan[self.rank::self.world][:per_epoch * cfg.grad_accum]
-                while position["batch"] < len(mine) and position["step"] < total_steps:
-                    out_of_time = cfg.minutes is not None and time.perf_counter() - start > cfg.minutes * 60
-                    if out_of_time or position["step"] == cfg.stop_at_step:
-                        stopped_early = True
-                        break
-                    idxs = mine[position["batch"]:position["batch"] + cfg.grad_accum]
-                    counts, tokens = self._train_step(draft, optimizer, idxs, position)
-                    scheduler.step()
-                    for w, c in zip(window, counts):
-                        w.add(c)
-                    position["batch"] += len(idxs)
-                    position["step"] += 1
-                    position["tokens"] += tokens
-                    step = position["step"]
-                    bar.update(1)
-                    if step % cfg.log_interval == 0 or step == total_steps:
-                        row = {"step": step, "epoch": position["epoch"], "lr": scheduler.get_last_lr()[0],
-                               "tokens": position["tokens"], **summarize(window, decay=cfg.loss_decay)}
-                        bar.set_postfix(loss=f"{row['loss']:.3f}", **{f"acc{j}": f"{row[f'acc_{j}']:.2f}"
-                                                                   for j in range(min(3, cfg.ttt_steps))})
-                        if metrics_file:
-                            metrics_file.write(json.dumps(row) + "\n")
-                            metrics_file.flush()
-                        window = [StepCounts() for _ in range(cfg.ttt_steps)]
-                    if step % cfg.eval_interval == 0:
-                        self._record_eval(draft, step, history, metrics_file)
-                    if step % cfg.save_interval == 0:
-                        self._save(draft, optimizer, scheduler, position, history, summary())
-                if stopped_early:
-                    break
-                if position["batch"] >= len(mine):
-                    position["epoch"] += 1
-                    position["batch"] = 0
-            if not history["evals"] or history["evals"][-1]["step"] != position["step"]:
-                self._record_eval(draft, position["step"], history, metrics_file)
-            history["seconds"] += time.perf_counter() - start
-            start = time.perf_counter()
-            self._save(draft, optimizer, scheduler, position, history, summary(history["evals"][-1]))
-        finally:
-            bar.close()
-            if metrics_file:
-                metrics_file.close()
-        if self.rank == 0:
-            self._plot()
-        return TrainResult(out=str(self.out), steps=position["step"],
-                           epochs_done=position["epoch"] + position["batch"] / max(1, per_epoch * cfg.grad_accum),
-                           train_tokens=position["tokens"], seconds=history["seconds"],
-                           final_eval=history["evals"][-1], finished=not stopped_early,
+    def _after_step(self, run: RunState) -> None:
+        """Log the window of steps, evaluate and save at their intervals."""
+        cfg, step = self.config, run.position.step
+        if step % cfg.log_interval == 0 or step == run.total_steps:
+            self._log_window(run)
+        if step % cfg.eval_interval == 0:
+            self._record_eval(run.draft, step, run.history, run.metrics_file)
+        if step % cfg.save_interval == 0:
+            self._save_run(run, self._summary(run))
+
+    def _log_window(self, run: RunState) -> None:
+        cfg, position = self.config, run.position
+        row = {"step": position.step, "epoch": position.epoch, "lr": run.scheduler.get_last_lr()[0],
+               "tokens": position.tokens, **summarize(run.window, decay=cfg.loss_decay)}
+        run.bar.set_postfix(loss=f"{row['loss']:.3f}", **{f"acc{j}": f"{row[f'acc_{j}']:.2f}"
+                                                       for j in range(min(3, cfg.ttt_steps))})
+        if run.metrics_file:
+            run.metrics_file.write(json.dumps(row) + "\n")
+            run.metrics_file.flush()
+        run.window = [StepCounts() for _ in range(cfg.ttt_steps)]
+
+    def _finish_run(self, run: RunState) -> None:
+        """A last evaluation (unless the last step had one) and the final checkpoint."""
+        evals = run.history.evals
+        if not evals or evals[-1]["step"] != run.position.step:
+            self._record_eval(run.draft, run.position.step, run.history, run.metrics_file)
+        run.history.seconds += time.perf_counter() - run.start
+        run.start = time.perf_counter()
+        self._save_run(run, self._summary(run, run.history.evals[-1]))
+
+    def _summary(self, run: RunState, final_eval: dict | None = None) -> dict[str, Any]:
+        """The ``training`` section of the draft's config.json."""
+        cfg, history = self.config, run.history
+        return {"target": cfg.target, "data": cfg.data or cfg.online_data, "steps": run.position.step,
+                "train_tokens": run.position.tokens, "draft_vocab_coverage": round(run.coverage, 4),
+                "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
+                "config": cfg.identity(), "init_draft": self.init_lineage,
+                "final_eval": final_eval or (history.evals[-1] if history.evals else {}),
+                "seconds": round(history.seconds + time.perf_counter() - run.start, 1)}
+
+    def _save_run(self, run: RunState, training_summary: dict[str, Any]) -> None:
+        self._save(run.draft, run.optimizer, run.scheduler, asdict(run.position), asdict(run.history),
+                   training_summary)
+
+    def _result(self, run: RunState) -> TrainResult:
+        cfg, position = self.config, run.position
+        return TrainResult(out=str(self.out), steps=position.step,
+                           epochs_done=position.epoch + position.batch / max(1, run.per_epoch * cfg.grad_accum),
+                           train_tokens=position.tokens, seconds=run.history.seconds,
+                           final_eval=run.history.evals[-1], finished=not run.stopped_early,
                            timers={k: round(v, 2) for k, v in self.timers.items()})
 
     def _sync_grads(self, draft: Eagle3Draft) -> None:
@@ -496,9 +560,9 @@ class Trainer:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
 
-    def _record_eval(self, draft, step: int, history: dict, metrics_file) -> None:
+    def _record_eval(self, draft, step: int, history: History, metrics_file) -> None:
         row = {"step": step, **self.evaluate(draft)}
-        history["evals"].append(row)
+        history.evals.append(row)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "step"))
         if metrics_file:
             metrics_file.write(json.dumps({"eval": True, **row}) + "\n")

@@ -23,11 +23,15 @@ from eaglewire.draft import Eagle3Draft
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, T, ...] -> [B, T, ...] with ``out[:, t] = x[:, t + n]``, zero-padded at the end."""
+    """[B, T, ...] -> [B, T, ...] with ``out[:, t] = x[:, t + n]``, zeros where t + n is out of range
+    (n < 0 shifts right: the doctor's alignment probe)."""
     if n == 0:
         return x
+    if n < 0:
+        pad = torch.zeros_like(x[:, :-n])
+        return torch.cat([pad, x[:, :n]], dim=1)  # [B, T, ...]
     pad = torch.zeros_like(x[:, :n])
-    return torch.cat([x[:, n:], pad], dim=1)
+    return torch.cat([x[:, n:], pad], dim=1)  # [B, T, ...]
 
 
 @dataclass

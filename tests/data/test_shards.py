@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from eaglewire.contract import ContractError, HiddenStateContract, TargetFingerprint
 from eaglewire.data.shards import (
-    SHARD_FORMAT_VERSION, ShardDataset, ShardError, ShardWriter, dist_rank_world, shard_work)
+    SHARD_FORMAT_VERSION, ShardDataset, ShardError, ShardWriter, shard_work)
+from eaglewire.distributed import dist_rank_world
 
 H, K, V = 16, 3, 100  # hidden size, aux boundaries, vocab
 SOURCE = {"dataset": "fake", "max_length": 64, "regenerated": False}

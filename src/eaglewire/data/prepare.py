@@ -20,9 +20,11 @@ from eaglewire.capture import capture
 from eaglewire.contract import HiddenStateContract, default_aux_boundaries, validate_boundaries
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
-from eaglewire.data.shards import ShardWriter, dist_rank_world, read_sources, shard_work, source_differences
+from eaglewire.data.batching import pack_by_tokens
+from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.sources import pad_right
-from eaglewire.presets import DATA_PRESETS, data_path
+from eaglewire.distributed import dist_rank_world
+from eaglewire.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
 from eaglewire.target import Target, load_target, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True)
 class PrepareConfig:
     out: str = field(metadata={"help": "output directory for shards and manifest.json"})
-    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str = field(default="sharegpt", metadata={"help": "data preset (sharegpt) or a ShareGPT .json / messages .jsonl file"})
     num_conversations: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
     offset: int = field(default=0, metadata={"help": "skip this many conversations first (e.g. to hold some out)"})
@@ -205,14 +207,8 @@ def remove_prepared(out: Path) -> None:
 
 def batches_by_tokens(seqs: list[TokenizedConversation], batch_tokens: int) -> Iterator[list[TokenizedConversation]]:
     """Group sequences (sorted by length) so that rows x longest row <= batch_tokens."""
-    batch: list[TokenizedConversation] = []
-    for s in sorted(seqs, key=lambda s: len(s.input_ids)):
-        if batch and (len(batch) + 1) * len(s.input_ids) > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(s)
-    if batch:
-        yield batch
+    ordered = sorted(seqs, key=lambda s: len(s.input_ids))
+    yield from pack_by_tokens(ordered, [len(s.input_ids) for s in ordered], batch_tokens)
 
 
 def capture_batch(target: Target, contract: HiddenStateContract, batch: list[TokenizedConversation]):

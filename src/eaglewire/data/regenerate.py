@@ -39,10 +39,10 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglewire.data.conversations import Conversation
+from eaglewire.tokens import END_OF_TURN_TOKENS, stop_token_ids
 
 log = logging.getLogger(__name__)
 
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 _ROLES = ("system", "user", "assistant")
 
 
@@ -134,17 +134,6 @@ class _Pending:
     def record(self) -> dict[str, Any]:
         return {"id": self.conv.id, "messages": self.history, "regenerated": True,
                 "num_regenerated_turns": self.turns, "truncated_turns": self.truncated}
-
-
-def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
-    """EOS (tokenizer's and the model's generation config's) and any known end-of-turn token."""
-    eos = [tokenizer.eos_token_id]
-    if model is not None and getattr(model, "generation_config", None) is not None:
-        gen_eos = model.generation_config.eos_token_id
-        eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
-    vocab = tokenizer.get_vocab()
-    ids = [i for i in eos if i is not None] + [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
-    return list(dict.fromkeys(ids))
 
 
 def split_reply(tokens: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:

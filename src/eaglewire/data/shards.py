@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
@@ -37,6 +36,8 @@ import torch
 from safetensors.torch import save_file
 
 from eaglewire.contract import ContractError, HiddenStateContract, TargetFingerprint
+from eaglewire.distributed import check_rank
+from eaglewire.fileio import atomic_path, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -63,25 +64,10 @@ def _redo(path: Path) -> str:
 
 # ---------------------------------------------------------------- names, parallel work
 
-def _check_rank(rank: int, world_size: int) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
-
-
 def shard_work(items: Sequence[T_], rank: int, world_size: int) -> list[T_]:
     """This rank's share of ``items``: ``items[rank::world_size]`` (disjoint, covering)."""
-    _check_rank(rank, world_size)
+    check_rank(rank, world_size)
     return list(items[rank::world_size])
-
-
-def dist_rank_world() -> tuple[int, int]:
-    """(rank, world_size) from torchrun's RANK / WORLD_SIZE variables; (0, 1) when unset."""
-    text = {var: os.environ.get(var, default) for var, default in (("RANK", "0"), ("WORLD_SIZE", "1"))}
-    if bad := [f"{var}={v!r}" for var, v in text.items() if not v.strip().isdigit()]:
-        raise ValueError(f"environment variable {', '.join(bad)} is not a non-negative integer")
-    rank, world = int(text["RANK"]), int(text["WORLD_SIZE"])
-    _check_rank(rank, world)
-    return rank, world
 
 
 # ---------------------------------------------------------------- manifests
@@ -92,15 +78,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _totals(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -210,7 +187,7 @@ class ShardWriter:
             raise ValueError(f"dtype {dtype!r} is not a shard dtype; choose one of {', '.join(DTYPES)}")
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be a positive number of tokens, got {shard_tokens}")
-        _check_rank(rank, world_size)
+        check_rank(rank, world_size)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.contract, self.dtype, self.shard_tokens = contract, dtype, shard_tokens
@@ -355,17 +332,14 @@ class ShardWriter:
         }
         name = f"{self._prefix}{self._next_index:05d}.safetensors"
         path = self.out_dir / name
-        tmp = path.with_name(name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format_version": str(SHARD_FORMAT_VERSION),
-                                               "contract": json.dumps(self.contract.to_dict()),
-                                               "dtype": self.dtype})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())  # durable before it replaces anything
-        entry = {"file": name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
-                 "num_sequences": len(ids), "num_tokens": int(offsets[-1]),
-                 "num_loss_tokens": int(tensors["loss_mask"].sum()), "sequence_ids": ids,
-                 "sequence_lengths": lengths}
-        os.replace(tmp, path)
+        with atomic_path(path, fsync=True) as tmp:  # durable before it replaces anything
+            save_file(tensors, str(tmp), metadata={"format_version": str(SHARD_FORMAT_VERSION),
+                                                   "contract": json.dumps(self.contract.to_dict()),
+                                                   "dtype": self.dtype})
+            entry = {"file": name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
+                     "num_sequences": len(ids), "num_tokens": int(offsets[-1]),
+                     "num_loss_tokens": int(tensors["loss_mask"].sum()), "sequence_ids": ids,
+                     "sequence_lengths": lengths}
         self._shards.append(entry)
         self._next_index += 1
         self.done_ids.update(ids)
@@ -384,7 +358,7 @@ class ShardWriter:
                     "world_size": self.world_size, "shards": self._shards, "totals": _totals(self._shards)}
         if self.status is not None:
             manifest["status"] = self.status
-        _write_json_atomic(self._manifest_path, manifest)
+        atomic_write_json(self._manifest_path, manifest, indent=1, fsync=True)
 
     def close(self) -> dict[str, Any]:
         """Flush the last partial shard, write the manifest, return this writer's totals (idempotent)."""

@@ -17,7 +17,7 @@ from eaglewire.doctor.replay import RoundAgreement, compare_rounds
 from eaglewire.draft import Eagle3Draft
 from eaglewire.target import Target
 from eaglewire.train import vocab_coverage
-from eaglewire.ttt import StepCounts, TargetSignal, counted_positions, target_signal, ttt_unroll
+from eaglewire.ttt import StepCounts, TargetSignal, counted_positions, shift_left, target_signal, ttt_unroll
 
 
 @dataclass
@@ -74,18 +74,6 @@ def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence
     return out
 
 
-def shift_positions(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """[B, T, ...] -> [B, T, ...] with ``out[:, t] = x[:, t + shift]`` (zeros where out of range)."""
-    if shift == 0:
-        return x
-    out = torch.zeros_like(x)
-    if shift > 0:
-        out[:, :-shift] = x[:, shift:]
-    else:
-        out[:, -shift:] = x[:, :shift]
-    return out
-
-
 @torch.no_grad()
 def isolation_accuracy(draft: Eagle3Draft, batches: list[EvalBatch], layout: list[int], *, steps: int,
                        shift: int = 0) -> list[StepCounts]:
@@ -93,7 +81,7 @@ def isolation_accuracy(draft: Eagle3Draft, batches: list[EvalBatch], layout: lis
 
     ``shift`` feeds the states of position t + shift at t (an alignment probe).
     """
-    return _unrolled_counts(draft, batches, steps, lambda b: shift_positions(
+    return _unrolled_counts(draft, batches, steps, lambda b: shift_left(
         torch.cat([b.states[x] for x in layout], dim=-1), shift))  # [B, T, k*H]
 
 

@@ -23,7 +23,7 @@ from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import (SERVING_ENGINES, config_fix, lint_flags, predicted_tau,
                                       read_engine_config)
 from eaglewire.foreign_draft import detect_draft_format, load_any_draft
-from eaglewire.presets import resolve_draft
+from eaglewire.presets import DEFAULT_TARGET, resolve_draft
 from eaglewire.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True)
 class DoctorConfig:
     draft: str = field(metadata={"help": "draft directory: native, or SGLang/SpecForge/speculators/EAGLE (detected, converted, its reading stated)"})
-    target: str = field(default="smollm2-135m", metadata={"help": "preset name, HF model directory or .gguf file"})
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str | None = field(default=None, metadata={"help": "shard directory (enables the capture drift check)"})
     conversations: str | None = field(default=None, metadata={"help": "conversations (preset or file) to capture now"})
     num_sequences: int = field(default=64, metadata={"help": "held-out sequences to measure on"})
@@ -340,7 +340,7 @@ MIN_ROUND_AGREEMENT = 0.9
 def _check_acceptance(report, config, target, draft, contract, sequences, acc0, cond, steps: int) -> RoundAgreement | None:
     """The engine's greedy chain on held-out prompts, round by round against the replay of the
     training-time unroll on the text it produced (``replay.py``): they must accept the same."""
-    from eaglewire.data.regenerate import stop_token_ids
+    from eaglewire.tokens import stop_token_ids
     from eaglewire.decode.engine import SpecConfig, SpecDecoder
 
     predicted = predicted_tau(acc0, cond, steps)

@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from eaglewire.checkpoint import CHECKPOINT_FORMAT, atomic_write_text, read_draft_config, save_draft
+from eaglewire.checkpoint import CHECKPOINT_FORMAT, read_draft_config, save_draft
 from eaglewire.contract import (SGLANG_VERSION, VLLM_VERSION, ContractError, EngineConventionError,
                                 HiddenStateContract, default_aux_boundaries, engine_refusal, from_engine, model_file,
                                 sglang_ambiguity, to_engine)
 from eaglewire.contract import target_arch as target_arch_key
 from eaglewire.draft import DraftConfig
+from eaglewire.fileio import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from eaglewire.presets import resolve_draft
 from eaglewire.formats import eagle, sglang, specforge, speculators
 from eaglewire.formats.eagle import FormatError
@@ -262,10 +262,9 @@ def import_draft(src_dir: str | Path, from_: str, target: Target, out_dir: str |
 
 def _write_export(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], serving: str) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2))
+    atomic_save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors",
+                            metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", config)
     atomic_write_text(out / "SERVING.md", serving)
     return ["config.json", "model.safetensors", "SERVING.md"]
 

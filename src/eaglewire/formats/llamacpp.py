@@ -21,9 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eaglewire.checkpoint import atomic_write_text, read_draft_config
+from eaglewire.checkpoint import read_draft_config
 from eaglewire.contract import HiddenStateContract, to_engine
 from eaglewire.engines import llamacpp as engine
+from eaglewire.fileio import atomic_write_text
 from eaglewire.formats.eagle import FormatError
 from eaglewire.presets import cache_dir, resolve_draft
 
