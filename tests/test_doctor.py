@@ -305,3 +305,11 @@ def test_doctor_passes_a_correctly_wired_draft(tmp_path, trained, smollm2_target
     accuracy = report.to_dict()["accuracy"]  # the isolation figures, machine-readable
     assert list(accuracy) == ["acc@0", "cond acc@1", "cond acc@2"]
     assert f"acc@0 {accuracy['acc@0']:.3f}" in checks["accuracy in isolation"].evidence[0]
+
+
+def test_launch_flags_parse_as_a_shell_splits_them_for_every_engine():
+    from eaglewire.doctor.serving import parse_flags
+
+    flags = parse_flags("--speculative-num-steps 3 --speculative-config='{\"a\": 1}' -t 2 --metrics -td 2 --x -1")
+    assert flags == {"--speculative-num-steps": "3", "--speculative-config": '{"a": 1}', "-t": "2",
+                     "--metrics": "", "-td": "2", "--x": "-1"}

@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 
 from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.serving import parse_flags
 from eaglewire.engines import llamacpp as engine
 
 # flag -> what replaced it (removed at this build: llama-server exits on them)
@@ -36,24 +36,9 @@ class LlamaFlags:
     problems: list[tuple[str, str, str]] = field(default_factory=list)  # (verdict, what, fix)
 
 
-def _values(tokens: list[str]) -> dict[str, str]:
-    """``--flag value`` / ``--flag=value`` / ``-x value`` -> {flag: value} (flags alone: "")."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if tok.startswith("-"):
-            name, eq, value = tok.partition("=")
-            if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
-                value, i = tokens[i + 1], i + 1
-            out[name] = value
-        i += 1
-    return out
-
-
 def lint_flags(flags: str) -> LlamaFlags:
     """llama-server launch flags that would serve the EAGLE-3 draft otherwise than meant."""
-    args = _values(shlex.split(flags))
+    args = parse_flags(flags)
     out = LlamaFlags()
     for old, new in REMOVED_FLAGS.items():
         if old in args:

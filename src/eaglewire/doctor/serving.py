@@ -135,7 +135,7 @@ class Flags:
 def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, arch: str | None = None) -> Flags:
     """Launch flags the engine would silently change or cannot honour (``arch``: the target's
     architecture, for what its model file can capture)."""
-    args = _parse_flags(shlex.split(flags))
+    args = parse_flags(flags)
     out = Flags()
     arch = _known_arch(arch, [])
     if engine in ("sglang", "vllm") and arch is not None:
@@ -143,7 +143,7 @@ def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, ar
         if cannot:
             out.problems.append(("fail", f"{engine} cannot feed this draft {declared} on this target", cannot))
     if engine == "vllm":
-        raw = args.get("speculative-config")
+        raw = args.get("--speculative-config")
         if raw is None:
             out.problems.append(("fail", "no --speculative-config: vLLM runs without speculation",
                                  '--speculative-config \'{"method": "eagle3", "model": DRAFT, '
@@ -161,11 +161,11 @@ def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, ar
         out.topk = 1
         out.num_draft_tokens = out.num_steps + 1 if out.num_steps else None
         return out
-    out.num_steps = _int(args.get("speculative-num-steps"))
-    out.topk = _int(args.get("speculative-eagle-topk"))
-    out.num_draft_tokens = _int(args.get("speculative-num-draft-tokens"))
+    out.num_steps = _int(args.get("--speculative-num-steps"))
+    out.topk = _int(args.get("--speculative-eagle-topk"))
+    out.num_draft_tokens = _int(args.get("--speculative-num-draft-tokens"))
     if engine == "sglang":
-        algo = args.get("speculative-algorithm")
+        algo = args.get("--speculative-algorithm")
         if algo is not None and algo.upper() != "EAGLE3":
             out.problems.append(("fail", f"--speculative-algorithm {algo}: SGLang will not feed aux states "
                                  "to an EAGLE-3 draft", "--speculative-algorithm EAGLE3"))
@@ -179,14 +179,25 @@ def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, ar
     return out
 
 
-def _parse_flags(tokens: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    i = 0
+def _is_flag(token: str) -> bool:
+    if not token.startswith("-"):
+        return False
+    try:
+        float(token)  # "-1" is a value
+        return False
+    except ValueError:
+        return True
+
+
+def parse_flags(flags: str) -> dict[str, str]:
+    """Launch flags as a shell would split them -> {flag as written: value}: ``--x v``, ``--x=v``
+    and ``-x v``; a flag without a value maps to ""."""
+    tokens, out, i = shlex.split(flags), {}, 0
     while i < len(tokens):
         tok = tokens[i]
-        if tok.startswith("--"):
-            name, eq, value = tok[2:].partition("=")
-            if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+        if _is_flag(tok):
+            name, eq, value = tok.partition("=")
+            if not eq and i + 1 < len(tokens) and not _is_flag(tokens[i + 1]):
                 value, i = tokens[i + 1], i + 1
             out[name] = value
         i += 1
