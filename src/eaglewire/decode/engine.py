@@ -44,15 +44,25 @@ class SpecConfig:
     sure and verifies the root alone where it is not. 0 keeps SGLang's fixed shape.
     """
 
-    num_steps: int = 5
-    topk: int = 4
-    num_draft_tokens: int = 8
-    min_prob: float = 0.0
+    # The one definition of the speculation flags: configs.add_config_args turns these fields
+    # into generate's and serve's flags, bench's config strings parse into SpecConfigs.
+    num_steps: int = field(default=5, metadata={
+        "flag": "speculative-num-steps", "help": "draft steps per round (the tree's depth)"})
+    topk: int = field(default=4, metadata={
+        "flag": "speculative-eagle-topk", "help": "children drafted per node (1: a chain)"})
+    num_draft_tokens: int = field(default=8, metadata={
+        "flag": "speculative-num-draft-tokens", "help": "tree tokens verified per round, root included"})
+    min_prob: float = field(default=0.0, metadata={"flag": "draft-min-prob", "help": MIN_PROB_HELP})
 
     def __post_init__(self) -> None:
         check_spec_flags(self.num_steps, self.topk, self.num_draft_tokens)
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError(f"--draft-min-prob must be in [0, 1) (0 = off), got {self.min_prob}")
+
+    @classmethod
+    def chain(cls, num_steps: int, *, min_prob: float = 0.0) -> SpecConfig:
+        """A chain of ``num_steps`` drafted tokens (topk 1, so ``num_steps + 1`` verified)."""
+        return cls(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, min_prob=min_prob)
 
     @property
     def min_score(self) -> float:
