@@ -25,10 +25,11 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from openai import OpenAI
 
+from eaglewire.bench import parse_config
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import load_prompts
 
@@ -36,8 +37,9 @@ SERVER = """
 import logging, sys, torch
 torch.set_num_threads({threads})
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from eaglewire.decode.engine import SpecConfig
 from eaglewire.server import ServeConfig, serve
-serve(ServeConfig(target={target!r}, draft={draft!r}, port={port}, max_queue=256, device="cpu", **{spec!r}))
+serve(ServeConfig(target={target!r}, draft={draft!r}, port={port}, max_queue=256, device="cpu", spec=SpecConfig(**{spec!r})))
 """
 
 
@@ -55,15 +57,17 @@ def free_port() -> int:
 
 
 def spec_flags(text: str | None) -> dict:
-    """"5,4,12[,0.1]" -> the ServeConfig fields of the draft shape ({} for the defaults)."""
+    """"5,4,12[,0.1]" -> the SpecConfig fields of the draft shape ({} for the defaults); parsed as
+    bench parses its configs (a bench config without the batch)."""
     if not text:
         return {}
-    parts = text.split(",")
-    if len(parts) not in (3, 4):
-        raise SystemExit(f"--spec wants steps,topk,draft_tokens[,min_prob], got {text!r}")
-    flags = dict(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
-                     map(int, parts[:3])))
-    return flags | ({"draft_min_prob": float(parts[3])} if len(parts) == 4 else {})
+    try:
+        spec = parse_config(f"1,{text}")
+    except ValueError as e:
+        raise SystemExit(f"--spec wants steps,topk,draft_tokens[,min_prob]: {e}") from None
+    if spec is None:
+        raise SystemExit(f"--spec {text!r} is plain decoding: leave --draft out instead")
+    return asdict(spec)
 
 
 def start_server(target: str, draft: str | None, threads: int, spec: dict) -> tuple[subprocess.Popen, str]:

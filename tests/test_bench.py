@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from eaglewire.bench import (BenchConfig, Row, heldout_prompts, parse_configs, position_acceptance, speedup,
+from eaglewire.bench import (BenchConfig, Row, config_label, heldout_prompts, parse_configs, position_acceptance, speedup,
                              tau_per_request, tau_pooled, time_split)
 from eaglewire.checkpoint import save_draft
 from eaglewire.cli import main
-from eaglewire.decode.engine import GenerationStats
+from eaglewire.decode.engine import GenerationStats, SpecConfig
 
 
 def stats(accept_lengths, position_accepts=(), seconds=1.0, **kw):
@@ -21,10 +21,10 @@ def stats(accept_lengths, position_accepts=(), seconds=1.0, **kw):
 
 def test_parse_configs():
     runs = parse_configs(" 1,0,0,0; 1,5,1,6;1,6,4,24;1,5,1,6,0.10")
-    assert [r.label for r in runs] == ["1,0,0,0", "1,5,1,6", "1,6,4,24", "1,5,1,6,0.1"]
-    assert runs[0].spec is None
-    assert (runs[2].spec.num_steps, runs[2].spec.topk, runs[2].spec.num_draft_tokens) == (6, 4, 24)
-    assert runs[3].spec.min_prob == 0.1 and runs[1].spec.min_prob == 0.0
+    assert [config_label(r) for r in runs] == ["1,0,0,0", "1,5,1,6", "1,6,4,24", "1,5,1,6,0.1"]
+    assert runs[0] is None
+    assert runs[2] == SpecConfig(num_steps=6, topk=4, num_draft_tokens=24)
+    assert runs[3].min_prob == 0.1 and runs[1] == SpecConfig.chain(5)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -646,9 +646,7 @@ def test_serve_flags_default_to_spec_config_and_are_checked():
     from eaglewire.configs import config_from_args
 
     config = config_from_args(ServeConfig, parser.parse_args(["--target", "smollm2-135m"]))
-    d = SpecConfig()
-    assert (config.speculative_num_steps, config.speculative_eagle_topk, config.speculative_num_draft_tokens) == (
-        d.num_steps, d.topk, d.num_draft_tokens)
+    assert config.spec == SpecConfig()
     assert (config.host, config.port, config.max_queue, config.api_key) == ("127.0.0.1", 8000, 64, None)
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens"):
         config_from_args(ServeConfig, parser.parse_args(["--target", "x", "--speculative-eagle-topk", "1"]))

@@ -77,7 +77,7 @@ class BenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        speculative = [r.label for r in runs if r.spec is not None]
+        speculative = [config_label(r) for r in runs if r is not None]
         if self.draft is None and speculative:
             raise ValueError(f"config {speculative[0]} speculates and needs a draft: give --draft DIR "
                              "(or keep only steps-0 configs such as 1,0,0,0)")
@@ -85,7 +85,7 @@ class BenchConfig:
             raise ValueError(f"--dataset {HELDOUT} reads the held-out conversations recorded in the draft: give --draft DIR")
 
     @property
-    def runs(self) -> list[RunConfig]:
+    def runs(self) -> list[SpecConfig | None]:
         return parse_configs(self.configs)
 
     @property
@@ -103,79 +103,73 @@ class BenchConfig:
         return shlex.join(parts)
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    batch: int
-    steps: int
-    topk: int
-    draft_tokens: int
-    min_prob: float = 0.0  # --draft-min-prob; 0 = SGLang's fixed shape
-
-    @property
-    def label(self) -> str:
-        base = f"{self.batch},{self.steps},{self.topk},{self.draft_tokens}"
-        return base if self.min_prob == 0 else f"{base},{self.min_prob:g}"
-
-    @property
-    def spec(self) -> SpecConfig | None:
-        """None: plain decoding (steps 0)."""
-        if self.steps == 0:
-            return None
-        return SpecConfig(num_steps=self.steps, topk=self.topk, num_draft_tokens=self.draft_tokens,
-                          min_prob=self.min_prob)
-
-
 CONFIG_FORMAT = "batch,steps,topk,draft-tokens[,min-prob] (e.g. 1,5,1,6 or 1,5,1,6,0.1)"
 
 
-def llamacpp_runs(runs: list[RunConfig]) -> list[RunConfig]:
+def config_label(spec: SpecConfig | None) -> str:
+    """A bench config as ``--configs`` writes it: ``1,0,0,0`` for plain decoding (None)."""
+    if spec is None:
+        return "1,0,0,0"
+    base = f"1,{spec.num_steps},{spec.topk},{spec.num_draft_tokens}"
+    return base if spec.min_prob == 0 else f"{base},{spec.min_prob:g}"
+
+
+def llamacpp_runs(runs: list[SpecConfig | None]) -> list[SpecConfig | None]:
     """The configs llama.cpp runs: plain and chains (it drafts no trees). A chain of ``steps``
     is ``--spec-draft-n-max steps --spec-draft-n-min 0``; min-prob, the probability a draft token
     must reach, is ``--spec-draft-p-min``. Trees are eaglewire's alone; no chain left is an error."""
-    chains = [r for r in runs if r.spec is None or r.topk == 1]
-    if not any(r.spec is not None for r in chains) and any(r.spec is not None for r in runs):
-        trees = ";".join(r.label for r in runs if r.spec is not None)
+    chains = [r for r in runs if r is None or r.topk == 1]
+    if not any(r is not None for r in chains) and any(r is not None for r in runs):
+        trees = ";".join(config_label(r) for r in runs if r is not None)
         raise ValueError(f"--configs {trees}: llama.cpp drafts chains only (topk 1); add a chain such as "
                          "1,3,1,4 for --engine llamacpp")
     return chains
 
 
-def llamacpp_server_config(run: RunConfig, *, model, draft, threads: int):
-    """The llama-server launch for ``run`` (``draft`` unused for plain runs)."""
+def llamacpp_server_config(run: SpecConfig | None, *, model, draft, threads: int):
+    """The llama-server launch for ``run`` (None: plain, ``draft`` unused)."""
     from eaglewire.engines.llamacpp import ServerConfig
 
-    if run.spec is None:
+    if run is None:
         return ServerConfig(model=model, threads=threads)
-    return ServerConfig(model=model, draft=draft, threads=threads, n_max=run.steps, n_min=0, p_min=run.min_prob)
+    return ServerConfig(model=model, draft=draft, threads=threads, n_max=run.num_steps, n_min=0, p_min=run.min_prob)
 
 
-def parse_configs(text: str) -> list[RunConfig]:
-    """``"1,0,0,0;1,5,1,6;1,5,1,6,0.1"`` -> RunConfigs; every inconsistency is an error naming the config."""
-    runs: list[RunConfig] = []
+def parse_config(part: str) -> SpecConfig | None:
+    """``"1,5,1,6"`` / ``"1,5,1,6,0.1"`` -> SpecConfig, ``"1,0,0,0"`` -> None (plain decoding);
+    every inconsistency is an error naming the config."""
+    fields_ = part.replace(" ", "").split(",")
+    try:
+        values = [int(x) for x in fields_[:4]] + [float(x) for x in fields_[4:]]
+    except ValueError:
+        values = []
+    if len(values) not in (4, 5):
+        raise ValueError(f"config {part!r} is not {CONFIG_FORMAT}; separate configs with ';'")
+    batch, steps, topk, tokens, min_prob = (values + [0.0])[:5]
+    if batch != 1:
+        shape = f"1,{steps},{topk},{tokens}" + (f",{min_prob:g}" if min_prob else "")
+        raise ValueError(f"config {part!r}: batch {batch} is not supported; the engine decodes one "
+                         f"sequence at a time, so use batch 1 ({shape})")
+    if steps == 0:
+        if (topk, tokens, min_prob) != (0, 0, 0):
+            raise ValueError(f"config {part!r}: steps 0 means no speculation, so topk, draft tokens and "
+                             "min-prob must be 0 too; write 1,0,0,0")
+        return None
+    try:
+        return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=tokens, min_prob=min_prob)
+    except ValueError as e:  # SpecConfig checks every field
+        raise ValueError(f"config {part!r} ({CONFIG_FORMAT}): {e}") from None
+
+
+def parse_configs(text: str) -> list[SpecConfig | None]:
+    """``"1,0,0,0;1,5,1,6;1,5,1,6,0.1"`` -> [None, SpecConfig, SpecConfig] (None: plain decoding)."""
+    runs: list[SpecConfig | None] = []
     for part in (p.strip() for p in text.split(";")):
         if not part:
             continue
-        fields_ = part.replace(" ", "").split(",")
-        try:
-            values = [int(x) for x in fields_[:4]] + [float(x) for x in fields_[4:]]
-        except ValueError:
-            values = []
-        if len(values) not in (4, 5):
-            raise ValueError(f"config {part!r} is not {CONFIG_FORMAT}; separate configs with ';'")
-        run = RunConfig(*values)
-        if run.batch != 1:
-            raise ValueError(f"config {part!r}: batch {run.batch} is not supported; the engine decodes one "
-                             f"sequence at a time, so use batch 1 ({RunConfig(1, *values[1:]).label})")
-        if run.steps == 0 and (run.topk, run.draft_tokens, run.min_prob) != (0, 0, 0):
-            raise ValueError(f"config {part!r}: steps 0 means no speculation, so topk, draft tokens and "
-                             "min-prob must be 0 too; write 1,0,0,0")
-        if run.steps != 0:
-            try:
-                _ = run.spec  # SpecConfig checks every field
-            except ValueError as e:
-                raise ValueError(f"config {part!r} ({CONFIG_FORMAT}): {e}") from None
+        run = parse_config(part)
         if run in runs:
-            raise ValueError(f"config {run.label} is given twice in --configs")
+            raise ValueError(f"config {config_label(run)} is given twice in --configs")
         runs.append(run)
     if not runs:
         raise ValueError("--configs is empty; give e.g. '1,0,0,0;1,5,1,6'")
@@ -369,10 +363,10 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
     return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
 
 
-def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: list[RunConfig],
+def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: list[SpecConfig | None],
                    progress: bool) -> list[Row]:
     draft = contract = None
-    if any(r.spec is not None for r in runs):
+    if any(r is not None for r in runs):
         draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
                                         device=target.device)
     tok = target.tokenizer
@@ -388,8 +382,8 @@ def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: 
 
     jobs = []  # (row name, method, generate(prompt index, ids, max new tokens) -> (tokens, stats))
     for run in runs:
-        decoder = SpecDecoder(target) if run.spec is None else SpecDecoder(target, draft, contract, run.spec)
-        jobs.append((run.label, "plain" if run.spec is None else "eagle3", partial(engine, decoder)))
+        decoder = SpecDecoder(target) if run is None else SpecDecoder(target, draft, contract, run)
+        jobs.append((config_label(run), "plain" if run is None else "eagle3", partial(engine, decoder)))
     for method in config.compare or ():
         jobs.append((method, method, partial(hf, method == "hf-pld")))
 
@@ -437,7 +431,7 @@ def llamacpp_stats(answer: dict, verify_steps: int | None, num_steps: int) -> Ge
 
 def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
     """(target GGUF, draft GGUF or None): given, or exported once into the report directory."""
-    needs_draft = any(r.spec is not None for r in llamacpp_runs(config.runs))
+    needs_draft = any(r is not None for r in llamacpp_runs(config.runs))
     if config.llamacpp_target and (config.llamacpp_draft or not needs_draft):
         return Path(config.llamacpp_target), Path(config.llamacpp_draft) if config.llamacpp_draft else None
     from eaglewire.engines.llamacpp import require_tree
@@ -466,20 +460,20 @@ def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool)
     rows = []
     for run in llamacpp_runs(config.runs):
         server_config = llamacpp_server_config(run, model=model, draft=draft, threads=config.llamacpp_threads)
-        log_path = config.out_dir / f"llama-server-{run.label.replace(',', '_')}.log"
+        log_path = config.out_dir / f"llama-server-{config_label(run).replace(',', '_')}.log"
         config.out_dir.mkdir(parents=True, exist_ok=True)
         stats, outputs = [], []
         with LlamaServer(server_bin, server_config, log_path=log_path) as server:
             for ids in encoded[:config.warmup]:
                 complete(server.url, ids, n_predict=min(16, config.max_new_tokens))
-            for ids in tqdm(encoded, desc=f"llama.cpp {run.label}", unit="prompt", disable=not progress):
+            for ids in tqdm(encoded, desc=f"llama.cpp {config_label(run)}", unit="prompt", disable=not progress):
                 before = metrics(server.url)
                 answer = complete(server.url, ids, n_predict=config.max_new_tokens)
                 after = metrics(server.url)
                 key = "spec_decode_num_drafts_total"
                 steps = int(after[key] - before[key]) if before and after and key in before else None
-                stats.append(llamacpp_stats(answer, steps, run.steps))
+                stats.append(llamacpp_stats(answer, steps, 0 if run is None else run.num_steps))
                 outputs.append(list(answer.get("tokens") or []))
-        rows.append(Row(f"llamacpp {run.label}", "plain" if run.spec is None else "eagle3", stats, outputs,
+        rows.append(Row(f"llamacpp {config_label(run)}", "plain" if run is None else "eagle3", stats, outputs,
                         engine_name="llamacpp"))
     return rows

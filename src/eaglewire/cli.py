@@ -51,20 +51,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec_from_args(args):
-    from eaglewire.decode.engine import SpecConfig
-
-    return SpecConfig(num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
-                      num_draft_tokens=args.speculative_num_draft_tokens, min_prob=args.draft_min_prob)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from eaglewire.decode.sampling import SamplingParams
     from eaglewire.decode.text import TextStream, encode_prompt
     from eaglewire.runtime import load_decoder
     from eaglewire.tokens import stop_token_ids
 
-    decoder = load_decoder(args.target, args.draft, _spec_from_args(args), device=args.device)
+    from eaglewire.decode.engine import SpecConfig
+
+    decoder = load_decoder(args.target, args.draft, config_from_args(SpecConfig, args), device=args.device)
     tok = decoder.target.tokenizer
     prompt_ids = encode_prompt(tok, args.prompt, chat=args.chat)
     text = TextStream(tok, args.stop or [])
@@ -221,18 +216,9 @@ def cmd_contract(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_spec_flags(p: argparse.ArgumentParser) -> None:
-    from eaglewire.decode.engine import MIN_PROB_HELP, SpecConfig
-
-    d = SpecConfig()
-    p.add_argument("--speculative-num-steps", type=int, default=d.num_steps)
-    p.add_argument("--speculative-eagle-topk", type=int, default=d.topk)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=d.num_draft_tokens)
-    p.add_argument("--draft-min-prob", type=float, default=d.min_prob, help=MIN_PROB_HELP)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.prepare import PrepareConfig
+    from eaglewire.decode.engine import SpecConfig
     from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
     from eaglewire.formats.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
     from eaglewire.presets import DEFAULT_TARGET
@@ -264,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--device", default="auto")
-    _add_spec_flags(p)
+    add_config_args(p, SpecConfig)
     p.set_defaults(func=cmd_generate)
 
     from eaglewire.server import add_serve_args, cmd_serve

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,11 +144,12 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def spec_flags(config: str) -> str:
-    """``generate``/``serve`` flags of a bench config ``batch,steps,topk,draft-tokens[,min-prob]``."""
-    _, steps, topk, tokens, *min_prob = config.split(",")
-    flags = (f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
-             f"--speculative-num-draft-tokens {tokens}")
-    return flags + (f" --draft-min-prob {min_prob[0]}" if min_prob else "")
+    """``generate``/``serve`` flags of a bench config ``batch,steps,topk,draft-tokens[,min-prob]``:
+    its SpecConfig's fields, as configs.py spells them."""
+    from eaglewire.bench import parse_config
+    from eaglewire.configs import config_to_args
+
+    return shlex.join(config_to_args(parse_config(config)))
 
 
 def verdict_rows(bench: list[dict[str, Any]]) -> list[tuple[str, str]]:

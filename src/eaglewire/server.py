@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eaglewire.decode.engine import MIN_PROB_HELP, GenerationStats, SpecConfig, SpecDecoder
+from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream
 from eaglewire.runtime import load_decoder
@@ -466,17 +466,11 @@ class Server(uvicorn.Server):
 
 # -- the command ---------------------------------------------------------------
 
-_SPEC = SpecConfig()
-
-
 @dataclass(kw_only=True)
 class ServeConfig:
     target: str = field(metadata={"help": "preset name, HF directory or .gguf file of the target"})
     draft: str | None = field(default=None, metadata={"help": "draft directory (none: plain decoding)"})
-    speculative_num_steps: int = _SPEC.num_steps
-    speculative_eagle_topk: int = _SPEC.topk
-    speculative_num_draft_tokens: int = _SPEC.num_draft_tokens
-    draft_min_prob: float = field(default=_SPEC.min_prob, metadata={"help": MIN_PROB_HELP})
+    spec: SpecConfig = field(default_factory=SpecConfig)  # its fields are the --speculative-* flags
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = 8000
     max_queue: int = field(default=64, metadata={"help": "most requests in flight (decoding + waiting); 429 beyond"})
@@ -490,7 +484,6 @@ class ServeConfig:
         "help": "seconds in-flight requests get to finish on shutdown"})
 
     def __post_init__(self) -> None:
-        _ = self.spec  # SpecConfig checks the speculation flags
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_queue < 1:
@@ -501,11 +494,6 @@ class ServeConfig:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         if self.graceful_timeout < 0:
             raise ValueError(f"--graceful-timeout must be >= 0 seconds, got {self.graceful_timeout}")
-
-    @property
-    def spec(self) -> SpecConfig:
-        return SpecConfig(num_steps=self.speculative_num_steps, topk=self.speculative_eagle_topk,
-                          num_draft_tokens=self.speculative_num_draft_tokens, min_prob=self.draft_min_prob)
 
 
 def serve_app(server: Server, sockets: list[socket.socket] | None = None) -> bool:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglewire.bench import BenchConfig, RunConfig, Row, llamacpp_runs, llamacpp_server_config, llamacpp_stats, \
+from eaglewire.bench import BenchConfig, Row, parse_config, llamacpp_runs, llamacpp_server_config, llamacpp_stats, \
     same_output_as_plain, speedup, tau_per_request, tau_pooled, verified_per_pass
 from eaglewire.doctor import llamacpp as doctor
 from eaglewire.doctor.report import DoctorReport
@@ -145,23 +145,23 @@ def test_flag_lint_names_each_problem(flags, verdict, what):
 # ------------------------------------------------------------------ configs -> llama-server
 
 def test_bench_configs_map_to_llamacpp_flags(tmp_path):
-    chain = RunConfig(1, 3, 1, 4, 0.2)
+    chain = parse_config("1,3,1,4,0.2")
     cfg = llamacpp_server_config(chain, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", threads=3)
     args = engine.server_args(cfg, port=1234)
     for flag, value in (("--spec-draft-n-max", "3"), ("--spec-draft-n-min", "0"), ("--spec-draft-p-min", "0.2"),
                         ("--spec-type", "draft-eagle3"), ("-md", str(tmp_path / "d.gguf")), ("-t", "3"),
                         ("-tb", "3"), ("-td", "3"), ("-tbd", "3"), ("--port", "1234")):
         assert args[args.index(flag) + 1] == value, flag
-    plain = engine.server_args(llamacpp_server_config(RunConfig(1, 0, 0, 0), model=tmp_path / "t.gguf",
+    plain = engine.server_args(llamacpp_server_config(parse_config("1,0,0,0"), model=tmp_path / "t.gguf",
                                                       draft=tmp_path / "d.gguf", threads=3), port=1)
     assert "-md" not in plain and "--spec-type" not in plain and "--metrics" in plain
 
 
 def test_llamacpp_runs_drop_trees_and_refuse_only_trees():
-    runs = [RunConfig(1, 0, 0, 0), RunConfig(1, 3, 1, 4), RunConfig(1, 6, 4, 24)]
+    runs = [parse_config("1,0,0,0"), parse_config("1,3,1,4"), parse_config("1,6,4,24")]
     assert llamacpp_runs(runs) == runs[:2]
     with pytest.raises(ValueError, match="llama.cpp drafts chains only"):
-        llamacpp_runs([RunConfig(1, 0, 0, 0), RunConfig(1, 6, 4, 24)])
+        llamacpp_runs([parse_config("1,0,0,0"), parse_config("1,6,4,24")])
 
 
 def test_bench_config_checks_engines():

@@ -31,9 +31,6 @@ from eaglewire.draft import Eagle3Draft
 from eaglewire.target import Target
 
 
-MIN_PROB_HELP = "verify only draft tokens whose path probability reaches this; 0 = SGLang's fixed shape"
-
-
 @dataclass(kw_only=True)
 class SpecConfig:
     """Named as SGLang names them: --speculative-num-steps / -eagle-topk / -num-draft-tokens.
@@ -44,15 +41,27 @@ class SpecConfig:
     sure and verifies the root alone where it is not. 0 keeps SGLang's fixed shape.
     """
 
-    num_steps: int = 5
-    topk: int = 4
-    num_draft_tokens: int = 8
-    min_prob: float = 0.0
+    # The one definition of the speculation flags: configs.add_config_args turns these fields
+    # into generate's and serve's flags, bench's config strings parse into SpecConfigs.
+    num_steps: int = field(default=5, metadata={
+        "flag": "speculative-num-steps", "help": "draft steps per round (the tree's depth)"})
+    topk: int = field(default=4, metadata={
+        "flag": "speculative-eagle-topk", "help": "children drafted per node (1: a chain)"})
+    num_draft_tokens: int = field(default=8, metadata={
+        "flag": "speculative-num-draft-tokens", "help": "tree tokens verified per round, root included"})
+    min_prob: float = field(default=0.0, metadata={
+        "flag": "draft-min-prob",
+        "help": "verify only draft tokens whose path probability reaches this; 0 = SGLang's fixed shape"})
 
     def __post_init__(self) -> None:
         check_spec_flags(self.num_steps, self.topk, self.num_draft_tokens)
         if not 0.0 <= self.min_prob < 1.0:
-            raise ValueError(f"--draft-min-prob must be in [0, 1) (0 = off), got {self.min_prob}")
+            raise ValueError(f"{spec_flag('min_prob')} must be in [0, 1) (0 = off), got {self.min_prob}")
+
+    @classmethod
+    def chain(cls, num_steps: int, *, min_prob: float = 0.0) -> SpecConfig:
+        """A chain of ``num_steps`` drafted tokens (topk 1, so ``num_steps + 1`` verified)."""
+        return cls(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, min_prob=min_prob)
 
     @property
     def min_score(self) -> float:
@@ -60,23 +69,29 @@ class SpecConfig:
         return math.log(self.min_prob) if self.min_prob > 0 else -math.inf
 
 
+def spec_flag(name: str) -> str:
+    """The command-line flag of SpecConfig field ``name`` (``num_steps`` -> ``--speculative-num-steps``)."""
+    return "--" + SpecConfig.__dataclass_fields__[name].metadata["flag"]
+
+
 def check_spec_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
     """Inconsistent flags are an error that says what to set, never a silent adjustment."""
+    steps, k, tokens = spec_flag("num_steps"), spec_flag("topk"), spec_flag("num_draft_tokens")
     if num_steps < 1:
-        raise ValueError(f"--speculative-num-steps must be >= 1, got {num_steps}")
+        raise ValueError(f"{steps} must be >= 1, got {num_steps}")
     if topk < 1:
-        raise ValueError(f"--speculative-eagle-topk must be >= 1, got {topk}")
+        raise ValueError(f"{k} must be >= 1, got {topk}")
     if topk == 1 and num_draft_tokens != num_steps + 1:
         raise ValueError(
-            f"--speculative-eagle-topk 1 drafts a chain of --speculative-num-steps {num_steps} tokens, so "
-            f"--speculative-num-draft-tokens must be {num_steps + 1} (got {num_draft_tokens}); set "
-            f"--speculative-num-draft-tokens {num_steps + 1}, or --speculative-num-steps {num_draft_tokens - 1}")
+            f"{k} 1 drafts a chain of {steps} {num_steps} tokens, so "
+            f"{tokens} must be {num_steps + 1} (got {num_draft_tokens}); set "
+            f"{tokens} {num_steps + 1}, or {steps} {num_draft_tokens - 1}")
     most = max_tree_tokens(num_steps, topk)
     if not 2 <= num_draft_tokens <= most:
         raise ValueError(
-            f"--speculative-num-draft-tokens {num_draft_tokens} is outside [2, {most}]: a tree of "
+            f"{tokens} {num_draft_tokens} is outside [2, {most}]: a tree of "
             f"{num_steps} steps with top-{topk} holds at most {most} tokens (root included); set "
-            f"--speculative-num-draft-tokens to at most {most} or raise --speculative-num-steps/-eagle-topk")
+            f"{tokens} to at most {most} or raise {steps}/{k.removeprefix('--speculative')}")
 
 
 @dataclass

@@ -348,7 +348,7 @@ def _check_acceptance(report, config, target, draft, contract, sequences, acc0, 
         report.add(Check("acceptance", "skip", f"predicted τ {predicted:.2f} for a chain of {steps}; "
                          "measurement skipped (--engine-prompts 0)"))
         return None
-    decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1))
+    decoder = SpecDecoder(target, draft, contract, SpecConfig.chain(steps))
     stop = set(stop_token_ids(target.tokenizer, target.model))
     rounds, prompts = RoundAgreement(), sequences[:config.engine_prompts]
     for seq in prompts:
