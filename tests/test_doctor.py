@@ -8,7 +8,8 @@ import pytest
 from eaglewire.doctor.evidence import judge_sweep, lead_noise, predicts_nothing
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.run import DoctorConfig, _check_evidence, misaligned_shift
+from eaglewire.doctor.checks import check_evidence, misaligned_shift
+from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.serving import lint_flags, predicted_tau, read_engine_config
 
 # ------------------------------------------------------------------ pure pieces
@@ -158,7 +159,7 @@ def test_sweep_says_within_noise_and_never_calls_a_runner_up_the_best():
 def test_too_little_evidence_is_inconclusive_and_says_where_more_comes_from():
     def judge(n, sequences, **kw):
         report = DoctorReport(draft="d", target="t")
-        _check_evidence(report, n, sequences, DoctorConfig(draft="d", **kw), {"heldout_sequence_ids": ["x"]})
+        check_evidence(report, n, sequences, DoctorConfig(draft="d", **kw), {"heldout_sequence_ids": ["x"]})
         return report.checks[0]
 
     assert judge(1500, 20).verdict == "ok"

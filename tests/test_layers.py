@@ -29,9 +29,6 @@ ENTRY_POINTS = {"eaglewire.cli": set(), "eaglewire.server": {"eaglewire.cli"},
 
 # Edges that break a rule today, each with what removes it.
 KNOWN_CYCLE_EDGES = {
-    # doctor/stored.py reuses the checks of doctor/run.py, which dispatches to stored; goes when the
-    # doctor's checks get typed inputs and move out of run.py (issue 22, doctor part).
-    ("eaglewire.doctor.stored", "eaglewire.doctor.run"),
     # formats.export_draft(to="llamacpp") calls formats/llamacpp.export, which calls export_draft(to="vllm")
     # back; goes when the native exports (sglang, vllm, speculators) move out of formats/__init__.py into a
     # module of their own that both call.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import parse_flags
 from eaglewire.engines import llamacpp as engine
@@ -118,7 +119,7 @@ def architecture_check(architecture: str) -> Check:
                      f"src/models/ file for {arch} records t_layer_inp")
 
 
-def serving(report: DoctorReport, config, declared: list[int], num_layers: int, architecture: str
+def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str
             ) -> tuple[dict[str, list[int]], int]:
     """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, chain length)."""
     from eaglewire.formats.llamacpp import draft_layers, layout_problem, read_gguf_metadata

@@ -23,13 +23,17 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.contract import SOFT_FIELDS
+from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.import_data import ABSENT_LAST
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
+from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
+                                     check_serving)
+from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.serving import config_fix
 from eaglewire.foreign_draft import detect_draft_format, load_any_draft
 from eaglewire.presets import resolve_draft
 from eaglewire.target import Target
@@ -134,8 +138,10 @@ def stored_drift(a: ShardDataset, b: ShardDataset, seq_ids: list[str]) -> tuple[
     return drifts, compared
 
 
-def _check_stored_drift(report: DoctorReport, ds: ShardDataset, config, picked: list[int], target: Target,
-                        draft, declared: list[int], acc0: float) -> None:
+def _check_stored_drift(report: DoctorReport, m: Measured, ds: ShardDataset, picked: list[int], target: Target
+                        ) -> None:
+    """``ds`` against a second capture of its ``picked`` sequences (``--compare-data``)."""
+    config, draft, declared = m.config, m.draft, m.declared
     other = ShardDataset(config.compare_data, verify=False)
     drifts, compared = stored_drift(ds, other, [ds.sequence_ids[i] for i in picked])
     if not compared:
@@ -147,8 +153,8 @@ def _check_stored_drift(report: DoctorReport, ds: ShardDataset, config, picked: 
         index = {sid: i for i, sid in enumerate(other.sequence_ids)}
         mine = [index[ds.sequence_ids[i]] for i in picked if ds.sequence_ids[i] in index]
         batches = stored_batches(other, mine, target, draft, labels=config.labels, max_length=config.max_length)
-        evidence.append(f"acc@0 on {config.compare_data}: "
-                        f"{isolation_accuracy(draft, batches, declared, steps=1)[0].acc:.3f} ({config.data}: {acc0:.3f})")
+        acc = isolation_accuracy(draft, batches, declared, steps=1)[0].acc
+        evidence.append(f"acc@0 on {config.compare_data}: {acc:.3f} ({config.data}: {m.acc0:.3f})")
     worst = min(d.cosine for d in drifts)
     what = f"{compared} sequences captured twice ({config.data} vs {config.compare_data})"
     if worst >= 0.999:
@@ -160,7 +166,7 @@ def _check_stored_drift(report: DoctorReport, ds: ShardDataset, config, picked: 
                              "or retrain on states captured the way they will be served"))
 
 
-def _pick(ds: ShardDataset, summary: dict, config) -> tuple[list[int], str | None]:
+def _pick(ds: ShardDataset, summary: dict, config: DoctorConfig) -> tuple[list[int], str | None]:
     """Held-out sequences when the draft recorded them and the data hold them, else the last ones."""
     index = {sid: i for i, sid in enumerate(ds.sequence_ids)}
     heldout = [] if config.include_training else list(summary.get("heldout_sequence_ids") or [])
@@ -173,10 +179,8 @@ def _pick(ds: ShardDataset, summary: dict, config) -> tuple[list[int], str | Non
         "on the last ones, which training may have seen")
 
 
-def run_stored_doctor(config) -> DoctorReport:
+def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     """The doctor on stored states (``config.data``) with the target's head only."""
-    from eaglewire.doctor.run import _check_accuracy, _check_alignment, _check_evidence, _check_layouts, _serving
-
     start = time.perf_counter()
     if config.labels not in LABELS:
         raise ValueError(f"--labels {config.labels!r} is not one of {', '.join(LABELS)}")
@@ -198,7 +202,7 @@ def run_stored_doctor(config) -> DoctorReport:
     if not _identity(report, contract, ds, target):
         return report
     arch = config.target_arch or contract.target.architecture
-    serving, _ = _serving(report, config, declared, L, arch)
+    serving, _ = check_serving(report, config, declared, L, arch)
     picked, warning = _pick(ds, summary, config)
     if warning:
         report.add(Check("data", "warn", warning))
@@ -211,20 +215,19 @@ def run_stored_doctor(config) -> DoctorReport:
                          f"are not among the stored {stored}", fix="import the data with every stored state "
                          "(`eaglewire import-data --aux-boundaries ...`)"))
         return report
-    counts = isolation_accuracy(draft, batches, declared, steps=config.steps)
-    acc0 = counts[0].acc
-    report.accuracy = {"acc@0": acc0} | {f"cond acc@{j}": c.cond_acc for j, c in enumerate(counts[1:], 1)}
-    _check_evidence(report, counts[0].valid, len(picked), config, summary)
-    _check_accuracy(report, counts, summary, f"stored states in {config.data}")
-    layouts = stored_layouts(stored + [b for b in declared if b == L], len(declared), declared, serving)
-    _check_layouts(report, draft, batches, layouts, declared, serving, acc0, counts[0].valid, config, L)
-    _check_served(report, draft, batches, declared, serving, acc0, stored, config, L, arch)
-    _check_alignment(report, draft, batches, declared, acc0, counts[0].valid)
+    m = Measured(config=config, draft=draft, batches=batches, declared=declared, num_layers=L, serving=serving,
+                 counts=isolation_accuracy(draft, batches, declared, steps=config.steps))
+    report.accuracy = {"acc@0": m.acc0} | {f"cond acc@{j}": c for j, c in enumerate(m.cond, 1)}
+    check_evidence(report, m.n, len(picked), config, summary)
+    check_accuracy(report, m, summary, f"stored states in {config.data}")
+    check_layouts(report, m, stored_layouts(stored + [b for b in declared if b == L], len(declared), declared, serving))
+    _check_served(report, m, stored, arch)
+    check_alignment(report, m)
     if config.compare_data:
-        _check_stored_drift(report, ds, config, picked, target, draft, declared, acc0)
+        _check_stored_drift(report, m, ds, picked, target)
     skipped = "measured acceptance" + ("" if config.compare_data else " and capture drift (or pass --compare-data)")
     report.add(Check("skipped", "skip", f"{skipped}: needs the target to run; this run never ran it (--stored)"))
-    report.facts = {"held-out sequences": len(picked), "judged tokens": counts[0].valid, "source": config.data,
+    report.facts = {"held-out sequences": len(picked), "judged tokens": m.n, "source": config.data,
                     "draft vocab coverage": round(inside / max(counted, 1), 4),
                     "seconds": round(time.perf_counter() - start, 1)}
     if config.json:
@@ -233,7 +236,7 @@ def run_stored_doctor(config) -> DoctorReport:
     return report
 
 
-def _identity(report: DoctorReport, contract, ds: ShardDataset, target: Target) -> bool:
+def _identity(report: DoctorReport, contract: HiddenStateContract, ds: ShardDataset, target: Target) -> bool:
     """The draft, the stored data and the head must belong to one target."""
     hard = []
     for what, fp in (("stored data", ds.contract.target), ("--target", target.fingerprint)):
@@ -247,19 +250,19 @@ def _identity(report: DoctorReport, contract, ds: ShardDataset, target: Target) 
     return True
 
 
-def _check_served(report, draft, batches, declared, serving, acc0, stored, config, L, arch) -> None:
-    """Name what the engine feeds against what the draft was trained on, with both fixes."""
-    from eaglewire.doctor.serving import config_fix
-
-    for label, served in serving.items():
+def _check_served(report: DoctorReport, m: Measured, stored: list[int], arch: str) -> None:
+    """Name what the engine feeds against what the draft was trained on, with both fixes
+    (``stored``: the boundaries the data hold; ``arch``: the target's architecture as served)."""
+    declared = m.declared
+    for label, served in m.serving.items():
         if served == declared:
             continue
-        measured = (f": acc@0 {isolation_accuracy(draft, batches, served, steps=1)[0].acc:.3f} there vs "
-                    f"{acc0:.3f} as trained" if set(served) <= set(batches[0].states) else "")
+        measured = (f": acc@0 {isolation_accuracy(m.draft, m.batches, served, steps=1)[0].acc:.3f} there vs "
+                    f"{m.acc0:.3f} as trained" if set(served) <= set(m.batches[0].states) else "")
         retrain = (f"retrain on the layout the engine feeds: `eaglewire import-data ... --aux-boundaries "
                    f"{','.join(map(str, served))}`, then `eaglewire train`" if set(served) <= set(stored)
                    else f"retrain on boundaries {served} (capture them)")
         report.add(Check("trained vs served", "fail", f"trained on {declared}, {label} will feed {served}{measured}",
                          [f"stored boundaries: {stored}"],
-                         fix=f"either {config_fix(config.engine, declared, L, arch)}"
+                         fix=f"either {config_fix(m.config.engine, declared, m.num_layers, arch)}"
                              f", or {retrain}"))

@@ -1,0 +1,202 @@
+"""The checks both doctors run (``run.py`` on a fresh capture, ``stored.py`` on stored states),
+and ``Measured``, what they read: built once per run, after the draft has been measured at its
+declared layout."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglewire.doctor.config import DoctorConfig
+from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
+from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
+from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
+from eaglewire.doctor.serving import config_fix, lint_flags, read_engine_config
+from eaglewire.draft import Eagle3Draft
+from eaglewire.ttt import StepCounts
+
+
+@dataclass(kw_only=True, frozen=True)
+class Measured:
+    """The draft measured on the batches every check reads, and the layouts it is judged by."""
+
+    config: DoctorConfig
+    draft: Eagle3Draft
+    batches: list[EvalBatch]  # captured now (run.py) or built from stored states (stored.py)
+    declared: list[int]  # the aux boundaries the draft's contract declares
+    num_layers: int  # L, the target's last boundary
+    serving: dict[str, list[int]]  # label -> the boundaries the serving engine will feed
+    counts: list[StepCounts]  # the draft in isolation at ``declared``, per TTT step (config.steps)
+
+    @property
+    def acc0(self) -> float:
+        return self.counts[0].acc
+
+    @property
+    def n(self) -> int:
+        """Judged reply tokens."""
+        return self.counts[0].valid
+
+    @property
+    def cond(self) -> list[float]:
+        """cond acc@1.. : each step's accuracy where every earlier step was right."""
+        return [c.cond_acc for c in self.counts[1:]]
+
+
+def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str
+                  ) -> tuple[dict[str, list[int]], int]:
+    """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
+    the chain length it drafts, SGLang's default 5 when the flags do not say). Its readings go
+    into ``Measured.serving``, so it runs before the draft is measured and takes its inputs bare."""
+    steps = 5
+    if config.engine_flags:
+        flags = lint_flags(config.engine, config.engine_flags, declared, L, arch)
+        worst = "fail" if any(v == "fail" for v, _, _ in flags.problems) else (
+            "warn" if flags.problems else "ok")
+        report.add(Check("serving flags", worst,
+                         f"{config.engine} flags: " + ("nothing silently changed" if not flags.problems
+                                                        else f"{len(flags.problems)} problem(s)"),
+                         [what for _, what, _ in flags.problems], fix="; ".join(f for _, _, f in flags.problems) or None))
+        steps = flags.num_steps or steps
+    if config.engine == "eaglewire" and not config.engine_config:
+        return {"eaglewire": list(declared)}, steps
+    if not config.engine_config:
+        report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which boundaries "
+                         f"{config.engine} will capture", fix="pass the config.json the engine will load"))
+        return {}, steps
+    cfg = json.loads(Path(config.engine_config).read_text())
+    reading = read_engine_config(config.engine, cfg, L, declared, arch)
+    wrong = {label: b for label, b in reading.readings.items() if b != declared}
+    evidence = ([f"{label} captures boundaries {b}" for label, b in reading.readings.items()] + reading.notes
+                + reading.problems)
+    if wrong or reading.problems:
+        report.add(Check("engine wiring", "fail",
+                         f"{config.engine} will feed the draft boundaries other than the {declared} it was trained on",
+                         evidence, fix=config_fix(config.engine, declared, L, arch)))
+    else:
+        report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
+    return reading.readings, steps
+
+
+def check_evidence(report: DoctorReport, n: int, sequences: int, config: DoctorConfig, summary: dict) -> None:
+    """Judged tokens against the minimum; below it nothing can pass, and the fix says where more come from."""
+    what = f"{n:,} judged reply tokens on {sequences} held-out sequence(s) (minimum {config.min_tokens:,})"
+    if n >= config.min_tokens:
+        report.add(Check("evidence", "ok", what))
+        return
+    per = max(n / max(sequences, 1), 1.0)
+    need = math.ceil(config.min_tokens / per)
+    if sequences < config.num_sequences:  # the source ran out, not the flag
+        recorded = len(summary.get("heldout_sequence_ids") or [])
+        fix = (f"only {sequences} held-out sequence(s) were found" +
+               (f" (the draft recorded {recorded} held out)" if recorded and not config.include_training else "") +
+               f"; about {need} are needed: pass --conversations FILE with conversations training did not see "
+               "(--offset skips the first ones) or --data SHARDS not used in training; or --include-training "
+               "to also measure on training sequences (it reads optimistic)")
+    else:
+        fix = f"raise --num-sequences from {config.num_sequences} to about {need}, or --max-length (now {config.max_length})"
+    report.add(Check("evidence", "inconclusive", f"too little evidence to pass: {what}",
+                     [f"~{per:.0f} judged tokens per sequence; with {n:,} tokens an accuracy is known to about "
+                      f"±{2 * math.sqrt(0.25 / max(n, 1)):.3f}"], fix=fix))
+
+
+def check_accuracy(report: DoctorReport, m: Measured, summary: dict, source: str) -> None:
+    """acc@0 at the declared layout (``source``: what it was measured on) against what training recorded."""
+    acc0, n = m.acc0, m.n
+    evidence = [f"acc@0 {acc0:.3f}" + "".join(f", cond acc@{j} {c:.3f}" for j, c in enumerate(m.cond, 1))
+                + f" over {n:,} judged reply tokens"]
+    if predicts_nothing(acc0, n):
+        high = wilson_bounds(acc0, n)[1]
+        report.add(Check("accuracy in isolation", "fail", f"the draft predicts nothing: acc@0 {acc0:.3f} "
+                         f"({source})", evidence + [f"at most {high:.3f} at ~95% confidence, under the "
+                                                   f"{USEFUL_ACC0} a draft needs to accept anything"],
+                         fix="a draft this weak cannot speed decoding, nor can its wiring be checked: train it "
+                         "longer or on more data, and check it was trained on this target's states"))
+        return
+    recorded = (summary.get("final_eval") or {}).get("val_acc_0")
+    verdict = "ok"
+    if recorded is not None:
+        evidence.append(f"recorded at training time: acc@0 {recorded:.3f} on its own held-out split")
+        if acc0 < recorded - 0.1:
+            verdict = "warn"
+    report.add(Check("accuracy in isolation", verdict,
+                     f"acc@0 {acc0:.3f} fed exactly as in training ({source})", evidence,
+                     fix=None if verdict == "ok" else
+                     "the data differ from the training data, or the draft regressed; compare on the training "
+                     "shards (--data) to tell which"))
+
+
+def _tolerance(acc: float, n: int) -> float:
+    """Differences below this are noise: two binomial standard errors, at least 0.02."""
+    return max(0.02, 2 * math.sqrt(max(acc * (1 - acc), 1e-4) / max(n, 1)))
+
+
+def check_layouts(report: DoctorReport, m: Measured, layouts: dict[tuple[int, ...], list[str]]) -> None:
+    """Every candidate layout measured (``layouts``: layout -> why it is a candidate): the declared
+    one must be the best beyond noise, and the serving engine must feed it."""
+    declared, serving, acc0, n = m.declared, m.serving, m.acc0, m.n
+    rows = []
+    for layout, labels in layouts.items():
+        acc = (acc0 if list(layout) == declared
+               else isolation_accuracy(m.draft, m.batches, list(layout), steps=1)[0].acc)
+        rows.append(LayoutRow(list(layout), labels, round(acc, 4), n))
+    report.layouts = rows
+    judged = judge_sweep({tuple(r.layout): r.acc0 for r in rows}, declared, n)
+    if judged.verdict == "fail":
+        report.add(Check("layout sweep", "fail", judged.summary, judged.evidence,
+                         fix="the contract (or the data it was trained on) is mislabeled: re-capture with "
+                         f"--aux-boundaries {','.join(map(str, judged.best))} and retrain, or fix the recorded contract"))
+        return
+    if judged.verdict == "inconclusive":
+        report.add(Check("layout sweep", "inconclusive", judged.summary, judged.evidence,
+                         fix="nothing can be told apart until the draft predicts something: train it further"))
+        return
+    bad = {label: b for label, b in serving.items() if b != declared}
+    if bad:
+        by_layout = {tuple(r.layout): r.acc0 for r in rows}
+        lines = [f"{label} feeds {b}: acc@0 {by_layout.get(tuple(b), float('nan')):.3f} instead of {acc0:.3f}"
+                 for label, b in bad.items()]
+        report.add(Check("layout sweep", "fail", f"the serving side feeds another layout than the declared {declared}",
+                         judged.evidence + lines, fix=config_fix(m.config.engine, declared, m.num_layers)))
+        return
+    report.add(Check("layout sweep", "ok", judged.summary, judged.evidence))
+
+
+# The state of position t+1 was computed from the token the draft is asked to predict after it,
+# so a correctly trained draft also reads somewhat better from it (measured on the reference
+# draft: 0.380 vs 0.310). A draft trained on that state reads several times better from it.
+LOOKAHEAD_GAIN = 1.5
+
+
+def misaligned_shift(acc0: float, shifted: dict[int, float], n: int) -> int | None:
+    """The position shift the draft was evidently trained with, or None when it lines up.
+
+    acc0: acc@0 aligned; shifted: acc@0 with the states of t + s fed at t, for s = -1, +1.
+    An earlier state beating the aligned one beyond noise is a shift; a later one must also
+    beat it by LOOKAHEAD_GAIN, because it carries the answer's context and helps any draft.
+    """
+    tol = _tolerance(acc0, n)
+    better = {s: a for s, a in shifted.items()
+              if a > acc0 + tol and (s < 0 or a >= LOOKAHEAD_GAIN * acc0)}
+    return max(better, key=better.get) if better else None
+
+
+def check_alignment(report: DoctorReport, m: Measured) -> None:
+    """The declared layout fed one position early and late: a draft trained off by one reads better so."""
+    acc0, n = m.acc0, m.n
+    shifted = {s: isolation_accuracy(m.draft, m.batches, m.declared, steps=1, shift=s)[0].acc for s in (-1, 1)}
+    evidence = [f"states of position t{s:+d} at t: acc@0 {a:.3f} (aligned: {acc0:.3f})" for s, a in shifted.items()]
+    evidence.append(f"t+1 reads ahead (its state saw the next token), so it may score higher for any draft; "
+                    f"only {LOOKAHEAD_GAIN:g}x the aligned accuracy counts as a shift")
+    shift = misaligned_shift(acc0, shifted, n)
+    if shift is None and predicts_nothing(max([acc0, *shifted.values()]), n):
+        report.add(Check("alignment", "inconclusive", "the draft predicts nothing in any alignment: nothing to "
+                         "compare", evidence))
+    elif shift is not None:
+        report.add(Check("alignment", "fail", f"the draft predicts better with states shifted by {shift:+d} token",
+                         evidence, fix="the training data paired tokens with the states of their neighbours; "
+                         "re-capture with `eaglewire prepare` and retrain"))
+    else:
+        report.add(Check("alignment", "ok", "tokens and states line up (no off-by-one position shift)", evidence))

@@ -1,0 +1,55 @@
+"""The doctor's settings: every flag of ``eaglewire doctor``, with its default and help, checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eaglewire.doctor.serving import SERVING_ENGINES
+from eaglewire.presets import DEFAULT_TARGET
+
+
+@dataclass(kw_only=True)
+class DoctorConfig:
+    draft: str = field(metadata={"help": "draft directory: native, or SGLang/SpecForge/speculators/EAGLE (detected, converted, its reading stated)"})
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
+    data: str | None = field(default=None, metadata={"help": "shard directory (enables the capture drift check)"})
+    conversations: str | None = field(default=None, metadata={"help": "conversations (preset or file) to capture now"})
+    num_sequences: int = field(default=64, metadata={"help": "held-out sequences to measure on"})
+    max_length: int = field(default=160, metadata={"help": "tokens per sequence"})
+    offset: int = field(default=0, metadata={"help": "conversations: skip this many first (when the draft "
+                                                      "records no held-out ids)"})
+    include_training: bool = field(default=False, metadata={"help": "measure on any sequences, not only those "
+                                                                     "the draft held out from training"})
+    steps: int = field(default=3, metadata={"help": "draft steps measured in isolation (acc@0, cond acc@1..)"})
+    engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators, llamacpp"})
+    engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load (llamacpp: the draft .gguf)"})
+    engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
+    target_arch: str | None = field(default=None, metadata={"help": "the target's architecture as the engine loads "
+                                                                    "it (default: the one the draft records)"})
+    engine_url: str | None = field(default=None, metadata={"help": "a running llama-server (--engine llamacpp): measure its served τ on the held-out prompts"})
+    engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
+    engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
+    min_tokens: int = field(default=1000, metadata={"help": "judged reply tokens below which the verdict is "
+                                                             "inconclusive (too little evidence to pass)"})
+    json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
+    stored: bool = field(default=False, metadata={"help": "judge from the stored states in --data alone, the target never "
+                                                          "run: --target needs only its config, tokenizer, embedding, "
+                                                          "final norm and lm_head"})
+    compare_data: str | None = field(default=None, metadata={"help": "--stored: a second capture of the same "
+                                                                     "sequences (another engine or precision): drift"})
+    labels: str = field(default="head", metadata={"help": "--stored: the target's signal from its head on the stored "
+                                                          "last state (head) or the stored next tokens (tokens)"})
+
+    def __post_init__(self) -> None:
+        if self.data and self.conversations:
+            raise ValueError("give --data (shards) or --conversations, not both")
+        if not self.stored and (self.compare_data or self.labels != "head"):
+            raise ValueError("--compare-data and --labels read stored states: add --stored")
+        engines = tuple(dict.fromkeys(SERVING_ENGINES + ("llamacpp",)))
+        if self.engine not in engines:
+            raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(engines)}")
+        if self.engine_url and self.engine != "llamacpp":
+            raise ValueError(f"--engine-url measures a running llama-server; it needs --engine llamacpp, not {self.engine!r}")
+        for name in ("num_sequences", "max_length", "steps", "min_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
