@@ -91,6 +91,9 @@ def _given(cls: type, given: dict[str, Any]) -> dict[str, Any]:
                 kwargs[f.name] = tp(**inner)
         elif dest in given:
             kwargs[f.name] = given[dest]
+    for f in dataclasses.fields(cls):  # fields without a flag of their own (cli=False): set by the command
+        if f.init and f.metadata.get("cli") is False and f.name in given:
+            kwargs[f.name] = given[f.name]
     return kwargs
 
 
