@@ -64,7 +64,7 @@ def lint_flags(flags: str) -> LlamaFlags:
         out.problems.append(("fail", "--spec-draft-n-max 0: nothing is drafted", "--spec-draft-n-max 3"))
     if out.n_min is not None and out.n_min > steps:
         out.problems.append(("fail", f"--spec-draft-n-min {out.n_min} > --spec-draft-n-max {steps}: every draft is "
-                             "shorter than the minimum and dropped, silently", f"--spec-draft-n-min 0"))
+                             "shorter than the minimum and dropped, silently", "--spec-draft-n-min 0"))
     if out.p_min:
         out.problems.append(("warn", f"--spec-draft-p-min {out.p_min:g}: drafting stops at the first token the draft "
                              "is less sure of, so τ falls short of the chain's prediction",

@@ -17,6 +17,8 @@ from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, 
                                      check_serving)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
+from eaglewire.doctor.llamacpp import measure_served, served_check
+from eaglewire.doctor.llamacpp import serving as llamacpp_serving
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
                                       engine_agreement, stored_accuracy)
 from eaglewire.doctor.replay import RoundAgreement
@@ -50,9 +52,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     identity_ok = _check_identity(report, contract, target)
     arch = config.target_arch or contract.target.architecture
     if config.engine == "llamacpp":
-        from eaglewire.doctor import llamacpp
-
-        serving, serving_steps = llamacpp.serving(report, config, declared, L, arch)
+        serving, serving_steps = llamacpp_serving(report, config, declared, L, arch)
     else:
         serving, serving_steps = check_serving(report, config, declared, L, arch)
     sequences, source = _load_sequences(config, target, contract, summary, report)
@@ -83,12 +83,10 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     check_alignment(report, m)
     rounds = _check_acceptance(report, m, target, contract, sequences, serving_steps)
     if config.engine_url:
-        from eaglewire.doctor import llamacpp
-
-        served = llamacpp.measure_served(config.engine_url, [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]],
-                                         max_new_tokens=config.engine_tokens, num_steps=serving_steps)
-        report.add(llamacpp.served_check(served, rounds.measured_tau if rounds and rounds.rounds else None,
-                                         predicted_tau(m.acc0, m.cond, serving_steps), serving_steps))
+        served = measure_served(config.engine_url, [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]],
+                                max_new_tokens=config.engine_tokens, num_steps=serving_steps)
+        report.add(served_check(served, rounds.measured_tau if rounds and rounds.rounds else None,
+                                predicted_tau(m.acc0, m.cond, serving_steps), serving_steps))
 
     report.facts = {"held-out sequences": len(sequences), "judged tokens": m.n,
                     "source": source, "seconds": round(time.perf_counter() - start, 1)}

@@ -26,6 +26,7 @@ from eaglewire.contract import HiddenStateContract, to_engine
 from eaglewire.engines import llamacpp as engine
 from eaglewire.fileio import atomic_write_text
 from eaglewire.formats.eagle import FormatError
+from eaglewire.formats.export import ExportReport, check_choice, export_native
 from eaglewire.presets import cache_dir, resolve_draft
 
 log = logging.getLogger(__name__)
@@ -204,11 +205,10 @@ def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0",
     stays in ``out_dir/speculators``. ``target_path``: the target's directory or .gguf (default: the
     one the draft records). Raises EngineConventionError for a layout llama.cpp cannot
     feed, FormatError when the written GGUF does not carry the contract's layers."""
-    from eaglewire.formats import ExportReport, _check_choice, export_draft
     from eaglewire.target import resolve_target_path
 
-    _check_choice(outtype, DRAFT_OUTTYPES, "--outtype")
-    _check_choice(target_outtype, TARGET_OUTTYPES, "--target-outtype")
+    check_choice(outtype, DRAFT_OUTTYPES, "--outtype")
+    check_choice(target_outtype, TARGET_OUTTYPES, "--target-outtype")
     src, out = resolve_draft(draft_dir), Path(out_dir)
     config = read_draft_config(src)
     contract = HiddenStateContract.from_dict(config["contract"])
@@ -224,7 +224,7 @@ def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0",
         from eaglewire.target import load_target
 
         target = load_target(spec, device="cpu", dtype="fp32")  # its embedding goes into the speculators export
-    spec_report = export_draft(src, "vllm", out / "speculators", verifier_name=verifier_name or str(target_dir),
+    spec_report = export_native(src, "vllm", out / "speculators", verifier_name=verifier_name or str(target_dir),
                                target=target, num_steps=num_steps, allow=allow)
     architecture = contract.target.architecture
     draft_file = out / f"draft-{outtype}.gguf"

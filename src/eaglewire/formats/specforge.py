@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eaglewire.formats import sglang
+from eaglewire.formats.sglang import parse_config as parse_sglang_config
 
 
 def parse_config(d: dict[str, Any], *, where: str = "config.json"
@@ -21,4 +21,4 @@ def parse_config(d: dict[str, Any], *, where: str = "config.json"
 
     The file layout is SGLang's; only the meaning of the ids differs (see contract.py).
     """
-    return sglang.parse_config(d, where=where, reader="SpecForge")
+    return parse_sglang_config(d, where=where, reader="SpecForge")
