@@ -56,9 +56,9 @@ def lint_flags(flags: str) -> LlamaFlags:
         out.problems.append(("fail", f"--spec-type {kind}: llama.cpp will not feed target states to the EAGLE-3 "
                              "draft", "--spec-type draft-eagle3"))
     n_max, n_min, p_min = (args.get(k) for k in ("--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min"))
-    out.num_steps = _int(n_max, "--spec-draft-n-max", out)
-    out.n_min = _int(n_min, "--spec-draft-n-min", out)
-    out.p_min = _float(p_min if p_min is not None else args.get("--draft-p-min"), "--spec-draft-p-min", out)
+    out.num_steps = _number(n_max, "--spec-draft-n-max", out)
+    out.n_min = _number(n_min, "--spec-draft-n-min", out)
+    out.p_min = _number(p_min if p_min is not None else args.get("--draft-p-min"), "--spec-draft-p-min", out, float)
     steps = out.num_steps if out.num_steps is not None else DEFAULT_N_MAX
     if out.num_steps == 0:
         out.problems.append(("fail", "--spec-draft-n-max 0: nothing is drafted", "--spec-draft-n-max 3"))
@@ -79,23 +79,15 @@ def lint_flags(flags: str) -> LlamaFlags:
     return out
 
 
-def _int(value: str | None, flag: str, out: LlamaFlags) -> int | None:
+def _number(value: str | None, flag: str, out: LlamaFlags, kind: type = int):
+    """``value`` as ``kind`` (int or float); None, with a problem recorded, when llama-server would refuse it."""
     if value is None:
         return None
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
-        out.problems.append(("fail", f"{flag} {value!r} is not an integer: llama-server refuses it", f"{flag} 3"))
-        return None
-
-
-def _float(value: str | None, flag: str, out: LlamaFlags) -> float | None:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        out.problems.append(("fail", f"{flag} {value!r} is not a number: llama-server refuses it", f"{flag} 0"))
+        what, fix = ("an integer", 3) if kind is int else ("a number", 0)
+        out.problems.append(("fail", f"{flag} {value!r} is not {what}: llama-server refuses it", f"{flag} {fix}"))
         return None
 
 
