@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.checkpoint import load_draft
 from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving)
@@ -24,8 +23,7 @@ from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, 
 from eaglewire.doctor.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import predicted_tau
-from eaglewire.foreign_draft import detect_draft_format, load_any_draft
-from eaglewire.presets import resolve_draft
+from eaglewire.foreign_draft import load_any_draft
 from eaglewire.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -39,10 +37,10 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     start = time.perf_counter()
     target = target or load_target(config.target)
     report = DoctorReport(draft=config.draft, target=config.target)
-    if detect_draft_format(resolve_draft(config.draft)) == "native":
-        draft, contract, draft_cfg = load_draft(config.draft)  # checked below, as a verdict, not an exception
-    else:  # a foreign draft records no target: it is converted for this one, its reading stated
-        draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target)
+    # a native draft's contract is checked below, as a verdict; a foreign one records no target, so it is
+    # converted for this one and its reading stated
+    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False)
+    if notes:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     draft = draft.to(target.device)
     summary = draft_cfg.get("training") or {}

@@ -34,8 +34,7 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import config_fix
-from eaglewire.foreign_draft import detect_draft_format, load_any_draft
-from eaglewire.presets import resolve_draft
+from eaglewire.foreign_draft import load_any_draft
 from eaglewire.target import Target
 from eaglewire.target_head import load_target_head
 from eaglewire.ttt import TargetSignal, signal_positions, target_signal
@@ -193,8 +192,7 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     if config.labels == "head" and ds.manifest["source"].get("last_hidden") == ABSENT_LAST:
         raise ValueError(f"--data {config.data} holds no boundary-L state (imported with --no-last): the head has "
                          "nothing to read; pass --labels tokens")
-    foreign = detect_draft_format(resolve_draft(config.draft)) != "native"
-    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target if foreign else None)
+    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False)
     if notes:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     summary = draft_cfg.get("training") or {}
