@@ -10,9 +10,10 @@ baselines) on the same prompts; per config tokens/s, τ, per-position acceptance
 
 from __future__ import annotations
 
+import logging
 import shlex
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -28,10 +29,13 @@ from eaglewire.prompts import Prompt, load_prompts
 from eaglewire.target import load_target
 
 
+log = logging.getLogger(__name__)
+
 COMPARE_METHODS = ("hf", "hf-pld")
 ENGINES = ("eaglewire", "llamacpp")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
 HELDOUT = "sharegpt-heldout"
+RECOMMENDED = "recommended"
 
 
 @dataclass(kw_only=True)
@@ -39,7 +43,7 @@ class BenchConfig:
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     draft: str | None = field(default=None, metadata={"help": "draft directory (needed by configs with steps > 0 and by sharegpt-heldout)"})
     dataset: str = field(default="mt-bench", metadata={"help": f"mt-bench, humaneval, {HELDOUT} (the draft's held-out ShareGPT conversations) or a JSONL file"})
-    configs: str = field(default="1,0,0,0;1,5,1,6;1,6,4,24", metadata={"help": "';'-separated batch,steps,topk,draft-tokens[,min-prob]; steps 0 = plain decoding (write 1,0,0,0); min-prob: --draft-min-prob of `generate`"})
+    configs: str = field(default="1,0,0,0;1,5,1,6;1,6,4,24", metadata={"help": "';'-separated batch,steps,topk,draft-tokens[,min-prob]; steps 0 = plain decoding (write 1,0,0,0); min-prob: --draft-min-prob of `generate` (llama.cpp: --spec-draft-p-min); `recommended`: plain and what `eaglewire tune` recommends for the engine"})
     compare: list[str] | None = field(default=None, metadata={"help": "baselines on the same prompts: hf (model.generate), hf-pld (prompt lookup decoding)"})
     max_new_tokens: int = field(default=256, metadata={"help": "tokens generated per prompt at most"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples"})
@@ -56,7 +60,12 @@ class BenchConfig:
     llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use (default: `eaglewire engines install llamacpp`'s)"})
 
     def __post_init__(self) -> None:
-        runs = parse_configs(self.configs)
+        runs = [] if self.configs == RECOMMENDED else parse_configs(self.configs)
+        if self.configs == RECOMMENDED and len(self.engine) != 1:
+            raise ValueError(f"--configs {RECOMMENDED} is tuned for one engine; give --engine eaglewire or "
+                             f"--engine llamacpp, not {','.join(self.engine)}")
+        if self.configs == RECOMMENDED and self.draft is None:
+            raise ValueError(f"--configs {RECOMMENDED} tunes a draft: give --draft DIR")
         unknown_engines = sorted(set(self.engine) - set(ENGINES))
         if unknown_engines or not self.engine or len(set(self.engine)) < len(self.engine):
             raise ValueError(f"--engine {','.join(self.engine)}: give {' or '.join(ENGINES)} or both, each once")
@@ -64,8 +73,6 @@ class BenchConfig:
             llamacpp_runs(runs)  # a config llama.cpp cannot run is an error now, not after loading
             if self.llamacpp_threads < 1:
                 raise ValueError(f"--llamacpp-threads must be >= 1, got {self.llamacpp_threads}")
-            if self.temperature != 0:
-                raise ValueError(f"--engine llamacpp compares greedy outputs; --temperature must be 0, got {self.temperature}")
         unknown = sorted(set(self.compare or ()) - set(COMPARE_METHODS))
         if unknown:
             raise ValueError(f"--compare {','.join(unknown)}: unknown baseline; choose from {', '.join(COMPARE_METHODS)}")
@@ -342,9 +349,31 @@ def _hf_config(config: BenchConfig, stops: list[int], pad_id: int, pld: bool, ma
     return GenerationConfig(do_sample=True, temperature=config.temperature, top_p=1.0, top_k=0, **common)
 
 
+def tune_for_bench(config: BenchConfig, *, target=None):
+    """``--configs recommended``: run ``eaglewire tune`` for the bench's engine on other prompts
+    of the same set (those after the bench's own), at its temperature and length."""
+    from eaglewire.tune.run import TuneConfig, run_tune
+
+    dataset = config.dataset if config.dataset != HELDOUT else "mt-bench"
+    offset = config.num_prompts if config.num_prompts else 0
+    tune = TuneConfig(draft=config.draft, target=config.target, engine=config.engine[0], dataset=dataset,
+                      offset=offset, max_new_tokens=min(config.max_new_tokens, 128), temperature=config.temperature,
+                      seed=config.seed, llamacpp_target=config.llamacpp_target, llamacpp_draft=config.llamacpp_draft,
+                      llamacpp_threads=config.llamacpp_threads, llamacpp_dir=config.llamacpp_dir,
+                      out=str(config.out_dir / "tune.json"))
+    return run_tune(tune, target=target)
+
+
 def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> BenchResult:
     """Every config and baseline on the same prompts: eaglewire's engine (target and draft loaded
     once) and/or llama-server (started per config)."""
+    if config.configs == RECOMMENDED:
+        if "eaglewire" in config.engine or config.compare:
+            target = target or load_target(config.target, device=config.device)
+        tuned = tune_for_bench(config, target=target)
+        log.info("tune: %s", tuned.recommendation.reason)
+        choice = tuned.recommendation.choice.shape
+        config = replace(config, configs="1,0,0,0" if choice.plain else f"1,0,0,0;{choice.bench_config()}")
     prompts = bench_prompts(config)
     rows: list[Row] = []
     if "eaglewire" in config.engine or config.compare:  # the HF baselines need the target loaded too
@@ -465,10 +494,12 @@ def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool)
         stats, outputs = [], []
         with LlamaServer(server_bin, server_config, log_path=log_path) as server:
             for ids in encoded[:config.warmup]:
-                complete(server.url, ids, n_predict=min(16, config.max_new_tokens))
-            for ids in tqdm(encoded, desc=f"llama.cpp {config_label(run)}", unit="prompt", disable=not progress):
+                complete(server.url, ids, n_predict=min(16, config.max_new_tokens), temperature=config.temperature)
+            for i, ids in enumerate(tqdm(encoded, desc=f"llama.cpp {config_label(run)}", unit="prompt",
+                                         disable=not progress)):
                 before = metrics(server.url)
-                answer = complete(server.url, ids, n_predict=config.max_new_tokens)
+                answer = complete(server.url, ids, n_predict=config.max_new_tokens, temperature=config.temperature,
+                                  seed=config.seed + i)
                 after = metrics(server.url)
                 key = "spec_decode_num_drafts_total"
                 steps = int(after[key] - before[key]) if before and after and key in before else None

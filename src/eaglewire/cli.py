@@ -146,6 +146,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from eaglewire.tune.run import TuneConfig, run_tune
+
+    config = config_from_args(TuneConfig, args)
+    result = run_tune(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(result.format())
+    if config.out:
+        print(f"\nreport written to {config.out}")
+    return 0
+
+
 def cmd_engines(args: argparse.Namespace) -> int:
     """``eaglewire engines install llamacpp``: download and build llama.cpp once, with progress."""
     from tqdm.auto import tqdm
@@ -322,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, BenchConfig)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_bench)
+
+    from eaglewire.tune.run import TuneConfig
+
+    p = sub.add_parser("tune", help="measure an engine's round costs and the draft's acceptance; rank speculation "
+                       "shapes by predicted tokens/s and recommend one (or plain decoding, with the reason)")
+    add_config_args(p, TuneConfig)
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("contract", help="how SGLang, vLLM, SpecForge and EAGLE name a boundary layout")
     p.add_argument("--target", default=DEFAULT_TARGET)

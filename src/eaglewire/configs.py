@@ -33,6 +33,13 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def _str_list(text: str) -> list[str]:
     return [x for x in text.replace(" ", "").split(",") if x]
 
@@ -42,6 +49,8 @@ def _parser_type(tp: Any):
         return tp
     if typing.get_origin(tp) is list and typing.get_args(tp) == (int,):
         return _int_list
+    if typing.get_origin(tp) is list and typing.get_args(tp) == (float,):
+        return _float_list
     if typing.get_origin(tp) is list and typing.get_args(tp) == (str,):
         return _str_list
     raise TypeError(f"config field type {tp!r} has no command-line form")

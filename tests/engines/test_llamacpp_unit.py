@@ -167,8 +167,11 @@ def test_llamacpp_runs_drop_trees_and_refuse_only_trees():
 def test_bench_config_checks_engines():
     with pytest.raises(ValueError, match="--engine vllm"):
         BenchConfig(engine=["vllm"])
-    with pytest.raises(ValueError, match="--temperature must be 0"):
-        BenchConfig(engine=["llamacpp"], configs="1,0,0,0", temperature=0.7)
+    assert BenchConfig(engine=["llamacpp"], configs="1,0,0,0", temperature=0.7).temperature == 0.7  # sampled rows
+    with pytest.raises(ValueError, match="tuned for one engine"):
+        BenchConfig(engine=["eaglewire", "llamacpp"], draft="d", configs="recommended")
+    with pytest.raises(ValueError, match="tunes a draft"):
+        BenchConfig(engine=["llamacpp"], configs="recommended")
     with pytest.raises(ValueError, match="chains only"):
         BenchConfig(engine=["eaglewire", "llamacpp"], draft="d", configs="1,0,0,0;1,6,4,24")
     assert "--engine eaglewire,llamacpp" in BenchConfig(engine=["eaglewire", "llamacpp"], draft="d",

@@ -410,11 +410,16 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         raise LlamaCppError(f"no llama-server answers at {url}: {e}") from e
 
 
-def complete(url: str, prompt_ids: list[int], *, n_predict: int, timeout: float = 900.0) -> dict:
-    """Greedy ``/completion`` of the token ids ``prompt_ids`` (no prompt cache, so every request
-    prefills alike). The answer carries ``tokens`` and llama.cpp's ``timings``."""
-    body = {"prompt": list(prompt_ids), "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
-            "seed": 0, "cache_prompt": False, "return_tokens": True, "stream": False}
+def complete(url: str, prompt_ids: list[int], *, n_predict: int, temperature: float = 0.0, seed: int = 0,
+             timeout: float = 900.0) -> dict:
+    """``/completion`` of the token ids ``prompt_ids`` (no prompt cache, so every request prefills
+    alike): greedy at temperature 0, else plain temperature sampling (llama-server's default
+    top-k 40 / top-p 0.95 / min-p 0.05 switched off, as eaglewire samples). The answer carries
+    ``tokens`` and llama.cpp's ``timings``."""
+    sampling = {"temperature": 0.0, "top_k": 1} if temperature == 0 else {
+        "temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    body = {"prompt": list(prompt_ids), "n_predict": n_predict, **sampling,
+            "seed": seed, "cache_prompt": False, "return_tokens": True, "stream": False}
     return _post(url.rstrip("/") + "/completion", body, timeout)
 
 

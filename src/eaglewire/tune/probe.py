@@ -1,0 +1,131 @@
+"""Timing an engine: a plain run and chains of 1..N drafted tokens on the same prompts.
+
+Each probe also returns the plain run's outputs: the engine's own text, along which the draft's
+acceptance is traced (a quantized llama.cpp target picks its own tokens, and the draft must
+match those, not eaglewire's fp32 target's).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.sampling import SamplingParams
+from eaglewire.tune.costs import ChainProbe, PlainProbe
+
+WARMUP_TOKENS = 32  # the first request of a fresh llama-server runs several times slower
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ProbeResult:
+    plain: PlainProbe
+    chains: list[ChainProbe]
+    outputs: list[list[int]]  # the plain run's new tokens per prompt
+
+
+def _no_progress(_: str) -> None:
+    pass
+
+
+def probe_eaglewire(target, draft, contract, prompts: list[list[int]], *, steps: list[int], max_new_tokens: int,
+                    temperature: float = 0.0, seed: int = 0, stop_ids: set[int] | None = None,
+                    progress: Progress = _no_progress) -> ProbeResult:
+    """eaglewire's engine, prompt-major (each prompt runs every shape back to back, so drift on a
+    shared machine hits all shapes alike). A chain of n runs n - 1 draft forwards per round; its
+    first drafted token comes with the previous round's context update, which the fit keeps on
+    the verify side."""
+    decoders = [(0, SpecDecoder(target))] + [(n, SpecDecoder(target, draft, contract, SpecConfig.chain(n)))
+                                              for n in steps]
+    for _, decoder in decoders:
+        decoder.generate(prompts[0], max_new_tokens=min(16, max_new_tokens), stop_token_ids=stop_ids)
+    plain_tokens, plain_seconds, outputs = 0, 0.0, []
+    acc = {n: [0, 0.0, 0.0] for n in steps}  # n -> rounds, decode seconds, draft seconds
+    for i, ids in enumerate(prompts):
+        progress(f"eaglewire: prompt {i + 1}/{len(prompts)}")
+        sampling = SamplingParams(temperature=temperature, seed=seed + i)
+        for n, decoder in decoders:
+            out, st = decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_ids)
+            decode = st.total_seconds - st.prefill_seconds
+            if n == 0:
+                plain_tokens += max(st.new_tokens - 1, 0)  # the first token comes with the prefill
+                plain_seconds += decode
+                outputs.append(out)
+            else:
+                acc[n][0] += st.rounds
+                acc[n][1] += decode
+                acc[n][2] += st.draft_seconds
+    chains = [ChainProbe(n=n, rounds=r, decode_seconds=d, draft_seconds=g, steps_per_round=n - 1)
+              for n, (r, d, g) in acc.items()]
+    return ProbeResult(PlainProbe(plain_tokens, plain_seconds), chains, outputs)
+
+
+# ------------------------------------------------------------------ llama.cpp
+
+_STATS = re.compile(r"draft-eagle3: #calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*?dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+
+
+def draft_stats(log_text: str) -> tuple[int, float] | None:
+    """llama-server's last cumulative EAGLE-3 statistics line (``-lv 4``) -> (draft calls, draft ms):
+    the time its ``common_speculative_draft`` spent drafting, one call per round."""
+    found = _STATS.findall(log_text)
+    if not found:
+        return None
+    last = found[-1]
+    return int(last[1]), float(last[4])
+
+
+def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[list[int]], *, steps: list[int],
+                   max_new_tokens: int, threads: int = 2, temperature: float = 0.0, seed: int = 0,
+                   log_dir: Path | None = None, progress: Progress = _no_progress) -> ProbeResult:
+    """One llama-server per shape (plain, then n-max 1..N with n-min 0, p-min 0), each warmed up
+    with one request; the round count and draft time come from llama.cpp's own statistics."""
+    from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, ServerConfig, complete
+
+    def run(n: int) -> tuple[list[dict], tuple[int, float] | None]:
+        config = ServerConfig(model=model, threads=threads, extra=["-lv", "4"]) if n == 0 else ServerConfig(
+            model=model, draft=draft, threads=threads, n_max=n, n_min=0, p_min=0.0, extra=["-lv", "4"])
+        log_path = None if log_dir is None else Path(log_dir) / f"llama-server-tune-{n}.log"
+        answers = []
+        with LlamaServer(server_bin, config, log_path=log_path) as server:
+            complete(server.url, prompts[0], n_predict=WARMUP_TOKENS, temperature=temperature, seed=seed)
+            before = _wait_stats(server, 1) if n else None
+            for i, ids in enumerate(prompts):
+                progress(f"llama.cpp {'plain' if n == 0 else f'n-max {n}'}: prompt {i + 1}/{len(prompts)}")
+                answers.append(complete(server.url, ids, n_predict=max_new_tokens, temperature=temperature,
+                                        seed=seed + i))
+            after = _wait_stats(server, len(prompts) + 1) if n else None
+        if n and (before is None or after is None):
+            raise LlamaCppError(f"llama-server printed no EAGLE-3 statistics with -lv 4 (n-max {n}); "
+                                f"see {log_path or 'its log'}")
+        delta = None if not n else (after[0] - before[0], (after[1] - before[1]) / 1e3)
+        return answers, delta
+
+    answers, _ = run(0)
+    tokens = sum(int(a["timings"]["predicted_n"]) for a in answers)
+    seconds = sum(float(a["timings"]["predicted_ms"]) for a in answers) / 1e3
+    outputs = [list(a.get("tokens") or []) for a in answers]
+    chains = []
+    for n in steps:
+        answers, (calls, draft_seconds) = run(n)
+        decode = sum(float(a["timings"]["predicted_ms"]) for a in answers) / 1e3
+        chains.append(ChainProbe(n=n, rounds=calls, decode_seconds=decode, draft_seconds=draft_seconds,
+                                 steps_per_round=n))
+    return ProbeResult(PlainProbe(tokens, seconds), chains, outputs)
+
+
+def _wait_stats(server, requests: int, timeout: float = 10.0) -> tuple[int, float] | None:
+    """The statistics after the ``requests``-th request's line is in the log (it is written as
+    the slot is released, around the answer)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = server.log_path.read_text(errors="replace")
+        if len(_STATS.findall(text)) >= requests or time.monotonic() > deadline:
+            return draft_stats(text)
+        time.sleep(0.05)

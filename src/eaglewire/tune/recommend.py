@@ -1,0 +1,68 @@
+"""Predicted tokens/s per shape, the ranking, and what to serve (plain decoding when nothing pays)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglewire.tune.costs import EngineCosts
+from eaglewire.tune.simulate import Shape, rounds, tau
+from eaglewire.tune.trace import DraftTrace
+
+DEFAULT_P_MINS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9)
+MARGIN = 0.03  # a shape must be predicted this much above plain to be worth serving
+
+
+@dataclass(frozen=True)
+class Prediction:
+    shape: Shape
+    tau: float  # tokens per round
+    drafted: float  # drafted tokens per round
+    round_seconds: float
+    tokens_per_second: float
+    speedup: float  # vs plain decoding in the same engine
+    break_even_tau: float  # the τ this shape's round cost needs to match plain
+
+
+def shapes(max_steps: int, p_mins: tuple[float, ...] = DEFAULT_P_MINS) -> list[Shape]:
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    return [Shape(0)] + [Shape(n, p) for n in range(1, max_steps + 1) for p in p_mins]
+
+
+def predict(shape: Shape, traces: list[DraftTrace], costs: EngineCosts, *, sampled: bool) -> Prediction:
+    if shape.plain:
+        return Prediction(shape, 1.0, 0.0, costs.plain_step, 1.0 / costs.plain_step, 1.0, 1.0)
+    rs = rounds(traces, shape, costs.engine, sampled=sampled)
+    if not rs:
+        raise ValueError("the traces hold no complete round: give longer outputs (--max-new-tokens)")
+    seconds = sum(costs.round_seconds(r.drafted + 1, r.steps) for r in rs) / len(rs)
+    t = tau(rs)
+    tps = t / seconds
+    return Prediction(shape, t, sum(r.drafted for r in rs) / len(rs), seconds, tps, tps * costs.plain_step,
+                      seconds / costs.plain_step)
+
+
+def rank(predictions: list[Prediction]) -> list[Prediction]:
+    return sorted(predictions, key=lambda p: -p.tokens_per_second)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    choice: Prediction
+    best_speculative: Prediction | None
+    reason: str
+
+
+def recommend(ranked: list[Prediction], engine: str) -> Recommendation:
+    plain = next(p for p in ranked if p.shape.plain)
+    best = next((p for p in ranked if not p.shape.plain), None)
+    if best is not None and best.speedup >= 1 + MARGIN:
+        return Recommendation(best, best, f"{best.shape.label(engine)}: predicted {best.speedup:.2f}x plain "
+                                          f"(τ {best.tau:.2f} against the {best.break_even_tau:.2f} its round costs)")
+    if best is None:
+        return Recommendation(plain, None, "no speculative shape was ranked")
+    return Recommendation(plain, best, (
+        f"plain decoding: no shape pays in this engine. The best, {best.shape.label(engine)}, is predicted "
+        f"{best.speedup:.2f}x plain: its round costs {best.break_even_tau:.2f} plain steps "
+        f"({best.round_seconds * 1e3:.1f} ms) and the draft reaches τ {best.tau:.2f} there; it would need "
+        f"τ >= {best.break_even_tau * (1 + MARGIN):.2f}, or a cheaper round (verify and draft costs above)"))

@@ -1,0 +1,97 @@
+"""The draft along a text the target produced: what each draft step would say at each position.
+
+Decoding and the TTT unroll are one computation (doctor/replay.py): a chain whose last verified
+position is t drafts, at step j, what the unroll says at position t, step j. So one unroll over
+an engine's own output tells, for every round that could start anywhere in it, which drafted
+tokens the target would accept and how sure the draft was of each. ``simulate`` then walks any
+chain shape over it without decoding again.
+
+Shapes: S draft steps, T tokens, Vd draft vocabulary, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaglewire.capture import capture
+from eaglewire.draft import Eagle3Draft
+from eaglewire.target import Target
+from eaglewire.ttt import shift_left
+
+LLAMACPP_TOP_K = 10  # llama.cpp's EAGLE-3 draft sampler keeps the top 10 and renormalises
+
+
+@dataclass
+class DraftTrace:
+    """One text (prompt + output) seen through the draft's unroll."""
+
+    prompt_len: int
+    right: torch.Tensor  # [S, T] bool: step j at t drafts text[t + 2 + j]
+    prob: torch.Tensor  # [S, T] the draft's top probability over its vocabulary
+    prob_top: torch.Tensor  # [S, T] the same renormalised over its top LLAMACPP_TOP_K
+    target_prob: torch.Tensor  # [S, T] the target's probability of the drafted token (at the temperature)
+
+    @property
+    def steps(self) -> int:
+        return self.right.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.right.shape[1]
+
+
+def top_probs(logits: torch.Tensor, top_k: int = LLAMACPP_TOP_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, Vd] -> (top probability over all Vd [N], top probability within the top k [N])."""
+    full = torch.softmax(logits.float(), dim=-1).amax(-1)  # [N]
+    top = torch.softmax(logits.float().topk(min(top_k, logits.shape[-1]), dim=-1).values, dim=-1)[:, 0]  # [N]
+    return full, top
+
+
+def judge_steps(drafted: torch.Tensor, text: torch.Tensor, step: int) -> torch.Tensor:
+    """drafted [n] target ids step ``step`` drafts at positions 0..n-1, text [T] -> [n] bool:
+    position t's token is text[t + 2 + step] (False past the text's end)."""
+    n, T = drafted.shape[0], text.shape[0]
+    right = torch.zeros(n, dtype=torch.bool)
+    m = max(min(n, T - 2 - step), 0)
+    right[:m] = drafted[:m].cpu() == text[2 + step:2 + step + m]
+    return right
+
+
+@torch.no_grad()
+def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list[int], prompt_len: int, *,
+               steps: int, temperature: float = 0.0) -> DraftTrace:
+    """Unroll ``draft`` ``steps`` times over ``text`` (prompt + an engine's output), fed the
+    states of ``layout`` from ``target`` exactly as in training, and judge every step against
+    the text's own next tokens (so a quantized engine's choices are what the draft must match)."""
+    ids = torch.tensor([text])  # [1, T]
+    T = ids.shape[1]
+    aux_boundaries = [b for b in layout if b != target.num_layers]
+    got = capture(target, ids, aux_boundaries)
+    states = dict(zip(aux_boundaries, got.aux_hidden.float().split(target.hidden_size, dim=-1)))  # k x [1, T, H]
+    states[target.num_layers] = got.last_hidden.float()
+    aux = torch.cat([states[b] for b in layout], dim=-1)  # [1, T, k*H]
+    emb = target.embed_tokens(ids.to(target.device)).float()  # [1, T, H]
+    d2t = draft.draft_to_target
+    target_logits = target.head(got.last_hidden[0].to(target.device)).float()  # [T, V]
+    right = torch.zeros(steps, T, dtype=torch.bool)
+    prob = torch.zeros(steps, T)
+    prob_top = torch.zeros(steps, T)
+    target_prob = torch.zeros(steps, T)
+    position_ids = torch.arange(T, device=emb.device)[None]  # [1, T]
+    hidden = draft.fuse(aux.to(emb.dtype))  # [1, T, H]
+    cache: list = []
+    for j in range(steps):
+        hidden = draft.forward_ttt(shift_left(emb, 1 + j), hidden, position_ids + j, cache)
+        n = max(T - 1 - j, 0)
+        logits = draft.logits(hidden[0, :n]).float()  # [n, Vd]
+        drafted = d2t[logits.argmax(-1)]  # [n] target ids
+        right[j, :n] = judge_steps(drafted, ids[0], j)
+        prob[j, :n], prob_top[j, :n] = (x.cpu() for x in top_probs(logits))
+        # the target judges step j at t with its distribution at t + 1 + j
+        judge = target_logits[1 + j:1 + j + n]  # [n, V]
+        p = torch.softmax(judge / temperature, dim=-1) if temperature > 0 else \
+            torch.nn.functional.one_hot(judge.argmax(-1), judge.shape[-1]).float()  # [n, V]
+        target_prob[j, :n] = p.gather(1, drafted[:, None].to(p.device))[:, 0].cpu()
+    return DraftTrace(prompt_len=prompt_len, right=right, prob=prob, prob_top=prob_top, target_prob=target_prob)
