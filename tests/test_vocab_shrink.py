@@ -7,7 +7,11 @@ from eaglewire.checkpoint import load_draft, read_draft_config, save_draft
 from eaglewire.contract import HiddenStateContract, TargetFingerprint
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.vocab import build_draft_vocab
-from eaglewire.vocab_shrink import frequent_draft_ids, shrink_draft_vocab, shrink_to_frequent
+from eaglewire.vocab_shrink import (
+    frequent_draft_ids,
+    shrink_draft_vocab,
+    shrink_to_frequent,
+)
 
 V, VD = 64, 24
 
