@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("eaglewire", "eaglewire.contract", "eaglewire.configs", "eaglewire.presets", "eaglewire.fileio",
               "eaglewire.distributed", "eaglewire.tokens", "eaglewire.vocab", "eaglewire.plots",
               "eaglewire.prompts", "eaglewire.ttt_attention", "eaglewire.engines")),
-    ("model", ("eaglewire.target", "eaglewire.target_head", "eaglewire.capture", "eaglewire.draft", "eaglewire.ttt",
+    ("model", ("eaglewire.target", "eaglewire.target_head", "eaglewire.capture", "eaglewire.draft", "eaglewire.vocab_shrink", "eaglewire.ttt",
                "eaglewire.checkpoint", "eaglewire.formats", "eaglewire.foreign_draft")),
     ("decode", ("eaglewire.decode",)),
     ("data", ("eaglewire.data",)),
