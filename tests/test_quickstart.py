@@ -33,6 +33,8 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
         assert (out / name).is_file(), name
     assert "bench 1,2,1,3" in (out / "summary.md").read_text()
     assert "| serve with |" in (out / "summary.md").read_text()  # it ends with what to serve
+    assert "| tuned for eaglewire's engine |" in (out / "summary.md").read_text()  # and what tune recommends
+    assert done["tune"]["bench_config"] and (out / "tune.json").is_file()
 
     import eaglewire.train
 

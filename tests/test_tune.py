@@ -88,6 +88,13 @@ def test_fit_costs_recovers_a_linear_model():
     assert costs.round_seconds(3, 2) == pytest.approx(0.015 + 2 * step)
 
 
+def test_one_slowed_run_does_not_set_the_draft_step():
+    chains = [ChainProbe(n=n, rounds=10, decode_seconds=1.0, draft_seconds=10 * (0.001 + n * 0.002), steps_per_round=n)
+              for n in range(1, 6)]
+    chains[2] = ChainProbe(n=3, rounds=10, decode_seconds=5.0, draft_seconds=10 * 0.2, steps_per_round=3)
+    assert fit_costs("llamacpp", PlainProbe(100, 1.0), chains).draft_step == pytest.approx(0.002)
+
+
 def test_fit_costs_refuses_empty_probes():
     with pytest.raises(ValueError, match="nothing to time"):
         fit_costs("x", PlainProbe(0, 0.0), [])

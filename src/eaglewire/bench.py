@@ -58,6 +58,7 @@ class BenchConfig:
     llamacpp_draft: str | None = field(default=None, metadata={"help": "llama.cpp: draft GGUF (default: --draft exported with llama.cpp's converter, q8_0)"})
     llamacpp_threads: int = field(default=2, metadata={"help": "llama.cpp: -t/-tb/-td/-tbd, pinned"})
     llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use (default: `eaglewire engines install llamacpp`'s)"})
+    llamacpp_flags: str | None = field(default=None, metadata={"help": "llama.cpp: more llama-server flags for every config, quoted (e.g. '-fa off')"})
 
     def __post_init__(self) -> None:
         runs = [] if self.configs == RECOMMENDED else parse_configs(self.configs)
@@ -133,13 +134,15 @@ def llamacpp_runs(runs: list[SpecConfig | None]) -> list[SpecConfig | None]:
     return chains
 
 
-def llamacpp_server_config(run: SpecConfig | None, *, model, draft, threads: int):
-    """The llama-server launch for ``run`` (None: plain, ``draft`` unused)."""
+def llamacpp_server_config(run: SpecConfig | None, *, model, draft, threads: int, flags: str | None = None):
+    """The llama-server launch for ``run`` (None: plain, ``draft`` unused); ``flags`` are added to every launch."""
     from eaglewire.engines.llamacpp import ServerConfig
 
+    extra = shlex.split(flags or "")
     if run is None:
-        return ServerConfig(model=model, threads=threads)
-    return ServerConfig(model=model, draft=draft, threads=threads, n_max=run.num_steps, n_min=0, p_min=run.min_prob)
+        return ServerConfig(model=model, threads=threads, extra=extra)
+    return ServerConfig(model=model, draft=draft, threads=threads, n_max=run.num_steps, n_min=0, p_min=run.min_prob,
+                        extra=extra)
 
 
 def parse_config(part: str) -> SpecConfig | None:
@@ -360,7 +363,7 @@ def tune_for_bench(config: BenchConfig, *, target=None):
                       offset=offset, max_new_tokens=min(config.max_new_tokens, 128), temperature=config.temperature,
                       seed=config.seed, llamacpp_target=config.llamacpp_target, llamacpp_draft=config.llamacpp_draft,
                       llamacpp_threads=config.llamacpp_threads, llamacpp_dir=config.llamacpp_dir,
-                      out=str(config.out_dir / "tune.json"))
+                      llamacpp_flags=config.llamacpp_flags, out=str(config.out_dir / "tune.json"))
     return run_tune(tune, target=target)
 
 
@@ -488,7 +491,8 @@ def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool)
     model, draft = _llamacpp_files(config)
     rows = []
     for run in llamacpp_runs(config.runs):
-        server_config = llamacpp_server_config(run, model=model, draft=draft, threads=config.llamacpp_threads)
+        server_config = llamacpp_server_config(run, model=model, draft=draft, threads=config.llamacpp_threads,
+                                               flags=config.llamacpp_flags)
         log_path = config.out_dir / f"llama-server-{config_label(run).replace(',', '_')}.log"
         config.out_dir.mkdir(parents=True, exist_ok=True)
         stats, outputs = [], []

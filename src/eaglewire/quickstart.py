@@ -87,7 +87,7 @@ def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, pr
     data, draft = out / "data", out / "draft"
 
     if "prepare" not in stages.done:
-        _banner("1/4 prepare: the target regenerates the replies, then its states are captured")
+        _banner("1/5 prepare: the target regenerates the replies, then its states are captured")
         s = prepare(PrepareConfig(out=str(data), target=config.target, data=config.data,
                                   num_conversations=config.num_conversations, max_length=config.max_length,
                                   regenerate=True, max_new_tokens=config.max_new_tokens),
@@ -95,7 +95,7 @@ def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, pr
         stages.record("prepare", {"sequences": s.sequences, "tokens": s.tokens, "reply_tokens": s.loss_tokens,
                                   "seconds": round(s.seconds, 1)})
     if "train" not in stages.done:
-        _banner(f"2/4 train: a draft within {config.minutes:g} minutes (re-run to resume)")
+        _banner(f"2/5 train: a draft within {config.minutes:g} minutes (re-run to resume)")
         tokens = stages.done["prepare"]["tokens"]
         epochs = max(1, math.floor(config.minutes * 60 * TOKENS_PER_SECOND_ESTIMATE / max(tokens, 1)))
         r = train(TrainConfig(out=str(draft), target=config.target, data=str(data), ttt_steps=config.ttt_steps,
@@ -106,25 +106,44 @@ def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, pr
         stages.record("train", {"steps": r.steps, "epochs": round(r.epochs_done, 2), "tokens": r.train_tokens,
                                 "seconds": round(r.seconds, 1), "finished": r.finished, **r.final_eval})
     if "doctor" not in stages.done:
-        _banner("3/4 doctor: is the draft wired as it was trained?")
-        report = run_doctor(DoctorConfig(draft=str(draft), target=config.target, data=str(data),
+        _banner("3/5 doctor: is the draft wired as it was trained?")
+        report = run_doctor(DoctorConfig(draft=str(draft), target=config.target, data=str(data), tune=False,
                                          json=str(out / "doctor.json")), target=target)
         (out / "doctor.txt").write_text(report.render() + "\n")
         print(report.render())
         stages.record("doctor", {"ok": report.status == "passed", "status": report.status,
                                  "verdicts": {c.name: c.verdict for c in report.checks}})
     if "bench" not in stages.done:
-        _banner(f"4/4 bench: {config.bench_prompts} {config.bench_dataset} prompts, with and without the draft")
+        _banner(f"4/5 bench: {config.bench_prompts} {config.bench_dataset} prompts, with and without the draft")
         bc = BenchConfig(target=config.target, draft=str(draft), dataset=config.bench_dataset,
                          configs=config.bench_configs, num_prompts=config.bench_prompts,
                          max_new_tokens=config.bench_tokens, out=str(out / "bench"))
         result = run_bench(bc, target=target, progress=progress)
         write_report(result, bc.out_dir)
         stages.record("bench", json.loads((bc.out_dir / "bench.json").read_text())["rows"])
+    if "tune" not in stages.done:
+        _banner("5/5 tune: which shape pays in eaglewire's engine, measured, or plain decoding and why")
+        stages.record("tune", tune_stage(config, draft, target))
     summary = summary_rows(stages.done)
     text = "\n".join(f"| {k} | {v} |" for k, v in summary)
     (out / "summary.md").write_text(f"# eaglewire quickstart\n\n| stage | result |\n|---|---|\n{text}\n")
     return stages.done
+
+
+def tune_stage(config: QuickstartConfig, draft: Path, target: Target) -> dict[str, Any]:
+    """``eaglewire tune`` for eaglewire's engine, on prompts after the bench's own when the set has them."""
+    from eaglewire.prompts import load_prompts
+    from eaglewire.tune.run import TuneConfig, run_tune
+
+    offset = config.bench_prompts if len(load_prompts(config.bench_dataset)) > config.bench_prompts else 0
+    tune = TuneConfig(draft=str(draft), target=config.target, dataset=config.bench_dataset, offset=offset,
+                      num_prompts=3, max_new_tokens=max(config.bench_tokens, 16), max_steps=4,
+                      out=str(Path(config.out) / "tune.json"))
+    result = run_tune(tune, target=target)
+    print(result.format())
+    choice = result.recommendation.choice
+    return {"engine": "eaglewire", "reason": result.recommendation.reason, "plain": choice.shape.plain,
+            "bench_config": choice.shape.bench_config(), "predicted_speedup": round(choice.speedup, 3)}
 
 
 def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
@@ -140,7 +159,13 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
         tau = f", τ {row['tau_pooled']:.2f}" if row.get("tau_pooled") else ""
         speed = f", {row['speedup']:.2f}x" if row.get("speedup") else ""
         rows.append((f"bench {row['name']}", f"{row['tokens_per_second']:.1f} tok/s{tau}{speed}"))
-    return rows + verdict_rows(done["bench"])
+    rows += verdict_rows(done["bench"])
+    if "tune" in done:
+        tune = done["tune"]
+        rows += [("tuned for eaglewire's engine", tune["reason"]),
+                 ("tune for llama.cpp", "eaglewire tune --engine llamacpp --draft <out>/draft (exports the GGUFs, "
+                                        "times llama-server; docs/llamacpp.md)")]
+    return rows
 
 
 def spec_flags(config: str) -> str:

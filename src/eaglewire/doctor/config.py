@@ -31,6 +31,10 @@ class DoctorConfig:
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
     min_tokens: int = field(default=1000, metadata={"help": "judged reply tokens below which the verdict is "
                                                              "inconclusive (too little evidence to pass)"})
+    tune: bool = field(default=True, metadata={"help": "rank chain shapes by predicted tokens/s for --engine and say "
+                                                        "what to serve (eaglewire: measured here; sglang, vllm, "
+                                                        "speculators: a stated GPU cost model; llamacpp: run "
+                                                        "`eaglewire tune --engine llamacpp`)"})
     json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
     stored: bool = field(default=False, metadata={"help": "judge from the stored states in --data alone, the target never "
                                                           "run: --target needs only its config, tokenizer, embedding, "

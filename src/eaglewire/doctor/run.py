@@ -86,6 +86,9 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
         report.add(served_check(served, rounds.measured_tau if rounds and rounds.rounds else None,
                                 predicted_tau(m.acc0, m.cond, serving_steps), serving_steps))
 
+    if config.tune:
+        _check_speed(report, config, target, draft, contract, sequences)
+
     report.facts = {"held-out sequences": len(sequences), "judged tokens": m.n,
                     "source": source, "seconds": round(time.perf_counter() - start, 1)}
     if config.json:
@@ -179,6 +182,31 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
         report.add(Check("acceptance", "ok", f"measured τ {measured:.2f}; the engine accepts what training "
                      f"predicts in {rounds.agree} of {rounds.rounds} rounds", evidence))
     return rounds
+
+
+STATED_TUNE_ENGINES = {"sglang": "sglang", "vllm": "vllm", "speculators": "vllm"}
+
+
+def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, draft, contract,
+                 sequences: list[Sequence]) -> None:
+    """What ``eaglewire tune`` recommends for the serving engine, on the held-out prompts."""
+    from eaglewire.tune.run import TuneConfig, run_tune
+
+    if config.engine == "llamacpp":
+        report.add(Check("speed", "skip", "llama.cpp's round costs are measured on its own GGUFs",
+                         fix=f"eaglewire tune --engine llamacpp --draft {config.draft} --llamacpp-target T.gguf "
+                             "--llamacpp-draft D.gguf"))
+        return
+    prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 2)]]
+    engine = STATED_TUNE_ENGINES.get(config.engine, "eaglewire")
+    tune = TuneConfig(draft=config.draft, target=config.target, engine=engine, num_prompts=len(prompts),
+                      max_new_tokens=max(config.engine_tokens, 16), max_steps=4, top=3)
+    result = run_tune(tune, target=target, loaded=(draft, contract), prompts=prompts)
+    choice = result.recommendation.choice
+    evidence = [f"{p.shape.label(result.config.rule)}: τ {p.tau:.2f}, {p.speedup:.2f}x plain "
+                f"(break-even τ {p.break_even_tau:.2f})" for p in result.ranked[:3]]
+    evidence.append(f"costs {result.costs.source} for {engine}; `eaglewire tune` ranks every shape with more prompts")
+    report.add(Check("speed", "warn" if choice.shape.plain else "ok", result.recommendation.reason, evidence))
 
 
 # ------------------------------------------------------------------ data

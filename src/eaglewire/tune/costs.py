@@ -64,9 +64,18 @@ class EngineCosts:
         return out
 
 
+def median_slope(xs: list[float], ys: list[float]) -> float:
+    """Theil-Sen: the median of the slopes between every pair of points with different x."""
+    slopes = sorted((ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+                    if xs[j] != xs[i])
+    mid = len(slopes) // 2
+    return slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+
+
 def fit_costs(engine: str, plain: PlainProbe, chains: list[ChainProbe]) -> EngineCosts:
     """Costs from a plain run and chain runs: draft_step is the slope of draft time per round
-    over draft steps per round (least squares), verify(n + 1) the rest of each chain's round."""
+    over draft steps per round (the median of pairwise slopes, so one run slowed by a
+    neighbour does not set it), verify(n + 1) the rest of each chain's round."""
     if plain.tokens < 1 or plain.decode_seconds <= 0:
         raise ValueError(f"the plain run produced {plain.tokens} tokens in {plain.decode_seconds:.3f} s: nothing to time")
     usable = [c for c in chains if c.rounds > 0]
@@ -75,8 +84,7 @@ def fit_costs(engine: str, plain: PlainProbe, chains: list[ChainProbe]) -> Engin
     xs = [c.steps_per_round for c in usable]
     ys = [c.draft_seconds / c.rounds for c in usable]
     if len(set(xs)) > 1:
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        draft_step = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        draft_step = median_slope(xs, ys)
     else:
         draft_step = ys[0] / max(xs[0], 1)
     draft_step = max(draft_step, 0.0)

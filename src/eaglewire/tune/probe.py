@@ -81,24 +81,26 @@ def draft_stats(log_text: str) -> tuple[int, float] | None:
 
 def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[list[int]], *, steps: list[int],
                    max_new_tokens: int, threads: int = 2, temperature: float = 0.0, seed: int = 0,
-                   log_dir: Path | None = None, progress: Progress = _no_progress) -> ProbeResult:
+                   log_dir: Path | None = None, flags: list[str] | None = None,
+                   progress: Progress = _no_progress) -> ProbeResult:
     """One llama-server per shape (plain, then n-max 1..N with n-min 0, p-min 0), each warmed up
     with one request; the round count and draft time come from llama.cpp's own statistics."""
     from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, ServerConfig, complete
 
     def run(n: int) -> tuple[list[dict], tuple[int, float] | None]:
-        config = ServerConfig(model=model, threads=threads, extra=["-lv", "4"]) if n == 0 else ServerConfig(
-            model=model, draft=draft, threads=threads, n_max=n, n_min=0, p_min=0.0, extra=["-lv", "4"])
+        extra = [*(flags or []), "-lv", "4"]
+        config = ServerConfig(model=model, threads=threads, extra=extra) if n == 0 else ServerConfig(
+            model=model, draft=draft, threads=threads, n_max=n, n_min=0, p_min=0.0, extra=extra)
         log_path = None if log_dir is None else Path(log_dir) / f"llama-server-tune-{n}.log"
         answers = []
         with LlamaServer(server_bin, config, log_path=log_path) as server:
             complete(server.url, prompts[0], n_predict=WARMUP_TOKENS, temperature=temperature, seed=seed)
-            before = _wait_stats(server, 1) if n else None
+            before = wait_draft_stats(server, 1) if n else None
             for i, ids in enumerate(prompts):
                 progress(f"llama.cpp {'plain' if n == 0 else f'n-max {n}'}: prompt {i + 1}/{len(prompts)}")
                 answers.append(complete(server.url, ids, n_predict=max_new_tokens, temperature=temperature,
                                         seed=seed + i))
-            after = _wait_stats(server, len(prompts) + 1) if n else None
+            after = wait_draft_stats(server, len(prompts) + 1) if n else None
         if n and (before is None or after is None):
             raise LlamaCppError(f"llama-server printed no EAGLE-3 statistics with -lv 4 (n-max {n}); "
                                 f"see {log_path or 'its log'}")
@@ -118,7 +120,7 @@ def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[lis
     return ProbeResult(PlainProbe(tokens, seconds), chains, outputs)
 
 
-def _wait_stats(server, requests: int, timeout: float = 10.0) -> tuple[int, float] | None:
+def wait_draft_stats(server, requests: int, timeout: float = 10.0) -> tuple[int, float] | None:
     """The statistics after the ``requests``-th request's line is in the log (it is written as
     the slot is released, around the answer)."""
     import time

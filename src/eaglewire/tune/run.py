@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ class TuneConfig:
     llamacpp_draft: str | None = field(default=None, metadata={"help": "llama.cpp: draft GGUF (default: --draft exported, q8_0)"})
     llamacpp_threads: int = field(default=2, metadata={"help": "llama.cpp: -t/-tb/-td/-tbd"})
     llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use"})
+    llamacpp_flags: str | None = field(default=None, metadata={"help": "llama.cpp: more llama-server flags, quoted (e.g. '-fa off')"})
     verify_cost: float = field(default=0.02, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
     draft_cost: float = field(default=0.05, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
 
@@ -122,7 +124,10 @@ def _llamacpp_files(config: TuneConfig, target_name: str) -> tuple[Path, Path]:
     return (Path(config.llamacpp_target) if config.llamacpp_target else out / "target-f32.gguf"), draft
 
 
-def run_tune(config: TuneConfig, *, target=None, progress=None) -> TuneResult:
+def run_tune(config: TuneConfig, *, target=None, loaded=None, prompts: list[list[int]] | None = None,
+             progress=None) -> TuneResult:
+    """``loaded``: (draft, contract) already loaded (the doctor's); ``prompts``: token ids to tune
+    on instead of ``config.dataset``'s."""
     from eaglewire.checkpoint import load_draft
     from eaglewire.target import load_target
     from eaglewire.tokens import stop_token_ids
@@ -130,8 +135,8 @@ def run_tune(config: TuneConfig, *, target=None, progress=None) -> TuneResult:
 
     say = progress or (lambda msg: log.info("%s", msg))
     target = target or load_target(config.target)
-    draft, contract, _ = load_draft(config.draft, target=target, device=target.device)
-    prompts = tune_prompts(config, target.tokenizer)
+    draft, contract = loaded or load_draft(config.draft, target=target, device=target.device)[:2]
+    prompts = prompts or tune_prompts(config, target.tokenizer)
     stops = set(stop_token_ids(target.tokenizer, target.model))
     steps = list(range(1, config.max_steps + 1))
     if config.engine == "eaglewire":
@@ -147,7 +152,8 @@ def run_tune(config: TuneConfig, *, target=None, progress=None) -> TuneResult:
             log_dir.mkdir(parents=True, exist_ok=True)
         probe = probe_llamacpp(require_server(config.llamacpp_dir), model, draft_gguf, prompts, steps=steps,
                                max_new_tokens=config.max_new_tokens, threads=config.llamacpp_threads,
-                               temperature=config.temperature, seed=config.seed, log_dir=log_dir, progress=say)
+                               temperature=config.temperature, seed=config.seed, log_dir=log_dir,
+                               flags=shlex.split(config.llamacpp_flags or ""), progress=say)
         costs, outputs = fit_costs("llamacpp", probe.plain, probe.chains), probe.outputs
     else:
         probe = probe_eaglewire(target, None, None, prompts, steps=[], max_new_tokens=config.max_new_tokens,
