@@ -2,9 +2,9 @@
 # Does `eaglewire tune` predict llama.cpp's speed, and is its recommendation the fastest shape?
 # Tune on MT-bench prompts 40.. (or HumanEval's), then bench plain and tune's top TOP shapes on the
 # first N prompts of the same set, side by side; compare predicted with measured tok/s.
-# Run alone on the machine (timings). Usage:
-#   TARGET=runs/types/target-F16.gguf DRAFT=draft-q8_0.gguf [DATASET=mt-bench] [TEMP=0] [TOKENS=256] \
-#     [N=10] [TOP=4] OUT=runs/tune-validate/f16-mtbench sh benchmarks/tune_validate.sh
+# Run alone on the machine (timings). ENGINE=eaglewire validates eaglewire's own engine instead. Usage:
+#   TARGET=runs/types/target-F16.gguf DRAFT=draft-q8_0.gguf [FLAGS="-fa off"] [DATASET=mt-bench] [TEMP=0] \
+#     [TOKENS=256] [N=10] [TOP=4] OUT=runs/tune-validate/f16-mtbench sh benchmarks/tune_validate.sh
 set -eu
 EW=${EW:-eaglewire}
 PY=${PY:-python}
@@ -13,18 +13,30 @@ TEMP=${TEMP:-0}
 TOKENS=${TOKENS:-256}
 N=${N:-10}
 TOP=${TOP:-4}
+MAX_STEPS=${MAX_STEPS:-4}
 THREADS=${THREADS:-2}
 mkdir -p "$OUT"
 
-LL="--engine llamacpp --llamacpp-target $TARGET --llamacpp-draft $DRAFT --llamacpp-threads $THREADS"
-$EW --threads "$THREADS" tune --draft reference $LL --dataset "$DATASET" --offset 40 --num-prompts 6 \
+FLAGS=${FLAGS:-}
+ENGINE=${ENGINE:-llamacpp}
+# ew COMMAND ARGS...: eaglewire COMMAND with the engine's flags (FLAGS stays one argument)
+ew() {
+  cmd=$1; shift
+  if [ "$ENGINE" = llamacpp ]; then
+    $EW --threads "$THREADS" "$cmd" --engine llamacpp --llamacpp-target "$TARGET" --llamacpp-draft "$DRAFT" \
+      --llamacpp-threads "$THREADS" --llamacpp-flags "$FLAGS" "$@"
+  else
+    $EW --threads "$THREADS" "$cmd" --engine eaglewire "$@"
+  fi
+}
+ew tune --draft reference --dataset "$DATASET" --offset 40 --num-prompts 6 --max-steps "$MAX_STEPS" \
   --max-new-tokens "$TOKENS" --temperature "$TEMP" --out "$OUT/tune.json" > "$OUT/tune.txt" 2>&1
 CONFIGS=$($PY -c "
 import json, sys
 r = json.load(open('$OUT/tune.json'))['ranked']
 spec = [p['bench_config'] for p in r if p['shape']['n_max'] > 0][:$TOP]
 print(';'.join(['1,0,0,0'] + spec))")
-$EW --threads "$THREADS" bench --draft reference $LL --dataset "$DATASET" --num-prompts "$N" \
+ew bench --draft reference --dataset "$DATASET" --num-prompts "$N" \
   --max-new-tokens "$TOKENS" --temperature "$TEMP" --configs "$CONFIGS" --out "$OUT/bench" --no-progress \
   > "$OUT/bench.txt" 2>&1
 $PY - "$OUT" <<'EOF'

@@ -198,6 +198,7 @@ def test_doctor_never_passes_a_draft_that_predicts_nothing(tmp_path, chat_tiny_t
                                      engine_tokens=8), target=target)
     checks = {c.name: c for c in report.checks}
     text = report.render()
+    assert checks["speed"].verdict == "warn" and "no token accepted" in checks["speed"].summary  # tune's view
     assert report.exit_code == 1 and report.status == "failed", text
     assert checks["accuracy in isolation"].verdict == "fail" and "predicts nothing" in checks["accuracy in isolation"].summary
     assert checks["layout sweep"].verdict == "inconclusive" and "is the best" not in text

@@ -127,6 +127,14 @@ def test_recommendation_is_plain_with_the_reason_when_no_shape_pays():
     assert f"{bad.best_speculative.break_even_tau:.2f}" in bad.reason
 
 
+def test_a_draft_that_accepts_nothing_is_never_recommended():
+    trace = _trace([[0] * 12, [0] * 12])
+    free = stated_costs("eaglewire", verify_per_token=0.0, draft_step=0.0, max_k=2)
+    free.verify = {k: 0.5 for k in free.verify}  # a round "cheaper" than a plain step: noise
+    got = recommend(rank([predict(s, [trace], free, sampled=False) for s in shapes(2, (0.0,))]), "eaglewire")
+    assert got.choice.shape.plain and "no token accepted" in got.reason
+
+
 def test_draft_stats_reads_llamacpps_cumulative_line():
     log = ("spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =    1    103    103, #gen drafts =    103, "
            "#acc tokens =    23, dur(b,g,a) = 0.004, 102.799, 0.096 ms\n"

@@ -155,6 +155,10 @@ def test_bench_configs_map_to_llamacpp_flags(tmp_path):
     plain = engine.server_args(llamacpp_server_config(parse_config("1,0,0,0"), model=tmp_path / "t.gguf",
                                                       draft=tmp_path / "d.gguf", threads=3), port=1)
     assert "-md" not in plain and "--spec-type" not in plain and "--metrics" in plain
+    for run in (None, chain):  # --llamacpp-flags reach plain and speculative launches alike
+        flagged = engine.server_args(llamacpp_server_config(run, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf",
+                                                            threads=3, flags="-fa off --poll 0"), port=1)
+        assert flagged[flagged.index("-fa") + 1] == "off" and flagged[flagged.index("--poll") + 1] == "0"
 
 
 def test_llamacpp_runs_drop_trees_and_refuse_only_trees():

@@ -56,6 +56,9 @@ class Recommendation:
 def recommend(ranked: list[Prediction], engine: str) -> Recommendation:
     plain = next(p for p in ranked if p.shape.plain)
     best = next((p for p in ranked if not p.shape.plain), None)
+    if best is not None and best.tau <= 1.0:  # nothing accepted: timing noise cannot make that pay
+        return Recommendation(plain, best, "plain decoding: the draft had no token accepted in any shape "
+                                           "(τ 1.00); train it further")
     if best is not None and best.speedup >= 1 + MARGIN:
         return Recommendation(best, best, f"{best.shape.label(engine)}: predicted {best.speedup:.2f}x plain "
                                           f"(τ {best.tau:.2f} against the {best.break_even_tau:.2f} its round costs)")

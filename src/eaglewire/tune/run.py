@@ -26,7 +26,7 @@ class TuneConfig:
     engine: str = field(default="eaglewire", metadata={"help": "eaglewire or llamacpp (measured here); sglang or vllm (stated cost model)"})
     dataset: str = field(default="mt-bench", metadata={"help": "mt-bench, humaneval or a JSONL file of prompts"})
     offset: int = field(default=40, metadata={"help": "prompts skipped first (bench measures the first ones: keep them apart)"})
-    num_prompts: int = field(default=6, metadata={"help": "prompts timed and traced"})
+    num_prompts: int = field(default=12, metadata={"help": "prompts timed and traced (τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68)"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens per prompt"})
     max_steps: int = field(default=6, metadata={"help": "longest chain ranked (and probed)"})
     p_mins: list[float] = field(default_factory=lambda: list(DEFAULT_P_MINS), metadata={"help": "probability stops ranked: llama.cpp's --spec-draft-p-min, eaglewire's --draft-min-prob"})
