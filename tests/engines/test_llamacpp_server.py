@@ -101,3 +101,22 @@ def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):
     assert tau_pooled(plain.stats) == 1.0 and tau_pooled(drafted.stats) > 1.0
     names = {p.name for p in write_report(result, config.out_dir)}
     assert {"bench.json", "bench.md"} <= names
+
+
+def test_tune_times_llama_server_and_traces_its_own_text(exported, server_binary, prompt_ids, smollm2_target):
+    """`tune --engine llamacpp` end to end: llama-server's own draft timer is read (rounds counted),
+    every chain probed completes rounds, the draft is traced along the server's own text."""
+    from eaglewire.tune.run import TuneConfig, run_tune
+
+    out, _ = exported
+    config = TuneConfig(draft="reference", engine="llamacpp", llamacpp_target=str(out / "target-f32.gguf"),
+                        llamacpp_draft=str(out / "draft-q8_0.gguf"), max_steps=2, p_mins=[0.0, 0.5],
+                        max_new_tokens=24, out=str(out / "tune" / "tune.json"))
+    result = run_tune(config, target=smollm2_target, prompts=prompt_ids[:2])
+    costs = result.costs
+    assert costs.plain_step > 0 and costs.draft_step >= 0
+    assert set(costs.verify) == {1, 2, 3} and min(costs.verify.values()) > 0  # both chains completed rounds
+    assert len(result.ranked) == 1 + 2 * 2 and result.traced_tokens > 0
+    chain = next(p for p in result.ranked if p.shape.n_max == 1 and p.shape.p_min == 0)
+    assert 1.0 <= chain.tau <= 2.0 and chain.drafted == 1.0
+    assert json.loads((out / "tune" / "tune.json").read_text())["costs"]["engine"] == "llamacpp"

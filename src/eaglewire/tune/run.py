@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import shlex
 import logging
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -111,17 +111,49 @@ def tune_prompts(config: TuneConfig, tokenizer) -> list[list[int]]:
     return [encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts]
 
 
-def _llamacpp_files(config: TuneConfig, target_name: str) -> tuple[Path, Path]:
+def work_dir(config: TuneConfig) -> Path:
+    """Where tune writes besides its report: server logs, a GGUF export when none was given."""
+    return Path(config.out).parent if config.out else Path("runs/tune")
+
+
+def _llamacpp_files(config: TuneConfig) -> tuple[Path, Path]:
     if config.llamacpp_target and config.llamacpp_draft:
         return Path(config.llamacpp_target), Path(config.llamacpp_draft)
     from eaglewire.formats.llamacpp import export
 
-    out = Path(config.out or "runs/tune").with_suffix("") / "llamacpp-export"
+    out = work_dir(config) / "llamacpp-export"
     report = export(config.draft, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
                     threads=config.llamacpp_threads)
     draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
         f for f in report.files if f.startswith("draft-"))
     return (Path(config.llamacpp_target) if config.llamacpp_target else out / "target-f32.gguf"), draft
+
+
+def measure(config: TuneConfig, target, draft, contract, prompts: list[list[int]], say) -> tuple[EngineCosts, list[list[int]]]:
+    """(the engine's costs, its plain outputs per prompt): probed for eaglewire and llama.cpp, stated
+    for SGLang and vLLM (whose outputs eaglewire's engine stands in for: greedy text is the target's)."""
+    from eaglewire.tokens import stop_token_ids
+    from eaglewire.tune.probe import probe_eaglewire, probe_llamacpp
+
+    stops = set(stop_token_ids(target.tokenizer, target.model))
+    steps = list(range(1, config.max_steps + 1))
+    common = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed,
+                  progress=say)
+    if config.engine == "llamacpp":
+        from eaglewire.engines.llamacpp import require_server
+
+        model, draft_gguf = _llamacpp_files(config)
+        work_dir(config).mkdir(parents=True, exist_ok=True)
+        probe = probe_llamacpp(require_server(config.llamacpp_dir), model, draft_gguf, prompts, steps=steps,
+                               threads=config.llamacpp_threads, log_dir=work_dir(config),
+                               flags=shlex.split(config.llamacpp_flags or ""), **common)
+        return fit_costs("llamacpp", probe.plain, probe.chains), probe.outputs
+    if config.engine == "eaglewire":
+        probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, stop_ids=stops, **common)
+        return fit_costs("eaglewire", probe.plain, probe.chains), probe.outputs
+    probe = probe_eaglewire(target, None, None, prompts, steps=[], stop_ids=stops, **common)
+    return stated_costs(config.rule, verify_per_token=config.verify_cost, draft_step=config.draft_cost,
+                        max_k=config.max_steps), probe.outputs
 
 
 def run_tune(config: TuneConfig, *, target=None, loaded=None, prompts: list[list[int]] | None = None,
@@ -130,38 +162,12 @@ def run_tune(config: TuneConfig, *, target=None, loaded=None, prompts: list[list
     on instead of ``config.dataset``'s."""
     from eaglewire.checkpoint import load_draft
     from eaglewire.target import load_target
-    from eaglewire.tokens import stop_token_ids
-    from eaglewire.tune.probe import probe_eaglewire, probe_llamacpp
 
     say = progress or (lambda msg: log.info("%s", msg))
     target = target or load_target(config.target)
     draft, contract = loaded or load_draft(config.draft, target=target, device=target.device)[:2]
     prompts = prompts or tune_prompts(config, target.tokenizer)
-    stops = set(stop_token_ids(target.tokenizer, target.model))
-    steps = list(range(1, config.max_steps + 1))
-    if config.engine == "eaglewire":
-        probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, max_new_tokens=config.max_new_tokens,
-                                temperature=config.temperature, seed=config.seed, stop_ids=stops, progress=say)
-        costs, outputs = fit_costs("eaglewire", probe.plain, probe.chains), probe.outputs
-    elif config.engine == "llamacpp":
-        from eaglewire.engines.llamacpp import require_server
-
-        model, draft_gguf = _llamacpp_files(config, config.target)
-        log_dir = Path(config.out).parent if config.out else None
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-        probe = probe_llamacpp(require_server(config.llamacpp_dir), model, draft_gguf, prompts, steps=steps,
-                               max_new_tokens=config.max_new_tokens, threads=config.llamacpp_threads,
-                               temperature=config.temperature, seed=config.seed, log_dir=log_dir,
-                               flags=shlex.split(config.llamacpp_flags or ""), progress=say)
-        costs, outputs = fit_costs("llamacpp", probe.plain, probe.chains), probe.outputs
-    else:
-        probe = probe_eaglewire(target, None, None, prompts, steps=[], max_new_tokens=config.max_new_tokens,
-                                temperature=config.temperature, seed=config.seed, stop_ids=stops, progress=say)
-        costs = stated_costs(config.engine, verify_per_token=config.verify_cost, draft_step=config.draft_cost,
-                             max_k=config.max_steps)
-        costs.engine = config.rule
-        outputs = probe.outputs
+    costs, outputs = measure(config, target, draft, contract, prompts, say)
     say("tracing the draft along the engine's outputs")
     traces = [trace_text(target, draft, list(contract.aux_boundaries), ids + out, len(ids), steps=config.max_steps,
                          temperature=config.temperature) for ids, out in zip(prompts, outputs)]
