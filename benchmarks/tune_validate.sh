@@ -14,6 +14,7 @@ TOKENS=${TOKENS:-256}
 N=${N:-10}
 TOP=${TOP:-4}
 MAX_STEPS=${MAX_STEPS:-4}
+TUNE_PROMPTS=${TUNE_PROMPTS:-12}
 THREADS=${THREADS:-2}
 mkdir -p "$OUT"
 
@@ -29,7 +30,7 @@ ew() {
     $EW --threads "$THREADS" "$cmd" --engine eaglewire "$@"
   fi
 }
-ew tune --draft reference --dataset "$DATASET" --offset 40 --num-prompts 6 --max-steps "$MAX_STEPS" \
+ew tune --draft reference --dataset "$DATASET" --offset 40 --num-prompts "$TUNE_PROMPTS" --max-steps "$MAX_STEPS" \
   --max-new-tokens "$TOKENS" --temperature "$TEMP" --out "$OUT/tune.json" > "$OUT/tune.txt" 2>&1
 CONFIGS=$($PY -c "
 import json, sys
