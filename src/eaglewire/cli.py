@@ -86,7 +86,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     config = config_from_args(QuickstartConfig, args)
     done = run_quickstart(config, progress=not args.no_progress)
     rows = summary_rows(done)
-    print("\n" + _table(rows, f"quickstart: report folder {config.out} (summary.md, doctor.txt, bench/)"))
+    print("\n" + _table(rows, f"quickstart: report folder {config.out} (summary.md, doctor.txt, bench/, tune.json)"))
     return 0 if done["doctor"]["ok"] else 1
 
 
