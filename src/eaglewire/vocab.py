@@ -34,19 +34,28 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
         raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {vocab_size}] "
                          "(the target vocabulary size)")
     seen = int((counts > 0).sum())
-    # Stable ordering: by count, ties broken by the lower id.
-    order = torch.argsort(counts * vocab_size - torch.arange(vocab_size), descending=True)
-    chosen = order[:min(seen, draft_vocab_size)]
+    chosen = rank_by_count(counts)[:min(seen, draft_vocab_size)]
     if seen < draft_vocab_size:
         log.warning("the data holds only %d distinct assistant tokens; padding the draft vocabulary "
                     "of %d with unused low ids", seen, draft_vocab_size)
         unused = torch.ones(vocab_size, dtype=torch.bool)
         unused[chosen] = False
         chosen = torch.cat([chosen, unused.nonzero().flatten()[:draft_vocab_size - seen]])
-    chosen = chosen.sort().values  # [Vd]
-    d2t = chosen - torch.arange(draft_vocab_size)
+    return vocab_maps(chosen.sort().values, vocab_size)
+
+
+def rank_by_count(counts: torch.Tensor) -> torch.Tensor:
+    """counts [N] -> [N] indices, most counted first; ties (and zero counts) go to the lower index,
+    so the ranking is deterministic."""
+    n = counts.numel()
+    return torch.argsort(counts.long() * n - torch.arange(n), descending=True)
+
+
+def vocab_maps(target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft vocabulary's target ids [Vd] (ascending) -> (d2t [Vd] long, t2d [V] bool)."""
+    d2t = target_ids - torch.arange(target_ids.numel())
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[chosen] = True
+    t2d[target_ids] = True
     return d2t, t2d
 
 

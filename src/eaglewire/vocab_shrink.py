@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from eaglewire.draft import Eagle3Draft
+from eaglewire.vocab import rank_by_count, vocab_maps
 
 
 def frequent_draft_ids(draft_to_target: torch.Tensor, counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -30,9 +31,7 @@ def frequent_draft_ids(draft_to_target: torch.Tensor, counts: torch.Tensor, size
     if counts.dim() != 1 or int(draft_to_target.max()) >= counts.numel():
         raise ValueError(f"counts of shape {tuple(counts.shape)} must be [V], one count per target id "
                          f"(the draft's target ids reach {int(draft_to_target.max())})")
-    draft_counts = counts[draft_to_target].long()  # [Vd]
-    order = torch.argsort(draft_counts * current - torch.arange(current), descending=True)  # count, then lower id
-    return order[:size].sort().values
+    return rank_by_count(counts[draft_to_target])[:size].sort().values  # [Vk]
 
 
 def shrink_draft_vocab(draft: Eagle3Draft, keep: torch.Tensor) -> Eagle3Draft:
@@ -56,10 +55,7 @@ def shrink_draft_vocab(draft: Eagle3Draft, keep: torch.Tensor) -> Eagle3Draft:
     config = dataclasses.replace(draft.config, draft_vocab_size=size)
     state = {k: v.detach().cpu() for k, v in draft.state_dict().items()}
     state["lm_head.weight"] = state["lm_head.weight"][keep]  # [Vk, H]
-    state["d2t"] = target_ids - torch.arange(size)  # [Vk]
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[target_ids] = True
-    state["t2d"] = t2d
+    state["d2t"], state["t2d"] = vocab_maps(target_ids, config.vocab_size)  # [Vk], [V]
     param = next(draft.parameters())
     small = Eagle3Draft(config)
     small.load_state_dict(state, strict=True)
