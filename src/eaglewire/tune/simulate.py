@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglewire.doctor.replay import accepted_after
 from eaglewire.tune.trace import DraftTrace
 
 ENGINE_RULES = ("llamacpp", "eaglewire")
@@ -84,13 +85,6 @@ def drafted_tokens(trace: DraftTrace, column: int, shape: Shape, engine: str) ->
     return d, min(d, n - 1)
 
 
-def leading_right(trace: DraftTrace, column: int, d: int) -> int:
-    n = 0
-    while n < d and bool(trace.right[n, column]):
-        n += 1
-    return n
-
-
 def greedy_rounds(trace: DraftTrace, shape: Shape, engine: str) -> list[RoundShape]:
     """The rounds a greedy chain runs over the trace's output, from the first token after the prompt;
     rounds whose window would pass the text's end are left out (the trace cannot judge them)."""
@@ -98,7 +92,7 @@ def greedy_rounds(trace: DraftTrace, shape: Shape, engine: str) -> list[RoundSha
     while p + trace.steps < trace.length - 1:
         column = p - 1
         d, steps = drafted_tokens(trace, column, shape, engine)
-        m = leading_right(trace, column, d)
+        m = accepted_after(trace.right[:d], column)  # the leading right steps among those drafted
         out.append(RoundShape(drafted=d, steps=steps, gained=m + 1))
         p += m + 1
     return out
