@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eaglewire.engines.llamacpp import LlamaServer, ServerConfig, complete, require_server
+from eaglewire.engines.llamacpp import LlamaServer, chain_config, complete, require_server
 from eaglewire.prompts import load_prompts
 from eaglewire.target import load_tokenizer
 from eaglewire.decode.text import encode_prompt
@@ -93,9 +93,8 @@ def main() -> int:
 
     tok = load_tokenizer(args.tokenizer)
     prompts = [encode_prompt(tok, p.text, chat=p.chat) for p in load_prompts("mt-bench")[40:40 + args.prompts]]
-    config = (ServerConfig(model=Path(args.target), threads=args.threads, extra=["-lv", "4"]) if args.plain else
-              ServerConfig(model=Path(args.target), draft=Path(args.draft), threads=args.threads, n_max=args.n_max,
-                           extra=["-lv", "4"]))
+    config = chain_config(Path(args.target), args.draft and Path(args.draft), threads=args.threads,
+                          n_max=0 if args.plain else args.n_max, extra=["-lv", "4"])
     with tempfile.TemporaryDirectory() as tmp, LlamaServer(require_server(), config) as server:
         complete(server.url, prompts[0], n_predict=32)
         before = None if args.plain else wait_draft_stats(server, 1)

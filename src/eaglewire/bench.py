@@ -136,13 +136,10 @@ def llamacpp_runs(runs: list[SpecConfig | None]) -> list[SpecConfig | None]:
 
 def llamacpp_server_config(run: SpecConfig | None, *, model, draft, threads: int, flags: str | None = None):
     """The llama-server launch for ``run`` (None: plain, ``draft`` unused); ``flags`` are added to every launch."""
-    from eaglewire.engines.llamacpp import ServerConfig
+    from eaglewire.engines.llamacpp import chain_config
 
-    extra = shlex.split(flags or "")
-    if run is None:
-        return ServerConfig(model=model, threads=threads, extra=extra)
-    return ServerConfig(model=model, draft=draft, threads=threads, n_max=run.num_steps, n_min=0, p_min=run.min_prob,
-                        extra=extra)
+    return chain_config(model, draft, threads=threads, n_max=0 if run is None else run.num_steps,
+                        p_min=0.0 if run is None else run.min_prob, extra=shlex.split(flags or ""))
 
 
 def parse_config(part: str) -> SpecConfig | None:

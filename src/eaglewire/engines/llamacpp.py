@@ -305,6 +305,16 @@ class ServerConfig:
             raise ValueError(f"llama-server p_min {self.p_min} must be in [0, 1]")
 
 
+def chain_config(model: Path, draft: Path | None, *, threads: int, n_max: int, p_min: float = 0.0,
+                 extra: list[str] | None = None) -> ServerConfig:
+    """The launch of a greedy chain of ``n_max`` draft tokens (n-min 0, stopped below ``p_min``);
+    ``n_max`` 0: plain decoding, ``draft`` unused. ``extra`` flags go to every launch."""
+    if n_max == 0:
+        return ServerConfig(model=model, threads=threads, extra=list(extra or []))
+    return ServerConfig(model=model, draft=draft, threads=threads, n_max=n_max, n_min=0, p_min=p_min,
+                        extra=list(extra or []))
+
+
 def spec_flags(n_max: int, n_min: int = 0, p_min: float = 0.0) -> list[str]:
     """llama.cpp's EAGLE-3 flags for a greedy chain of ``n_max`` draft tokens."""
     return ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(n_min),

@@ -8,6 +8,7 @@ match those, not eaglewire's fp32 target's).
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -85,12 +86,10 @@ def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[lis
                    progress: Progress = _no_progress) -> ProbeResult:
     """One llama-server per shape (plain, then n-max 1..N with n-min 0, p-min 0), each warmed up
     with one request; the round count and draft time come from llama.cpp's own statistics."""
-    from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, ServerConfig, complete
+    from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, chain_config, complete
 
     def run(n: int) -> tuple[list[dict], tuple[int, float] | None]:
-        extra = [*(flags or []), "-lv", "4"]
-        config = ServerConfig(model=model, threads=threads, extra=extra) if n == 0 else ServerConfig(
-            model=model, draft=draft, threads=threads, n_max=n, n_min=0, p_min=0.0, extra=extra)
+        config = chain_config(model, draft, threads=threads, n_max=n, extra=[*(flags or []), "-lv", "4"])
         log_path = None if log_dir is None else Path(log_dir) / f"llama-server-tune-{n}.log"
         answers = []
         with LlamaServer(server_bin, config, log_path=log_path) as server:
@@ -123,8 +122,6 @@ def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[lis
 def wait_draft_stats(server, requests: int, timeout: float = 10.0) -> tuple[int, float] | None:
     """The statistics after the ``requests``-th request's line is in the log (it is written as
     the slot is released, around the answer)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         text = server.log_path.read_text(errors="replace")
