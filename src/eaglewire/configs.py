@@ -26,18 +26,18 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _number_list(cast: type, what: str):
+    """A flag parser of comma-separated ``cast`` values (``what`` names them in the error)."""
+    def parse(text: str) -> list:
+        try:
+            return [cast(x) for x in text.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+    return parse
 
 
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+_int_list = _number_list(int, "integers")
+_float_list = _number_list(float, "numbers")
 
 
 def _str_list(text: str) -> list[str]:
