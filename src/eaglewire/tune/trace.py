@@ -75,6 +75,9 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
     emb = target.embed_tokens(ids.to(target.device)).float()  # [1, T, H]
     d2t = draft.draft_to_target
     target_logits = target.head(got.last_hidden[0].to(target.device)).float()  # [T, V]
+    # the target's probability of every token at every position, once: greedy is 1 at its argmax
+    target_probs = (torch.softmax(target_logits / temperature, dim=-1) if temperature > 0 else None)  # [T, V]
+    target_argmax = target_logits.argmax(-1)  # [T]
     right = torch.zeros(steps, T, dtype=torch.bool)
     prob = torch.zeros(steps, T)
     prob_top = torch.zeros(steps, T)
@@ -90,8 +93,7 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
         right[j, :n] = judge_steps(drafted, ids[0], j)
         prob[j, :n], prob_top[j, :n] = (x.cpu() for x in top_probs(logits))
         # the target judges step j at t with its distribution at t + 1 + j
-        judge = target_logits[1 + j:1 + j + n]  # [n, V]
-        p = torch.softmax(judge / temperature, dim=-1) if temperature > 0 else \
-            torch.nn.functional.one_hot(judge.argmax(-1), judge.shape[-1]).float()  # [n, V]
-        target_prob[j, :n] = p.gather(1, drafted[:, None].to(p.device))[:, 0].cpu()
+        drafted = drafted.to(target_argmax.device)
+        target_prob[j, :n] = (target_probs[1 + j:1 + j + n].gather(1, drafted[:, None])[:, 0] if target_probs is not None
+                              else (target_argmax[1 + j:1 + j + n] == drafted).float()).cpu()
     return DraftTrace(prompt_len=prompt_len, right=right, prob=prob, prob_top=prob_top, target_prob=target_prob)
