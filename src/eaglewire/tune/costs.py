@@ -32,6 +32,22 @@ class PlainProbe:
     decode_seconds: float
 
 
+def linear_at(points: dict[int, float], k: float) -> float:
+    """The piecewise-linear curve through ``points`` (x -> y) at ``k``, extended past its ends
+    by the nearest segment's slope."""
+    known = sorted(points)
+    if not known:
+        raise ValueError("no verify cost is known")
+    if len(known) == 1:
+        return points[known[0]]
+    lo = max([x for x in known if x <= k], default=known[0])
+    hi = min([x for x in known if x > k], default=known[-1])
+    if lo == hi:  # past the last measured k (or before the first): extend the nearest slope
+        lo, hi = (known[-2], known[-1]) if k > known[-1] else (known[0], known[1])
+    slope = (points[hi] - points[lo]) / (hi - lo)
+    return points[lo] + slope * (k - lo)
+
+
 @dataclass
 class EngineCosts:
     engine: str
@@ -43,17 +59,7 @@ class EngineCosts:
 
     def verify_at(self, k: float) -> float:
         """verify(k), linear between measured k and beyond them (k may be an expected value)."""
-        known = sorted(self.verify)
-        if not known:
-            raise ValueError("no verify cost is known")
-        if len(known) == 1:
-            return self.verify[known[0]]
-        lo = max([x for x in known if x <= k], default=known[0])
-        hi = min([x for x in known if x > k], default=known[-1])
-        if lo == hi:  # past the last measured k (or before the first): extend the nearest slope
-            lo, hi = (known[-2], known[-1]) if k > known[-1] else (known[0], known[1])
-        slope = (self.verify[hi] - self.verify[lo]) / (hi - lo)
-        return self.verify[lo] + slope * (k - lo)
+        return linear_at(self.verify, k)
 
     def round_seconds(self, verified: float, steps: float) -> float:
         return self.verify_at(verified) + steps * self.draft_step
@@ -96,8 +102,7 @@ def fit_costs(engine: str, plain: PlainProbe, chains: list[ChainProbe]) -> Engin
     notes = []
     if 1 not in verify and len(verify) >= 2:
         # a round that drafts nothing still pays the draft's context update: extend from k = 2, 3
-        costs = EngineCosts(engine, plain_step, verify, draft_step)
-        verify[1] = min(max(costs.verify_at(1), plain_step), verify[min(verify)])
+        verify[1] = min(max(linear_at(verify, 1), plain_step), verify[min(verify)])
         notes.append("verify(1) extrapolated from the measured k (a round that drafts nothing)")
     return EngineCosts(engine=engine, plain_step=plain_step, verify=verify, draft_step=draft_step, notes=notes)
 
