@@ -410,11 +410,18 @@ class ChatChoice(BaseModel):
     finish_reason: str
 
 
-class ChatCompletion(BaseModel):
+class _ResponseHeader(BaseModel):
+    """The fields every completion response and chunk starts with, in OpenAI's order (a subclass
+    narrows ``object`` to its literal; the field keeps its place)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
+
+
+class ChatCompletion(_ResponseHeader):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -426,11 +433,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_ResponseHeader):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -449,20 +453,14 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ResponseHeader):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChunkChoice]  # empty in the last chunk of stream_options={"include_usage": true}
     usage: Usage | None = Field(None, exclude_if=_is_none)
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_ResponseHeader):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(None, exclude_if=_is_none)
 
