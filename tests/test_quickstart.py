@@ -12,7 +12,7 @@ def inputs(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
         {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
-        {"role": "assistant", "content": "placeholder"}]}) + "\n" for i in range(10)))
+        {"role": "assistant", "content": "placeholder"}]}) + "\n" for i in range(14)))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {w}."}) + "\n" for w in ("hello", "goodbye")))
     return chats, prompts
@@ -20,20 +20,23 @@ def inputs(tmp_path):
 
 def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny_target, monkeypatch):
     chats, prompts = inputs
-    config = QuickstartConfig(out=str(tmp_path / "qs"), data=str(chats), num_conversations=10, max_length=64,
+    config = QuickstartConfig(out=str(tmp_path / "qs"), data=str(chats), num_conversations=10, heldout_conversations=4, max_length=64,
                               max_new_tokens=6, minutes=0.05, draft_vocab_size=512, bench_dataset=str(prompts),
-                              bench_prompts=2, bench_tokens=4, bench_configs="1,0,0,0;1,2,1,3")
+                              bench_prompts=2, tune_prompts=2, bench_tokens=4, bench_configs="1,0,0,0;1,2,1,3")
     done = run_quickstart(config, target=chat_tiny_target, progress=False)
     out = tmp_path / "qs"
-    assert done["prepare"]["sequences"] == 10
+    assert done["prepare"]["sequences"] == 10 and done["heldout"]["sequences"] == 4
     assert done["train"]["steps"] >= 1
     assert set(done["doctor"]["verdicts"]) >= {"identity", "layout sweep", "capture drift", "acceptance"}
-    assert [r["name"] for r in done["bench"]] == ["1,0,0,0", "1,2,1,3"]
+    names = [r["name"] for r in done["bench"]]
+    assert names[:2] == ["1,0,0,0", "1,2,1,3"]
+    assert done["tune"]["plain"] or done["tune"]["bench_config"] in names  # tune's choice measured by bench
     for name in ("stages.json", "summary.md", "doctor.txt", "doctor.json", "bench/bench.md", "draft/config.json"):
         assert (out / name).is_file(), name
     assert "bench 1,2,1,3" in (out / "summary.md").read_text()
     assert "| serve with |" in (out / "summary.md").read_text()  # it ends with what to serve
-    assert "| tuned for eaglewire's engine |" in (out / "summary.md").read_text()  # and what tune recommends
+    assert "| tune's prediction (eaglewire's engine) |" in (out / "summary.md").read_text()
+    assert (out / "summary.md").read_text().count("| serve with |") == 1  # one recommendation
     assert done["tune"]["bench_config"] and (out / "tune.json").is_file()
 
     import eaglewire.train
@@ -61,23 +64,45 @@ def _bench(*speedups):
     return rows
 
 
-def test_quickstart_ends_with_the_fastest_config_when_one_pays():
+def _tune(shape, predicted=1.1):
+    return {"plain": shape is None, "bench_config": shape or "1,0,0,0", "predicted_speedup": predicted,
+            "reason": "plain decoding: no shape pays" if shape is None else f"{shape} pays"}
+
+
+def test_quickstart_serves_a_shape_only_when_tune_chose_it_and_bench_measured_it_faster():
     from eaglewire.quickstart import verdict_rows
 
-    rows = verdict_rows(_bench(1.05, 0.8, 1.2))
-    assert rows[0][0] == "serve with" and rows[0][1].startswith("1,5,4,12,0.1: 1.20x")
+    rows = verdict_rows(_bench(1.05, 0.8, 1.2), _tune("1,5,4,12,0.1", 1.15))
+    assert rows[0][0] == "serve with" and rows[0][1].startswith("1,5,4,12,0.1: 1.20x plain decoding in bench, 1.15x")
     assert "--speculative-num-draft-tokens 12 --draft-min-prob 0.1" in rows[0][1]
+    # bench fastest elsewhere does not override tune's choice: one recommendation, not two
+    rows = verdict_rows(_bench(1.3, 0.8, 0.95), _tune("1,5,4,12,0.1"))
+    assert rows[0][1].startswith("plain decoding") and "bench read it 0.95x" in rows[0][1]
 
 
-def test_quickstart_says_plain_and_why_when_no_config_pays():
-    from eaglewire.quickstart import REFERENCE_BEST, verdict_rows
+def test_quickstart_says_plain_and_why_when_tune_finds_no_shape():
+    from eaglewire.quickstart import REFERENCE, verdict_rows
 
-    rows = verdict_rows(_bench(0.79, 0.75, 0.95))
+    rows = verdict_rows(_bench(0.79, 0.75, 1.02), _tune(None))
     text = " ".join(v for _, v in rows)
-    assert rows[0][1].startswith("plain decoding")
-    assert "too weak" in text and "1,5,4,12,0.1, runs at 0.95x" in text
-    assert f"{REFERENCE_BEST['speedup']:.2f}x" in text and "BENCHMARKS.md" in text
+    assert rows[0][1].startswith("plain decoding") and "no shape pays" in rows[0][1]
+    assert "1,5,4,12,0.1, read 1.02x" in text
+    assert f"{REFERENCE['speedup_low']:.2f}-{REFERENCE['speedup_high']:.2f}x" in text and "BENCHMARKS.md" in text
     assert "~8 h on 2 CPU cores" in text and "benchmarks/reference_draft.sh" in text
+
+
+def test_quickstart_exits_0_unless_the_doctor_found_a_fault():
+    from eaglewire.quickstart import exit_code
+
+    assert [exit_code({"doctor": {"status": s}}) for s in ("passed", "inconclusive", "failed")] == [0, 0, 1]
+
+
+def test_quickstart_benches_tunes_choice():
+    from eaglewire.quickstart import bench_configs
+
+    assert bench_configs("1,0,0,0;1,1,1,2", _tune("1,2,1,3")) == "1,0,0,0;1,1,1,2;1,2,1,3"
+    assert bench_configs("1,0,0,0;1,1,1,2", _tune("1,1,1,2")) == "1,0,0,0;1,1,1,2"
+    assert bench_configs("1,0,0,0;1,1,1,2", _tune(None)) == "1,0,0,0;1,1,1,2"
 
 
 def test_quickstart_measures_the_configs_that_pay_first():

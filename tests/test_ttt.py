@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from eaglewire.draft import DraftConfig, Eagle3Draft
@@ -102,7 +103,13 @@ def test_signal_only_where_needed_leaves_the_unrolled_loss_and_counts_unchanged(
         a_loss, a_counts = ttt_unroll(draft, emb, aux, loss_mask, full, ttt_steps=3)
         b_loss, b_counts = ttt_unroll(draft, emb, aux, loss_mask, part, ttt_steps=3)
     torch.testing.assert_close(a_loss, b_loss)
-    assert a_counts == b_counts and a_counts[0].valid > 0
+    assert a_counts[0].valid > 0
+    for a, b in zip(a_counts, b_counts, strict=True):
+        # The counts are integers and must agree exactly; loss_sum is a float sum whose order
+        # differs between the full and the chunked signal (and between AVX2 and AVX-512
+        # kernels), so it agrees only to rounding.
+        assert (a.valid, a.correct, a.cond_valid, a.cond_correct) == (b.valid, b.correct, b.cond_valid, b.cond_correct)
+        assert a.loss_sum == pytest.approx(b.loss_sum, rel=1e-5)
 
 
 def _rows(sig: TargetSignal, rows: slice) -> TargetSignal:

@@ -81,13 +81,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    from eaglewire.quickstart import QuickstartConfig, run_quickstart, summary_rows
+    from eaglewire.quickstart import QuickstartConfig, exit_code, run_quickstart, summary_rows
 
     config = config_from_args(QuickstartConfig, args)
     done = run_quickstart(config, progress=not args.no_progress)
     rows = summary_rows(done)
     print("\n" + _table(rows, f"quickstart: report folder {config.out} (summary.md, doctor.txt, bench/, tune.json)"))
-    return 0 if done["doctor"]["ok"] else 1
+    return exit_code(done)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

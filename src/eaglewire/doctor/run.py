@@ -241,7 +241,8 @@ def _from_shards(data: str, contract: HiddenStateContract, heldout: list[str], c
                          f"declares {list(contract.aux_boundaries)}", fix="measure on the shards the draft was "
                          "trained on to enable the capture drift check"))
     index = {sid: i for i, sid in enumerate(ds.sequence_ids)}
-    picked = [index[s] for s in heldout if s in index][:config.num_sequences]
+    # shards training never read are held out whole (their ids may repeat the training data's)
+    picked = [] if unseen else [index[s] for s in heldout if s in index][:config.num_sequences]
     if not picked:
         picked = list(range(max(0, len(ds) - config.num_sequences), len(ds)))
         if not (config.include_training or unseen):
