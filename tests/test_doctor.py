@@ -147,7 +147,7 @@ def test_sweep_says_within_noise_and_never_calls_a_runner_up_the_best():
     behind = judge_sweep({(2, 4, 5): 0.40, (1, 4, 5): 0.45, (3, 4, 5): 0.30}, [2, 4, 5], n)
     assert behind.verdict == "ok" and "within noise of the best" in behind.summary and "[1, 4, 5]" in behind.summary
     assert "is the best" not in behind.summary and behind.best == [1, 4, 5]
-    assert "noise ±0.136" in behind.evidence[0] and "106 judged tokens" in behind.evidence[0]
+    assert f"noise ±{lead_noise(0.40, 0.45, n):.3f}" in behind.evidence[0] and f"{n} judged tokens" in behind.evidence[0]
     ahead = judge_sweep({(2, 4, 5): 0.45, (1, 4, 5): 0.40}, [2, 4, 5], n)
     assert ahead.verdict == "ok" and "within noise of [1, 4, 5]" in ahead.summary
     clear = judge_sweep({(2, 4, 5): 0.45, (1, 4, 5): 0.40}, [2, 4, 5], 100_000)

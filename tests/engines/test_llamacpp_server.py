@@ -114,7 +114,7 @@ def test_tune_times_llama_server_and_traces_its_own_text(exported, server_binary
                         max_new_tokens=24, out=str(out / "tune" / "tune.json"))
     result = run_tune(config, target=smollm2_target, prompts=prompt_ids[:2])
     costs = result.costs
-    assert costs.plain_step > 0 and costs.draft_step >= 0
+    assert 0 < costs.draft_step < costs.plain_step  # one draft layer costs less than the 30-layer target's step
     assert set(costs.verify) == {1, 2, 3} and min(costs.verify.values()) > 0  # both chains completed rounds
     assert len(result.ranked) == 1 + 2 * 2 and result.traced_tokens > 0
     chain = next(p for p in result.ranked if p.shape.n_max == 1 and p.shape.p_min == 0)
