@@ -264,4 +264,4 @@ def test_a_truncated_draft_is_one_error_line_naming_the_file(tmp_path, chat_tiny
     assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "d"), "--prompt", "hi",
                  "--max-new-tokens", "2", "--device", "cpu"]) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert f"{weights} is truncated or corrupt" in line and "incomplete metadata" in line and "copy it again" in line
+    assert f"{weights} cannot be read" in line and "truncated" in line and "incomplete metadata" in line and "copy it again" in line

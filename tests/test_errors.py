@@ -27,7 +27,7 @@ def test_reading_names_the_file_that_does_not_parse(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text('{"cut": ')
-    with pytest.raises(CorruptFileError, match=rf"{path} is truncated or corrupt \(JSONDecodeError.*copy it again"):
+    with pytest.raises(CorruptFileError, match=rf"{path} cannot be read \(JSONDecodeError.*truncated or corrupt; copy it again"):
         with reading(path, "copy it again"):
             json.loads(path.read_text())
     with pytest.raises(KeyError), reading(path, "copy it again"):  # not a parse failure: left alone

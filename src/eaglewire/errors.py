@@ -57,7 +57,9 @@ def reading(path: str | Path, fix: str) -> Iterator[None]:
         # ValueError: json, UTF-8, numpy's reshape of a cut GGUF tensor; safetensors has its own type
         if not isinstance(e, (ValueError, EOFError)) and type(e).__name__ != "SafetensorError":
             raise
-        raise CorruptFileError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}); {fix}") from e
+        # "may": a reader's ValueError can also mean "not supported" (its text, kept, says which)
+        raise CorruptFileError(f"{path} cannot be read ({type(e).__name__}: {e}): it may be truncated or "
+                               f"corrupt; {fix}") from e
 
 
 def _os_message(e: OSError) -> str | None:

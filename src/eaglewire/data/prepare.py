@@ -5,6 +5,7 @@ Shapes: B batch, T tokens, H target hidden size, k number of aux boundaries.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import re
@@ -245,7 +246,10 @@ def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bo
     with directory_lock(config.out, what=f"--out {config.out}", name=name):
         try:
             return _prepare(config, target, progress)
-        except OSError as e:  # a full disk, say: what is written is whole (atomic writes) and kept
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # what is written is whole (atomic writes) and kept
             e.add_note(f"the shards written so far in {config.out} are kept: run the same command again to "
                        "resume from them")
             raise
