@@ -181,3 +181,87 @@ def test_defaults_and_choices_have_one_spelling():
     flags = {cmd: {a.dest: a for a in sub[cmd]._actions} for cmd in ("export", "import")}
     assert tuple(flags["export"]["to"].choices) == EXPORT_FORMATS
     assert tuple(flags["import"]["from_"].choices) == IMPORT_FORMATS
+
+
+PREPARE = ["--max-length", "64", "--batch-tokens", "256", "--shard-tokens", "64", "--no-progress"]
+
+
+def one_error_line(err: str) -> str:
+    """stderr of a command that failed as a user error: exactly one ``error:`` line, no traceback."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_second_prepare_into_one_out_is_refused_and_touches_nothing(tmp_path, target_dir, chats, capsys):
+    from test_locks import held_elsewhere
+
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / "shard-00000.safetensors.tmp").write_bytes(b"being written by the first run")
+    with held_elsewhere(out) as pid:
+        assert main(["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(out), *PREPARE]) == 2
+        line = one_error_line(capsys.readouterr().err)
+    assert f"pid {pid}" in line and str(out) in line
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors.tmp"]  # its start-up cleanup did not run
+
+
+def test_a_full_disk_during_prepare_says_so_and_the_data_resumes(tmp_path, target_dir, chats, capsys, monkeypatch):
+    import errno
+
+    import eaglewire.data.shards as shards
+
+    real, written = shards.save_file, []
+
+    def fill_up(tensors, filename, metadata=None):
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(filename)
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(shards, "save_file", fill_up)
+    out = tmp_path / "shards"
+    cmd = ["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(out), *PREPARE]
+    assert main(cmd) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "No space left on device writing" in line and "shard-00002.safetensors.tmp" in line, line
+    assert "free some space" in line and "run the same command again to resume" in line
+    assert not list(out.glob("*.tmp")) and not (out / ".eaglewire.lock").exists()
+    monkeypatch.setattr(shards, "save_file", real)
+    assert main(cmd) == 0
+    assert "from an earlier run)" in capsys.readouterr().out  # the two shards written before the disk filled
+    assert json.loads((out / "manifest.json").read_text())["status"]["complete"] is True
+
+
+def test_a_read_only_out_is_one_error_line(tmp_path, target_dir, chats, capsys, monkeypatch):
+    import errno
+    import os
+
+    import eaglewire.locks as locks
+
+    def read_only(path, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(locks.os, "open", read_only)  # the first write: the lock file
+    out = tmp_path / "ro"
+    assert main(["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(out), *PREPARE]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"Read-only file system writing {out}" in line and "choose a writable directory" in line, line
+    monkeypatch.setattr(locks.os, "open", os.open)
+    assert not out.exists()  # the lock made it and took it away again
+
+
+def test_a_truncated_draft_is_one_error_line_naming_the_file(tmp_path, chat_tiny_target, target_dir, capsys):
+    from eaglewire.contract import HiddenStateContract
+    from eaglewire.draft import DraftConfig, Eagle3Draft
+
+    cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=100,
+                                  vocab_size=chat_tiny_target.vocab_size)
+    save_draft(tmp_path / "d", Eagle3Draft(cfg),
+               HiddenStateContract(aux_boundaries=(2, 4, 5), target=chat_tiny_target.fingerprint))
+    weights = tmp_path / "d" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a cut copy
+    assert main(["generate", "--target", str(target_dir), "--draft", str(tmp_path / "d"), "--prompt", "hi",
+                 "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{weights} cannot be read" in line and "truncated" in line and "incomplete metadata" in line and "copy it again" in line

@@ -13,6 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # A name is a module or a package prefix (the longest match wins).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("eaglewire", "eaglewire.contract", "eaglewire.configs", "eaglewire.presets", "eaglewire.fileio",
+              "eaglewire.errors", "eaglewire.locks",
               "eaglewire.distributed", "eaglewire.machine", "eaglewire.tokens", "eaglewire.vocab", "eaglewire.plots",
               "eaglewire.prompts", "eaglewire.ttt_attention", "eaglewire.engines")),
     ("model", ("eaglewire.target", "eaglewire.target_head", "eaglewire.capture", "eaglewire.draft", "eaglewire.vocab_shrink", "eaglewire.ttt",

@@ -33,7 +33,7 @@ from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings, encode_prompt
 from eaglewire.tokens import stop_token_ids
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.server import ServeConfig, Server, add_serve_args, create_app, serve_app
+from eaglewire.server import ServeConfig, Server, add_serve_args, create_app, exit_status, serve_app
 
 MODEL = "tiny-chat"
 MAX_TOKENS = 12
@@ -277,6 +277,14 @@ BAD = [  # (what, path, body, status, param)
     ("tools", CHAT, {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("tool_choice", CHAT, {**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
     ("json mode", CHAT, {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("seed past torch's 64 bits", CHAT, {**GOOD, "seed": 1180591620717411303424}, 400, "seed"),
+    ("seed of 5,000 digits", CHAT, b'{"messages": [], "seed": 1' + b"0" * 5000 + b"}", 400, None),
+    ("nested 100,000 deep", CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ("nested 900 deep in an ignored field", CHAT, json.dumps(GOOD)[:-1].encode() + b', "x": ' + b"[" * 900
+     + b"]" * 900 + b"}", 200, None),
+    ("lone surrogate", CHAT, {**GOOD, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400,
+     "messages[0].content"),
+    ("lone surrogate in a stop", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": ["\udfff"]}, 400, "stop[0]"),
     ("image part", CHAT, {**GOOD, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content"),
@@ -287,6 +295,8 @@ def test_bad_input_is_a_4xx_naming_the_field_and_serving_goes_on(server):
     for what, path, body, status, param in BAD:
         got, reply = raw(server, "POST", path, body)
         assert got == status, (what, reply)
+        if status == 200:
+            continue
         assert set(reply["error"]) == {"message", "type", "param", "code"}, what
         assert reply["error"]["param"] == param, (what, reply)
         assert param is None or param in reply["error"]["message"], (what, reply)
@@ -298,8 +308,8 @@ def test_bad_input_is_a_4xx_naming_the_field_and_serving_goes_on(server):
 def test_errors_say_what_is_wrong(server):
     status, reply = raw(server, "POST", CHAT, b'{"messages": "caf\xe9"}')  # latin-1, not UTF-8
     assert status == 400 and "UTF-8" in reply["error"]["message"] and "this server has" not in reply["error"]["message"]
-    status, reply = raw(server, "POST", CHAT, b"a=1&b=2", headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert status == 400 and "application/json" in reply["error"]["message"], reply
+    status, reply = raw(server, "POST", CHAT, {**GOOD, "messages": [{"role": "user", "content": "a\ud800b"}]})
+    assert "not valid Unicode" in reply["error"]["message"] and "chat template" not in reply["error"]["message"]
     assert "tools is not supported" in raw(server, "POST", CHAT, {**GOOD, "tools": [{"type": "function"}]})[1][
         "error"]["message"]
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
@@ -307,13 +317,42 @@ def test_errors_say_what_is_wrong(server):
     assert "'image_url'" in message and "only text content parts" in message, message
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          None])
+def test_a_body_not_sent_as_json_is_415(server, content_type):
+    """The CORS "simple request" types (and none at all): a web page may send them to a local server
+    without a preflight, so reading them as JSON would let any page drive a server without --api-key."""
+    conn = http.client.HTTPConnection(*server.removeprefix("http://").split(":"), timeout=30)
+    conn.putrequest("POST", CHAT)
+    body = json.dumps(GOOD).encode()
+    if content_type:
+        conn.putheader("Content-Type", content_type)
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body)
+    resp = conn.getresponse()
+    reply = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 415, reply
+    assert "Content-Type: application/json" in reply["error"]["message"] and repr(content_type or "nothing") in reply[
+        "error"]["message"]
+    assert raw(server, "POST", CHAT, GOOD, headers={"Content-Type": "application/json; charset=utf-8"})[0] == 200
+
+
+@pytest.mark.parametrize("value", [2**70, -2**70])
+def test_no_integer_field_value_is_a_server_error(server, value):
+    """Every integer field, past any C integer: a 4xx naming the field, or an answer; never a 5xx."""
+    cases = [(CHAT, {**GOOD, f: value}, f) for f in ("max_tokens", "max_completion_tokens", "top_k", "seed", "n")]
+    cases += [(COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 1, f: value}, f)
+              for f in ("logprobs", "top_k", "seed")]
+    cases += [(COMPLETIONS, {"model": MODEL, "prompt": [value], "max_tokens": 1}, "prompt")]
+    for path, body, field in cases:
+        status, reply = raw(server, "POST", path, body)
+        assert status < 500, (field, reply)
+        assert status == 200 or reply["error"]["param"] == field, (field, reply)
+
+
 def test_what_a_lenient_reader_takes(server):
-    """JSON under a form Content-Type (curl -d), text content parts, tools that are empty."""
-    status, reply = raw(server, "POST", CHAT, json.dumps({**GOOD, "temperature": 0}).encode(),
-                        headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert status == 200, reply
-    assert reply["choices"][0]["message"]["content"] == raw(server, "POST", CHAT, {**GOOD, "temperature": 0})[1][
-        "choices"][0]["message"]["content"]
+    """Text content parts, tools that are empty."""
     parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colours."}]
     c = client(server)
     as_parts = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
@@ -380,6 +419,26 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(chat_tiny_target):
         assert status == 413, reply  # no Content-Length (chunked): refused as it arrives
         assert raw(url, "POST", COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 1})[0] == 200
         assert metric(raw(url, "GET", "/metrics")[1], "eaglewire_requests_total", status="413") == 2
+
+
+def test_a_body_that_never_arrives_whole_is_408(chat_tiny_target):
+    """A client that declares more bytes than it sends is answered once --request-timeout passes."""
+    app = create_app(SpecDecoder(chat_tiny_target), model_name=MODEL, request_timeout=0.5)
+    with live_server(app) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         "Content-Length: 100\r\n\r\n{\"model\":".encode())
+            reply = b""
+            while b"}}" not in reply:
+                reply += sock.recv(4096) or pytest.fail(f"closed without an answer: {reply!r}")
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), head
+        error = json.loads(body)["error"]
+        assert "--request-timeout" in error["message"] and "9 of 100 bytes" in error["message"], error
+        assert raw(url, "POST", CHAT, GOOD)[0] == 200  # serving goes on
+    with pytest.raises(ValueError, match="request_timeout"):
+        create_app(SpecDecoder(chat_tiny_target), model_name=MODEL, request_timeout=0)
 
 
 def test_the_client_sees_bad_input_as_bad_request(server):
@@ -480,6 +539,9 @@ def test_metrics_in_prometheus_text(server):
 
 # -- API key, a full queue, clients that leave, shutdown -------------------------
 
+KEY = {"Authorization": "Bearer sekret"}
+
+
 def test_api_key(slow_server):
     with pytest.raises(openai.AuthenticationError) as e:
         client(slow_server, "wrong").models.list()
@@ -491,6 +553,15 @@ def test_api_key(slow_server):
     assert raw(slow_server, "GET", "/v1/models", headers={"Authorization": "bearer sekret"})[0] == 200  # any case
     status, reply = raw(slow_server, "GET", "/v1/models", headers={"Authorization": "Basic sekret"})
     assert status == 401 and "'Basic'" in reply["error"]["message"]
+    assert raw(slow_server, "GET", "/metrics")[0] == 401  # counts of the server's use are the key holder's
+    assert raw(slow_server, "GET", "/metrics", headers=KEY)[0] == 200
+
+
+def test_metrics_public_opts_metrics_out_of_the_key(chat_tiny_target):
+    app = create_app(SpecDecoder(chat_tiny_target), model_name=MODEL, api_key="sekret", metrics_public=True)
+    with live_server(app) as (url, _):
+        assert raw(url, "GET", "/metrics")[0] == 200
+        assert raw(url, "GET", "/v1/models")[0] == 401
 
 
 def test_full_queue_is_429_then_serving_resumes(slow_server):
@@ -523,7 +594,7 @@ def leave_waiting(url: str) -> None:
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 5
-        while metric(raw(url, "GET", "/metrics")[1], "eaglewire_requests_running") < 1:
+        while metric(raw(url, "GET", "/metrics", headers=KEY)[1], "eaglewire_requests_running") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
 
@@ -531,7 +602,7 @@ def leave_waiting(url: str) -> None:
 @pytest.mark.parametrize("leave", [leave_streaming, leave_waiting])
 def test_a_client_that_leaves_frees_its_slot_at_once(slow_server, leave):
     c = client(slow_server, "sekret")
-    cancelled = metric(raw(slow_server, "GET", "/metrics")[1], "eaglewire_requests_cancelled_total")
+    cancelled = metric(raw(slow_server, "GET", "/metrics", headers=KEY)[1], "eaglewire_requests_cancelled_total")
     leave(slow_server)
     left = time.monotonic()
     while True:
@@ -542,7 +613,7 @@ def test_a_client_that_leaves_frees_its_slot_at_once(slow_server, leave):
             assert time.monotonic() - left < 1.5, "the slot was not freed"
             time.sleep(0.05)
     assert time.monotonic() - left < 2.0, "the engine kept decoding for a client that left"
-    metrics = raw(slow_server, "GET", "/metrics")[1]
+    metrics = raw(slow_server, "GET", "/metrics", headers=KEY)[1]
     assert metric(metrics, "eaglewire_requests_cancelled_total") == cancelled + 1
 
 
@@ -633,6 +704,7 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
     asker.join(10)
     assert texts == [reference(chat_tiny_target, text_ids(chat_tiny_target, "a"), max_tokens=3)[0]]
     assert heard_ctrl_c == [True], "SIGINT did not start the shutdown"
+    assert server.interrupted and exit_status(server, True) == 130  # as every command on Ctrl-C
     assert engine_threads == [threading.get_ident()]
     assert signal.getsignal(signal.SIGINT) is default_handler
     assert app.state.worker.closing
@@ -657,6 +729,14 @@ def test_serve_flags_default_to_spec_config_and_are_checked():
     assert limited.max_request_bytes == 5000
     with pytest.raises(ValueError, match="--max-request-bytes"):
         ServeConfig(target="x", max_request_bytes=0)
+    assert config.request_timeout > 0 and not config.metrics_public
+    timed = config_from_args(ServeConfig, parser.parse_args(["--target", "x", "--request-timeout", "5",
+                                                              "--metrics-public"]))
+    assert (timed.request_timeout, timed.metrics_public) == (5.0, True)
+    with pytest.raises(ValueError, match="--request-timeout"):
+        ServeConfig(target="x", request_timeout=0)
+    assert exit_status(Server(uvicorn.Config(None)), True) == 0  # SIGTERM: a clean stop
+    assert exit_status(Server(uvicorn.Config(None)), False) == 1
 
 
 def test_logprobs_are_refused_by_both_request_models():

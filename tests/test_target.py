@@ -52,3 +52,20 @@ def test_real_target_fingerprint(smollm2_target, smollm2_tokenizer):
     fp = smollm2_target.fingerprint
     assert fp.architecture == "LlamaForCausalLM" and fp.num_layers == 30
     assert fp.chat_template_sha256 != "none" and fp.tokenizer_sha256 != "none"
+
+
+def test_a_truncated_gguf_names_the_file_and_leaves_nothing_in_the_cache(tmp_path, monkeypatch, smollm2_tokenizer):
+    from eaglewire.errors import CorruptFileError
+    from eaglewire.presets import TARGET_PRESETS, fetch_asset
+    from eaglewire.target import load_tokenizer
+
+    whole = fetch_asset(TARGET_PRESETS["smollm2-135m"].asset)  # in the cache already (smollm2_tokenizer)
+    cut = tmp_path / "cut.gguf"
+    with open(whole, "rb") as f:
+        cut.write_bytes(f.read(3 << 20))  # a cut download: the header is whole, the tensors are not
+    monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path / "cache"))
+    for load in (load_tokenizer, load_target):
+        with pytest.raises(CorruptFileError, match=rf"{cut} cannot be read .*cannot reshape.*truncated or corrupt; download"):
+            load(str(cut))
+    left = [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert left == [], left  # no .lock, no .partial

@@ -24,6 +24,7 @@ from eaglewire.checkpoint import load_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
+from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import Prompt, load_prompts
 from eaglewire.target import load_target
@@ -366,7 +367,12 @@ def tune_for_bench(config: BenchConfig, *, target=None):
 
 def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> BenchResult:
     """Every config and baseline on the same prompts: eaglewire's engine (target and draft loaded
-    once) and/or llama-server (started per config)."""
+    once) and/or llama-server (started per config). The only bench writing ``config.out_dir``."""
+    with directory_lock(config.out_dir, what=f"--out {config.out_dir}"):
+        return _run_bench(config, target=target, progress=progress)
+
+
+def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
     if config.configs == RECOMMENDED:
         if "eaglewire" in config.engine or config.compare:
             target = target or load_target(config.target, device=config.device)

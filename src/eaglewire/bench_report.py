@@ -7,6 +7,7 @@ from pathlib import Path
 
 from eaglewire.bench import BenchResult, Row, position_acceptance, same_output_across_engines, same_output_as_plain, \
     speedup, tau_per_request, tau_pooled, time_split, verified_per_pass
+from eaglewire.locks import directory_lock
 
 HEADERS = ["config", "method", "tok/s", "speedup", "τ pooled", "τ per-request", "verified/pass",
            "acceptance by position", "draft s", "verify s", "prefill s", "other s", "new tokens", "same as plain"]
@@ -149,7 +150,11 @@ def _save(plt, fig, png: Path) -> Path:
 def write_report(result: BenchResult, out: str | Path) -> list[Path]:
     """bench.json, bench.md, acceptance.png and throughput.png in ``out``."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with directory_lock(out, what=f"--out {out}"):
+        return _write_report(result, out)
+
+
+def _write_report(result: BenchResult, out: Path) -> list[Path]:
     (out / "bench.json").write_text(json.dumps(to_json(result), indent=2, ensure_ascii=False))
     (out / "bench.md").write_text(markdown(result))
     return [out / "bench.json", out / "bench.md", plot_acceptance(result, out / "acceptance.png"),

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from eaglewire.contract import ContractError, HiddenStateContract
 from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.errors import reading
 from eaglewire.fileio import atomic_save_safetensors, atomic_write_json
 from eaglewire.presets import resolve_draft
 
@@ -45,7 +46,8 @@ def read_draft_config(path: str | Path) -> dict[str, Any]:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path} is not a draft directory: no config.json "
                                 "(train one with `eaglewire train`, or import one with `eaglewire import`)")
-    config = json.loads(cfg_path.read_text())
+    with reading(cfg_path, "the draft directory is damaged: copy it again, or re-export it from its training run"):
+        config = json.loads(cfg_path.read_text())
     if config.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{cfg_path} is not an eaglewire draft (format {config.get('format')!r}); "
                          "to use a SGLang, SpecForge, speculators or EAGLE checkpoint, convert it "
@@ -71,7 +73,10 @@ def load_draft(path: str | Path, *, target=None, allow: set[str] | frozenset[str
         raise ContractError(f"draft {path} fuses {draft_config.num_aux} states but its contract "
                             f"lists {contract.num_aux} boundaries")
     draft = Eagle3Draft(draft_config)
-    state = load_file(str(Path(path) / "model.safetensors"))
+    weights = Path(path) / "model.safetensors"
+    with reading(weights, f"the draft directory {path} is damaged (a cut copy or download?): copy it again, "
+                 "or re-export it from its training run"):
+        state = load_file(str(weights))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"draft {path}: tensors missing {missing}, unexpected {unexpected}")

@@ -368,10 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         # Every long command resumes from what it wrote; a traceback would only hide that.
         print("\ninterrupted; run the same command to resume", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        # User-facing errors carry their own explanation; no traceback needed.
-        logging.getLogger("eaglewire").debug("error", exc_info=True)
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        from eaglewire.errors import user_message
+
+        if (message := user_message(e)) is None:
+            raise  # a bug: its traceback is what a report needs
+        logging.getLogger("eaglewire").debug("error", exc_info=True)  # -v: the traceback too
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

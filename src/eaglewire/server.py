@@ -11,7 +11,9 @@ at once and its generation stops after the current round. On shutdown (``Server`
 ``graceful_timeout`` seconds; the app then ends those still running (a stream with an error event
 and [DONE]) rather than leave uvicorn to cut them off. Routes: POST /v1/chat/completions, POST
 /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text, prometheus_client).
-With an API key every /v1 route needs ``Authorization: Bearer``.
+With an API key every /v1 route, and /metrics unless ``metrics_public``, needs ``Authorization:
+Bearer``. Bodies must be ``application/json`` (415 otherwise) and arrive within
+``request_timeout`` seconds (408 otherwise).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 MAX_REQUEST_BYTES = 4 << 20  # a full 128k-token context of text is ~0.5 MB of JSON; 8k (SmolLM2) ~40 kB
+REQUEST_TIMEOUT_SECONDS = 30.0  # 4 MB at a slow 1 Mbit/s; a client that sends less than it declared waits no longer
 RETRY_AFTER_SECONDS = 1  # a 429's hint: slots free as requests finish, typically within seconds
 CUT_MARGIN_SECONDS = 1.0  # uvicorn cancels what is still running this long after the app ended it
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -385,18 +388,22 @@ def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
 
 def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
                max_context: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               request_timeout: float | None = REQUEST_TIMEOUT_SECONDS, metrics_public: bool = False,
                engine_thread: bool = True) -> FastAPI:
     """The FastAPI app serving ``decoder`` as ``model_name``; its engine thread lives with the app's lifespan.
 
     ``max_queue`` bounds the requests in flight (decoding + waiting); ``max_context`` (prompt +
     generated tokens) defaults to the target's max_position_embeddings; a request body over
-    ``max_request_bytes`` gets 413. ``engine_thread=False`` starts no engine thread: ``serve_app``
+    ``max_request_bytes`` gets 413, one not received within ``request_timeout`` seconds 408 (None:
+    no limit). With ``api_key``, /metrics needs it too unless ``metrics_public``. ``engine_thread=False`` starts no engine thread: ``serve_app``
     runs the engine on the thread that loaded the models.
     """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0 seconds (or None: no limit), got {request_timeout}")
     if decoder.target.tokenizer is None:
         raise ValueError("the target has no tokenizer; load it with eaglewire.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
@@ -416,9 +423,9 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
 
     app = FastAPI(title="eaglewire", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
-    app.add_middleware(LimitBody, max_bytes=max_request_bytes)
+    app.add_middleware(LimitBody, max_bytes=max_request_bytes, timeout=request_timeout)
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)  # before the body is read
+        app.add_middleware(BearerAuth, api_key=api_key, metrics_public=metrics_public)  # before the body is read
     app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts the 401s and 413s too
     _add_error_handlers(app)
     app.post("/v1/chat/completions")(service.chat)
@@ -450,6 +457,7 @@ class Server(uvicorn.Server):
     as a last resort: it cancels responses mid-way (the client loses the connection, the log a traceback)."""
 
     def __init__(self, config: uvicorn.Config) -> None:
+        self.interrupted = False  # set by serve_app on SIGINT (Ctrl-C): the command then exits 130
         self.graceful_timeout = config.timeout_graceful_shutdown
         if self.graceful_timeout is not None:
             config.timeout_graceful_shutdown = self.graceful_timeout + CUT_MARGIN_SECONDS
@@ -474,11 +482,15 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = 8000
     max_queue: int = field(default=64, metadata={"help": "most requests in flight (decoding + waiting); 429 beyond"})
-    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on /v1 and /metrics"})
+    metrics_public: bool = field(default=False, metadata={"help": "serve /metrics without the --api-key"})
     max_context: int | None = field(default=None, metadata={
         "help": "prompt + generated tokens per request (default: the target's max_position_embeddings)"})
     max_request_bytes: int = field(default=MAX_REQUEST_BYTES, metadata={
         "help": "largest request body accepted, in bytes; 413 beyond, before it is parsed"})
+    request_timeout: float = field(default=REQUEST_TIMEOUT_SECONDS, metadata={
+        "help": "seconds a request body may take to arrive; 408 beyond"})
     device: str = "auto"
     graceful_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish on shutdown"})
@@ -492,6 +504,8 @@ class ServeConfig:
             raise ValueError(f"--max-context must be >= 2, got {self.max_context}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         if self.graceful_timeout < 0:
             raise ValueError(f"--graceful-timeout must be >= 0 seconds, got {self.graceful_timeout}")
 
@@ -514,6 +528,7 @@ def serve_app(server: Server, sockets: list[socket.socket] | None = None) -> boo
     def on_signal(sig: int, frame) -> None:
         if server.force_exit:  # a third Ctrl-C: stop now, even in the middle of a long prefill
             raise KeyboardInterrupt
+        server.interrupted = server.interrupted or sig == signal.SIGINT
         server.handle_exit(sig, frame)  # graceful shutdown; a second SIGINT cuts the grace period
 
     # uvicorn listens for signals only on the main thread: catch them here and let it shut down
@@ -539,10 +554,12 @@ def serve_app(server: Server, sockets: list[socket.socket] | None = None) -> boo
 def serve(config: ServeConfig) -> int:
     """Load the target (and draft) and serve until SIGINT/SIGTERM; in-flight requests get
     ``graceful_timeout`` seconds to finish, the rest are told the server shut down. Returns the
-    exit status (1: the server could not start)."""
+    exit status: 0 after SIGTERM, 130 after Ctrl-C (SIGINT, as every command), 1 if the server
+    could not start."""
     decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
                      max_context=config.max_context, max_request_bytes=config.max_request_bytes,
+                     request_timeout=config.request_timeout, metrics_public=config.metrics_public,
                      engine_thread=False)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
@@ -550,7 +567,14 @@ def serve(config: ServeConfig) -> int:
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is not for diagnostics
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                    log_config=log_config, timeout_graceful_shutdown=config.graceful_timeout))
-    return 0 if serve_app(server) else 1
+    return exit_status(server, serve_app(server))
+
+
+def exit_status(server: Server, started: bool) -> int:
+    """What ``eaglewire serve`` exits with once ``serve_app`` returned."""
+    if not started:
+        return 1
+    return 130 if server.interrupted else 0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """The wire format of ``eaglewire serve``: what comes in and what goes out.
 
-In: request bodies parsed and validated strictly (UTF-8 JSON whatever the Content-Type; a string
-is not an integer, a float is not an integer) with unknown fields ignored as OpenAI's API does,
+In: request bodies parsed and validated strictly (UTF-8 JSON sent as ``application/json``: other
+types are 415, so a browser page cannot post one without a CORS preflight; a string is not an
+integer, a float is not an integer; text must be valid Unicode) with unknown fields ignored as OpenAI's API does,
 fields it cannot honour (tools, non-text content parts) refused, and the prompt token ids they
 stand for. Out: response models and stream chunks in OpenAI's shapes, and /metrics through
 prometheus_client. Around: ASGI middleware for the body size, the bearer API key and for counting
@@ -12,6 +13,7 @@ responses by status. Every error is ``{"error": {"message", "type", "param", "co
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import threading
@@ -30,6 +32,7 @@ from eaglewire.decode.engine import GenerationStats
 from eaglewire.decode.text import encode_prompt
 
 MAX_STOP_STRINGS = 16
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # torch.Generator.manual_seed overflows outside it
 
 
 class ErrorObject(BaseModel):
@@ -107,7 +110,7 @@ class _Generation(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # not OpenAI's; vLLM and SGLang take it too (0: off)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # what torch.Generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -269,11 +272,34 @@ def _is_json_type(content_type: str | None) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def parse_body(model: type[BaseModel], body: bytes, content_type: str | None) -> Any:
-    """The request body as ``model``, or APIError 400 saying what is wrong with it.
+def _invalid_text(data: Any, path: str = "") -> tuple[str, str, int] | None:
+    """(param, text, offset) of the first string in ``data`` that is not valid Unicode (a lone
+    surrogate such as ``"\\ud800"``: JSON can escape one, UTF-8 cannot encode it), else None."""
+    stack = [(path, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return where, value, e.start
+        elif isinstance(value, dict):
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in reversed(value.items())]
+        elif isinstance(value, (list, tuple)):
+            stack += [(f"{where}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+    return None
 
-    JSON is taken whatever the Content-Type says (``curl -d`` sends a form type); the type is
-    named only when the body does not parse, as the likely cause."""
+
+def parse_body(model: type[BaseModel], body: bytes, content_type: str | None) -> Any:
+    """The request body as ``model``, or APIError 415 (not sent as JSON) / 400 saying what is wrong with it.
+
+    Only ``application/json`` (or a ``+json`` type) is read: a page in a browser can send a
+    ``text/plain`` or form body to any local server without a CORS preflight, so taking those
+    would let any web page drive a server that has no --api-key."""
+    if not _is_json_type(content_type):
+        raise APIError(415, f"the request body must be sent with Content-Type: application/json (this request "
+                       f"said {content_type or 'nothing'!r}); send it as JSON, e.g. curl --json or "
+                       "-H 'Content-Type: application/json'", code="unsupported_media_type")
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
@@ -283,14 +309,22 @@ def parse_body(model: type[BaseModel], body: bytes, content_type: str | None) ->
                        f"at offset {e.start}); send a JSON object encoded as UTF-8") from None
     try:
         data = json.loads(text)
+        req = model.model_validate(data)
     except json.JSONDecodeError as e:
-        hint = "" if _is_json_type(content_type) else (
-            f" with Content-Type: application/json (this request said {content_type or 'nothing'!r})")
-        raise APIError(400, f"the request body is not valid JSON ({e.msg}); send a JSON object{hint}") from None
-    try:
-        return model.model_validate(data)
+        raise APIError(400, f"the request body is not valid JSON ({e.msg}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply to read; send a flatter JSON object") from None
     except ValidationError as e:  # located as FastAPI locates body errors, for validation_error
         raise validation_error([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+    except ValueError as e:  # json's own limits, e.g. an integer of more than 4,300 digits
+        reason = str(e).split(";")[0]  # not Python's advice to the server (set_int_max_str_digits)
+        raise APIError(400, f"the request body is not valid JSON ({reason}); send a JSON object") from None
+    if bad := _invalid_text(req.model_dump(exclude_defaults=True)):
+        param, value, at = bad
+        raise APIError(400, f"{param} is not valid Unicode text: it holds the lone surrogate "
+                       f"{ascii(value[at])} at character {at}; send UTF-8 text (a surrogate pair must be "
+                       "complete, e.g. \\ud83d\\ude00)", param=param)
+    return req
 
 
 # -- prompts -------------------------------------------------------------------
@@ -570,14 +604,17 @@ class CountRequests:
 
 
 class BearerAuth:
-    """ASGI middleware: /v1 routes need ``Authorization: Bearer <api_key>`` (checked before the body;
-    the scheme is case-insensitive, as RFC 9110 has it)."""
+    """ASGI middleware: /v1 routes, and /metrics unless ``metrics_public``, need ``Authorization:
+    Bearer <api_key>`` (checked before the body; the scheme is case-insensitive, as RFC 9110 has it)."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, api_key.encode()
+    def __init__(self, app, api_key: str, metrics_public: bool = False) -> None:
+        self.app, self.expected, self.metrics_public = app, api_key.encode(), metrics_public
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1") or (path == "/metrics" and not self.metrics_public)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and self._guarded(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"").strip()
             scheme, _, key = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
@@ -596,10 +633,12 @@ class BearerAuth:
 
 class LimitBody:
     """ASGI middleware: a request body over ``max_bytes`` is refused with 413 before anything parses
-    it — at once by its Content-Length, else as soon as the bytes received pass the limit."""
+    it — at once by its Content-Length, else as soon as the bytes received pass the limit — and one
+    not received whole within ``timeout`` seconds with 408 (a client that declares more than it
+    sends would otherwise hold its connection, and a slot of uvicorn's, forever)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout: float | None = None) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -607,17 +646,25 @@ class LimitBody:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(f"{int(declared)} bytes", scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._refuse(f"more than {self.max_bytes} bytes", scope, receive, send)
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(self.timeout):
+                size = 0
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left before sending it all
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_bytes:
+                        return await self._refuse(f"more than {self.max_bytes} bytes", scope, receive, send)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            body = error_body(f"the request body did not arrive within {self.timeout:g} s (--request-timeout): "
+                              f"{sum(map(len, chunks))} of {declared.decode() or 'an unknown number of'} bytes came; "
+                              "send the whole body, or as many bytes as Content-Length says", code="request_timeout")
+            return await JSONResponse(body, 408, headers={"Connection": "close"})(scope, receive, send)
         replayed = False
 
         async def replay():

@@ -6,11 +6,9 @@ safetensors model directory in the user cache, so later loads take seconds.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +17,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eaglewire.contract import TargetFingerprint
-from eaglewire.fileio import atomic_path
+from eaglewire.errors import reading
+from eaglewire.fileio import atomic_dir
+from eaglewire.locks import file_lock
 from eaglewire.presets import TARGET_PRESETS, cache_dir, fetch_asset
 
 log = logging.getLogger(__name__)
@@ -171,16 +171,19 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_dir() / "targets" / f"{gguf.stem}-{key}"
 
 
+GGUF_FIX = "download or convert it again (a .gguf is read whole: a cut copy fails here)"
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a cached safetensors model directory."""
     out = _gguf_cache_dir(gguf)
     if (out / "DONE").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
+    with file_lock(out.with_name(out.name + ".lock"), wait=True):  # another process may be converting it
         if not (out / "DONE").is_file():
-            _convert_gguf_unlocked(gguf, out)
+            with reading(gguf, GGUF_FIX):
+                _convert_gguf_unlocked(gguf, out)
     return out
 
 
@@ -188,12 +191,10 @@ def _convert_gguf_unlocked(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s once into %s (later loads reuse it)", gguf.name, out)
-    with atomic_path(out, suffix=".partial") as tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(out) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)
-        tmp.mkdir(parents=True)
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # dequantized: plain weights from here on
@@ -204,7 +205,6 @@ def _convert_gguf_unlocked(gguf: Path, out: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
-        shutil.rmtree(out, ignore_errors=True)  # a directory: the rename needs its place free
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -243,7 +243,8 @@ def load_tokenizer(spec: str):
 
     gguf = fetch_asset(TARGET_PRESETS[spec].asset) if spec in TARGET_PRESETS else Path(spec).expanduser()
     if gguf.suffix == ".gguf" and gguf.is_file() and not (_gguf_cache_dir(gguf) / "DONE").is_file():
-        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with reading(gguf, GGUF_FIX):
+            return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return AutoTokenizer.from_pretrained(str(resolve_target_path(spec)))
 
 

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
@@ -26,7 +27,8 @@ from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
 from eaglewire.distributed import dist_rank_world
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.fileio import atomic_torch_save
+from eaglewire.fileio import atomic_torch_save, atomic_write_text
+from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import Target, load_target, resolve_device
 from eaglewire.ttt import StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll
@@ -117,6 +119,22 @@ def init_lineage(path: str, training: dict[str, Any]) -> list[dict[str, Any]]:
     it trained (steps, tokens, seconds), so a continued draft still states its whole budget."""
     own = {"draft": str(path), **{k: training.get(k) for k in ("steps", "train_tokens", "seconds")}}
     return list(training.get("init_draft") or []) + [own]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows of the metrics file ``path`` up to ``step``, atomically: a run resumed from
+    the checkpoint of ``step`` redoes (and logs again) the steps after it; a fresh run keeps none."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a row cut off by the crash
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            keep.append(line + "\n")
+    atomic_write_text(path, "".join(keep))
 
 
 def batch_plan(indices: list[int], lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
@@ -463,6 +481,8 @@ class Trainer:
             log.info("resuming %s at step %d (epoch %d, batch %d)", self.out, position.step,
                      position.epoch, position.batch)
         draft.train()
+        if self.rank == 0:
+            truncate_metrics(self.out / METRICS_FILE, position.step)
         return RunState(
             draft=draft, optimizer=optimizer, scheduler=scheduler, plans=plans, per_epoch=per_epoch,
             total_steps=total_steps, coverage=coverage, start=start, position=position, history=history,
@@ -578,4 +598,8 @@ class Trainer:
 
 
 def train(config: TrainConfig, *, target: Target | None = None, progress: bool = True) -> TrainResult:
-    return Trainer(config, target).run(progress=progress)
+    """Train a draft into ``config.out``, the only run writing there (rank 0 holds its lock;
+    a second run gets DirectoryLocked)."""
+    rank, _ = dist_rank_world()
+    with directory_lock(config.out, what=f"--out {config.out}") if rank == 0 else nullcontext():
+        return Trainer(config, target).run(progress=progress)

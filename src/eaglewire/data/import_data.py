@@ -20,7 +20,6 @@ alone, never the model), and is recorded in the manifest.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +32,8 @@ from eaglewire.contract import HiddenStateContract, TargetFingerprint, validate_
 from eaglewire.data.foreign import (LAYOUTS, ForeignDataError, Sample, Skip, read_rows, read_specforge,
                                     read_speculators, read_vllm)
 from eaglewire.data.shards import DTYPES, ShardError, ShardWriter
+from eaglewire.fileio import replace_dir
+from eaglewire.locks import directory_lock
 from eaglewire.target_head import config_fingerprint, load_target_head, unnorm_weight
 
 log = logging.getLogger(__name__)
@@ -215,9 +216,14 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
     src, out = Path(config.src), Path(config.out)
     if not src.is_dir():
         raise FileNotFoundError(f"source {src} is not a directory of {config.layout} captures")
-    if out.exists():
-        raise ValueError(f"--out {out} already exists; an import writes a new shard directory, choose another")
-    partial = out.with_name(out.name + ".partial")
+    # The lock sits beside OUT: OUT.partial, renamed into place under it, must not carry it along.
+    with directory_lock(out.parent, what=f"--out {out}", name=f".{out.name}.lock"):
+        if out.exists():
+            raise ValueError(f"--out {out} already exists; an import writes a new shard directory, choose another")
+        return _import(config, src, out, out.with_name(out.name + ".partial"))
+
+
+def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> ImportSummary:
     fingerprint, scale, unknown = _target(config.target)
     samples = _read(config, src)
     skipped: Counter[str] = Counter()
@@ -250,7 +256,7 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
         if writer is not None and partial.exists():
             writer.__exit__(Exception, None, None)  # keep the finished shards: a rerun resumes
         raise
-    os.replace(partial, out)
+    replace_dir(partial, out)
     notes = [f"fingerprint fields {unknown} are unknown (no weights/tokenizer in --target): train or doctor "
              f"with --allow-target-mismatch {','.join(unknown)}"] if unknown else []
     if plan.absent:

@@ -5,6 +5,7 @@ Shapes: B batch, T tokens, H target hidden size, k number of aux boundaries.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import re
@@ -24,6 +25,7 @@ from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.sources import pad_right
 from eaglewire.distributed import dist_rank_world
+from eaglewire.locks import LOCK_NAME, directory_lock
 from eaglewire.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
 from eaglewire.target import Target, load_target, load_tokenizer
 
@@ -237,7 +239,23 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bool = True) -> PrepareSummary:
-    """Run the data pipeline into ``config.out``; resumes when the directory holds earlier work."""
+    """Run the data pipeline into ``config.out``; resumes when the directory holds earlier work.
+    One run writes a directory at a time (a second gets DirectoryLocked; under torchrun, one per rank)."""
+    rank, world = dist_rank_world()
+    name = LOCK_NAME if world == 1 else f".eaglewire.rank{rank}-of-{world}.lock"
+    with directory_lock(config.out, what=f"--out {config.out}", name=name):
+        try:
+            return _prepare(config, target, progress)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # what is written is whole (atomic writes) and kept
+            e.add_note(f"the shards written so far in {config.out} are kept: run the same command again to "
+                       "resume from them")
+            raise
+
+
+def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> PrepareSummary:
     start = time.perf_counter()
     out = Path(config.out)
     _check_boundaries_early(config, target)

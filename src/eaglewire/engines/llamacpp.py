@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eaglewire.fileio import atomic_dir, atomic_path
 from eaglewire.presets import cache_dir
 
 log = logging.getLogger(__name__)
@@ -144,16 +145,15 @@ def _sdist_from_index(dest: Path, index: str) -> Path:
     entry = next((f for f in files if f["filename"] == name), None)
     if entry is None:
         raise LlamaCppError(f"{index} lists no {name}")
-    partial, digest = dest / (name + ".partial"), hashlib.sha256()
-    with urllib.request.urlopen(entry["url"], timeout=300) as r, open(partial, "wb") as out:
-        while chunk := r.read(1 << 20):
-            digest.update(chunk)
-            out.write(chunk)
-    want = entry.get("hashes", {}).get("sha256")
-    if want and digest.hexdigest() != want:
-        partial.unlink()
-        raise LlamaCppError(f"{name}: sha256 {digest.hexdigest()} is not the index's {want}")
-    os.replace(partial, dest / name)
+    digest = hashlib.sha256()
+    with atomic_path(dest / name, suffix=".partial") as partial:  # a cut or wrong download is removed
+        with urllib.request.urlopen(entry["url"], timeout=300) as r, open(partial, "wb") as out:
+            while chunk := r.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+        want = entry.get("hashes", {}).get("sha256")
+        if want and digest.hexdigest() != want:
+            raise LlamaCppError(f"{name}: sha256 {digest.hexdigest()} is not the index's {want}")
     return dest / name
 
 
@@ -179,21 +179,14 @@ def download_sdist(dest: Path) -> Path:
 
 def unpack_tree(archive: Path, dest: Path) -> Path:
     """The ``llama.cpp/`` folder of the sdist ``archive`` -> ``dest`` (atomically)."""
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + ".partial-"))
-    try:
-        with tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers() if "/llama.cpp/" in m.name]
-            if not members:
-                raise LlamaCppError(f"{archive.name} holds no llama.cpp/ tree")
-            prefix = members[0].name.split("/llama.cpp/")[0] + "/llama.cpp/"
-            for m in members:
-                m.name = m.name[len(prefix):]
-            tar.extractall(tmp, members=[m for m in members if m.name], filter="data")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(dest) as tmp, tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if "/llama.cpp/" in m.name]
+        if not members:
+            raise LlamaCppError(f"{archive.name} holds no llama.cpp/ tree")
+        prefix = members[0].name.split("/llama.cpp/")[0] + "/llama.cpp/"
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(tmp, members=[m for m in members if m.name], filter="data")
     return dest
 
 

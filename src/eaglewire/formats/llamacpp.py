@@ -24,7 +24,7 @@ from typing import Any
 from eaglewire.checkpoint import read_draft_config
 from eaglewire.contract import HiddenStateContract, to_engine
 from eaglewire.engines import llamacpp as engine
-from eaglewire.fileio import atomic_write_text
+from eaglewire.fileio import atomic_path, atomic_write_text
 from eaglewire.formats.eagle import FormatError
 from eaglewire.formats.export import ExportReport, check_choice, export_native
 from eaglewire.presets import cache_dir, resolve_draft
@@ -162,12 +162,10 @@ def target_gguf(target_dir: Path, architecture: str, outtype: str, *, tree: Path
     out = cache_dir() / "gguf" / f"{target_dir.name}-{key.hexdigest()[:12]}-{outtype}.gguf"
     if out.is_file():
         return out
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp, atomic_path(out, suffix=".partial") as partial:
         src = converter_target_dir(target_dir, architecture, Path(tmp) / "target")
-        partial = Path(tmp) / out.name
         run_converter(tree, src, partial, outtype)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(partial, out)
     return out
 
 

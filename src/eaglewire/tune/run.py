@@ -8,6 +8,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.tune.costs import EngineCosts, fit_costs, stated_costs
 from eaglewire.tune.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
@@ -159,7 +160,15 @@ def measure(config: TuneConfig, target, draft, contract, prompts: list[list[int]
 def run_tune(config: TuneConfig, *, target=None, loaded=None, prompts: list[list[int]] | None = None,
              progress=None) -> TuneResult:
     """``loaded``: (draft, contract) already loaded (the doctor's); ``prompts``: token ids to tune
-    on instead of ``config.dataset``'s."""
+    on instead of ``config.dataset``'s. With ``config.out``, the only run writing that report."""
+    if not config.out:
+        return _run_tune(config, target=target, loaded=loaded, prompts=prompts, progress=progress)
+    out = Path(config.out)
+    with directory_lock(out.parent, what=f"--out {out}", name=f".{out.name}.lock"):
+        return _run_tune(config, target=target, loaded=loaded, prompts=prompts, progress=progress)
+
+
+def _run_tune(config: TuneConfig, *, target, loaded, prompts: list[list[int]] | None, progress) -> TuneResult:
     from eaglewire.checkpoint import load_draft
     from eaglewire.target import load_target
 
