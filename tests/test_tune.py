@@ -8,11 +8,11 @@ import torch
 
 from eaglewire.cli import main
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
-from eaglewire.tune.costs import ChainProbe, EngineCosts, PlainProbe, fit_costs, stated_costs
-from eaglewire.tune.probe import draft_stats
-from eaglewire.tune.recommend import predict, rank, recommend, shapes
-from eaglewire.tune.simulate import Shape, drafted_tokens, greedy_rounds, sampled_rounds, tau
-from eaglewire.tune.trace import DraftTrace, judge_steps, top_probs, trace_text
+from eaglewire.acceptance.costs import ChainProbe, EngineCosts, PlainProbe, fit_costs, stated_costs
+from eaglewire.acceptance.probe import draft_stats
+from eaglewire.acceptance.recommend import predict, rank, recommend, shapes
+from eaglewire.acceptance.simulate import Shape, drafted_tokens, greedy_rounds, sampled_rounds, tau
+from eaglewire.acceptance.trace import DraftTrace, judge_steps, top_probs, trace_text
 from tiny import tiny_target
 
 from decode.test_engine import random_draft

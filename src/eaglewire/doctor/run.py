@@ -20,7 +20,7 @@ from eaglewire.doctor.llamacpp import measure_served, served_check
 from eaglewire.doctor.llamacpp import serving as llamacpp_serving
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
                                       engine_agreement, stored_accuracy)
-from eaglewire.doctor.replay import RoundAgreement
+from eaglewire.acceptance.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import predicted_tau
 from eaglewire.foreign_draft import load_any_draft

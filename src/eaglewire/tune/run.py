@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.tune.costs import EngineCosts, fit_costs, stated_costs
-from eaglewire.tune.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
-from eaglewire.tune.trace import trace_text
+from eaglewire.acceptance.costs import EngineCosts, fit_costs, stated_costs
+from eaglewire.acceptance.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
+from eaglewire.acceptance.trace import trace_text
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def measure(config: TuneConfig, target, draft, contract, prompts: list[list[int]
     """(the engine's costs, its plain outputs per prompt): probed for eaglewire and llama.cpp, stated
     for SGLang and vLLM (whose outputs eaglewire's engine stands in for: greedy text is the target's)."""
     from eaglewire.tokens import stop_token_ids
-    from eaglewire.tune.probe import probe_eaglewire, probe_llamacpp
+    from eaglewire.acceptance.probe import probe_eaglewire, probe_llamacpp
 
     stops = set(stop_token_ids(target.tokenizer, target.model))
     steps = list(range(1, config.max_steps + 1))
