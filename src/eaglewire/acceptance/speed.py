@@ -25,6 +25,8 @@ MEASURED_ENGINES = ("eaglewire", "llamacpp")
 STATED_ENGINES = ("sglang", "vllm")
 DEFAULT_PROMPTS = 12  # τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68
 
+Progress = Callable[[str], None]
+
 
 def chain_rule(engine: str) -> str:
     """Whose chain-stopping rule the shapes follow (SGLang and vLLM stop as eaglewire does)."""
@@ -99,8 +101,6 @@ def encoded_prompts(tokenizer, dataset: str, offset: int, count: int) -> list[li
     return [encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts]
 
 
-Progress = Callable[[str], None]
-
 
 def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]], say: Progress,
             llamacpp: LlamaCppSetup | None = None) -> tuple[EngineCosts, list[list[int]]]:
@@ -109,13 +109,13 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
     from eaglewire.acceptance.probe import probe_eaglewire, probe_llamacpp
     from eaglewire.tokens import stop_token_ids
 
+    if query.engine == "llamacpp" and llamacpp is None:
+        raise ValueError("engine 'llamacpp' is timed on its own GGUFs: pass llamacpp=llamacpp_setup(...)")
     stops = set(stop_token_ids(target.tokenizer, target.model))
     steps = list(range(1, query.max_steps + 1))
     common = dict(max_new_tokens=query.max_new_tokens, temperature=query.temperature, seed=query.seed,
                   progress=say)
     if query.engine == "llamacpp":
-        if llamacpp is None:
-            raise ValueError("engine 'llamacpp' is timed on its own GGUFs: pass llamacpp=llamacpp_setup(...)")
         probe = probe_llamacpp(llamacpp.server, llamacpp.model, llamacpp.draft, prompts, steps=steps,
                                threads=llamacpp.threads, log_dir=llamacpp.log_dir, flags=list(llamacpp.flags),
                                **common)
