@@ -26,7 +26,7 @@ from eaglewire.engines.llamacpp import LlamaServer, chain_config, complete, requ
 from eaglewire.prompts import load_prompts
 from eaglewire.target import load_tokenizer
 from eaglewire.decode.text import encode_prompt
-from eaglewire.tune.probe import wait_draft_stats
+from eaglewire.acceptance.probe import wait_draft_stats
 
 # callers, outermost role first: a draft step's decode is still the draft's
 CALLERS = [("draft steps (draft())", ("eagle3::draft",)),

@@ -21,15 +21,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("decode", ("eaglewire.decode",)),
     ("data", ("eaglewire.data",)),
     ("train", ("eaglewire.train",)),
+    ("acceptance", ("eaglewire.acceptance",)),
     ("runtime", ("eaglewire.runtime",)),
     ("commands", ("eaglewire.cli", "eaglewire.server", "eaglewire.server_schemas", "eaglewire.quickstart",
                   "eaglewire.bench", "eaglewire.bench_report", "eaglewire.doctor", "eaglewire.tune")),
 ]
 ENTRY_POINTS = {"eaglewire.cli": set(), "eaglewire.server": {"eaglewire.cli"},
                 "eaglewire.quickstart": {"eaglewire.cli"}}  # command -> the modules that may import it
-
-# Edges that break a rule today, each with what removes it.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()  # (importer, imported) allowed to close a cycle, with what removes it
+# The commands, each a module or package prefix; modules of one command import each other freely.
+COMMANDS = {"cli": ("eaglewire.cli",), "serve": ("eaglewire.server", "eaglewire.server_schemas"),
+            "quickstart": ("eaglewire.quickstart",), "bench": ("eaglewire.bench", "eaglewire.bench_report"),
+            "doctor": ("eaglewire.doctor",), "tune": ("eaglewire.tune",)}
+COMPOSERS = {"cli", "quickstart"}  # the commands that may import other commands: they compose them
 
 
 def module_name(path: Path) -> str:
@@ -92,16 +95,43 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def package_of(name: str) -> str:
+    """eaglewire.<pkg>: a module collapsed to its top-level package (a root module is its own)."""
+    return ".".join(name.split(".")[:2])
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in edges.items():
+        out.setdefault(package_of(m), set()).update(package_of(d) for d in deps if package_of(d) != package_of(m))
+    return out
+
+
+def command_of(name: str) -> str | None:
+    return next((c for c, prefixes in COMMANDS.items()
+                 if any(name == p or name.startswith(p + ".") for p in prefixes)), None)
+
+
+def commands_importing_commands(edges: dict[str, set[str]]) -> list[str]:
+    return [f"{m} ({command_of(m)}) imports {d} ({command_of(d)})" for m, deps in sorted(edges.items())
+            for d in sorted(deps) if command_of(m) not in COMPOSERS | {None} and command_of(d) not in {None, command_of(m)}]
+
+
 def test_no_import_cycle_among_modules():
-    edges = {m: {d for d in deps if (m, d) not in KNOWN_CYCLE_EDGES} for m, deps in graph().items()}
-    cycle = find_cycle(edges)
+    cycle = find_cycle(graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_known_exceptions_are_still_needed():
-    g = graph()
-    stale = [e for e in KNOWN_CYCLE_EDGES if e[1] not in g.get(e[0], ())]
-    assert not stale, f"{stale} no longer exist: drop them from KNOWN_CYCLE_EDGES"
+def test_no_import_cycle_among_packages():
+    """No two packages import each other, not even through different modules."""
+    cycle = find_cycle(package_graph(graph()))
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle)
+
+
+def test_no_command_imports_another_command():
+    """Commands call libraries; what two commands share lives in a library below them."""
+    wrong = commands_importing_commands(graph())
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_module_imports_only_its_layer_or_below():
@@ -131,6 +161,16 @@ def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
     assert "eaglewire.formats.sglang" in g["eaglewire.formats.specforge"]  # from package import module
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    # two packages importing each other through different modules is a package cycle, not a module cycle
+    modules_only = {"eaglewire.tune.simulate": {"eaglewire.doctor.replay"}, "eaglewire.doctor.replay": set(),
+                    "eaglewire.doctor.run": {"eaglewire.tune.run"}, "eaglewire.tune.run": set()}
+    assert find_cycle(modules_only) is None
+    assert find_cycle(package_graph(modules_only)) == ["eaglewire.doctor", "eaglewire.tune", "eaglewire.doctor"]
+    assert commands_importing_commands(modules_only) == [
+        "eaglewire.doctor.run (doctor) imports eaglewire.tune.run (tune)",
+        "eaglewire.tune.simulate (tune) imports eaglewire.doctor.replay (doctor)"]
+    assert commands_importing_commands({"eaglewire.quickstart": {"eaglewire.tune.run"},
+                                        "eaglewire.bench_report": {"eaglewire.bench"}}) == []
     with pytest.raises(AssertionError, match="eaglewire.nowhere has no layer"):
         layer_of("eaglewire.nowhere")
 

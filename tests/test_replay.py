@@ -6,7 +6,7 @@ import torch
 
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.doctor.measure import engine_agreement
-from eaglewire.doctor.replay import accepted_after, compare_rounds, round_starts
+from eaglewire.acceptance.replay import accepted_after, compare_rounds, round_starts
 from eaglewire.doctor.run import MIN_ROUND_AGREEMENT
 from tiny import ARCHITECTURES, tiny_target
 

@@ -2,17 +2,20 @@
 model, and the recommendation says plain decoding (and why) when no shape pays."""
 
 import json
+from dataclasses import fields
 
 import pytest
 import torch
 
 from eaglewire.cli import main
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
-from eaglewire.tune.costs import ChainProbe, EngineCosts, PlainProbe, fit_costs, stated_costs
-from eaglewire.tune.probe import draft_stats
-from eaglewire.tune.recommend import predict, rank, recommend, shapes
-from eaglewire.tune.simulate import Shape, drafted_tokens, greedy_rounds, sampled_rounds, tau
-from eaglewire.tune.trace import DraftTrace, judge_steps, top_probs, trace_text
+from eaglewire.acceptance.costs import ChainProbe, EngineCosts, PlainProbe, fit_costs, stated_costs
+from eaglewire.acceptance.probe import draft_stats
+from eaglewire.acceptance.recommend import predict, rank, recommend, shapes
+from eaglewire.acceptance.speed import SpeedQuery, measure
+from eaglewire.acceptance.simulate import Shape, drafted_tokens, greedy_rounds, sampled_rounds, tau
+from eaglewire.acceptance.trace import DraftTrace, judge_steps, top_probs, trace_text
+from eaglewire.tune.run import TuneConfig
 from tiny import tiny_target
 
 from decode.test_engine import random_draft
@@ -198,3 +201,24 @@ def test_bench_runs_what_tune_recommends(tmp_path, target_dir, draft_dir, capsys
 def test_tune_errors_exit_2(tmp_path, capsys):
     assert main(["tune", "--draft", "x", "--engine", "tensorrt"]) == 2
     assert "tune knows" in capsys.readouterr().err
+
+
+def test_tune_measures_what_its_flags_say():
+    """Every setting of the speed ranking has a tune flag of its name, defaulting to the library's
+    value, and the query tune hands the library carries each flag's value."""
+    plain = TuneConfig(draft="x")
+    for f in fields(SpeedQuery):
+        value = getattr(plain, f.name)
+        assert (tuple(value) if f.name == "p_mins" else value) == getattr(SpeedQuery(), f.name), f.name
+    given = dict(engine="sglang", max_new_tokens=9, max_steps=2, p_mins=[0.2], temperature=0.5, seed=3,
+                 verify_cost=0.1, draft_cost=0.2)
+    assert {f.name for f in fields(SpeedQuery)} == set(given)
+    assert TuneConfig(draft="x", **given).query() == SpeedQuery(**{**given, "p_mins": (0.2,)})
+
+
+def test_the_speed_ranking_names_what_it_cannot_time():
+    with pytest.raises(ValueError, match="engine 'tensorrt': the speed ranking knows eaglewire, llamacpp"):
+        SpeedQuery(engine="tensorrt")
+    target = tiny_target("llama", vocab_size=6)
+    with pytest.raises(ValueError, match="llamacpp=llamacpp_setup"):
+        measure(SpeedQuery(engine="llamacpp"), target, None, None, [[1, 2]], lambda _: None)

@@ -10,10 +10,11 @@ baselines) on the same prompts; per config tokens/s, τ, per-position acceptance
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -351,18 +352,29 @@ def _hf_config(config: BenchConfig, stops: list[int], pad_id: int, pld: bool, ma
 
 
 def tune_for_bench(config: BenchConfig, *, target=None):
-    """``--configs recommended``: run ``eaglewire tune`` for the bench's engine on other prompts
-    of the same set (those after the bench's own), at its temperature and length."""
-    from eaglewire.tune.run import TuneConfig, run_tune
+    """``--configs recommended``: the speed ranking ``eaglewire tune`` reports, for the bench's engine
+    on other prompts of the same set (those after the bench's own), at its temperature and length;
+    written to tune.json in the report directory."""
+    from eaglewire.acceptance.speed import DEFAULT_PROMPTS, SpeedQuery, encoded_prompts, llamacpp_setup, rank_speed
 
     dataset = config.dataset if config.dataset != HELDOUT else "mt-bench"
     offset = config.num_prompts if config.num_prompts else 0
-    tune = TuneConfig(draft=config.draft, target=config.target, engine=config.engine[0], dataset=dataset,
-                      offset=offset, max_new_tokens=min(config.max_new_tokens, 128), temperature=config.temperature,
-                      seed=config.seed, llamacpp_target=config.llamacpp_target, llamacpp_draft=config.llamacpp_draft,
-                      llamacpp_threads=config.llamacpp_threads, llamacpp_dir=config.llamacpp_dir,
-                      llamacpp_flags=config.llamacpp_flags, out=str(config.out_dir / "tune.json"))
-    return run_tune(tune, target=target)
+    query = SpeedQuery(engine=config.engine[0], max_new_tokens=min(config.max_new_tokens, 128),
+                       temperature=config.temperature, seed=config.seed)
+    target = target or load_target(config.target)
+    draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
+    prompts = encoded_prompts(target.tokenizer, dataset, offset, DEFAULT_PROMPTS)
+    llamacpp = None
+    if query.engine == "llamacpp":
+        llamacpp = llamacpp_setup(config.draft, config.out_dir, target_gguf=config.llamacpp_target,
+                                  draft_gguf=config.llamacpp_draft, llamacpp_dir=config.llamacpp_dir,
+                                  threads=config.llamacpp_threads, flags=config.llamacpp_flags)
+    ranking = rank_speed(query, target, draft, contract, prompts, llamacpp=llamacpp)
+    settings = {"draft": config.draft, "target": config.target, "dataset": dataset, "offset": offset,
+                "num_prompts": DEFAULT_PROMPTS, **asdict(query)}
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    (config.out_dir / "tune.json").write_text(json.dumps(ranking.report(settings), indent=2) + "\n")
+    return ranking
 
 
 def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> BenchResult:

@@ -31,7 +31,8 @@ from eaglewire.fileio import atomic_torch_save, atomic_write_text
 from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import Target, load_target, resolve_device
-from eaglewire.ttt import StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll
+from eaglewire.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll,
+                           vocab_coverage)
 from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
 
 log = logging.getLogger(__name__)
@@ -160,13 +161,6 @@ def lr_lambda(step: int, warmup: int, total: int) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def vocab_coverage(in_vocab: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
-    """(target argmaxes inside the draft vocab, all counted) over positions whose next token
-    is under the loss mask. in_vocab / loss_mask [B, T]."""
-    counted = signal_positions(loss_mask)  # [B, T]
-    return int((in_vocab & counted).sum()), int(counted.sum())
 
 
 def summarize(counts: list[StepCounts], *, decay: float, prefix: str = "") -> dict[str, float]:

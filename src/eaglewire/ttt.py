@@ -51,6 +51,13 @@ def signal_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return needed
 
 
+def vocab_coverage(in_vocab: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
+    """(target argmaxes inside the draft vocab, all counted) over positions whose next token
+    is under the loss mask. in_vocab / loss_mask [B, T]."""
+    counted = signal_positions(loss_mask)  # [B, T]
+    return int((in_vocab & counted).sum()), int(counted.sum())
+
+
 @torch.no_grad()
 def target_signal(head, last_hidden: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
                   needed: torch.Tensor | None = None, chunk_tokens: int = 1024) -> TargetSignal:

@@ -13,11 +13,11 @@ import torch
 from eaglewire.capture import capture
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.sources import pad_right
-from eaglewire.doctor.replay import RoundAgreement, compare_rounds
+from eaglewire.acceptance.replay import RoundAgreement, compare_rounds
 from eaglewire.draft import Eagle3Draft
 from eaglewire.target import Target
-from eaglewire.train import vocab_coverage
-from eaglewire.ttt import StepCounts, TargetSignal, counted_positions, shift_left, target_signal, ttt_unroll
+from eaglewire.ttt import (StepCounts, TargetSignal, counted_positions, shift_left, target_signal, ttt_unroll,
+                           vocab_coverage)
 
 
 @dataclass

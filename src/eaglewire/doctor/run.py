@@ -20,7 +20,7 @@ from eaglewire.doctor.llamacpp import measure_served, served_check
 from eaglewire.doctor.llamacpp import serving as llamacpp_serving
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
                                       engine_agreement, stored_accuracy)
-from eaglewire.doctor.replay import RoundAgreement
+from eaglewire.acceptance.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import predicted_tau
 from eaglewire.foreign_draft import load_any_draft
@@ -189,8 +189,8 @@ STATED_TUNE_ENGINES = {"sglang": "sglang", "vllm": "vllm", "speculators": "vllm"
 
 def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, draft, contract,
                  sequences: list[Sequence]) -> None:
-    """What ``eaglewire tune`` recommends for the serving engine, on the held-out prompts."""
-    from eaglewire.tune.run import TuneConfig, run_tune
+    """What ``eaglewire tune`` recommends for the serving engine (its speed ranking), on the held-out prompts."""
+    from eaglewire.acceptance.speed import SpeedQuery, rank_speed
 
     if config.engine == "llamacpp":
         report.add(Check("speed", "skip", "llama.cpp's round costs are measured on its own GGUFs",
@@ -199,11 +199,10 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
         return
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 2)]]
     engine = STATED_TUNE_ENGINES.get(config.engine, "eaglewire")
-    tune = TuneConfig(draft=config.draft, target=config.target, engine=engine, num_prompts=len(prompts),
-                      max_new_tokens=max(config.engine_tokens, 16), max_steps=4, top=3)
-    result = run_tune(tune, target=target, loaded=(draft, contract), prompts=prompts)
+    query = SpeedQuery(engine=engine, max_new_tokens=max(config.engine_tokens, 16), max_steps=4)
+    result = rank_speed(query, target, draft, contract, prompts)
     choice = result.recommendation.choice
-    evidence = [f"{p.shape.label(result.config.rule)}: τ {p.tau:.2f}, {p.speedup:.2f}x plain "
+    evidence = [f"{p.shape.label(result.rule)}: τ {p.tau:.2f}, {p.speedup:.2f}x plain "
                 f"(break-even τ {p.break_even_tau:.2f})" for p in result.ranked[:3]]
     evidence.append(f"costs {result.costs.source} for {engine}; `eaglewire tune` ranks every shape with more prompts")
     report.add(Check("speed", "warn" if choice.shape.plain else "ok", result.recommendation.reason, evidence))

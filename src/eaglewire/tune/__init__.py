@@ -1,5 +1,5 @@
 """`eaglewire tune`: which speculation shape pays in a given engine, or plain decoding and why.
 
-trace (the draft along an engine's own text) -> simulate (rounds of any chain shape) ->
-costs (an engine's measured or stated round costs) -> recommend (predicted tokens/s, ranked).
+The command (``run.py``: ``TuneConfig``, ``run_tune``); the measurement, simulation and ranking
+it reports live in ``eaglewire.acceptance``, which the doctor and bench call too.
 """

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import json
-import logging
-import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eaglewire.acceptance.speed import (DEFAULT_PROMPTS, MEASURED_ENGINES, STATED_ENGINES, SpeedQuery, SpeedRanking,
+                                        chain_rule, encoded_prompts, llamacpp_setup, rank_speed)
 from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.tune.costs import EngineCosts, fit_costs, stated_costs
-from eaglewire.tune.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
-from eaglewire.tune.trace import trace_text
 
-log = logging.getLogger(__name__)
-
-MEASURED_ENGINES = ("eaglewire", "llamacpp")
-STATED_ENGINES = ("sglang", "vllm")
+_QUERY = SpeedQuery()  # the defaults of what tune measures
 
 
 @dataclass(kw_only=True)
@@ -27,12 +21,12 @@ class TuneConfig:
     engine: str = field(default="eaglewire", metadata={"help": "eaglewire or llamacpp (measured here); sglang or vllm (stated cost model)"})
     dataset: str = field(default="mt-bench", metadata={"help": "mt-bench, humaneval or a JSONL file of prompts"})
     offset: int = field(default=40, metadata={"help": "prompts skipped first (bench measures the first ones: keep them apart)"})
-    num_prompts: int = field(default=12, metadata={"help": "prompts timed and traced (τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "tokens per prompt"})
-    max_steps: int = field(default=6, metadata={"help": "longest chain ranked (and probed)"})
-    p_mins: list[float] = field(default_factory=lambda: list(DEFAULT_P_MINS), metadata={"help": "probability stops ranked: llama.cpp's --spec-draft-p-min, eaglewire's --draft-min-prob"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0: sampled rounds, expected acceptance"})
-    seed: int = field(default=0, metadata={"help": "sampling seed of prompt i is seed + i"})
+    num_prompts: int = field(default=DEFAULT_PROMPTS, metadata={"help": "prompts timed and traced (τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68)"})
+    max_new_tokens: int = field(default=_QUERY.max_new_tokens, metadata={"help": "tokens per prompt"})
+    max_steps: int = field(default=_QUERY.max_steps, metadata={"help": "longest chain ranked (and probed)"})
+    p_mins: list[float] = field(default_factory=lambda: list(_QUERY.p_mins), metadata={"help": "probability stops ranked: llama.cpp's --spec-draft-p-min, eaglewire's --draft-min-prob"})
+    temperature: float = field(default=_QUERY.temperature, metadata={"help": "0 = greedy; > 0: sampled rounds, expected acceptance"})
+    seed: int = field(default=_QUERY.seed, metadata={"help": "sampling seed of prompt i is seed + i"})
     top: int = field(default=8, metadata={"help": "ranked shapes printed"})
     out: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
     llamacpp_target: str | None = field(default=None, metadata={"help": "llama.cpp: target GGUF (default: an f32 GGUF of eaglewire's weights)"})
@@ -40,8 +34,8 @@ class TuneConfig:
     llamacpp_threads: int = field(default=2, metadata={"help": "llama.cpp: -t/-tb/-td/-tbd"})
     llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use"})
     llamacpp_flags: str | None = field(default=None, metadata={"help": "llama.cpp: more llama-server flags, quoted (e.g. '-fa off')"})
-    verify_cost: float = field(default=0.02, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
-    draft_cost: float = field(default=0.05, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
+    verify_cost: float = field(default=_QUERY.verify_cost, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
+    draft_cost: float = field(default=_QUERY.draft_cost, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
 
     def __post_init__(self) -> None:
         engines = MEASURED_ENGINES + STATED_ENGINES
@@ -58,25 +52,20 @@ class TuneConfig:
     @property
     def rule(self) -> str:
         """Whose chain-stopping rule the shapes follow (SGLang and vLLM stop as eaglewire does)."""
-        return "llamacpp" if self.engine == "llamacpp" else "eaglewire"
+        return chain_rule(self.engine)
+
+    def query(self) -> SpeedQuery:
+        return SpeedQuery(engine=self.engine, max_new_tokens=self.max_new_tokens, max_steps=self.max_steps,
+                          p_mins=tuple(self.p_mins), temperature=self.temperature, seed=self.seed,
+                          verify_cost=self.verify_cost, draft_cost=self.draft_cost)
 
 
 @dataclass
-class TuneResult:
+class TuneResult(SpeedRanking):
     config: TuneConfig
-    costs: EngineCosts
-    ranked: list[Prediction]
-    recommendation: Recommendation
-    prompts: int
-    traced_tokens: int
 
     def to_dict(self) -> dict:
-        pred = lambda p: {**asdict(p), "shape": asdict(p.shape), "label": p.shape.label(self.config.rule),
-                          "bench_config": p.shape.bench_config()}
-        return {"config": asdict(self.config), "costs": self.costs.to_dict(),
-                "ranked": [pred(p) for p in self.ranked],
-                "recommendation": {"shape": pred(self.recommendation.choice), "reason": self.recommendation.reason},
-                "prompts": self.prompts, "traced_tokens": self.traced_tokens}
+        return self.report(asdict(self.config))
 
     def format(self) -> str:
         c, engine = self.costs, self.config.rule
@@ -103,13 +92,7 @@ class TuneResult:
 
 
 def tune_prompts(config: TuneConfig, tokenizer) -> list[list[int]]:
-    from eaglewire.decode.text import encode_prompt
-    from eaglewire.prompts import load_prompts
-
-    prompts = load_prompts(config.dataset)[config.offset:config.offset + config.num_prompts]
-    if not prompts:
-        raise ValueError(f"--offset {config.offset} leaves no prompt in {config.dataset}")
-    return [encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts]
+    return encoded_prompts(tokenizer, config.dataset, config.offset, config.num_prompts)
 
 
 def work_dir(config: TuneConfig) -> Path:
@@ -117,73 +100,31 @@ def work_dir(config: TuneConfig) -> Path:
     return Path(config.out).parent if config.out else Path("runs/tune")
 
 
-def _llamacpp_files(config: TuneConfig) -> tuple[Path, Path]:
-    if config.llamacpp_target and config.llamacpp_draft:
-        return Path(config.llamacpp_target), Path(config.llamacpp_draft)
-    from eaglewire.formats.llamacpp import export
-
-    out = work_dir(config) / "llamacpp-export"
-    report = export(config.draft, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
-                    threads=config.llamacpp_threads)
-    draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
-        f for f in report.files if f.startswith("draft-"))
-    return (Path(config.llamacpp_target) if config.llamacpp_target else out / "target-f32.gguf"), draft
-
-
-def measure(config: TuneConfig, target, draft, contract, prompts: list[list[int]], say) -> tuple[EngineCosts, list[list[int]]]:
-    """(the engine's costs, its plain outputs per prompt): probed for eaglewire and llama.cpp, stated
-    for SGLang and vLLM (whose outputs eaglewire's engine stands in for: greedy text is the target's)."""
-    from eaglewire.tokens import stop_token_ids
-    from eaglewire.tune.probe import probe_eaglewire, probe_llamacpp
-
-    stops = set(stop_token_ids(target.tokenizer, target.model))
-    steps = list(range(1, config.max_steps + 1))
-    common = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed,
-                  progress=say)
-    if config.engine == "llamacpp":
-        from eaglewire.engines.llamacpp import require_server
-
-        model, draft_gguf = _llamacpp_files(config)
-        work_dir(config).mkdir(parents=True, exist_ok=True)
-        probe = probe_llamacpp(require_server(config.llamacpp_dir), model, draft_gguf, prompts, steps=steps,
-                               threads=config.llamacpp_threads, log_dir=work_dir(config),
-                               flags=shlex.split(config.llamacpp_flags or ""), **common)
-        return fit_costs("llamacpp", probe.plain, probe.chains), probe.outputs
-    if config.engine == "eaglewire":
-        probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, stop_ids=stops, **common)
-        return fit_costs("eaglewire", probe.plain, probe.chains), probe.outputs
-    probe = probe_eaglewire(target, None, None, prompts, steps=[], stop_ids=stops, **common)
-    return stated_costs(config.rule, verify_per_token=config.verify_cost, draft_step=config.draft_cost,
-                        max_k=config.max_steps), probe.outputs
-
-
-def run_tune(config: TuneConfig, *, target=None, loaded=None, prompts: list[list[int]] | None = None,
+def run_tune(config: TuneConfig, *, target=None, prompts: list[list[int]] | None = None,
              progress=None) -> TuneResult:
-    """``loaded``: (draft, contract) already loaded (the doctor's); ``prompts``: token ids to tune
-    on instead of ``config.dataset``'s. With ``config.out``, the only run writing that report."""
+    """``prompts``: token ids to tune on instead of ``config.dataset``'s. With ``config.out``, the
+    only run writing that report."""
     if not config.out:
-        return _run_tune(config, target=target, loaded=loaded, prompts=prompts, progress=progress)
+        return _run_tune(config, target=target, prompts=prompts, progress=progress)
     out = Path(config.out)
     with directory_lock(out.parent, what=f"--out {out}", name=f".{out.name}.lock"):
-        return _run_tune(config, target=target, loaded=loaded, prompts=prompts, progress=progress)
+        return _run_tune(config, target=target, prompts=prompts, progress=progress)
 
 
-def _run_tune(config: TuneConfig, *, target, loaded, prompts: list[list[int]] | None, progress) -> TuneResult:
+def _run_tune(config: TuneConfig, *, target, prompts: list[list[int]] | None, progress) -> TuneResult:
     from eaglewire.checkpoint import load_draft
     from eaglewire.target import load_target
 
-    say = progress or (lambda msg: log.info("%s", msg))
     target = target or load_target(config.target)
-    draft, contract = loaded or load_draft(config.draft, target=target, device=target.device)[:2]
+    draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
     prompts = prompts or tune_prompts(config, target.tokenizer)
-    costs, outputs = measure(config, target, draft, contract, prompts, say)
-    say("tracing the draft along the engine's outputs")
-    traces = [trace_text(target, draft, list(contract.aux_boundaries), ids + out, len(ids), steps=config.max_steps,
-                         temperature=config.temperature) for ids, out in zip(prompts, outputs)]
-    sampled = config.temperature > 0
-    ranked = rank([predict(s, traces, costs, sampled=sampled) for s in shapes(config.max_steps, tuple(config.p_mins))])
-    result = TuneResult(config=config, costs=costs, ranked=ranked, recommendation=recommend(ranked, config.rule),
-                        prompts=len(prompts), traced_tokens=sum(len(o) for o in outputs))
+    llamacpp = None
+    if config.engine == "llamacpp":
+        llamacpp = llamacpp_setup(config.draft, work_dir(config), target_gguf=config.llamacpp_target,
+                                  draft_gguf=config.llamacpp_draft, llamacpp_dir=config.llamacpp_dir,
+                                  threads=config.llamacpp_threads, flags=config.llamacpp_flags)
+    ranking = rank_speed(config.query(), target, draft, contract, prompts, llamacpp=llamacpp, progress=progress)
+    result = TuneResult(config=config, **vars(ranking))
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
         Path(config.out).write_text(json.dumps(result.to_dict(), indent=2) + "\n")

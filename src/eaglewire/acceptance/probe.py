@@ -15,7 +15,7 @@ from typing import Callable
 
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
-from eaglewire.tune.costs import ChainProbe, PlainProbe
+from eaglewire.acceptance.costs import ChainProbe, PlainProbe
 
 WARMUP_TOKENS = 32  # the first request of a fresh llama-server runs several times slower
 

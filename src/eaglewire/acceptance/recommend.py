@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eaglewire.tune.costs import EngineCosts
-from eaglewire.tune.simulate import Shape, rounds, tau
-from eaglewire.tune.trace import DraftTrace
+from eaglewire.acceptance.costs import EngineCosts
+from eaglewire.acceptance.simulate import Shape, rounds, tau
+from eaglewire.acceptance.trace import DraftTrace
 
 DEFAULT_P_MINS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9)
 MARGIN = 0.03  # a shape must be predicted this much above plain to be worth serving

@@ -1,6 +1,6 @@
 """The draft along a text the target produced: what each draft step would say at each position.
 
-Decoding and the TTT unroll are one computation (doctor/replay.py): a chain whose last verified
+Decoding and the TTT unroll are one computation (replay.py): a chain whose last verified
 position is t drafts, at step j, what the unroll says at position t, step j. So one unroll over
 an engine's own output tells, for every round that could start anywhere in it, which drafted
 tokens the target would accept and how sure the draft was of each. ``simulate`` then walks any

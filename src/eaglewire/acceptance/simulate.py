@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglewire.doctor.replay import accepted_after
-from eaglewire.tune.trace import DraftTrace
+from eaglewire.acceptance.replay import accepted_after
+from eaglewire.acceptance.trace import DraftTrace
 
 ENGINE_RULES = ("llamacpp", "eaglewire")
 
