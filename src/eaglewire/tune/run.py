@@ -8,6 +8,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eaglewire.configs import RESOLVED_KEY, config_record
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.tune.costs import EngineCosts, fit_costs, stated_costs
 from eaglewire.tune.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
@@ -72,7 +73,7 @@ class TuneResult:
     def to_dict(self) -> dict:
         pred = lambda p: {**asdict(p), "shape": asdict(p.shape), "label": p.shape.label(self.config.rule),
                           "bench_config": p.shape.bench_config()}
-        return {"config": asdict(self.config), "costs": self.costs.to_dict(),
+        return {RESOLVED_KEY: config_record(self.config), "costs": self.costs.to_dict(),
                 "ranked": [pred(p) for p in self.ranked],
                 "recommendation": {"shape": pred(self.recommendation.choice), "reason": self.recommendation.reason},
                 "prompts": self.prompts, "traced_tokens": self.traced_tokens}
