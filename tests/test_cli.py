@@ -301,3 +301,26 @@ def test_config_files_on_the_command_line(tmp_path, capsys):
     assert "unknown key 'num_layer'; did you mean num_layers?" in capsys.readouterr().err
     assert main(["export", "--to", "vllm"]) == 2
     assert "missing --draft, --out" in capsys.readouterr().err
+
+
+def test_export_is_one_library_call_with_the_config(monkeypatch, capsys):
+    """cmd_export builds ExportConfig and calls formats.export_draft once, llama.cpp included
+    (it used to dispatch llamacpp itself)."""
+    import eaglewire.formats
+
+    calls = []
+
+    class Report:
+        def summary(self) -> str:
+            return "exported"
+
+    monkeypatch.setattr(eaglewire.formats, "export_draft", lambda *a, **k: calls.append((a, k)) or Report())
+    assert main(["export", "--draft", "d", "--to", "llamacpp", "--out", "o", "--outtype", "f16",
+                 "--target-outtype", "none", "--allow-target-mismatch", "weights_sha256"]) == 0
+    assert capsys.readouterr().out.strip() == "exported"
+    assert calls == [(("d", "llamacpp", "o"), dict(target_arch=None, verifier_name=None, num_steps=5,
+                                                    allow={"weights_sha256"}, outtype="f16", target_outtype="none",
+                                                    llamacpp_dir=None))]
+    with pytest.raises(SystemExit):  # argparse checks the choices
+        main(["export", "--draft", "d", "--to", "llamacpp", "--out", "o", "--outtype", "q4"])
+    assert "invalid choice: 'q4'" in capsys.readouterr().err
