@@ -212,6 +212,12 @@ def _spec(**kw):
     return SpecConfig(**kw)
 
 
+def _export(**kw):
+    from eaglewire.engine_configs import ExportSettings
+
+    return ExportSettings(**kw)
+
+
 # Per command: a --config file (flag spellings and nested mappings included), the constructor
 # arguments it stands for, and flags that override part of it with the arguments they change.
 CONFIG_FILES = {
@@ -228,7 +234,8 @@ CONFIG_FILES = {
     "quickstart": ({"minutes": 2.5, "bench_configs": "1,0,0,0"}, dict(minutes=2.5, bench_configs="1,0,0,0"),
                    ["--minutes", "1"], dict(minutes=1.0)),
     "doctor": ({"draft": "d", "steps": 2, "tune": False}, dict(draft="d", steps=2, tune=False), ["--tune"], dict(tune=True)),
-    "export": ({"draft": "d", "to": "vllm", "out": "o", "num_steps": 3}, dict(draft="d", to="vllm", out="o", num_steps=3),
+    "export": ({"draft": "d", "to": "vllm", "out": "o", "num_steps": 3, "export": {"outtype": "f16"}},
+               dict(draft="d", to="vllm", out="o", export=_export(num_steps=3, outtype="f16")),
                ["--to", "sglang"], dict(to="sglang")),
     "engines": ({"action": "which", "engine": "llamacpp", "jobs": 3}, dict(action="which", engine="llamacpp", jobs=3),
                 ["install"], dict(action="install")),

@@ -1,4 +1,4 @@
-"""``eaglewire <command>``: parse flags into a config, call the library, print the result."""
+"""``eaglewire <command>``: parse flags (over a --config FILE) into a config, call the library, print the result."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from eaglewire.configs import RESOLVED_CONFIG, add_config_args, config_from_args, write_resolved_config
@@ -115,9 +116,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from eaglewire.formats import export_draft
 
     c = config_from_args(ExportConfig, args)
-    print(export_draft(c.draft, c.to, c.out, target_arch=c.target_arch, verifier_name=c.verifier_name,
-                       num_steps=c.num_steps, allow=c.allow, outtype=c.outtype, target_outtype=c.target_outtype,
-                       llamacpp_dir=c.llamacpp_dir).summary())
+    print(export_draft(c.draft, c.to, c.out, allow=c.allow, **asdict(c.export)).summary())
     return 0
 
 

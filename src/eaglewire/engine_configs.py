@@ -21,10 +21,10 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(kw_only=True)
-class ExportConfig:
-    draft: str = field(metadata={"help": "native draft directory, or `reference` (the shipped draft)"})
-    to: str = field(metadata={"choices": EXPORT_FORMATS, "help": "the engine format to write"})
-    out: str = field(metadata={"help": "output directory"})
+class ExportSettings:
+    """How the library writes an export (``formats.export_draft``'s keyword arguments). On the engines
+    branch this is ``engines.export.ExportConfig``: at the merge, that class takes this one's place."""
+
     target_arch: str | None = field(default=None, metadata={
         "help": "the target's architecture, whose model file sets the engine's reading of the ids (default: the "
                 "one the draft records), e.g. llama, qwen3, deepseek_v3"})
@@ -32,7 +32,6 @@ class ExportConfig:
         "help": "target path or hub id written into the export (default: the recorded target, as an absolute "
                 "path when it is a local directory)"})
     num_steps: int = field(default=5, metadata={"help": "speculative steps suggested in SERVING.md"})
-    allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": _ALLOW_HELP})
     outtype: str = field(default="q8_0", metadata={"choices": DRAFT_OUTTYPES, "help": "llamacpp: the draft GGUF's weights"})
     target_outtype: str = field(default="f16", metadata={
         "choices": TARGET_OUTTYPES, "help": "llamacpp: also write the target as GGUF of this type (none: skip)"})
@@ -40,11 +39,22 @@ class ExportConfig:
         "help": "llamacpp: a llama.cpp tree (default: the one `engines install` made)"})
 
     def __post_init__(self) -> None:
-        _choice("--to", self.to, EXPORT_FORMATS)
         _choice("--outtype", self.outtype, DRAFT_OUTTYPES)
         _choice("--target-outtype", self.target_outtype, TARGET_OUTTYPES)
         if self.num_steps < 1:
             raise ValueError(f"--num-steps must be >= 1, got {self.num_steps}")
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    draft: str = field(metadata={"help": "native draft directory, or `reference` (the shipped draft)"})
+    to: str = field(metadata={"choices": EXPORT_FORMATS, "help": "the engine format to write"})
+    out: str = field(metadata={"help": "output directory"})
+    allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": _ALLOW_HELP})
+    export: ExportSettings = field(default_factory=ExportSettings)  # its fields are flags of their own
+
+    def __post_init__(self) -> None:
+        _choice("--to", self.to, EXPORT_FORMATS)
 
     @property
     def allow(self) -> set[str]:
