@@ -160,6 +160,17 @@ def test_bench_end_to_end(tmp_path, target_dir, draft_dir, capsys, one_thread):
     for png in ("acceptance.png", "throughput.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # The report directory records the resolved config; loaded back with --config it reruns the bench.
+    record = json.loads((out / "resolved_config.json").read_text())
+    assert record["configs"] == "1,0,0,0;1,3,1,4;1,3,2,6;1,3,1,4,0.4" and record["compare"] == ["hf", "hf-pld"]
+    again = tmp_path / "again"
+    assert main(["bench", "--config", str(out / "resolved_config.json"), "--out", str(again), "--no-progress"]) == 0
+    assert json.loads((again / "resolved_config.json").read_text()) == {**record, "out": str(again)}
+    rerun = json.loads((again / "bench.json").read_text())
+    assert [r["name"] for r in rerun["rows"]] == list(rows) and rerun["prompts"] == report["prompts"]
+    for row in rerun["rows"]:  # greedy: the same tokens
+        assert row["new_tokens"] == rows[row["name"]]["new_tokens"], row["name"]
+
 
 def test_cli_errors_exit_2_with_a_message(tmp_path, capsys):
     assert main(["bench", "--configs", "1,0,0,0;2,5,1,6"]) == 2

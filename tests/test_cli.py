@@ -3,6 +3,8 @@
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from eaglewire.checkpoint import load_draft, read_draft_config, save_draft
 from eaglewire.cli import main
@@ -37,7 +39,20 @@ def test_prepare_then_train(tmp_path, target_dir, chats, capsys):
                  "--ttt-steps", "2", "--draft-vocab-size", "128", "--max-steps", "2", "--batch-tokens", "256",
                  "--val-sequences", "2", "--device", "cpu", "--no-progress"]) == 0
     assert "acc 0 (held-out)" in capsys.readouterr().out
-    assert read_draft_config(draft)["contract"] == manifest["contract"]
+    assert read_draft_config(draft)["contract"] == manifest["contract"]  # the draft's config.json, untouched
+
+    # Both run directories record their resolved config, and the record reproduces the run.
+    prepared = json.loads((shards / "resolved_config.json").read_text())
+    assert prepared["max_length"] == 64 and prepared["data"] == str(chats) and "overwrite" not in prepared
+    trained = json.loads((draft / "resolved_config.json").read_text())
+    assert trained["ttt_steps"] == 2 and trained["max_steps"] == 2 and "resume" not in trained
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(draft / "resolved_config.json"), "--out", str(again), "--no-progress"]) == 0
+    assert json.loads((again / "resolved_config.json").read_text()) == {**trained, "out": str(again)}
+    first, second = (load_file(d / "model.safetensors") for d in (draft, again))
+    assert first.keys() == second.keys()
+    for name in first:  # the same seeded run; a tolerance, as thread scheduling may reorder kernel sums
+        torch.testing.assert_close(first[name], second[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_generate_streams_the_same_text_with_and_without_a_draft(tmp_path, chat_tiny_target, target_dir, capsys):
@@ -159,28 +174,34 @@ def test_prepare_rerun_with_other_settings_names_the_fix(tmp_path, target_dir, c
     assert json.loads((tmp_path / "s" / "manifest.json").read_text())["source"]["max_length"] == 48
 
 
+def subcommands():
+    import argparse
+
+    from eaglewire.cli import build_parser
+
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def test_defaults_and_choices_have_one_spelling():
-    """Every --target default is presets.DEFAULT_TARGET; export/import choices are the formats' own."""
+    """Every --target default is presets.DEFAULT_TARGET; export/import choices are the formats' own;
+    the default reply length is one constant."""
     import dataclasses
 
-    from eaglewire.bench import BenchConfig
-    from eaglewire.cli import build_parser
-    from eaglewire.data.prepare import PrepareConfig
-    from eaglewire.doctor import DoctorConfig
+    from eaglewire.decode.sampling import MAX_NEW_TOKENS
     from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
     from eaglewire.presets import DEFAULT_TARGET, TARGET_PRESETS
-    from eaglewire.quickstart import QuickstartConfig
-    from eaglewire.train import TrainConfig
 
     assert DEFAULT_TARGET in TARGET_PRESETS
-    for config in (PrepareConfig, TrainConfig, DoctorConfig, QuickstartConfig, BenchConfig):
-        assert {f.name: f.default for f in dataclasses.fields(config)}["target"] == DEFAULT_TARGET, config
-    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
-    for command in ("generate", "contract"):
-        assert sub[command].get_default("target") == DEFAULT_TARGET
-    flags = {cmd: {a.dest: a for a in sub[cmd]._actions} for cmd in ("export", "import")}
+    configs = {name: p.get_default("config_class") for name, p in subcommands().items()}
+    for name, config in configs.items():
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        if defaults.get("target", DEFAULT_TARGET) is not dataclasses.MISSING:
+            assert defaults.get("target", DEFAULT_TARGET) == DEFAULT_TARGET, name
+        if name in ("generate", "bench", "prepare"):
+            assert defaults["max_new_tokens"] == MAX_NEW_TOKENS, name
+    flags = {cmd: {a.dest: a for a in subcommands()[cmd]._actions} for cmd in ("export", "import")}
     assert tuple(flags["export"]["to"].choices) == EXPORT_FORMATS
-    assert tuple(flags["import"]["from_"].choices) == IMPORT_FORMATS
+    assert tuple(flags["import"]["from"].choices) == IMPORT_FORMATS
 
 
 PREPARE = ["--max-length", "64", "--batch-tokens", "256", "--shard-tokens", "64", "--no-progress"]
@@ -265,3 +286,133 @@ def test_a_truncated_draft_is_one_error_line_naming_the_file(tmp_path, chat_tiny
                  "--max-new-tokens", "2", "--device", "cpu"]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert f"{weights} cannot be read" in line and "truncated" in line and "incomplete metadata" in line and "copy it again" in line
+
+
+
+# ---------------------------------------------------------------- one config per command
+
+def _spec(**kw):
+    from eaglewire.decode.engine import SpecConfig
+
+    return SpecConfig(**kw)
+
+
+def _export(**kw):
+    from eaglewire.engine_configs import ExportSettings
+
+    return ExportSettings(**kw)
+
+
+# Per command: a --config file (flag spellings and nested mappings included), the constructor
+# arguments it stands for, and flags that override part of it with the arguments they change.
+CONFIG_FILES = {
+    "prepare": ({"out": "o", "max-length": 64, "batch_tokens": 256}, dict(out="o", max_length=64, batch_tokens=256),
+                ["--max-length", "32"], dict(max_length=32)),
+    "train": ({"out": "o", "data": "d", "ttt_steps": 2, "aux_boundaries": [1, 2]},
+              dict(out="o", data="d", ttt_steps=2, aux_boundaries=[1, 2]), ["--ttt-steps", "3"], dict(ttt_steps=3)),
+    "generate": ({"prompt": "hi", "stop": ["\n\n"], "spec": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}},
+                 dict(prompt="hi", stop=["\n\n"], spec=_spec(num_steps=3, topk=1, num_draft_tokens=4)),
+                 ["--speculative-num-steps", "2", "--speculative-num-draft-tokens", "3"],
+                 dict(spec=_spec(num_steps=2, topk=1, num_draft_tokens=3))),
+    "serve": ({"target": "t", "port": 9000, "speculative-eagle-topk": 2}, dict(target="t", port=9000, spec=_spec(topk=2)),
+              ["--port", "9001"], dict(port=9001)),
+    "quickstart": ({"minutes": 2.5, "bench_configs": "1,0,0,0"}, dict(minutes=2.5, bench_configs="1,0,0,0"),
+                   ["--minutes", "1"], dict(minutes=1.0)),
+    "doctor": ({"draft": "d", "steps": 2, "tune": False}, dict(draft="d", steps=2, tune=False), ["--tune"], dict(tune=True)),
+    "export": ({"draft": "d", "to": "vllm", "out": "o", "num_steps": 3, "export": {"outtype": "f16"}},
+               dict(draft="d", to="vllm", out="o", export=_export(num_steps=3, outtype="f16")),
+               ["--to", "sglang"], dict(to="sglang")),
+    "engines": ({"action": "which", "engine": "llamacpp", "jobs": 3}, dict(action="which", engine="llamacpp", jobs=3),
+                ["install"], dict(action="install")),
+    "import": ({"src": "s", "from": "eagle", "target": "t", "out": "o"}, dict(src="s", format="eagle", target="t", out="o"),
+               ["--from", "sglang"], dict(format="sglang")),
+    "import-data": ({"src": "s", "from": "vllm", "out": "o", "target": "t", "dtype": "fp16"},
+                    dict(src="s", layout="vllm", out="o", target="t", dtype="fp16"), ["--dtype", "bf16"], dict(dtype="bf16")),
+    "bench": ({"max_new_tokens": 12, "configs": "1,0,0,0", "compare": ["hf"]},
+              dict(max_new_tokens=12, configs="1,0,0,0", compare=["hf"]), ["--max-new-tokens", "7"], dict(max_new_tokens=7)),
+    "tune": ({"draft": "d", "num_prompts": 3, "p_mins": [0, 0.25]}, dict(draft="d", num_prompts=3, p_mins=[0.0, 0.25]),
+             ["--num-prompts", "4"], dict(num_prompts=4)),
+    "contract": ({"num_layers": 30, "aux_boundaries": "3,16,28"}, dict(num_layers=30, aux_boundaries=[3, 16, 28]),
+                 ["--num-layers", "31"], dict(num_layers=31)),
+}
+
+
+def test_every_subcommand_takes_a_config_file_and_its_flags_come_from_its_dataclass(monkeypatch):
+    """A subcommand without --config, a flag that is not a field of its config, or a field without
+    its flag and help in --help fails here; so does a subcommand missing from CONFIG_FILES."""
+    from eaglewire.configs import CONFIG_DEST, _leaves
+
+    monkeypatch.setenv("COLUMNS", "100000")  # --help on one line per flag: argparse wraps at hyphens
+
+    sub = subcommands()
+    assert set(sub) == set(CONFIG_FILES)
+    for name, parser in sub.items():
+        config = parser.get_default("config_class")
+        assert config is not None, f"{name} has no config dataclass"
+        assert "--config" in {s for a in parser._actions for s in a.option_strings}, name
+        actions = {a.dest: a for a in parser._actions}
+        settings = {s.dest: s for _, s in _leaves(config)}
+        assert set(actions) - set(settings) <= {"help", CONFIG_DEST, "no_progress"}, name  # nothing hand-written
+        text = parser.format_help()
+        for dest, s in settings.items():
+            action = actions[dest]
+            assert action.help.startswith(s.field.metadata.get("help", "")), (name, dest)
+            shown = action.option_strings[0] if action.option_strings else action.metavar
+            assert shown == s.flag or not s.flag.startswith("--"), (name, dest)
+            assert f"{shown}" in text and action.help.replace("%%", "%") in text, (name, dest)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+@pytest.mark.parametrize("command", sorted(CONFIG_FILES))
+def test_a_config_file_sets_the_settings_and_a_flag_overrides_it(tmp_path, command, suffix):
+    import yaml
+
+    from eaglewire.cli import build_parser
+    from eaglewire.configs import config_from_args
+
+    values, kwargs, override, changed = CONFIG_FILES[command]
+    path = tmp_path / f"run{suffix}"
+    path.write_text(json.dumps(values) if suffix == ".json" else yaml.safe_dump(values))
+    cls = subcommands()[command].get_default("config_class")
+    parse = lambda *argv: config_from_args(cls, build_parser().parse_args([command, "--config", str(path), *argv]))
+    assert parse() == cls(**kwargs)
+    assert parse(*override) == cls(**{**kwargs, **changed})
+
+
+def test_config_files_on_the_command_line(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("num_layers: 30\naux-boundaries: [3, 16, 28]\ntarget_arch: llama\n")
+    assert main(["contract", "--config", str(tmp_path / "c.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out)["sglang"] == [2, 15, 27]
+    assert main(["contract", "--config", str(tmp_path / "c.yaml"), "--target-arch", "deepseek_v3"]) == 0
+    assert json.loads(capsys.readouterr().out)["sglang"] == [3, 16, 28]  # the flag wins over the file
+    (tmp_path / "bad.yaml").write_text("num_layers: thirty\n")
+    assert main(["contract", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "bad.yaml: num_layers must be an integer or null, got 'thirty'" in capsys.readouterr().err
+    (tmp_path / "typo.json").write_text(json.dumps({"num_layer": 30}))
+    assert main(["contract", "--config", str(tmp_path / "typo.json")]) == 2
+    assert "unknown key 'num_layer'; did you mean num_layers?" in capsys.readouterr().err
+    assert main(["export", "--to", "vllm"]) == 2
+    assert "missing --draft, --out" in capsys.readouterr().err
+
+
+def test_export_is_one_library_call_with_the_config(monkeypatch, capsys):
+    """cmd_export builds ExportConfig and calls formats.export_draft once, llama.cpp included
+    (it used to dispatch llamacpp itself)."""
+    import eaglewire.formats
+
+    calls = []
+
+    class Report:
+        def summary(self) -> str:
+            return "exported"
+
+    monkeypatch.setattr(eaglewire.formats, "export_draft", lambda *a, **k: calls.append((a, k)) or Report())
+    assert main(["export", "--draft", "d", "--to", "llamacpp", "--out", "o", "--outtype", "f16",
+                 "--target-outtype", "none", "--allow-target-mismatch", "weights_sha256"]) == 0
+    assert capsys.readouterr().out.strip() == "exported"
+    assert calls == [(("d", "llamacpp", "o"), dict(target_arch=None, verifier_name=None, num_steps=5,
+                                                    allow={"weights_sha256"}, outtype="f16", target_outtype="none",
+                                                    llamacpp_dir=None))]
+    with pytest.raises(SystemExit):  # argparse checks the choices
+        main(["export", "--draft", "d", "--to", "llamacpp", "--out", "o", "--outtype", "q4"])
+    assert "invalid choice: 'q4'" in capsys.readouterr().err

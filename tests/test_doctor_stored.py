@@ -44,13 +44,18 @@ def doctor_config(root, target_dir, **kw) -> DoctorConfig:
 def test_stored_doctor_matches_the_full_doctor(setup):
     root, target_dir, target = setup
     full = run_doctor(doctor_config(root, target_dir), target=target)
-    stored = run_doctor(doctor_config(root, target_dir, stored=True))
+    stored = run_doctor(doctor_config(root, target_dir, stored=True, json=str(root / "stored.json")))
     assert full.accuracy["acc@0"] > 0  # a draft that predicts something, so equality means something
     assert abs(full.accuracy["acc@0"] - stored.accuracy["acc@0"]) <= 0.005
     assert stored.facts["judged tokens"] == full.facts["judged tokens"]
     skipped = next(c for c in stored.checks if c.verdict == "skip")
     assert "needs the target to run" in skipped.summary
     assert stored.exit_code == 0, stored.render()
+    # --json records the resolved config, and --config reads it back from the report
+    from eaglewire.configs import config_from_mapping, load_config_file
+
+    assert config_from_mapping(DoctorConfig, load_config_file(root / "stored.json")) == \
+        doctor_config(root, target_dir, stored=True, json=str(root / "stored.json"))
 
 
 def test_labels_tokens_judge_against_the_stored_next_tokens(setup):

@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("acceptance", ("eaglewire.acceptance",)),
     ("runtime", ("eaglewire.runtime",)),
     ("commands", ("eaglewire.cli", "eaglewire.server", "eaglewire.server_schemas", "eaglewire.quickstart",
-                  "eaglewire.bench", "eaglewire.bench_report", "eaglewire.doctor", "eaglewire.tune")),
+                  "eaglewire.bench", "eaglewire.bench_report", "eaglewire.doctor", "eaglewire.tune",
+                  "eaglewire.command_configs", "eaglewire.engine_configs")),
 ]
 ENTRY_POINTS = {"eaglewire.cli": set(), "eaglewire.server": {"eaglewire.cli"},
                 "eaglewire.quickstart": {"eaglewire.cli"}}  # command -> the modules that may import it

@@ -38,6 +38,15 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
     assert "| tune's prediction (eaglewire's engine) |" in (out / "summary.md").read_text()
     assert (out / "summary.md").read_text().count("| serve with |") == 1  # one recommendation
     assert done["tune"]["bench_config"] and (out / "tune.json").is_file()
+    # the doctor's and tune's JSON record the config they ran with, loadable with --config
+    from eaglewire.configs import config_from_mapping, load_config_file
+    from eaglewire.doctor import DoctorConfig
+    from eaglewire.tune.run import TuneConfig
+
+    doctor = config_from_mapping(DoctorConfig, load_config_file(out / "doctor.json"))
+    assert (doctor.draft, doctor.data, doctor.tune) == (str(out / "draft"), str(out / "data"), False)
+    tune = config_from_mapping(TuneConfig, load_config_file(out / "tune.json"))
+    assert (tune.draft, tune.out) == (str(out / "draft"), str(out / "tune.json"))
 
     import eaglewire.train
 

@@ -192,7 +192,7 @@ def test_bench_runs_what_tune_recommends(tmp_path, target_dir, draft_dir, capsys
             "--device", "cpu", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     tuned = json.loads((out / "tune.json").read_text())
-    assert tuned["config"]["offset"] == 2  # tuned on the prompts after the bench's own
+    assert tuned["resolved_config"]["offset"] == 2  # tuned on the prompts after the bench's own
     choice = tuned["recommendation"]["shape"]["bench_config"]
     rows = [r["name"] for r in json.loads((out / "bench.json").read_text())["rows"]]
     assert rows == (["1,0,0,0"] if choice == "1,0,0,0" else ["1,0,0,0", choice])

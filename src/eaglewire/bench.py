@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from eaglewire.checkpoint import load_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
-from eaglewire.decode.sampling import SamplingParams
+from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
 from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
@@ -47,7 +47,7 @@ class BenchConfig:
     dataset: str = field(default="mt-bench", metadata={"help": f"mt-bench, humaneval, {HELDOUT} (the draft's held-out ShareGPT conversations) or a JSONL file"})
     configs: str = field(default="1,0,0,0;1,5,1,6;1,6,4,24", metadata={"help": "';'-separated batch,steps,topk,draft-tokens[,min-prob]; steps 0 = plain decoding (write 1,0,0,0); min-prob: --draft-min-prob of `generate` (llama.cpp: --spec-draft-p-min); `recommended`: plain and what `eaglewire tune` recommends for the engine"})
     compare: list[str] | None = field(default=None, metadata={"help": "baselines on the same prompts: hf (model.generate), hf-pld (prompt lookup decoding)"})
-    max_new_tokens: int = field(default=256, metadata={"help": "tokens generated per prompt at most"})
+    max_new_tokens: int = field(default=MAX_NEW_TOKENS, metadata={"help": "tokens generated per prompt at most"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples"})
     num_prompts: int | None = field(default=None, metadata={"help": "use the first N prompts of the dataset"})
     out: str | None = field(default=None, metadata={"help": "report directory; None: runs/bench/<dataset name>"})

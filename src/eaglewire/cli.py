@@ -1,4 +1,4 @@
-"""``eaglewire <command>``: parse flags into a config, call the library, print the result."""
+"""``eaglewire <command>``: parse flags (over a --config FILE) into a config, call the library, print the result."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
-from eaglewire.configs import add_config_args, config_from_args
+from eaglewire.configs import RESOLVED_CONFIG, add_config_args, config_from_args, write_resolved_config
 
 
 def _table(rows: list[tuple[str, str]], title: str) -> str:
@@ -23,11 +25,20 @@ def _set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _record(directory, config) -> None:
+    """The run directory's record of its resolved config (rank 0 alone under torchrun)."""
+    from eaglewire.distributed import dist_rank_world
+
+    if dist_rank_world()[0] == 0:
+        write_resolved_config(directory, config)
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from eaglewire.data.prepare import PrepareConfig, prepare
 
     config = config_from_args(PrepareConfig, args)
     summary = prepare(config, progress=not args.no_progress)
+    _record(config.out, config)
     print(_table(summary.rows(), f"prepared {summary.out}"))
     if summary.skipped:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(summary.skipped.items(), key=lambda x: -x[1]))
@@ -41,6 +52,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = config_from_args(TrainConfig, args)
     result = train(config, progress=not args.no_progress)
+    _record(config.out, config)
     rows = [("steps", f"{result.steps:,}"), ("epochs", f"{result.epochs_done:.2f}"),
             ("training tokens", f"{result.train_tokens:,}"), ("wall time", f"{result.seconds:,.0f} s")]
     rows += [(k.removeprefix("val_").replace("_", " ") + " (held-out)", f"{v:.3f}")
@@ -52,19 +64,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from eaglewire.command_configs import GenerateConfig
     from eaglewire.decode.sampling import SamplingParams
     from eaglewire.decode.text import TextStream, encode_prompt
     from eaglewire.runtime import load_decoder
     from eaglewire.tokens import stop_token_ids
 
-    from eaglewire.decode.engine import SpecConfig
-
-    decoder = load_decoder(args.target, args.draft, config_from_args(SpecConfig, args), device=args.device)
+    config = config_from_args(GenerateConfig, args)
+    decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
     tok = decoder.target.tokenizer
-    prompt_ids = encode_prompt(tok, args.prompt, chat=args.chat)
-    text = TextStream(tok, args.stop or [])
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    for tokens in decoder.stream(prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+    prompt_ids = encode_prompt(tok, config.prompt, chat=config.chat)
+    text = TextStream(tok, config.stop or [])
+    sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+    for tokens in decoder.stream(prompt_ids, max_new_tokens=config.max_new_tokens, sampling=sampling,
                                  stop_token_ids=set(stop_token_ids(tok, decoder.target.model)),
                                  should_stop=text.stops):
         sys.stdout.write(text.push(tokens))
@@ -85,6 +97,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
     config = config_from_args(QuickstartConfig, args)
     done = run_quickstart(config, progress=not args.no_progress)
+    _record(config.out, config)
     rows = summary_rows(done)
     print("\n" + _table(rows, f"quickstart: report folder {config.out} (summary.md, doctor.txt, bench/, tune.json)"))
     return exit_code(done)
@@ -99,36 +112,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from eaglewire.engine_configs import ExportConfig
     from eaglewire.formats import export_draft
 
-    if args.to == "llamacpp":
-        from eaglewire.formats.llamacpp import export
-
-        print(export(args.draft, args.out, outtype=args.outtype, target_outtype=args.target_outtype,
-                     llamacpp_dir=args.llamacpp_dir, verifier_name=args.verifier_name, num_steps=args.num_steps,
-                     allow=set(args.allow_target_mismatch or ())).summary())
-        return 0
-    report = export_draft(args.draft, args.to, args.out, target_arch=args.target_arch,
-                          verifier_name=args.verifier_name, num_steps=args.num_steps,
-                          allow=set(args.allow_target_mismatch or ()))
-    print(report.summary())
+    c = config_from_args(ExportConfig, args)
+    print(export_draft(c.draft, c.to, c.out, allow=c.allow, **asdict(c.export)).summary())
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from eaglewire.engine_configs import ImportConfig
     from eaglewire.formats import import_draft
     from eaglewire.target import load_target
 
-    report = import_draft(args.src, args.from_, load_target(args.target, device="cpu", dtype="fp32"), args.out,
-                          target_arch=args.target_arch, allow=set(args.allow_target_mismatch or ()))
-    print(report.summary())
+    c = config_from_args(ImportConfig, args)
+    print(import_draft(c.src, c.format, load_target(c.target, device="cpu", dtype="fp32"), c.out,
+                       target_arch=c.target_arch, allow=c.allow).summary())
     return 0
 
 
 def cmd_import_data(args: argparse.Namespace) -> int:
     from eaglewire.data.import_data import ImportDataConfig, import_data
 
-    config = config_from_args(ImportDataConfig, argparse.Namespace(**vars(args), layout=args.from_))
+    config = config_from_args(ImportDataConfig, args)
     summary = import_data(config)
     print(_table(summary.rows(), f"imported {config.layout} captures into {summary.out}"))
     return 0
@@ -142,7 +148,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(config, progress=not args.no_progress)
     print(terminal_table(result))
     paths = write_report(result, config.out_dir)
-    print(f"\nreport written to {config.out_dir}: {', '.join(p.name for p in paths)}")
+    _record(config.out_dir, config)
+    print(f"\nreport written to {config.out_dir}: {', '.join(p.name for p in paths + [Path(RESOLVED_CONFIG)])}")
     return 0
 
 
@@ -161,8 +168,10 @@ def cmd_engines(args: argparse.Namespace) -> int:
     """``eaglewire engines install llamacpp``: download and build llama.cpp once, with progress."""
     from tqdm.auto import tqdm
 
+    from eaglewire.engine_configs import EnginesConfig
     from eaglewire.engines import llamacpp
 
+    config = config_from_args(EnginesConfig, args)
     bar = None
 
     def progress(stage: str, percent: float | None) -> None:
@@ -177,11 +186,11 @@ def cmd_engines(args: argparse.Namespace) -> int:
             bar = tqdm(total=100, desc=stage.split(" (")[0], unit="%", disable=args.no_progress)
         bar.update(percent - bar.n)
 
-    if args.action == "install":
-        found = llamacpp.install(llamacpp_dir=args.llamacpp_dir, jobs=args.jobs, use_path=not args.build,
+    if config.action == "install":
+        found = llamacpp.install(llamacpp_dir=config.llamacpp_dir, jobs=config.jobs, use_path=not config.build,
                                  progress=progress)
     else:
-        server, tree = llamacpp.find_server(args.llamacpp_dir), llamacpp.find_tree(args.llamacpp_dir)
+        server, tree = llamacpp.find_server(config.llamacpp_dir), llamacpp.find_tree(config.llamacpp_dir)
         if server is None or tree is None:
             print(f"llama.cpp is not installed: {llamacpp.INSTALL_HINT}", file=sys.stderr)
             return 1
@@ -197,16 +206,18 @@ def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target, and which code says so."""
     from eaglewire.contract import (ENGINES, SGLANG_VERSION, VLLM_VERSION, EngineConventionError, default_aux_boundaries,
                                     model_file, sglang_families, target_arch, to_engine, validate_boundaries)
+    from eaglewire.command_configs import ContractConfig
 
-    if args.num_layers is None:
+    config = config_from_args(ContractConfig, args)
+    if config.num_layers is None:
         from eaglewire.target import load_target
 
-        target = load_target(args.target, device="cpu")
-        num_layers, arch = target.num_layers, args.target_arch or target.fingerprint.architecture
+        target = load_target(config.target, device="cpu")
+        num_layers, arch = target.num_layers, config.target_arch or target.fingerprint.architecture
     else:
-        num_layers, arch = args.num_layers, args.target_arch
+        num_layers, arch = config.num_layers, config.target_arch
     arch = target_arch(arch) if arch else None
-    bounds = validate_boundaries(args.aux_boundaries or default_aux_boundaries(num_layers), num_layers)
+    bounds = validate_boundaries(config.aux_boundaries or default_aux_boundaries(num_layers), num_layers)
     result: dict[str, object] = {"num_layers": num_layers, "aux_boundaries": bounds, "target_arch": arch,
                                  "versions": {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}}
 
@@ -227,127 +238,54 @@ def cmd_contract(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub, name: str, config_class: type, func, help_text: str, *, progress: bool = False):
+    """Subcommand ``name``: its flags and ``--config`` from ``config_class``; ``progress`` adds the
+    terminal's ``--no-progress`` (not a setting of the run: never in a config file)."""
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    add_config_args(p, config_class)
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=func, config_class=config_class)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from eaglewire.bench import BenchConfig
+    from eaglewire.command_configs import ContractConfig, GenerateConfig
+    from eaglewire.data.import_data import ImportDataConfig
     from eaglewire.data.prepare import PrepareConfig
-    from eaglewire.decode.engine import SpecConfig
-    from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
-    from eaglewire.formats.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
-    from eaglewire.presets import DEFAULT_TARGET
+    from eaglewire.doctor import DoctorConfig
+    from eaglewire.engine_configs import EnginesConfig, ExportConfig, ImportConfig
+    from eaglewire.quickstart import QuickstartConfig
+    from eaglewire.server import ServeConfig, cmd_serve
     from eaglewire.train import TrainConfig
+    from eaglewire.tune.run import TuneConfig
 
     parser = argparse.ArgumentParser(prog="eaglewire", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("prepare", help="conversations -> captured hidden-state shards")
-    add_config_args(p, PrepareConfig)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_prepare)
-
-    p = sub.add_parser("train", help="train an EAGLE-3 draft (TTT) on shards or live captures")
-    add_config_args(p, TrainConfig)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("generate", help="generate text with speculative decoding (stream to stdout)")
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--draft", default=None, help="draft directory (none: plain decoding)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--device", default="auto")
-    add_config_args(p, SpecConfig)
-    p.set_defaults(func=cmd_generate)
-
-    from eaglewire.server import add_serve_args, cmd_serve
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
-    add_serve_args(p)
-    p.set_defaults(func=cmd_serve)
-
-    from eaglewire.quickstart import QuickstartConfig
-
-    p = sub.add_parser("quickstart", help="the whole pipeline on the default target: data, draft, doctor, bench")
-    add_config_args(p, QuickstartConfig)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_quickstart)
-
-    from eaglewire.doctor import DoctorConfig
-
-    p = sub.add_parser("doctor", help="the standalone wiring test: is the draft fed what it was trained on?")
-    add_config_args(p, DoctorConfig)
-    p.set_defaults(func=cmd_doctor)
-
-    p = sub.add_parser("export", help="write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
-    p.add_argument("--draft", required=True)
-    p.add_argument("--to", required=True, choices=EXPORT_FORMATS)
-    p.add_argument("--out", required=True)
-    p.add_argument("--target-arch", default=None, help="the target's architecture, whose model file sets the "
-                   "engine's reading of the ids (default: the one the draft records), e.g. llama, qwen3, deepseek_v3")
-    p.add_argument("--verifier-name", default=None, help="target path or hub id written into the export "
-                   "(default: the recorded target, as an absolute path when it is a local directory)")
-    p.add_argument("--num-steps", type=int, default=5, help="speculative steps suggested in SERVING.md")
-    p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
-    p.add_argument("--outtype", default="q8_0", choices=DRAFT_OUTTYPES, help="llamacpp: the draft GGUF's weights")
-    p.add_argument("--target-outtype", default="f16", choices=TARGET_OUTTYPES,
-                   help="llamacpp: also write the target as GGUF of this type (none: skip)")
-    p.add_argument("--llamacpp-dir", default=None, help="llamacpp: a llama.cpp tree (default: the one `engines install` made)")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("engines", help="install or find third-party engines (llama.cpp)")
-    p.add_argument("action", choices=["install", "which"])
-    p.add_argument("engine", choices=["llamacpp"])
-    p.add_argument("--llamacpp-dir", default=None, help="use this llama.cpp build (directory or llama-server binary)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
-    p.add_argument("--build", action="store_true", help="build into the cache even when llama-server is on PATH")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_engines)
-
-    p = sub.add_parser("import", help="convert a SGLang, SpecForge, speculators or EAGLE draft")
-    p.add_argument("--from", dest="from_", required=True, choices=IMPORT_FORMATS)
-    p.add_argument("src", help="the checkpoint directory to import")
-    p.add_argument("--target", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--target-arch", default=None, help="the target's architecture whose SGLang model file "
-                   "reads the ids (default: the target's own)")
-    p.add_argument("--allow-target-mismatch", type=lambda s: s.split(","), default=None)
-    p.set_defaults(func=cmd_import)
-
-    from eaglewire.data.import_data import ImportDataConfig
-    from eaglewire.data.foreign import LAYOUTS
-
-    p = sub.add_parser("import-data", help="hidden states captured by vLLM, speculators or SpecForge -> shards")
-    p.add_argument("--from", dest="from_", required=True, choices=LAYOUTS)
-    p.add_argument("src", help="the directory of captured states")
-    add_config_args(p, ImportDataConfig)
-    p.set_defaults(func=cmd_import_data)
-
-    from eaglewire.bench import BenchConfig
-
-    p = sub.add_parser("bench", help="tokens/s, τ and acceptance of speculation configs (and HF baselines) on a prompt set")
-    add_config_args(p, BenchConfig)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_bench)
-
-    from eaglewire.tune.run import TuneConfig
-
-    p = sub.add_parser("tune", help="measure an engine's round costs and the draft's acceptance; rank speculation "
-                       "shapes by predicted tokens/s and recommend one (or plain decoding, with the reason)")
-    add_config_args(p, TuneConfig)
-    p.set_defaults(func=cmd_tune)
-
-    p = sub.add_parser("contract", help="how SGLang, vLLM, SpecForge and EAGLE name a boundary layout")
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--num-layers", type=int, default=None, help="skip loading the target")
-    p.add_argument("--aux-boundaries", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    p.add_argument("--target-arch", default=None, help="the target's architecture (llama, qwen3, deepseek_v3, "
-                   "...; default: the target's own; with --num-layers and none: every SGLang model file)")
-    p.set_defaults(func=cmd_contract)
+    _command(sub, "prepare", PrepareConfig, cmd_prepare, "conversations -> captured hidden-state shards", progress=True)
+    _command(sub, "train", TrainConfig, cmd_train, "train an EAGLE-3 draft (TTT) on shards or live captures",
+             progress=True)
+    _command(sub, "generate", GenerateConfig, cmd_generate, "generate text with speculative decoding (stream to stdout)")
+    _command(sub, "serve", ServeConfig, cmd_serve, "OpenAI-compatible HTTP server with speculative decoding")
+    _command(sub, "quickstart", QuickstartConfig, cmd_quickstart,
+             "the whole pipeline on the default target: data, draft, doctor, bench", progress=True)
+    _command(sub, "doctor", DoctorConfig, cmd_doctor,
+             "the standalone wiring test: is the draft fed what it was trained on?")
+    _command(sub, "export", ExportConfig, cmd_export,
+             "write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
+    _command(sub, "engines", EnginesConfig, cmd_engines, "install or find third-party engines (llama.cpp)",
+             progress=True)
+    _command(sub, "import", ImportConfig, cmd_import, "convert a SGLang, SpecForge, speculators or EAGLE draft")
+    _command(sub, "import-data", ImportDataConfig, cmd_import_data,
+             "hidden states captured by vLLM, speculators or SpecForge -> shards")
+    _command(sub, "bench", BenchConfig, cmd_bench,
+             "tokens/s, τ and acceptance of speculation configs (and HF baselines) on a prompt set", progress=True)
+    _command(sub, "tune", TuneConfig, cmd_tune, "measure an engine's round costs and the draft's acceptance; rank "
+             "speculation shapes by predicted tokens/s and recommend one (or plain decoding, with the reason)")
+    _command(sub, "contract", ContractConfig, cmd_contract, "how SGLang, vLLM, SpecForge and EAGLE name a boundary layout")
     return parser
 
 

@@ -71,7 +71,7 @@ class TrainConfig:
     log_interval: int = field(default=10, metadata={"help": "write metrics every N steps"})
     seed: int = field(default=0, metadata={"help": "random seed (data order, init)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped"})
+    resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped", "record": False})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
     head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
     allow_incomplete_data: bool = field(default=False, metadata={"help": "train on --data whose `prepare` did not finish (refused otherwise; a warning says how much it covers)"})

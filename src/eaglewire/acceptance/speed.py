@@ -137,11 +137,12 @@ class SpeedRanking:
     traced_tokens: int
     rule: str  # whose chain-stopping rule the shapes follow (labels)
 
-    def report(self, settings: dict) -> dict:
-        """The JSON report (tune.json): the ``settings`` it ran with, the costs, every shape ranked."""
+    def report(self, settings: dict, key: str = "config") -> dict:
+        """The JSON report (tune.json): the ``settings`` it ran with (under ``key``), the costs, every
+        shape ranked."""
         pred = lambda p: {**asdict(p), "shape": asdict(p.shape), "label": p.shape.label(self.rule),
                           "bench_config": p.shape.bench_config()}
-        return {"config": settings, "costs": self.costs.to_dict(),
+        return {key: settings, "costs": self.costs.to_dict(),
                 "ranked": [pred(p) for p in self.ranked],
                 "recommendation": {"shape": pred(self.recommendation.choice), "reason": self.recommendation.reason},
                 "prompts": self.prompts, "traced_tokens": self.traced_tokens}

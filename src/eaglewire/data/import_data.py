@@ -47,8 +47,8 @@ BOUNDARY_HELP = ("eaglewire boundary b = input of layer b (0 = embedding output,
 
 @dataclass(kw_only=True)
 class ImportDataConfig:
-    src: str = field(metadata={"cli": False})
-    layout: str = field(metadata={"cli": False})
+    src: str = field(metadata={"positional": True, "help": "the directory of captured states"})
+    layout: str = field(metadata={"flag": "from", "choices": LAYOUTS, "help": "whose capture it is"})
     out: str = field(metadata={"help": "shard directory to create (must not exist)"})
     target: str = field(metadata={"help": "the target's model directory: config.json (+ tokenizer) is enough; "
                                           "with weights, only the embedding, final norm and lm_head are read"})

@@ -24,6 +24,7 @@ from eaglewire.data.conversations import (
 from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.sources import pad_right
+from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.distributed import dist_rank_world
 from eaglewire.locks import LOCK_NAME, directory_lock
 from eaglewire.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
@@ -42,7 +43,7 @@ class PrepareConfig:
     aux_boundaries: list[int] | None = field(default=None, metadata={"help": "boundaries to capture, e.g. 2,15,27 (default [2, L//2, L-3])"})
     max_length: int = field(default=1024, metadata={"help": "truncate sequences to this many tokens"})
     regenerate: bool = field(default=False, metadata={"help": "replace assistant replies with the target's own first"})
-    max_new_tokens: int = field(default=256, metadata={"help": "reply length limit when regenerating"})
+    max_new_tokens: int = field(default=MAX_NEW_TOKENS, metadata={"help": "reply length limit when regenerating"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature when regenerating (0 = greedy)"})
     max_turns: int | None = field(default=None, metadata={"help": "regenerate at most this many replies per conversation; the conversation ends there (default: all)"})
     regenerate_batch_size: int = field(default=8, metadata={"help": "conversations regenerated together (rows of one batched generation)"})
@@ -53,7 +54,7 @@ class PrepareConfig:
     dtype: str = field(default="auto", metadata={"help": "target compute dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16"})
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file to render conversations with (instead of the tokenizer's; for base models)"})
     template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})
-    overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over"})
+    overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
 
     def __post_init__(self) -> None:
         if self.num_conversations is not None and self.num_conversations < 1:

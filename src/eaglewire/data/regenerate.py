@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglewire.data.conversations import Conversation
+from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.tokens import END_OF_TURN_TOKENS, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ _ROLES = ("system", "user", "assistant")
 
 @dataclass(kw_only=True)
 class RegenerateConfig:
-    max_new_tokens: int = 256
+    max_new_tokens: int = MAX_NEW_TOKENS
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     batch_size: int = 8

@@ -24,7 +24,7 @@ from eaglewire.contract import HiddenStateContract
 from eaglewire.decode.gemm import pack_linears
 from eaglewire.decode.kv_cache import DraftCache
 from eaglewire.decode.runner import make_runner
-from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
+from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams, logits_to_probs, sample
 from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
 from eaglewire.decode.verify import greedy_verify, sampling_verify
 from eaglewire.draft import Eagle3Draft
@@ -233,7 +233,7 @@ class SpecDecoder:
     # -- the loop ----------------------------------------------------------
 
     @torch.no_grad()
-    def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 256,
+    def stream(self, prompt_ids: list[int], *, max_new_tokens: int = MAX_NEW_TOKENS,
                sampling: SamplingParams | None = None, stop_token_ids: set[int] | None = None,
                should_stop: Callable[[list[int]], bool] | None = None) -> Iterator[list[int]]:
         """Yield the new tokens of every round as they are accepted; stats land in ``self.stats``.

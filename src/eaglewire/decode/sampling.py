@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The one default reply length: generate, bench, prepare --regenerate and the engine's stream.
+MAX_NEW_TOKENS = 256
+
 
 @dataclass(kw_only=True)
 class SamplingParams:

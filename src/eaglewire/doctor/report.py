@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from eaglewire.configs import RESOLVED_KEY
+
 VERDICTS = ("ok", "warn", "fail", "skip", "inconclusive")
 # Exit codes: passed 0, failed 1 (2 is the CLI's user error), inconclusive 3: too little evidence
 # to pass, and nothing found wrong.
@@ -38,6 +40,7 @@ class DoctorReport:
     target: str
     checks: list[Check] = field(default_factory=list)
     layouts: list[LayoutRow] = field(default_factory=list)
+    resolved_config: dict[str, Any] = field(default_factory=dict)  # the DoctorConfig of the run (configs.config_record)
     facts: dict[str, Any] = field(default_factory=dict)  # sequences, counted tokens, seconds
     accuracy: dict[str, float] = field(default_factory=dict)  # acc@0, cond acc@j in isolation (JSON only; checks print them)
 
@@ -63,7 +66,7 @@ class DoctorReport:
     def to_dict(self) -> dict[str, Any]:
         return {"draft": self.draft, "target": self.target, "ok": self.status == "passed", "status": self.status,
                 "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
-                "facts": self.facts, "accuracy": self.accuracy}
+                "facts": self.facts, "accuracy": self.accuracy, RESOLVED_KEY: self.resolved_config}
 
     def render(self) -> str:
         lines = [f"eaglewire doctor: draft {self.draft} on target {self.target}"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from eaglewire.configs import config_record
 from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving)
@@ -36,7 +37,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
         return run_stored_doctor(config)
     start = time.perf_counter()
     target = target or load_target(config.target)
-    report = DoctorReport(draft=config.draft, target=config.target)
+    report = DoctorReport(draft=config.draft, target=config.target, resolved_config=config_record(config))
     # a native draft's contract is checked below, as a verdict; a foreign one records no target, so it is
     # converted for this one and its reading stated
     draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False)

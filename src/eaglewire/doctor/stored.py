@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from eaglewire.configs import config_record
 from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.import_data import ABSENT_LAST
@@ -186,7 +187,7 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     if not config.data:
         raise ValueError("--stored measures on stored states: pass --data SHARDS (from `eaglewire prepare` or "
                          "`eaglewire import-data`, holding every stored boundary)")
-    report = DoctorReport(draft=config.draft, target=config.target)
+    report = DoctorReport(draft=config.draft, target=config.target, resolved_config=config_record(config))
     target = load_target_head(config.target)
     ds = ShardDataset(config.data, verify=False)
     if config.labels == "head" and ds.manifest["source"].get("last_hidden") == ABSENT_LAST:

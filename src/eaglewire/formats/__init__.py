@@ -231,12 +231,14 @@ def import_draft(src_dir: str | Path, from_: str, target: Target, out_dir: str |
 
 def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target_arch: str | None = None,
                  verifier_name: str | None = None, target: Target | None = None, num_steps: int = 5,
-                 allow: frozenset[str] | set[str] = frozenset()) -> ExportReport:
+                 allow: frozenset[str] | set[str] = frozenset(), outtype: str = "q8_0",
+                 target_outtype: str = "f16", llamacpp_dir: str | Path | None = None) -> ExportReport:
     """Write the native draft in ``draft_dir`` in the format of engine ``to`` to ``out_dir``:
     sglang / vllm / speculators by ``export.export_native``, llamacpp by ``llamacpp.export``
-    (llama.cpp's converter over the vllm export)."""
+    (llama.cpp's converter over the vllm export; ``outtype``, ``target_outtype`` and
+    ``llamacpp_dir`` are its alone)."""
     if check_choice(to, EXPORT_FORMATS, "export format") == "llamacpp":
         return llamacpp.export(draft_dir, out_dir, verifier_name=verifier_name, target=target, num_steps=num_steps,
-                               allow=allow)
+                               allow=allow, outtype=outtype, target_outtype=target_outtype, llamacpp_dir=llamacpp_dir)
     return export_native(draft_dir, to, out_dir, target_arch=target_arch, verifier_name=verifier_name,
                          target=target, num_steps=num_steps, allow=allow)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from eaglewire.acceptance.speed import (DEFAULT_PROMPTS, MEASURED_ENGINES, STATED_ENGINES, SpeedQuery, SpeedRanking,
                                         chain_rule, encoded_prompts, llamacpp_setup, rank_speed)
+from eaglewire.configs import RESOLVED_KEY, config_record
 from eaglewire.locks import directory_lock
 from eaglewire.presets import DEFAULT_TARGET
 
@@ -65,7 +66,7 @@ class TuneResult(SpeedRanking):
     config: TuneConfig
 
     def to_dict(self) -> dict:
-        return self.report(asdict(self.config))
+        return self.report(config_record(self.config), key=RESOLVED_KEY)
 
     def format(self) -> str:
         c, engine = self.costs, self.config.rule
