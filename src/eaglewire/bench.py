@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eaglewire.configs import RESOLVED_KEY
 from eaglewire.checkpoint import load_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
@@ -373,7 +374,7 @@ def tune_for_bench(config: BenchConfig, *, target=None):
     settings = {"draft": config.draft, "target": config.target, "dataset": dataset, "offset": offset,
                 "num_prompts": DEFAULT_PROMPTS, **asdict(query)}
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    (config.out_dir / "tune.json").write_text(json.dumps(ranking.report(settings), indent=2) + "\n")
+    (config.out_dir / "tune.json").write_text(json.dumps(ranking.report(settings, key=RESOLVED_KEY), indent=2) + "\n")
     return ranking
 
 
