@@ -44,7 +44,7 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
     from eaglewire.tune.run import TuneConfig
 
     doctor = config_from_mapping(DoctorConfig, load_config_file(out / "doctor.json"))
-    assert (doctor.draft, doctor.data, doctor.tune) == (str(out / "draft"), str(out / "data"), False)
+    assert (doctor.draft, doctor.data, doctor.tune) == (str(out / "draft"), str(out / "heldout"), False)
     tune = config_from_mapping(TuneConfig, load_config_file(out / "tune.json"))
     assert (tune.draft, tune.out) == (str(out / "draft"), str(out / "tune.json"))
 
