@@ -69,7 +69,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eaglewire.contract import to_engine
+from eaglewire.engines import to_engine
 from eaglewire.data.shards import ShardDataset, ShardWriter
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import load_target, resolve_target_path

@@ -160,14 +160,14 @@ def test_prepare_rerun_with_other_settings_names_the_fix(tmp_path, target_dir, c
 
 
 def test_defaults_and_choices_have_one_spelling():
-    """Every --target default is presets.DEFAULT_TARGET; export/import choices are the formats' own."""
+    """Every --target default is presets.DEFAULT_TARGET; export/import choices are the engine registry's."""
     import dataclasses
 
     from eaglewire.bench import BenchConfig
     from eaglewire.cli import build_parser
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.doctor import DoctorConfig
-    from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
+    from eaglewire.engines import names as engine_names
     from eaglewire.presets import DEFAULT_TARGET, TARGET_PRESETS
     from eaglewire.quickstart import QuickstartConfig
     from eaglewire.train import TrainConfig
@@ -179,5 +179,5 @@ def test_defaults_and_choices_have_one_spelling():
     for command in ("generate", "contract"):
         assert sub[command].get_default("target") == DEFAULT_TARGET
     flags = {cmd: {a.dest: a for a in sub[cmd]._actions} for cmd in ("export", "import")}
-    assert tuple(flags["export"]["to"].choices) == EXPORT_FORMATS
-    assert tuple(flags["import"]["from_"].choices) == IMPORT_FORMATS
+    assert tuple(flags["export"]["to"].choices) == engine_names("export")
+    assert tuple(flags["import"]["from_"].choices) == engine_names("import")

@@ -24,6 +24,7 @@ from eaglewire.checkpoint import load_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
+from eaglewire.engines import names as engine_names
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import Prompt, load_prompts
 from eaglewire.target import load_target
@@ -32,7 +33,7 @@ from eaglewire.target import load_target
 log = logging.getLogger(__name__)
 
 COMPARE_METHODS = ("hf", "hf-pld")
-ENGINES = ("eaglewire", "llamacpp")
+ENGINES = engine_names("run_here")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
 HELDOUT = "sharegpt-heldout"
 RECOMMENDED = "recommended"
@@ -464,7 +465,8 @@ def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
     if config.llamacpp_target and (config.llamacpp_draft or not needs_draft):
         return Path(config.llamacpp_target), Path(config.llamacpp_draft) if config.llamacpp_draft else None
     from eaglewire.engines.llamacpp import require_tree
-    from eaglewire.formats.llamacpp import export, target_architecture, target_gguf
+    from eaglewire.engines import export_draft
+    from eaglewire.engines.llamacpp import target_architecture, target_gguf
     from eaglewire.target import resolve_target_path
 
     if not needs_draft:
@@ -472,7 +474,7 @@ def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
         return target_gguf(target_dir, target_architecture(target_dir), "f32",
                            tree=require_tree(config.llamacpp_dir)), None
     out = config.out_dir / "llamacpp-export"
-    report = export(config.draft, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
+    report = export_draft(config.draft, "llamacpp", out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
                     threads=config.llamacpp_threads, allow=set(config.allow_target_mismatch or ()))
     draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
         f for f in report.files if f.startswith("draft-"))

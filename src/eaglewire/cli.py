@@ -99,24 +99,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eaglewire.formats import export_draft
+    from eaglewire.engines import export_draft
 
-    if args.to == "llamacpp":
-        from eaglewire.formats.llamacpp import export
-
-        print(export(args.draft, args.out, outtype=args.outtype, target_outtype=args.target_outtype,
-                     llamacpp_dir=args.llamacpp_dir, verifier_name=args.verifier_name, num_steps=args.num_steps,
-                     allow=set(args.allow_target_mismatch or ())).summary())
-        return 0
     report = export_draft(args.draft, args.to, args.out, target_arch=args.target_arch,
-                          verifier_name=args.verifier_name, num_steps=args.num_steps,
+                          verifier_name=args.verifier_name, num_steps=args.num_steps, outtype=args.outtype,
+                          target_outtype=args.target_outtype, llamacpp_dir=args.llamacpp_dir,
                           allow=set(args.allow_target_mismatch or ()))
     print(report.summary())
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from eaglewire.formats import import_draft
+    from eaglewire.engines import import_draft
     from eaglewire.target import load_target
 
     report = import_draft(args.src, args.from_, load_target(args.target, device="cpu", dtype="fp32"), args.out,
@@ -195,8 +189,9 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target, and which code says so."""
-    from eaglewire.contract import (ENGINES, SGLANG_VERSION, VLLM_VERSION, EngineConventionError, default_aux_boundaries,
-                                    model_file, sglang_families, target_arch, to_engine, validate_boundaries)
+    from eaglewire import engines
+    from eaglewire.contract import EngineConventionError, default_aux_boundaries, target_arch, validate_boundaries
+    from eaglewire.engines import sglang, vllm
 
     if args.num_layers is None:
         from eaglewire.target import load_target
@@ -208,21 +203,23 @@ def cmd_contract(args: argparse.Namespace) -> int:
     arch = target_arch(arch) if arch else None
     bounds = validate_boundaries(args.aux_boundaries or default_aux_boundaries(num_layers), num_layers)
     result: dict[str, object] = {"num_layers": num_layers, "aux_boundaries": bounds, "target_arch": arch,
-                                 "versions": {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}}
+                                 "versions": {"sglang": sglang.VERSION, "vllm": vllm.VERSION}}
 
     def ids(engine: str, a: str | None) -> object:
         try:
-            return to_engine(bounds, num_layers, engine, target_arch=a)
+            return engines.to_engine(bounds, num_layers, engine, target_arch=a)
         except EngineConventionError as e:
             return f"not expressible: {e}"
 
-    for engine in ENGINES:
-        if engine == "sglang" and arch is None:  # the rule depends on the model file: show every one
-            result[engine] = {family: ids(engine, archs[0]) for family, archs in sglang_families().items()}
+    for engine in (n for n in engines.names() if n != "eaglewire"):  # eaglewire's own reads the contract
+        e = engines.get(engine)
+        if e.needs_target_arch and arch is None:  # the rule depends on the model file: show every one
+            result[engine] = {family: ids(engine, archs[0]) for family, archs in e.module.families().items()}
         else:
-            result[engine] = ids(engine, arch if engine in ("sglang", "vllm", "speculators") else None)
+            result[engine] = ids(engine, arch if e.per_model_file else None)
     if arch is not None:
-        result["rules"] = {e: f"{model_file(e, arch).path}: {model_file(e, arch).function}" for e in ("sglang", "vllm")}
+        result["rules"] = {m.__name__.rpartition(".")[2]: f"{m.file_for(arch).path}: {m.file_for(arch).function}"
+                           for m in (sglang, vllm)}
     print(json.dumps(result, indent=2))
     return 0
 
@@ -230,8 +227,8 @@ def cmd_contract(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.decode.engine import SpecConfig
-    from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
-    from eaglewire.formats.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
+    from eaglewire.engines import names as engine_names
+    from eaglewire.engines.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
     from eaglewire.presets import DEFAULT_TARGET
     from eaglewire.train import TrainConfig
 
@@ -285,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
     p.add_argument("--draft", required=True)
-    p.add_argument("--to", required=True, choices=EXPORT_FORMATS)
+    p.add_argument("--to", required=True, choices=engine_names("export"))
     p.add_argument("--out", required=True)
     p.add_argument("--target-arch", default=None, help="the target's architecture, whose model file sets the "
                    "engine's reading of the ids (default: the one the draft records), e.g. llama, qwen3, deepseek_v3")
@@ -309,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("import", help="convert a SGLang, SpecForge, speculators or EAGLE draft")
-    p.add_argument("--from", dest="from_", required=True, choices=IMPORT_FORMATS)
+    p.add_argument("--from", dest="from_", required=True, choices=engine_names("import"))
     p.add_argument("src", help="the checkpoint directory to import")
     p.add_argument("--target", required=True)
     p.add_argument("--out", required=True)

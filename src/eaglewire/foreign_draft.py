@@ -1,7 +1,7 @@
 """Use a draft directory from another tool where a native draft is expected.
 
 The directory's format is detected from its config.json and it is converted in memory (into a
-temporary directory) through ``formats.import_draft``, which states the convention it read the
+temporary directory) through ``engines.import_draft``, which states the convention it read the
 ids in. Detection:
 
 | config.json                                   | read as      | ids mean                       |
@@ -58,7 +58,7 @@ def load_any_draft(path: str | Path, *, target, allow: set[str] | frozenset[str]
     fmt = detect_draft_format(native)
     if fmt == "native":
         return (*load_draft(native, target=target if check_native else None, allow=allow, **kw), [])
-    from eaglewire.formats import import_draft
+    from eaglewire.engines import import_draft
 
     with tempfile.TemporaryDirectory(prefix="eaglewire-draft-") as tmp:
         report = import_draft(native, fmt, target, Path(tmp) / "draft", allow=allow)

@@ -8,6 +8,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eaglewire.engines import names as engine_names
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.tune.costs import EngineCosts, fit_costs, stated_costs
 from eaglewire.tune.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
@@ -15,8 +16,6 @@ from eaglewire.tune.trace import trace_text
 
 log = logging.getLogger(__name__)
 
-MEASURED_ENGINES = ("eaglewire", "llamacpp")
-STATED_ENGINES = ("sglang", "vllm")
 
 
 @dataclass(kw_only=True)
@@ -43,7 +42,7 @@ class TuneConfig:
     draft_cost: float = field(default=0.05, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
 
     def __post_init__(self) -> None:
-        engines = MEASURED_ENGINES + STATED_ENGINES
+        engines = engine_names("run_here") + engine_names("stated_costs", aliases=False)
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r}: tune knows {', '.join(engines)}")
         for name, low in (("num_prompts", 1), ("max_new_tokens", 8), ("max_steps", 1), ("offset", 0), ("top", 1)):
@@ -119,10 +118,10 @@ def work_dir(config: TuneConfig) -> Path:
 def _llamacpp_files(config: TuneConfig) -> tuple[Path, Path]:
     if config.llamacpp_target and config.llamacpp_draft:
         return Path(config.llamacpp_target), Path(config.llamacpp_draft)
-    from eaglewire.formats.llamacpp import export
+    from eaglewire.engines import export_draft
 
     out = work_dir(config) / "llamacpp-export"
-    report = export(config.draft, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
+    report = export_draft(config.draft, "llamacpp", out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
                     threads=config.llamacpp_threads)
     draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
         f for f in report.files if f.startswith("draft-"))
