@@ -203,7 +203,7 @@ def cmd_contract(args: argparse.Namespace) -> int:
     arch = target_arch(arch) if arch else None
     bounds = validate_boundaries(args.aux_boundaries or default_aux_boundaries(num_layers), num_layers)
     result: dict[str, object] = {"num_layers": num_layers, "aux_boundaries": bounds, "target_arch": arch,
-                                 "versions": {"sglang": sglang.VERSION, "vllm": vllm.VERSION}}
+                                 "versions": {m.NAME: m.VERSION for m in (sglang, vllm)}}
 
     def ids(engine: str, a: str | None) -> object:
         try:
@@ -228,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.decode.engine import SpecConfig
     from eaglewire.engines import names as engine_names
+    from eaglewire.engines import llamacpp
     from eaglewire.engines.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
     from eaglewire.presets import DEFAULT_TARGET
     from eaglewire.train import TrainConfig
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("engines", help="install or find third-party engines (llama.cpp)")
     p.add_argument("action", choices=["install", "which"])
-    p.add_argument("engine", choices=["llamacpp"])
+    p.add_argument("engine", choices=[llamacpp.NAME])
     p.add_argument("--llamacpp-dir", default=None, help="use this llama.cpp build (directory or llama-server binary)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
     p.add_argument("--build", action="store_true", help="build into the cache even when llama-server is on PATH")

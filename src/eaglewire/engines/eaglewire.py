@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from eaglewire.engines.flags import Flags, chain_shape, parse_flags
 
+NAME = "eaglewire"
+
 
 def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
     return list(boundaries)

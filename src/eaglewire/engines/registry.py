@@ -30,10 +30,13 @@ CAPABILITIES = frozenset({"export", "import", "lint", "run_here", "measure", "st
 
 @dataclass(frozen=True)
 class Engine:
-    name: str
-    module: ModuleType
+    module: ModuleType  # its NAME is the engine's name
     capabilities: frozenset[str]
     aliases: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.module.NAME
 
     def __post_init__(self) -> None:
         unknown = self.capabilities - CAPABILITIES
@@ -59,12 +62,12 @@ class Engine:
 
 
 ENGINES: tuple[Engine, ...] = (
-    Engine("eaglewire", eaglewire, frozenset({"lint", "run_here"})),
-    Engine("sglang", sglang, frozenset({"export", "import", "lint", "stated_costs"})),
-    Engine("vllm", vllm, frozenset({"export", "import", "lint", "stated_costs"}), aliases=("speculators",)),
-    Engine("specforge", specforge, frozenset({"import"})),
-    Engine("llamacpp", llamacpp, frozenset({"export", "lint", "run_here", "measure"})),
-    Engine("eagle", eagle, frozenset({"import"})),
+    Engine(eaglewire, frozenset({"lint", "run_here"})),
+    Engine(sglang, frozenset({"export", "import", "lint", "stated_costs"})),
+    Engine(vllm, frozenset({"export", "import", "lint", "stated_costs"}), aliases=(vllm.FORMAT_NAME,)),
+    Engine(specforge, frozenset({"import"})),
+    Engine(llamacpp, frozenset({"export", "lint", "run_here", "measure"})),
+    Engine(eagle, frozenset({"import"})),
 )
 _BY_NAME = {n: e for e in ENGINES for n in (e.name, *e.aliases)}
 

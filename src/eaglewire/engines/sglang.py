@@ -44,6 +44,7 @@ from eaglewire.engines.shared import ARCHITECTURE, FormatError, llama_layer_conf
 
 log = logging.getLogger(__name__)
 
+NAME = "sglang"
 VERSION = "0.5.23"  # the release these readings were taken from (tests/engines re-reads them)
 PER_MODEL_FILE = True  # the ids' meaning depends on the target's model file
 NEEDS_TARGET_ARCH = True  # so no reading without the target's architecture

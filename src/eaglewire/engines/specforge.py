@@ -15,6 +15,8 @@ from typing import Any
 from eaglewire.contract import EngineConventionError
 from eaglewire.engines import sglang
 
+NAME = "specforge"
+
 
 def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
     for b in boundaries:

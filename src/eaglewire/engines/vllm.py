@@ -56,6 +56,8 @@ from eaglewire.engines.shared import FormatError, llama_layer_config, parse_llam
 
 log = logging.getLogger(__name__)
 
+NAME = "vllm"
+FORMAT_NAME = "speculators"  # its checkpoint format's name: an alias of the engine
 VERSION = "0.33.0"  # the release these readings were taken from (tests/engines re-reads them)
 PER_MODEL_FILE = True  # whether it serves EAGLE-3 at all depends on the target's model file
 

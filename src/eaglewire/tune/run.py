@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eaglewire.engines import names as engine_names
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.tune.costs import EngineCosts, fit_costs, stated_costs
 from eaglewire.tune.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
@@ -56,7 +57,7 @@ class TuneConfig:
     @property
     def rule(self) -> str:
         """Whose chain-stopping rule the shapes follow (SGLang and vLLM stop as eaglewire does)."""
-        return "llamacpp" if self.engine == "llamacpp" else "eaglewire"
+        return LLAMACPP if self.engine == LLAMACPP else "eaglewire"
 
 
 @dataclass
@@ -121,7 +122,7 @@ def _llamacpp_files(config: TuneConfig) -> tuple[Path, Path]:
     from eaglewire.engines import export_draft
 
     out = work_dir(config) / "llamacpp-export"
-    report = export_draft(config.draft, "llamacpp", out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
+    report = export_draft(config.draft, LLAMACPP, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
                     threads=config.llamacpp_threads)
     draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
         f for f in report.files if f.startswith("draft-"))
@@ -138,7 +139,7 @@ def measure(config: TuneConfig, target, draft, contract, prompts: list[list[int]
     steps = list(range(1, config.max_steps + 1))
     common = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed,
                   progress=say)
-    if config.engine == "llamacpp":
+    if config.engine == LLAMACPP:
         from eaglewire.engines.llamacpp import require_server
 
         model, draft_gguf = _llamacpp_files(config)
@@ -146,7 +147,7 @@ def measure(config: TuneConfig, target, draft, contract, prompts: list[list[int]
         probe = probe_llamacpp(require_server(config.llamacpp_dir), model, draft_gguf, prompts, steps=steps,
                                threads=config.llamacpp_threads, log_dir=work_dir(config),
                                flags=shlex.split(config.llamacpp_flags or ""), **common)
-        return fit_costs("llamacpp", probe.plain, probe.chains), probe.outputs
+        return fit_costs(LLAMACPP, probe.plain, probe.chains), probe.outputs
     if config.engine == "eaglewire":
         probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, stop_ids=stops, **common)
         return fit_costs("eaglewire", probe.plain, probe.chains), probe.outputs

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from eaglewire.doctor.replay import accepted_after
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.tune.trace import DraftTrace
 
-ENGINE_RULES = ("llamacpp", "eaglewire")
+ENGINE_RULES = (LLAMACPP, "eaglewire")
 
 
 @dataclass(frozen=True, order=True)
@@ -43,7 +44,7 @@ class Shape:
     def label(self, engine: str) -> str:
         if self.plain:
             return "plain"
-        if engine == "llamacpp":
+        if engine == LLAMACPP:
             return (f"--spec-draft-n-max {self.n_max} --spec-draft-n-min {self.n_min} "
                     f"--spec-draft-p-min {self.p_min:g}")
         return f"chain of {self.n_max}" + (f", --draft-min-prob {self.p_min:g}" if self.p_min else "")
@@ -71,7 +72,7 @@ def drafted_tokens(trace: DraftTrace, column: int, shape: Shape, engine: str) ->
     if engine not in ENGINE_RULES:
         raise ValueError(f"engine {engine!r}: tune knows {', '.join(ENGINE_RULES)}")
     n = min(shape.n_max, trace.steps)
-    if engine == "llamacpp":
+    if engine == LLAMACPP:
         probs = trace.prob_top[:n, column]  # [n]
         below = (probs < shape.p_min).nonzero()
         d = int(below[0]) if len(below) else n

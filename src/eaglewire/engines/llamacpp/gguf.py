@@ -26,7 +26,7 @@ from dataclasses import replace
 from eaglewire.checkpoint import DraftFiles
 from eaglewire.engines import vllm
 from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice
-from eaglewire.engines.llamacpp import install as engine
+from eaglewire.engines.llamacpp import installation as engine
 from eaglewire.engines.llamacpp.readings import DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES, to_ids
 from eaglewire.engines.shared import FormatError
 from eaglewire.fileio import atomic_write_text

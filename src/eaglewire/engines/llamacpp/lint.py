@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eaglewire.engines.flags import parse_flags
-from eaglewire.engines.llamacpp.install import BUILD
+from eaglewire.engines.llamacpp.installation import BUILD
 
 # flag -> what replaced it (removed at this build: llama-server exits on them)
 REMOVED_FLAGS = {"--draft": "--spec-draft-n-max", "--draft-n": "--spec-draft-n-max", "--draft-max": "--spec-draft-n-max",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from eaglewire.contract import EngineConventionError, default_aux_boundaries
 
+NAME = "llamacpp"
 NUM_AUX = 3  # llama.cpp (build 11434) fuses exactly three target states
 DRAFT_OUTTYPES = ("q8_0", "f16", "bf16", "f32")
 TARGET_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "none")
@@ -80,7 +81,7 @@ def layer_input_archs(tree: Path) -> set[str]:
     return {names[a] for a in archs if a in names}
 
 
-# At build 11434 (install.BUILD; layer_input_archs of its tree; a test checks the two agree when the tree is here).
+# At build 11434 (installation.BUILD; layer_input_archs of its tree; a test checks the two agree when the tree is here).
 EAGLE3_TARGET_ARCHS = frozenset({
     "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan-dense", "hunyuan_vl", "lfm2", "lfm2moe", "llama",
     "llama-embed", "mimo2", "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "nemotron_h_moe",

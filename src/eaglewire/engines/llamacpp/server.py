@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from eaglewire.engines.llamacpp.install import LlamaCppError
+from eaglewire.engines.llamacpp.installation import LlamaCppError
 
 log = logging.getLogger(__name__)
 
