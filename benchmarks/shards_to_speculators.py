@@ -37,7 +37,7 @@ Convention mapping (checked against speculators 0.9 source: train/data.py
   order. speculators reads ``hidden_states[:, :-1].flatten(1)`` as the fc input, so the
   concatenation order is ours. Its ``eagle_aux_hidden_state_layer_ids`` are boundaries
   verbatim (vLLM numbering: id b = input of layer b, 0 = embedding output), so boundaries
-  [2, 15, 27] are ``--target-layer-ids 2 15 27`` (``contract.to_engine(.., "speculators")``).
+  [2, 15, 27] are ``--target-layer-ids 2 15 27`` (``engines.to_engine(.., "speculators")``).
 - ``hidden_states[:, k]`` = our ``last_hidden`` = boundary L (L = 30 for SmolLM2-135M): the
   last decoder layer's output *before* the final norm. speculators reads
   ``hidden_states[:, -1]`` as ``verifier_last_hidden_states`` and computes its targets as
@@ -69,7 +69,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eaglewire.contract import to_engine
+from eaglewire.engines import to_engine
 from eaglewire.data.shards import ShardDataset, ShardWriter
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.target import load_target, resolve_target_path

@@ -188,7 +188,7 @@ def test_defaults_and_choices_have_one_spelling():
     import dataclasses
 
     from eaglewire.decode.sampling import MAX_NEW_TOKENS
-    from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
+    from eaglewire.engines import names as engine_names
     from eaglewire.presets import DEFAULT_TARGET, TARGET_PRESETS
 
     assert DEFAULT_TARGET in TARGET_PRESETS
@@ -200,8 +200,8 @@ def test_defaults_and_choices_have_one_spelling():
         if name in ("generate", "bench", "prepare"):
             assert defaults["max_new_tokens"] == MAX_NEW_TOKENS, name
     flags = {cmd: {a.dest: a for a in subcommands()[cmd]._actions} for cmd in ("export", "import")}
-    assert tuple(flags["export"]["to"].choices) == EXPORT_FORMATS
-    assert tuple(flags["import"]["from"].choices) == IMPORT_FORMATS
+    assert tuple(flags["export"]["to"].choices) == engine_names("export")
+    assert tuple(flags["import"]["from"].choices) == engine_names("import")
 
 
 PREPARE = ["--max-length", "64", "--batch-tokens", "256", "--shard-tokens", "64", "--no-progress"]
@@ -298,9 +298,9 @@ def _spec(**kw):
 
 
 def _export(**kw):
-    from eaglewire.engine_configs import ExportSettings
+    from eaglewire.engines import ExportConfig
 
-    return ExportSettings(**kw)
+    return ExportConfig(**kw)
 
 
 # Per command: a --config file (flag spellings and nested mappings included), the constructor

@@ -3,22 +3,21 @@ import dataclasses
 import pytest
 
 from eaglewire.contract import (
-    SGLANG_FILES,
     TARGET_ARCHS,
-    VLLM_FILES,
     ContractError,
     EngineConventionError,
     HiddenStateContract,
     TargetFingerprint,
     default_aux_boundaries,
-    engine_refusal,
-    from_engine,
-    sglang_ambiguity,
-    sglang_readings,
     target_arch,
-    to_engine,
     validate_boundaries,
 )
+from eaglewire.engines import from_engine, to_engine
+from eaglewire.engines import refusal as engine_refusal
+from eaglewire.engines.sglang import FILES as SGLANG_FILES
+from eaglewire.engines.sglang import ambiguity as sglang_ambiguity
+from eaglewire.engines.sglang import readings as sglang_readings
+from eaglewire.engines.vllm import FILES as VLLM_FILES
 
 FP = TargetFingerprint(architecture="LlamaForCausalLM", num_layers=30, hidden_size=576,
                        vocab_size=49152, tokenizer_sha256="tok", chat_template_sha256="tmpl",

@@ -292,7 +292,7 @@ def test_doctor_catches_an_sglang_vllm_off_by_one(tmp_path, trained, smollm2_tar
 
 @pytest.mark.real
 def test_doctor_passes_a_correctly_wired_draft(tmp_path, trained, smollm2_target):
-    from eaglewire.formats import export_draft
+    from eaglewire.engines import export_draft
 
     draft, shards = trained["default"]
     export_draft(draft, "sglang", tmp_path / "sglang")
@@ -310,7 +310,7 @@ def test_doctor_passes_a_correctly_wired_draft(tmp_path, trained, smollm2_target
 
 
 def test_launch_flags_parse_as_a_shell_splits_them_for_every_engine():
-    from eaglewire.doctor.serving import parse_flags
+    from eaglewire.engines.flags import parse_flags
 
     flags = parse_flags("--speculative-num-steps 3 --speculative-config='{\"a\": 1}' -t 2 --metrics -td 2 --x -1")
     assert flags == {"--speculative-num-steps": "3", "--speculative-config": '{"a": 1}', "-t": "2",

@@ -94,7 +94,7 @@ def test_stored_needs_data(setup):
 def test_doctor_takes_a_foreign_draft_and_states_its_reading(setup, tmp_path):
     import json
 
-    from eaglewire.formats import export_draft
+    from eaglewire.engines import export_draft
 
     root, target_dir, target = setup
     export_draft(root / "draft", "sglang", tmp_path / "sg")

@@ -13,7 +13,7 @@ from eaglewire.contract import HiddenStateContract
 from eaglewire.data.shards import ShardWriter
 from eaglewire.draft import DraftConfig, Eagle3Draft
 from eaglewire.foreign_draft import detect_draft_format, load_any_draft
-from eaglewire.formats import export_draft
+from eaglewire.engines import export_draft
 from eaglewire.train import TrainConfig, train
 from tiny import tiny_target
 

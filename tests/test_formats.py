@@ -16,9 +16,10 @@ from safetensors.torch import load_file, save_file
 from eaglewire.checkpoint import read_draft_config, save_draft
 from eaglewire.contract import ContractError, EngineConventionError, HiddenStateContract
 from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.formats import (FormatError, export_draft, import_draft, infer_boundaries, sglang,
-                               specforge, speculators)
-from eaglewire.formats import eagle as eagle_format
+from eaglewire.engines import FormatError, export_draft, import_draft, infer_boundaries, sglang, specforge
+from eaglewire.engines import eagle as eagle_format
+from eaglewire.engines import shared
+from eaglewire.engines import vllm as speculators
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -399,7 +400,7 @@ def test_specforge_full_vocab_bf16_checkpoint_imports(tmp_path, chat_tiny_target
 def test_vocab_maps_are_completed_or_refused():
     d2t = torch.tensor([0, 1, 3])  # draft 0, 1, 2 -> target 0, 2, 5
     t2d = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool)
-    full = eagle_format.complete_vocab_maps
+    full = shared.complete_vocab_maps
     assert torch.equal(full(d2t, None, vocab_size=6, draft_vocab_size=3, where="x")[1], t2d)
     assert torch.equal(full(None, t2d, vocab_size=6, draft_vocab_size=3, where="x")[0], d2t)
     assert full(d2t, ~t2d, vocab_size=6, draft_vocab_size=3, where="x")[2]  # disagreement noted

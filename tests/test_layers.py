@@ -15,9 +15,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("eaglewire", "eaglewire.contract", "eaglewire.configs", "eaglewire.presets", "eaglewire.fileio",
               "eaglewire.errors", "eaglewire.locks",
               "eaglewire.distributed", "eaglewire.machine", "eaglewire.tokens", "eaglewire.vocab", "eaglewire.plots",
-              "eaglewire.prompts", "eaglewire.ttt_attention", "eaglewire.engines")),
+              "eaglewire.prompts", "eaglewire.ttt_attention")),
     ("model", ("eaglewire.target", "eaglewire.target_head", "eaglewire.capture", "eaglewire.draft", "eaglewire.vocab_shrink", "eaglewire.ttt",
-               "eaglewire.checkpoint", "eaglewire.formats", "eaglewire.foreign_draft")),
+               "eaglewire.checkpoint")),
+    ("engines", ("eaglewire.engines", "eaglewire.foreign_draft")),
     ("decode", ("eaglewire.decode",)),
     ("data", ("eaglewire.data",)),
     ("train", ("eaglewire.train",)),
@@ -159,7 +160,7 @@ def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
     g = graph()
     assert "eaglewire.runtime" in g["eaglewire.server"]  # module level
     assert "eaglewire.quickstart" in g["eaglewire.cli"]  # inside a function
-    assert "eaglewire.formats.sglang" in g["eaglewire.formats.specforge"]  # from package import module
+    assert "eaglewire.engines.sglang" in g["eaglewire.engines.specforge"]  # from package import module
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     # two packages importing each other through different modules is a package cycle, not a module cycle

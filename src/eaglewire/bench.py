@@ -27,6 +27,8 @@ from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
 from eaglewire.locks import directory_lock
+from eaglewire.engines import names as engine_names
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.presets import DEFAULT_TARGET
 from eaglewire.prompts import Prompt, load_prompts
 from eaglewire.target import load_target
@@ -35,7 +37,7 @@ from eaglewire.target import load_target
 log = logging.getLogger(__name__)
 
 COMPARE_METHODS = ("hf", "hf-pld")
-ENGINES = ("eaglewire", "llamacpp")
+ENGINES = engine_names("run_here")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
 HELDOUT = "sharegpt-heldout"
 RECOMMENDED = "recommended"
@@ -73,7 +75,7 @@ class BenchConfig:
         unknown_engines = sorted(set(self.engine) - set(ENGINES))
         if unknown_engines or not self.engine or len(set(self.engine)) < len(self.engine):
             raise ValueError(f"--engine {','.join(self.engine)}: give {' or '.join(ENGINES)} or both, each once")
-        if "llamacpp" in self.engine:
+        if LLAMACPP in self.engine:
             llamacpp_runs(runs)  # a config llama.cpp cannot run is an error now, not after loading
             if self.llamacpp_threads < 1:
                 raise ValueError(f"--llamacpp-threads must be >= 1, got {self.llamacpp_threads}")
@@ -272,7 +274,7 @@ def same_output_across_engines(row: Row, rows: list[Row]) -> int | None:
     """For a llama.cpp row: prompts whose output equals eaglewire's plain row's, up to the stop
     token (eaglewire keeps it, llama.cpp drops it); None without both rows."""
     ours = next((r for r in rows if r.method == "plain" and r.engine_name == "eaglewire"), None)
-    if row.engine_name != "llamacpp" or ours is None:
+    if row.engine_name != LLAMACPP or ours is None:
         return None
     return sum(a[:len(b)] == b and len(a) - len(b) <= 1 or b[:len(a)] == a and len(b) - len(a) <= 1
                for a, b in zip(ours.outputs, row.outputs))
@@ -406,7 +408,7 @@ def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
 
         tok = target.tokenizer if target is not None else load_tokenizer(config.target)
         encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
-    if "llamacpp" in config.engine:
+    if LLAMACPP in config.engine:
         rows += _run_llamacpp(config, encoded, progress)
     return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
 
@@ -483,7 +485,8 @@ def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
     if config.llamacpp_target and (config.llamacpp_draft or not needs_draft):
         return Path(config.llamacpp_target), Path(config.llamacpp_draft) if config.llamacpp_draft else None
     from eaglewire.engines.llamacpp import require_tree
-    from eaglewire.formats.llamacpp import export, target_architecture, target_gguf
+    from eaglewire.engines import export_draft
+    from eaglewire.engines.llamacpp import target_architecture, target_gguf
     from eaglewire.target import resolve_target_path
 
     if not needs_draft:
@@ -491,7 +494,7 @@ def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
         return target_gguf(target_dir, target_architecture(target_dir), "f32",
                            tree=require_tree(config.llamacpp_dir)), None
     out = config.out_dir / "llamacpp-export"
-    report = export(config.draft, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
+    report = export_draft(config.draft, LLAMACPP, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
                     threads=config.llamacpp_threads, allow=set(config.allow_target_mismatch or ()))
     draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
         f for f in report.files if f.startswith("draft-"))
@@ -526,5 +529,5 @@ def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool)
                 stats.append(llamacpp_stats(answer, steps, 0 if run is None else run.num_steps))
                 outputs.append(list(answer.get("tokens") or []))
         rows.append(Row(f"llamacpp {config_label(run)}", "plain" if run is None else "eagle3", stats, outputs,
-                        engine_name="llamacpp"))
+                        engine_name=LLAMACPP))
     return rows

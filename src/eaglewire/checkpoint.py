@@ -8,6 +8,7 @@ leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,42 @@ def read_draft_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+@dataclass(frozen=True)
+class DraftFiles:
+    """A native draft directory as read once: its config.json, contract and DraftConfig (the
+    tensors on demand). The one reader of a draft directory: loading, every export and the
+    llama.cpp export start from it."""
+
+    path: Path
+    config: dict[str, Any]
+    contract: HiddenStateContract
+    draft_config: DraftConfig
+
+    @property
+    def target_spec(self) -> str | None:
+        """The target the draft was trained against, as training recorded it."""
+        return (self.config.get("training") or {}).get("target")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        weights = self.path / "model.safetensors"
+        with reading(weights, f"the draft directory {self.path} is damaged (a cut copy or download?): copy it "
+                     "again, or re-export it from its training run"):
+            return load_file(str(weights))
+
+
+def read_draft(path: str | Path) -> DraftFiles:
+    """Read a native draft directory (a preset name is resolved); ContractError when its
+    DraftConfig and its contract disagree on the number of fused states."""
+    path = resolve_draft(path)
+    config = read_draft_config(path)
+    contract = HiddenStateContract.from_dict(config["contract"])
+    draft_config = DraftConfig.from_dict(config["draft"])
+    if draft_config.num_aux != contract.num_aux:
+        raise ContractError(f"draft {path} fuses {draft_config.num_aux} states but its contract "
+                            f"lists {contract.num_aux} boundaries")
+    return DraftFiles(path=Path(path), config=config, contract=contract, draft_config=draft_config)
+
+
 def load_draft(path: str | Path, *, target=None, allow: set[str] | frozenset[str] = frozenset(),
                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load a draft directory -> (draft, contract, config dict).
@@ -63,21 +100,11 @@ def load_draft(path: str | Path, *, target=None, allow: set[str] | frozenset[str
     different target is a ContractError naming the differing fields (``allow`` lets
     deliberate differences through as warnings).
     """
-    path = resolve_draft(path)
-    config = read_draft_config(path)
-    contract = HiddenStateContract.from_dict(config["contract"])
+    files = read_draft(path)
     if target is not None:
-        contract.check_target(target.fingerprint, what=f"draft {path}", allow=allow)
-    draft_config = DraftConfig.from_dict(config["draft"])
-    if draft_config.num_aux != contract.num_aux:
-        raise ContractError(f"draft {path} fuses {draft_config.num_aux} states but its contract "
-                            f"lists {contract.num_aux} boundaries")
-    draft = Eagle3Draft(draft_config)
-    weights = Path(path) / "model.safetensors"
-    with reading(weights, f"the draft directory {path} is damaged (a cut copy or download?): copy it again, "
-                 "or re-export it from its training run"):
-        state = load_file(str(weights))
-    missing, unexpected = draft.load_state_dict(state, strict=False)
+        files.contract.check_target(target.fingerprint, what=f"draft {files.path}", allow=allow)
+    draft = Eagle3Draft(files.draft_config)
+    missing, unexpected = draft.load_state_dict(files.state(), strict=False)
     if missing or unexpected:
-        raise ValueError(f"draft {path}: tensors missing {missing}, unexpected {unexpected}")
-    return draft.to(device=device, dtype=dtype).eval(), contract, config
+        raise ValueError(f"draft {files.path}: tensors missing {missing}, unexpected {unexpected}")
+    return draft.to(device=device, dtype=dtype).eval(), files.contract, files.config

@@ -112,17 +112,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eaglewire.engine_configs import ExportConfig
-    from eaglewire.formats import export_draft
+    from eaglewire.engine_configs import ExportCommandConfig
+    from eaglewire.engines import export_draft
 
-    c = config_from_args(ExportConfig, args)
+    c = config_from_args(ExportCommandConfig, args)
     print(export_draft(c.draft, c.to, c.out, allow=c.allow, **asdict(c.export)).summary())
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from eaglewire.engine_configs import ImportConfig
-    from eaglewire.formats import import_draft
+    from eaglewire.engines import import_draft
     from eaglewire.target import load_target
 
     c = config_from_args(ImportConfig, args)
@@ -204,9 +204,10 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target, and which code says so."""
-    from eaglewire.contract import (ENGINES, SGLANG_VERSION, VLLM_VERSION, EngineConventionError, default_aux_boundaries,
-                                    model_file, sglang_families, target_arch, to_engine, validate_boundaries)
+    from eaglewire import engines
     from eaglewire.command_configs import ContractConfig
+    from eaglewire.contract import EngineConventionError, default_aux_boundaries, target_arch, validate_boundaries
+    from eaglewire.engines import sglang, vllm
 
     config = config_from_args(ContractConfig, args)
     if config.num_layers is None:
@@ -219,21 +220,23 @@ def cmd_contract(args: argparse.Namespace) -> int:
     arch = target_arch(arch) if arch else None
     bounds = validate_boundaries(config.aux_boundaries or default_aux_boundaries(num_layers), num_layers)
     result: dict[str, object] = {"num_layers": num_layers, "aux_boundaries": bounds, "target_arch": arch,
-                                 "versions": {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}}
+                                 "versions": {m.NAME: m.VERSION for m in (sglang, vllm)}}
 
     def ids(engine: str, a: str | None) -> object:
         try:
-            return to_engine(bounds, num_layers, engine, target_arch=a)
+            return engines.to_engine(bounds, num_layers, engine, target_arch=a)
         except EngineConventionError as e:
             return f"not expressible: {e}"
 
-    for engine in ENGINES:
-        if engine == "sglang" and arch is None:  # the rule depends on the model file: show every one
-            result[engine] = {family: ids(engine, archs[0]) for family, archs in sglang_families().items()}
+    for engine in (n for n in engines.names() if n != "eaglewire"):  # eaglewire's own reads the contract
+        e = engines.get(engine)
+        if e.needs_target_arch and arch is None:  # the rule depends on the model file: show every one
+            result[engine] = {family: ids(engine, archs[0]) for family, archs in e.module.families().items()}
         else:
-            result[engine] = ids(engine, arch if engine in ("sglang", "vllm", "speculators") else None)
+            result[engine] = ids(engine, arch if e.per_model_file else None)
     if arch is not None:
-        result["rules"] = {e: f"{model_file(e, arch).path}: {model_file(e, arch).function}" for e in ("sglang", "vllm")}
+        result["rules"] = {m.__name__.rpartition(".")[2]: f"{m.file_for(arch).path}: {m.file_for(arch).function}"
+                           for m in (sglang, vllm)}
     print(json.dumps(result, indent=2))
     return 0
 
@@ -255,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eaglewire.data.import_data import ImportDataConfig
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.doctor import DoctorConfig
-    from eaglewire.engine_configs import EnginesConfig, ExportConfig, ImportConfig
+    from eaglewire.engine_configs import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig
     from eaglewire.server import ServeConfig, cmd_serve
     from eaglewire.train import TrainConfig
@@ -274,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
              "the whole pipeline on the default target: data, draft, doctor, bench", progress=True)
     _command(sub, "doctor", DoctorConfig, cmd_doctor,
              "the standalone wiring test: is the draft fed what it was trained on?")
-    _command(sub, "export", ExportConfig, cmd_export,
+    _command(sub, "export", ExportCommandConfig, cmd_export,
              "write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
     _command(sub, "engines", EnginesConfig, cmd_engines, "install or find third-party engines (llama.cpp)",
              progress=True)

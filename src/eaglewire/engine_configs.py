@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eaglewire.formats import EXPORT_FORMATS, IMPORT_FORMATS
-from eaglewire.formats.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
+from eaglewire.engines import llamacpp
+from eaglewire.engines import names as engine_names
+from eaglewire.engines.export import ExportConfig
+from eaglewire.engines.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
 
+EXPORT_FORMATS = engine_names("export")
+IMPORT_FORMATS = engine_names("import")
 ENGINE_ACTIONS = ("install", "which")
-INSTALLABLE_ENGINES = ("llamacpp",)  # third-party engines `eaglewire engines` installs or finds
+INSTALLABLE_ENGINES = (llamacpp.NAME,)  # third-party engines `eaglewire engines` installs or finds
 
 _ALLOW_HELP = ("target fingerprint fields allowed to differ from the draft's, e.g. weights_sha256 for a "
                "requantized target")
@@ -21,40 +25,20 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(kw_only=True)
-class ExportSettings:
-    """How the library writes an export (``formats.export_draft``'s keyword arguments). On the engines
-    branch this is ``engines.export.ExportConfig``: at the merge, that class takes this one's place."""
+class ExportCommandConfig:
+    """``eaglewire export``: which draft, to which engine, where; ``export`` holds how it is written
+    (the library's ``ExportConfig``, every default once)."""
 
-    target_arch: str | None = field(default=None, metadata={
-        "help": "the target's architecture, whose model file sets the engine's reading of the ids (default: the "
-                "one the draft records), e.g. llama, qwen3, deepseek_v3"})
-    verifier_name: str | None = field(default=None, metadata={
-        "help": "target path or hub id written into the export (default: the recorded target, as an absolute "
-                "path when it is a local directory)"})
-    num_steps: int = field(default=5, metadata={"help": "speculative steps suggested in SERVING.md"})
-    outtype: str = field(default="q8_0", metadata={"choices": DRAFT_OUTTYPES, "help": "llamacpp: the draft GGUF's weights"})
-    target_outtype: str = field(default="f16", metadata={
-        "choices": TARGET_OUTTYPES, "help": "llamacpp: also write the target as GGUF of this type (none: skip)"})
-    llamacpp_dir: str | None = field(default=None, metadata={
-        "help": "llamacpp: a llama.cpp tree (default: the one `engines install` made)"})
-
-    def __post_init__(self) -> None:
-        _choice("--outtype", self.outtype, DRAFT_OUTTYPES)
-        _choice("--target-outtype", self.target_outtype, TARGET_OUTTYPES)
-        if self.num_steps < 1:
-            raise ValueError(f"--num-steps must be >= 1, got {self.num_steps}")
-
-
-@dataclass(kw_only=True)
-class ExportConfig:
     draft: str = field(metadata={"help": "native draft directory, or `reference` (the shipped draft)"})
     to: str = field(metadata={"choices": EXPORT_FORMATS, "help": "the engine format to write"})
     out: str = field(metadata={"help": "output directory"})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": _ALLOW_HELP})
-    export: ExportSettings = field(default_factory=ExportSettings)  # its fields are flags of their own
+    export: ExportConfig = field(default_factory=ExportConfig)  # its fields are flags of their own
 
     def __post_init__(self) -> None:
         _choice("--to", self.to, EXPORT_FORMATS)
+        _choice("--outtype", self.export.outtype, DRAFT_OUTTYPES)
+        _choice("--target-outtype", self.export.target_outtype, TARGET_OUTTYPES)
 
     @property
     def allow(self) -> set[str]:

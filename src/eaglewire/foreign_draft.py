@@ -1,7 +1,7 @@
 """Use a draft directory from another tool where a native draft is expected.
 
 The directory's format is detected from its config.json and it is converted in memory (into a
-temporary directory) through ``formats.import_draft``, which states the convention it read the
+temporary directory) through ``engines.import_draft``, which states the convention it read the
 ids in. Detection:
 
 | config.json                                   | read as      | ids mean                       |
@@ -12,7 +12,7 @@ ids in. Detection:
 | none of these                                 | eagle        | the hard-coded [2, L//2, L-3]  |
 
 SGLang and SpecForge write the same files; SGLang reads the ids per target model file
-(``contract.py``), and the import's notes name the readings that disagree. An eaglewire export's recorded contract wins.
+(``engines/sglang.py``), and the import's notes name the readings that disagree. An eaglewire export's recorded contract wins.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglewire.checkpoint import CHECKPOINT_FORMAT, load_draft
+from eaglewire.engines import eagle, specforge, vllm
 from eaglewire.presets import resolve_draft
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,10 @@ def detect_draft_format(path: str | Path) -> str:
     if config.get("format") == CHECKPOINT_FORMAT:
         return "native"
     if "speculators_model_type" in config:
-        return "speculators"
+        return vllm.FORMAT_NAME
     if isinstance(config.get("eagle_config"), dict):
-        return "specforge"
-    return "eagle"
+        return specforge.NAME
+    return eagle.NAME
 
 
 def load_any_draft(path: str | Path, *, target, allow: set[str] | frozenset[str] = frozenset(),
@@ -58,7 +59,7 @@ def load_any_draft(path: str | Path, *, target, allow: set[str] | frozenset[str]
     fmt = detect_draft_format(native)
     if fmt == "native":
         return (*load_draft(native, target=target if check_native else None, allow=allow, **kw), [])
-    from eaglewire.formats import import_draft
+    from eaglewire.engines import import_draft
 
     with tempfile.TemporaryDirectory(prefix="eaglewire-draft-") as tmp:
         report = import_draft(native, fmt, target, Path(tmp) / "draft", allow=allow)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglewire.contract import SGLANG_VERSION, VLLM_VERSION
+from eaglewire.engines.sglang import VERSION as SGLANG_VERSION
+from eaglewire.engines.vllm import VERSION as VLLM_VERSION
 from eaglewire.presets import cache_dir
 
 PINNED = {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}

@@ -15,11 +15,13 @@ from typing import Any, List, Optional
 
 import pytest
 
-from eaglewire.contract import (SGLANG_FILES, TARGET_ARCHS, VLLM_FILES, ContractError, EngineConventionError,
-                                from_engine, to_engine)
+from eaglewire.contract import TARGET_ARCHS, ContractError, EngineConventionError
+from eaglewire.engines import from_engine, to_engine
+from eaglewire.engines.sglang import FILES as SGLANG_FILES
+from eaglewire.engines.vllm import FILES as VLLM_FILES
 from eaglewire.draft import DraftConfig
-from eaglewire.formats import sglang as sglang_format
-from eaglewire.formats import speculators as speculators_format
+from eaglewire.engines import sglang as sglang_format
+from eaglewire.engines import vllm as speculators_format
 
 pytestmark = pytest.mark.engines
 

@@ -34,10 +34,10 @@ def server_binary():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, server_binary):
     pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece (eaglewire[llamacpp])")
-    from eaglewire.formats.llamacpp import export
+    from eaglewire.engines import export_draft
 
     out = tmp_path_factory.mktemp("llamacpp-export")
-    report = export("reference", out, outtype="q8_0", target_outtype="f32", num_steps=3)
+    report = export_draft("reference", "llamacpp", out, outtype="q8_0", target_outtype="f32", num_steps=3)
     return out, report
 
 
@@ -57,7 +57,7 @@ def drafted_server(exported, server_binary):
 
 
 def test_exported_draft_loads_unedited_with_the_contracts_layers(exported, drafted_server, prompt_ids):
-    from eaglewire.formats.llamacpp import draft_layers, read_gguf_metadata
+    from eaglewire.engines.llamacpp import draft_layers, read_gguf_metadata
 
     out, report = exported
     assert draft_layers(read_gguf_metadata(out / "draft-q8_0.gguf")) == report.aux_boundaries == [2, 15, 27]

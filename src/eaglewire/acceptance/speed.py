@@ -18,11 +18,14 @@ from typing import Callable
 from eaglewire.acceptance.costs import EngineCosts, fit_costs, stated_costs
 from eaglewire.acceptance.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
 from eaglewire.acceptance.trace import trace_text
+from eaglewire.engines import names as engine_names
+from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 
 log = logging.getLogger(__name__)
 
-MEASURED_ENGINES = ("eaglewire", "llamacpp")
-STATED_ENGINES = ("sglang", "vllm")
+MEASURED_ENGINES = engine_names("run_here")  # timed here
+STATED_ENGINES = engine_names("stated_costs", aliases=False)  # a stated cost model (GPU engines)
 DEFAULT_PROMPTS = 12  # τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68
 
 Progress = Callable[[str], None]
@@ -30,7 +33,7 @@ Progress = Callable[[str], None]
 
 def chain_rule(engine: str) -> str:
     """Whose chain-stopping rule the shapes follow (SGLang and vLLM stop as eaglewire does)."""
-    return "llamacpp" if engine == "llamacpp" else "eaglewire"
+    return LLAMACPP if engine == LLAMACPP else EAGLEWIRE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +41,7 @@ class SpeedQuery:
     """What a speed ranking measures: an engine (measured here, or a stated cost model), how many
     tokens per prompt, and the shapes it ranks."""
 
-    engine: str = "eaglewire"  # MEASURED_ENGINES are timed here, STATED_ENGINES take the stated costs
+    engine: str = EAGLEWIRE  # MEASURED_ENGINES are timed here, STATED_ENGINES take the stated costs
     max_new_tokens: int = 128  # tokens per prompt
     max_steps: int = 6  # longest chain ranked (and probed)
     p_mins: tuple[float, ...] = DEFAULT_P_MINS  # probability stops ranked
@@ -78,10 +81,11 @@ def llamacpp_setup(draft_dir: str, work_dir: Path, *, target_gguf: str | None, d
     if target_gguf and draft_gguf:
         model, draft = Path(target_gguf), Path(draft_gguf)
     else:
-        from eaglewire.formats.llamacpp import export
+        from eaglewire.engines import export_draft
 
         out = work_dir / "llamacpp-export"
-        report = export(draft_dir, out, target_outtype="f32", llamacpp_dir=llamacpp_dir, threads=threads)
+        report = export_draft(draft_dir, LLAMACPP, out, target_outtype="f32", llamacpp_dir=llamacpp_dir,
+                              threads=threads)
         draft = Path(draft_gguf) if draft_gguf else out / next(f for f in report.files if f.startswith("draft-"))
         model = Path(target_gguf) if target_gguf else out / "target-f32.gguf"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -109,20 +113,20 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
     from eaglewire.acceptance.probe import probe_eaglewire, probe_llamacpp
     from eaglewire.tokens import stop_token_ids
 
-    if query.engine == "llamacpp" and llamacpp is None:
+    if query.engine == LLAMACPP and llamacpp is None:
         raise ValueError("engine 'llamacpp' is timed on its own GGUFs: pass llamacpp=llamacpp_setup(...)")
     stops = set(stop_token_ids(target.tokenizer, target.model))
     steps = list(range(1, query.max_steps + 1))
     common = dict(max_new_tokens=query.max_new_tokens, temperature=query.temperature, seed=query.seed,
                   progress=say)
-    if query.engine == "llamacpp":
+    if query.engine == LLAMACPP:
         probe = probe_llamacpp(llamacpp.server, llamacpp.model, llamacpp.draft, prompts, steps=steps,
                                threads=llamacpp.threads, log_dir=llamacpp.log_dir, flags=list(llamacpp.flags),
                                **common)
-        return fit_costs("llamacpp", probe.plain, probe.chains), probe.outputs
-    if query.engine == "eaglewire":
+        return fit_costs(LLAMACPP, probe.plain, probe.chains), probe.outputs
+    if query.engine == EAGLEWIRE:
         probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, stop_ids=stops, **common)
-        return fit_costs("eaglewire", probe.plain, probe.chains), probe.outputs
+        return fit_costs(EAGLEWIRE, probe.plain, probe.chains), probe.outputs
     probe = probe_eaglewire(target, None, None, prompts, steps=[], stop_ids=stops, **common)
     return stated_costs(query.rule, verify_per_token=query.verify_cost, draft_step=query.draft_cost,
                         max_k=query.max_steps), probe.outputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eaglewire.doctor.serving import SERVING_ENGINES
+from eaglewire import engines as engine_registry
 from eaglewire.presets import DEFAULT_TARGET
 
 
@@ -21,7 +21,7 @@ class DoctorConfig:
     include_training: bool = field(default=False, metadata={"help": "measure on any sequences, not only those "
                                                                      "the draft held out from training"})
     steps: int = field(default=3, metadata={"help": "draft steps measured in isolation (acc@0, cond acc@1..)"})
-    engine: str = field(default="eaglewire", metadata={"help": "serving engine: eaglewire, sglang, vllm, speculators, llamacpp"})
+    engine: str = field(default="eaglewire", metadata={"help": "serving engine: " + ", ".join(engine_registry.names("lint"))})
     engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load (llamacpp: the draft .gguf)"})
     engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
     target_arch: str | None = field(default=None, metadata={"help": "the target's architecture as the engine loads "
@@ -49,10 +49,10 @@ class DoctorConfig:
             raise ValueError("give --data (shards) or --conversations, not both")
         if not self.stored and (self.compare_data or self.labels != "head"):
             raise ValueError("--compare-data and --labels read stored states: add --stored")
-        engines = tuple(dict.fromkeys(SERVING_ENGINES + ("llamacpp",)))
+        engines = engine_registry.names("lint")
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(engines)}")
-        if self.engine_url and self.engine != "llamacpp":
+        if self.engine_url and not engine_registry.get(self.engine).can("measure"):
             raise ValueError(f"--engine-url measures a running llama-server; it needs --engine llamacpp, not {self.engine!r}")
         for name in ("num_sequences", "max_length", "steps", "min_tokens"):
             if getattr(self, name) < 1:

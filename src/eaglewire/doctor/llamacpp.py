@@ -12,83 +12,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.serving import parse_flags
 from eaglewire.engines import llamacpp as engine
+from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, lint_flags
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 
-# flag -> what replaced it (removed at this build: llama-server exits on them)
-REMOVED_FLAGS = {"--draft": "--spec-draft-n-max", "--draft-n": "--spec-draft-n-max", "--draft-max": "--spec-draft-n-max",
-                 "--draft-min": "--spec-draft-n-min", "--draft-n-min": "--spec-draft-n-min"}
-DRAFT_MODEL_FLAGS = ("-md", "--model-draft", "--spec-draft-model")
-DEFAULT_N_MAX = 3  # llama.cpp's --spec-draft-n-max default
 # Served τ this far below eaglewire's engine on the same prompts is a fault, not noise
 # (the issue's bar: ±0.05 for an f32/f16 target, ±0.1 for a Q4 one).
 SERVED_TAU_TOLERANCE = 0.1
-
-
-@dataclass
-class LlamaFlags:
-    num_steps: int | None = None  # --spec-draft-n-max as given (None: llama.cpp's default 3)
-    n_min: int | None = None
-    p_min: float | None = None
-    problems: list[tuple[str, str, str]] = field(default_factory=list)  # (verdict, what, fix)
-
-
-def lint_flags(flags: str) -> LlamaFlags:
-    """llama-server launch flags that would serve the EAGLE-3 draft otherwise than meant."""
-    args = parse_flags(flags)
-    out = LlamaFlags()
-    for old, new in REMOVED_FLAGS.items():
-        if old in args:
-            out.problems.append(("fail", f"{old} was removed before build {engine.BUILD}: llama-server exits on it",
-                                 f"use {new}"))
-    if not any(f in args for f in DRAFT_MODEL_FLAGS):
-        out.problems.append(("fail", "no draft model (-md): llama-server decodes without speculation",
-                             "add -md draft.gguf --spec-type draft-eagle3"))
-    kind = args.get("--spec-type")
-    if kind is None:
-        out.problems.append(("warn", f"no --spec-type: build {engine.BUILD} infers draft-eagle3 from the GGUF's "
-                             "metadata, other builds may not", "add --spec-type draft-eagle3"))
-    elif "draft-eagle3" not in kind.split(","):
-        out.problems.append(("fail", f"--spec-type {kind}: llama.cpp will not feed target states to the EAGLE-3 "
-                             "draft", "--spec-type draft-eagle3"))
-    n_max, n_min, p_min = (args.get(k) for k in ("--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min"))
-    out.num_steps = _number(n_max, "--spec-draft-n-max", out)
-    out.n_min = _number(n_min, "--spec-draft-n-min", out)
-    out.p_min = _number(p_min if p_min is not None else args.get("--draft-p-min"), "--spec-draft-p-min", out, float)
-    steps = out.num_steps if out.num_steps is not None else DEFAULT_N_MAX
-    if out.num_steps == 0:
-        out.problems.append(("fail", "--spec-draft-n-max 0: nothing is drafted", "--spec-draft-n-max 3"))
-    if out.n_min is not None and out.n_min > steps:
-        out.problems.append(("fail", f"--spec-draft-n-min {out.n_min} > --spec-draft-n-max {steps}: every draft is "
-                             "shorter than the minimum and dropped, silently", "--spec-draft-n-min 0"))
-    if out.p_min:
-        out.problems.append(("warn", f"--spec-draft-p-min {out.p_min:g}: drafting stops at the first token the draft "
-                             "is less sure of, so τ falls short of the chain's prediction",
-                             "--spec-draft-p-min 0 to draft the full chain (when measuring τ)"))
-    if args.get("--spec-draft-sampling") == "probabilistic":
-        out.problems.append(("warn", "--spec-draft-sampling probabilistic: greedy acceptance no longer applies; "
-                             "τ is not comparable with greedy predictions", "--spec-draft-sampling greedy"))
-    threads = {k: args.get(k) for k in ("-t", "-td")}
-    if threads["-t"] and not threads["-td"]:
-        out.problems.append(("warn", f"-t {threads['-t']} without -td: the draft's thread count is left to "
-                             "llama.cpp", f"-td {threads['-t']} -tbd {threads['-t']}"))
-    return out
-
-
-def _number(value: str | None, flag: str, out: LlamaFlags, kind: type = int):
-    """``value`` as ``kind`` (int or float); None, with a problem recorded, when llama-server would refuse it."""
-    if value is None:
-        return None
-    try:
-        return kind(value)
-    except ValueError:
-        what, fix = ("an integer", 3) if kind is int else ("a number", 0)
-        out.problems.append(("fail", f"{flag} {value!r} is not {what}: llama-server refuses it", f"{flag} {fix}"))
-        return None
 
 
 def architecture_check(architecture: str) -> Check:
@@ -114,11 +48,9 @@ def architecture_check(architecture: str) -> Check:
 def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str
             ) -> tuple[dict[str, list[int]], int]:
     """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, chain length)."""
-    from eaglewire.formats.llamacpp import draft_layers, layout_problem, read_gguf_metadata
-
     steps = DEFAULT_N_MAX
     if config.target.endswith(".gguf"):
-        architecture = str(read_gguf_metadata(config.target).get("general.architecture", architecture))
+        architecture = str(engine.read_gguf_metadata(config.target).get("general.architecture", architecture))
     report.add(architecture_check(architecture))
     if config.engine_flags:
         flags = lint_flags(config.engine_flags)
@@ -131,16 +63,16 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
         report.add(Check("engine config", "warn", "no --engine-config: cannot tell which layers llama.cpp will feed",
                          fix="pass the GGUF draft llama-server will load (--engine-config draft.gguf)"))
         return {}, steps
-    meta = read_gguf_metadata(config.engine_config)
-    layers = draft_layers(meta)
-    problem = layout_problem(meta, declared, num_layers, where=config.engine_config)
+    meta = engine.read_gguf_metadata(config.engine_config)
+    layers = engine.draft_layers(meta)
+    problem = engine.layout_problem(meta, declared, num_layers, where=config.engine_config)
     evidence = [f"general.architecture {meta.get('general.architecture')!r}, extract_layers {layers}"]
     if problem:
         report.add(Check("engine wiring", "fail", "llama.cpp will not feed the draft the boundaries it was trained on",
                          evidence, fix=problem))
     else:
         report.add(Check("engine wiring", "ok", f"llama.cpp captures {declared}, as trained", evidence))
-    readings = {"llamacpp": [int(x) for x in layers]} if layers and len(layers) == 3 and \
+    readings = {LLAMACPP: [int(x) for x in layers]} if layers and len(layers) == 3 and \
         all(0 <= x <= num_layers for x in layers) and len(set(layers)) == 3 else {}
     return readings, steps
 

@@ -23,7 +23,9 @@ from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, 
                                       engine_agreement, stored_accuracy)
 from eaglewire.acceptance.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire import engines
 from eaglewire.doctor.serving import predicted_tau
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.foreign_draft import load_any_draft
 from eaglewire.target import Target, load_target
 
@@ -50,7 +52,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
 
     identity_ok = _check_identity(report, contract, target)
     arch = config.target_arch or contract.target.architecture
-    if config.engine == "llamacpp":
+    if config.engine == LLAMACPP:
         serving, serving_steps = llamacpp_serving(report, config, declared, L, arch)
     else:
         serving, serving_steps = check_serving(report, config, declared, L, arch)
@@ -185,21 +187,18 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
     return rounds
 
 
-STATED_TUNE_ENGINES = {"sglang": "sglang", "vllm": "vllm", "speculators": "vllm"}
-
-
 def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, draft, contract,
                  sequences: list[Sequence]) -> None:
     """What ``eaglewire tune`` recommends for the serving engine (its speed ranking), on the held-out prompts."""
     from eaglewire.acceptance.speed import SpeedQuery, rank_speed
 
-    if config.engine == "llamacpp":
+    if config.engine == LLAMACPP:
         report.add(Check("speed", "skip", "llama.cpp's round costs are measured on its own GGUFs",
                          fix=f"eaglewire tune --engine llamacpp --draft {config.draft} --llamacpp-target T.gguf "
                              "--llamacpp-draft D.gguf"))
         return
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 2)]]
-    engine = STATED_TUNE_ENGINES.get(config.engine, "eaglewire")
+    engine = engines.canonical(config.engine) if engines.get(config.engine).can("stated_costs") else "eaglewire"
     query = SpeedQuery(engine=engine, max_new_tokens=max(config.engine_tokens, 16), max_steps=4)
     result = rank_speed(query, target, draft, contract, prompts)
     choice = result.recommendation.choice

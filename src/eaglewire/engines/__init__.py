@@ -1,1 +1,27 @@
-"""Third-party serving engines eaglewire installs, starts and measures (llama.cpp)."""
+"""The serving engines eaglewire speaks, one module each, and their registry.
+
+| module            | engine                                        | abilities                      |
+|-------------------|-----------------------------------------------|--------------------------------|
+| eaglewire.py      | eaglewire's own engine                        | lint, run here, measure        |
+| sglang.py         | SGLang (ids per target model file)            | export, import, lint           |
+| vllm.py           | vLLM / speculators (alias ``speculators``)    | export, import, lint           |
+| specforge.py      | SpecForge checkpoints                         | import                         |
+| llamacpp/         | llama.cpp: install, server, GGUF export, lint | export, lint, run here, measure |
+| eagle.py          | the EAGLE-3 reference code                    | import                         |
+
+Each module owns what eaglewire knows of its engine: its id reading (with the file and function
+of the released code it was read from), where its config keeps the ids, its checkpoint format
+(export / import), its launch-flag lint and, for llama.cpp, install / launch / metrics.
+``registry.py`` lists them; shared.py, model_file.py, flags.py, export.py and importing.py
+hold what several engines share.
+"""
+
+from eaglewire.engines.export import ExportConfig, ExportReport
+from eaglewire.engines.importing import ImportReport
+from eaglewire.engines.registry import (ENGINES, Engine, canonical, export_draft, from_engine, get, import_draft,
+                                        infer_boundaries, names, read_ids, refusal, to_engine)
+from eaglewire.engines.shared import FormatError
+
+__all__ = ["ENGINES", "Engine", "ExportConfig", "ExportReport", "FormatError", "ImportReport", "canonical",
+           "export_draft", "from_engine", "get", "import_draft", "infer_boundaries", "names", "read_ids", "refusal",
+           "to_engine"]

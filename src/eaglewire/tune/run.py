@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglewire.acceptance.speed import (DEFAULT_PROMPTS, MEASURED_ENGINES, STATED_ENGINES, SpeedQuery, SpeedRanking,
+from eaglewire.acceptance.speed import (DEFAULT_PROMPTS, SpeedQuery, SpeedRanking,
                                         chain_rule, encoded_prompts, llamacpp_setup, rank_speed)
 from eaglewire.configs import RESOLVED_KEY, config_record
 from eaglewire.locks import directory_lock
+from eaglewire.engines import names as engine_names
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.presets import DEFAULT_TARGET
 
 _QUERY = SpeedQuery()  # the defaults of what tune measures
@@ -19,7 +21,7 @@ _QUERY = SpeedQuery()  # the defaults of what tune measures
 class TuneConfig:
     draft: str = field(metadata={"help": "draft directory or `reference`"})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name or HF model directory (eaglewire's copy of the target)"})
-    engine: str = field(default="eaglewire", metadata={"help": "eaglewire or llamacpp (measured here); sglang or vllm (stated cost model)"})
+    engine: str = field(default=_QUERY.engine, metadata={"help": "eaglewire or llamacpp (measured here); sglang or vllm (stated cost model)"})
     dataset: str = field(default="mt-bench", metadata={"help": "mt-bench, humaneval or a JSONL file of prompts"})
     offset: int = field(default=40, metadata={"help": "prompts skipped first (bench measures the first ones: keep them apart)"})
     num_prompts: int = field(default=DEFAULT_PROMPTS, metadata={"help": "prompts timed and traced (τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68)"})
@@ -39,7 +41,7 @@ class TuneConfig:
     draft_cost: float = field(default=_QUERY.draft_cost, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
 
     def __post_init__(self) -> None:
-        engines = MEASURED_ENGINES + STATED_ENGINES
+        engines = engine_names("run_here") + engine_names("stated_costs", aliases=False)
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r}: tune knows {', '.join(engines)}")
         for name, low in (("num_prompts", 1), ("max_new_tokens", 8), ("max_steps", 1), ("offset", 0), ("top", 1)):
@@ -120,7 +122,7 @@ def _run_tune(config: TuneConfig, *, target, prompts: list[list[int]] | None, pr
     draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
     prompts = prompts or tune_prompts(config, target.tokenizer)
     llamacpp = None
-    if config.engine == "llamacpp":
+    if config.engine == LLAMACPP:
         llamacpp = llamacpp_setup(config.draft, work_dir(config), target_gguf=config.llamacpp_target,
                                   draft_gguf=config.llamacpp_draft, llamacpp_dir=config.llamacpp_dir,
                                   threads=config.llamacpp_threads, flags=config.llamacpp_flags)

@@ -1,13 +1,11 @@
-"""The EAGLE-3 reference layout (SafeAILab/EAGLE), which SGLang and SpecForge inherited.
+"""What every engine's EAGLE-3 draft format shares: the draft layer as a Llama config, tensor-name
+normalisation, vocabulary maps (d2t / t2d) and ``FormatError``. All functions are pure (no I/O).
 
+The layout is the EAGLE-3 reference one (SafeAILab/EAGLE), which SGLang and SpecForge inherited:
 ``config.json`` is a Llama config of the one draft layer (``LlamaForCausalLMEagle3``,
-``num_hidden_layers: 1``, ``draft_vocab_size``, optional ``target_hidden_size``); the
-tensors are ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` (in
-``pytorch_model.bin`` or ``model.safetensors``, sometimes under a ``model.`` prefix).
-The reference code carries no aux ids: it hard-codes boundaries ``[2, L//2, L-3]``.
-
-This module also holds what every format shares: Llama-layer config fields, tensor-name
-normalisation and vocabulary maps. All functions are pure (no I/O).
+``num_hidden_layers: 1``, ``draft_vocab_size``, optional ``target_hidden_size``); the tensors are
+``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` (in ``pytorch_model.bin`` or
+``model.safetensors``, sometimes under a ``model.`` prefix).
 """
 
 from __future__ import annotations
@@ -209,21 +207,3 @@ def complete_vocab_maps(d2t: torch.Tensor | None, t2d: torch.Tensor | None, *, v
     if t2d is not None and not torch.equal(t2d.bool(), derived):
         notes.append("t2d disagrees with d2t; rebuilt t2d from d2t (the map serving engines use)")
     return d2t, derived, notes
-
-
-# ---------------------------------------------------------------- EAGLE reference config
-
-def parse_config(d: dict[str, Any], *, where: str = "config.json") -> tuple[dict[str, Any], None, list[str]]:
-    """(layer fields + draft_vocab_size/target_hidden_size, ids, notes) of a reference config.
-
-    The reference code reads no aux ids: ids are always None (its hard-coded default).
-    """
-    layer = parse_llama_layer(d, where=where)
-    notes = []
-    nested = d.get("eagle_config")
-    if (isinstance(nested, dict) and nested.get("eagle_aux_hidden_state_layer_ids")) \
-            or d.get("eagle_aux_hidden_state_layer_ids"):
-        notes.append("the config lists aux layer ids, but the EAGLE reference code ignores them and "
-                     "reads [2, L//2, L-3]; import with --from sglang or specforge to honour them")
-    extra = {"draft_vocab_size": d.get("draft_vocab_size"), "target_hidden_size": d.get("target_hidden_size")}
-    return {**layer, **extra}, None, notes

@@ -1,4 +1,4 @@
-"""The llama.cpp EAGLE-3 format: a GGUF draft made by llama.cpp's own converter.
+"""llama.cpp's EAGLE-3 format: a GGUF draft made by llama.cpp's own converter.
 
 ``convert_hf_to_gguf.py SPECULATORS_DIR --target-model-dir TARGET`` reads the speculators
 (vLLM) export and writes architecture ``eagle3`` with ``eagle3.target_layers`` (llama.cpp's
@@ -21,19 +21,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eaglewire.checkpoint import read_draft_config
-from eaglewire.contract import HiddenStateContract, to_engine
-from eaglewire.engines import llamacpp as engine
+from dataclasses import replace
+
+from eaglewire.checkpoint import DraftFiles
+from eaglewire.engines import vllm
+from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice
+from eaglewire.engines.llamacpp import installation as engine
+from eaglewire.engines.llamacpp.readings import DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES, to_ids
+from eaglewire.engines.shared import FormatError
 from eaglewire.fileio import atomic_path, atomic_write_text
-from eaglewire.formats.eagle import FormatError
-from eaglewire.formats.export import ExportReport, check_choice, export_native
-from eaglewire.presets import cache_dir, resolve_draft
+from eaglewire.presets import cache_dir
 
 log = logging.getLogger(__name__)
-
-DRAFT_OUTTYPES = ("q8_0", "f16", "bf16", "f32")
-TARGET_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "none")
-GGUF_ARCH = "eagle3"
 
 
 # ------------------------------------------------------------------ reading a GGUF draft
@@ -78,7 +77,7 @@ def layout_problem(meta: dict[str, Any], boundaries: list[int], num_layers: int,
         return (f"{where} has architecture {arch!r}, not {GGUF_ARCH!r}: llama.cpp will not run it as an EAGLE-3 "
                 "draft. Convert the speculators export with llama.cpp's converter "
                 "(`eaglewire export --to llamacpp`)")
-    want = to_engine(boundaries, num_layers, "llamacpp")
+    want = to_ids(boundaries, num_layers)
     have = draft_layers(meta)
     if have != want:
         shown = "no target_layers (llama.cpp refuses to load it)" if have is None else f"extract_layers {have}"
@@ -194,37 +193,35 @@ def serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], ids:
     return "\n".join(lines)
 
 
-def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0", target_outtype: str = "f16",
-           llamacpp_dir: str | Path | None = None, verifier_name: str | None = None, target=None,
-           num_steps: int = 3, threads: int = 2, allow: frozenset[str] | set[str] = frozenset(),
-           target_path: str | Path | None = None):
+def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
+           allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings) -> ExportReport:
     """Write ``draft-<outtype>.gguf`` (and ``target-<target_outtype>.gguf``, a link to the cached
-    conversion) plus ``SERVING.md`` into ``out_dir``; the speculators export it is converted from
-    stays in ``out_dir/speculators``. ``target_path``: the target's directory or .gguf (default: the
-    one the draft records). Raises EngineConventionError for a layout llama.cpp cannot
-    feed, FormatError when the written GGUF does not carry the contract's layers."""
+    conversion) plus ``SERVING.md`` into ``out``; the speculators export it is converted from
+    stays in ``out/speculators``. ``config.target_path``: the target's directory or .gguf
+    (default: the one the draft records). Raises EngineConventionError for a layout llama.cpp
+    cannot feed, FormatError when the written GGUF does not carry the contract's layers."""
     from eaglewire.target import resolve_target_path
 
-    check_choice(outtype, DRAFT_OUTTYPES, "--outtype")
-    check_choice(target_outtype, TARGET_OUTTYPES, "--target-outtype")
-    src, out = resolve_draft(draft_dir), Path(out_dir)
-    config = read_draft_config(src)
-    contract = HiddenStateContract.from_dict(config["contract"])
+    check_choice(config.outtype, DRAFT_OUTTYPES, "--outtype")
+    check_choice(config.target_outtype, TARGET_OUTTYPES, "--target-outtype")
+    contract = draft.contract
     bounds, L = list(contract.aux_boundaries), contract.num_layers
-    ids = to_engine(bounds, L, "llamacpp")  # refuses before any heavy work
-    tree = engine.require_tree(llamacpp_dir)
-    spec = str(target_path) if target_path is not None else (config.get("training") or {}).get("target")
+    ids = to_ids(bounds, L)  # refuses before any heavy work
+    tree = engine.require_tree(config.llamacpp_dir)
+    spec = str(config.target_path) if config.target_path is not None else draft.target_spec
     if not spec:
-        raise FormatError(f"draft {src} records no target; llama.cpp's converter needs the target's directory "
+        raise FormatError(f"draft {draft.path} records no target; llama.cpp's converter needs the target's directory "
                           "(pass target_path)")
     target_dir = resolve_target_path(spec)
-    if target is None and target_path is not None:
+    if target is None and config.target_path is not None:
         from eaglewire.target import load_target
 
         target = load_target(spec, device="cpu", dtype="fp32")  # its embedding goes into the speculators export
-    spec_report = export_native(src, "vllm", out / "speculators", verifier_name=verifier_name or str(target_dir),
-                               target=target, num_steps=num_steps, allow=allow)
+    spec_report = vllm.export(draft, "vllm", out / "speculators",
+                              replace(config, verifier_name=config.verifier_name or str(target_dir)),
+                              target=target, allow=allow, others=others)
     architecture = contract.target.architecture
+    outtype, target_outtype = config.outtype, config.target_outtype
     draft_file = out / f"draft-{outtype}.gguf"
     with tempfile.TemporaryDirectory() as tmp:
         conv_target = converter_target_dir(target_dir, architecture, Path(tmp) / "target")
@@ -234,12 +231,12 @@ def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0",
     if problem:
         raise FormatError(f"the converter wrote a draft llama.cpp would miswire: {problem}")
     files = ["speculators/", draft_file.name]
-    others = [str(Path(spec).expanduser())] if spec and str(spec).endswith(".gguf") else []
-    if spec and not others:
+    others_found = [str(Path(spec).expanduser())] if spec and str(spec).endswith(".gguf") else []
+    if spec and not others_found:
         from eaglewire.presets import TARGET_PRESETS, fetch_asset
 
         if spec in TARGET_PRESETS:
-            others = [str(fetch_asset(TARGET_PRESETS[spec].asset))]
+            others_found = [str(fetch_asset(TARGET_PRESETS[spec].asset))]
     if target_outtype != "none":
         cached = target_gguf(target_dir, architecture, target_outtype, tree=tree)
         link = out / f"target-{target_outtype}.gguf"
@@ -248,13 +245,14 @@ def export(draft_dir: str | Path, out_dir: str | Path, *, outtype: str = "q8_0",
         files.append(link.name)
         target_shown = str(link.absolute())
     else:
-        target_shown = others[0] if others else "<the target as GGUF>"
+        target_shown = others_found[0] if others_found else "<the target as GGUF>"
     atomic_write_text(out / "SERVING.md", serving_md(
         target_gguf=target_shown, draft_gguf=str(draft_file.resolve()), boundaries=bounds, ids=ids,
-        num_steps=num_steps, threads=threads, other_targets=[o for o in others if o != target_shown]))
+        num_steps=config.num_steps, threads=config.threads,
+        other_targets=[o for o in others_found if o != target_shown]))
     atomic_write_text(out / "eaglewire-export.json", json.dumps(
-        {"contract": contract.to_dict(), "exported_from": str(src), "extract_layers": ids,
+        {"contract": contract.to_dict(), "exported_from": str(draft.path), "extract_layers": ids,
          "draft_gguf": draft_file.name, "outtype": outtype, "llamacpp_build": engine.BUILD}, indent=2))
     files += ["SERVING.md", "eaglewire-export.json"]
-    return ExportReport(format="llamacpp", out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+    return ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
                         notes=spec_report.notes)

@@ -1,0 +1,35 @@
+"""llama.cpp (pinned build ``BUILD``), the one engine eaglewire installs, runs and measures here.
+
+| module       | what it owns                                                              |
+|--------------|---------------------------------------------------------------------------|
+| readings.py  | ids (``extract_layers``: boundaries verbatim, exactly 3), servable target archs, GGUF types |
+| installation.py | finding or building ``llama-server`` and the source tree (converter, gguf-py) |
+| server.py    | a llama-server process, ``/completion``, its Prometheus ``/metrics``      |
+| gguf.py      | the export: the converter over the vLLM export, reading a GGUF draft back |
+| lint.py      | llama-server's speculative launch flags                                   |
+"""
+
+from eaglewire.engines.llamacpp.gguf import (converter_target_dir, draft_layers, export, layout_problem,
+                                             read_gguf_metadata, run_converter, serving_md, target_architecture,
+                                             target_gguf)
+from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_HINT, SDIST, SERVER, Installation,
+                                                LlamaCppError, build_server, built_server, download_sdist,
+                                                find_server, find_tree, install, require_server, require_tree,
+                                                server_build, source_dir, unpack_tree)
+from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, LlamaFlags, lint_flags
+from eaglewire.engines.llamacpp.readings import (NAME, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
+                                                 NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
+                                                 reads_export, to_boundaries, to_ids)
+from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_config, complete, free_port, metrics,
+                                               parse_metrics, server_args, spec_flags)
+
+__all__ = [
+    "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",
+    "INSTALL_HINT", "NAME", "NUM_AUX", "SDIST", "SERVER", "TARGET_OUTTYPES", "Installation", "LlamaCppError", "LlamaFlags",
+    "LlamaServer", "ServerConfig", "build_server", "built_server", "chain_config", "complete", "converter_target_dir",
+    "download_sdist", "draft_layers", "export", "find_server", "find_tree", "free_port", "install",
+    "layer_input_archs", "layout_problem", "lint_flags", "llamacpp_arch", "metrics", "parse_metrics",
+    "read_gguf_metadata", "reads_export", "require_server", "require_tree", "run_converter", "server_args",
+    "server_build", "serving_md", "source_dir", "spec_flags", "target_architecture", "target_gguf", "to_boundaries",
+    "to_ids", "unpack_tree",
+]

@@ -1,0 +1,109 @@
+"""What llama.cpp (build ``BUILD``) reads: a draft's ids (``extract_layers``: it copies the *input*
+of layer i for id i, so ids are boundaries verbatim, exactly ``NUM_AUX``, boundaries 0..L-1), the
+target architectures whose graph exposes layer inputs (the states an EAGLE-3 draft reads), and
+the GGUF types its converter writes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from eaglewire.contract import EngineConventionError, default_aux_boundaries
+
+NAME = "llamacpp"
+NUM_AUX = 3  # llama.cpp (build 11434) fuses exactly three target states
+DRAFT_OUTTYPES = ("q8_0", "f16", "bf16", "f32")
+TARGET_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "none")
+GGUF_ARCH = "eagle3"
+
+
+def check_expressible(boundaries: list[int], num_layers: int) -> None:
+    if len(boundaries) != NUM_AUX:
+        raise EngineConventionError(
+            f"llama.cpp fuses exactly {NUM_AUX} target states (extract_layers); this layout has "
+            f"{len(boundaries)} ({list(boundaries)}). Retrain on 3 boundaries (e.g. "
+            f"{default_aux_boundaries(num_layers)}), or serve with vLLM, SGLang or eaglewire")
+    if num_layers in boundaries:
+        raise EngineConventionError(
+            f"llama.cpp cannot capture boundary {num_layers} (the last layer's pre-norm output of a "
+            f"{num_layers}-layer target): it copies the input of layer i for id i, and there is no layer "
+            f"{num_layers}. Retrain without it, or serve with vLLM or eaglewire")
+
+
+def to_ids(boundaries: list[int], num_layers: int, arch: str | None = None) -> list[int]:
+    check_expressible(boundaries, num_layers)
+    return list(boundaries)
+
+
+def to_boundaries(ids: list[int], num_layers: int, arch: str | None = None) -> list[int]:
+    check_expressible(ids, num_layers)
+    return list(ids)
+
+
+def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_layers: int,
+                 target_arch: str | None) -> list[str]:
+    """SERVING.md lines: how llama.cpp reads the directory another ``engine``'s export wrote."""
+    return ["- llama.cpp reads neither this config nor its ids: give it eaglewire's llama.cpp export of the "
+            "native draft."]
+
+
+def layer_input_archs(tree: Path) -> set[str]:
+    """llama.cpp architecture names whose graph records layer inputs (``t_layer_inp``), the
+    states an EAGLE-3 draft reads, read from the source tree: model files that set it, the
+    model classes whose graph they define or reuse, and the architectures mapped to those."""
+    models = tree / "src" / "models"
+    classes = set()
+    for path in models.glob("*.cpp"):
+        text = path.read_text(errors="replace")
+        if "t_layer_inp" in text:
+            classes |= set(re.findall(r"\b(llama_model_\w+)::graph\b", text))
+    header = (models / "models.h").read_text(errors="replace")
+    for block in re.split(r"\n(?=struct llama_model_)", header):
+        m = re.match(r"struct (llama_model_\w+)", block)
+        reuse = re.search(r"using graph = (llama_model_\w+)::graph", block)
+        if m and reuse and reuse.group(1) in classes:
+            classes.add(m.group(1))
+    mapping = (tree / "src" / "llama-model.cpp").read_text(errors="replace")
+    archs, pending = [], []
+    for line in mapping[mapping.index("llama_model_mapping"):].splitlines():
+        case = re.search(r"case (LLM_ARCH_\w+):", line)
+        if case:
+            pending.append(case.group(1))
+            continue
+        new = re.search(r"return new (llama_model_\w+)", line)
+        if new:
+            archs += pending if new.group(1) in classes else []
+            pending = []
+        if line.startswith("}"):
+            break
+    names = dict(re.findall(r"\{\s*(LLM_ARCH_\w+),\s*\"([^\"]+)\"", (tree / "src" / "llama-arch.cpp").read_text()))
+    return {names[a] for a in archs if a in names}
+
+
+# At build 11434 (installation.BUILD; layer_input_archs of its tree; a test checks the two agree when the tree is here).
+EAGLE3_TARGET_ARCHS = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan-dense", "hunyuan_vl", "lfm2", "lfm2moe", "llama",
+    "llama-embed", "mimo2", "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "nemotron_h_moe",
+    "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp"})
+
+# transformers architecture -> the llama.cpp architecture its converter writes (common targets).
+HF_TO_LLAMACPP_ARCH = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3NextForCausalLM": "qwen3next",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+    "Phi3ForCausalLM": "phi3", "OlmoForCausalLM": "olmo", "Olmo2ForCausalLM": "olmo2",
+    "GraniteForCausalLM": "granite", "Glm4ForCausalLM": "glm4", "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2", "KimiK2ForCausalLM": "deepseek2", "GptOssForCausalLM": "gpt-oss",
+    "Lfm2ForCausalLM": "lfm2", "MiniMaxM2ForCausalLM": "minimax-m2", "NemotronHForCausalLM": "nemotron_h",
+    "Mistral3ForConditionalGeneration": "mistral3",
+}
+
+
+def llamacpp_arch(architecture: str) -> str | None:
+    """The llama.cpp architecture of a target named by its transformers class (or already by
+    its GGUF name); None when unknown."""
+    if architecture in HF_TO_LLAMACPP_ARCH:
+        return HF_TO_LLAMACPP_ARCH[architecture]
+    return architecture if re.fullmatch(r"[a-z0-9_\-]+", architecture) else None

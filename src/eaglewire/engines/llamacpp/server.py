@@ -1,0 +1,199 @@
+"""A llama-server process and its HTTP API: ``LlamaServer`` runs it as a subprocess (a context
+manager: started and health-checked on entry, stopped on exit); ``complete`` and ``metrics`` talk
+to any running llama-server (its Prometheus counters read with ``prometheus_client``'s parser).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from eaglewire.engines.llamacpp.installation import LlamaCppError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """One llama-server launch. ``draft`` None: plain decoding."""
+
+    model: Path
+    draft: Path | None = None
+    threads: int = 2  # -t, -tb, and for the draft -td, -tbd: pinned, as measuring needs
+    n_max: int = 3  # --spec-draft-n-max: the chain length (llama.cpp's default)
+    n_min: int = 0  # --spec-draft-n-min: drafts shorter than this are dropped
+    p_min: float = 0.0  # --spec-draft-p-min: stop drafting below this draft probability
+    ctx_size: int = 4096
+    extra: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name, low in (("threads", 1), ("n_max", 1), ("n_min", 0), ("ctx_size", 64)):
+            if getattr(self, name) < low:
+                raise ValueError(f"llama-server {name} must be >= {low}, got {getattr(self, name)}")
+        if self.n_min > self.n_max:
+            raise ValueError(f"llama-server n_min {self.n_min} exceeds n_max {self.n_max}: no draft would be used")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"llama-server p_min {self.p_min} must be in [0, 1]")
+
+
+def chain_config(model: Path, draft: Path | None, *, threads: int, n_max: int, p_min: float = 0.0,
+                 extra: list[str] | None = None) -> ServerConfig:
+    """The launch of a greedy chain of ``n_max`` draft tokens (n-min 0, stopped below ``p_min``);
+    ``n_max`` 0: plain decoding, ``draft`` unused. ``extra`` flags go to every launch."""
+    if n_max == 0:
+        return ServerConfig(model=model, threads=threads, extra=list(extra or []))
+    return ServerConfig(model=model, draft=draft, threads=threads, n_max=n_max, n_min=0, p_min=p_min,
+                        extra=list(extra or []))
+
+
+def spec_flags(n_max: int, n_min: int = 0, p_min: float = 0.0) -> list[str]:
+    """llama.cpp's EAGLE-3 flags for a greedy chain of ``n_max`` draft tokens."""
+    return ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(n_min),
+            "--spec-draft-p-min", f"{p_min:g}"]
+
+
+def server_args(config: ServerConfig, *, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The llama-server command line (without the binary) for ``config``."""
+    t = str(config.threads)
+    args = ["-m", str(config.model), "--host", host, "--port", str(port), "-t", t, "-tb", t,
+            "-c", str(config.ctx_size), "-np", "1", "--metrics", "--no-webui"]
+    if config.draft is not None:
+        args += ["-md", str(config.draft), *spec_flags(config.n_max, config.n_min, config.p_min),
+                 "-td", t, "-tbd", t]
+    return args + list(config.extra)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """``with LlamaServer(binary, config) as server:`` a running llama-server at ``server.url``.
+
+    Waits for ``/health`` (model loaded) on entry; raises LlamaCppError with the tail of its
+    log when it exits early (an unloadable GGUF, an unsupported target) or does not come up.
+    """
+
+    def __init__(self, binary: Path, config: ServerConfig, *, log_path: Path | None = None,
+                 startup_timeout: float = 600.0) -> None:
+        self.binary, self.config, self.startup_timeout = Path(binary), config, startup_timeout
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def command(self) -> list[str]:
+        return [str(self.binary), *server_args(self.config, port=self.port)]
+
+    def __enter__(self) -> LlamaServer:
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self._log = open(self.log_path, "w")
+        log.info("starting %s", " ".join(self.command))
+        self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise LlamaCppError(f"llama-server exited with {self._proc.returncode} while starting "
+                                    f"({' '.join(self.command)}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise LlamaCppError(f"llama-server did not become ready within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+# ------------------------------------------------------------------ talking to it
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise LlamaCppError(f"llama-server at {url} answered {e.code}: {e.read()[:500]!r}") from e
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        raise LlamaCppError(f"no llama-server answers at {url}: {e}") from e
+
+
+def complete(url: str, prompt_ids: list[int], *, n_predict: int, temperature: float = 0.0, seed: int = 0,
+             timeout: float = 900.0) -> dict:
+    """``/completion`` of the token ids ``prompt_ids`` (no prompt cache, so every request prefills
+    alike): greedy at temperature 0, else plain temperature sampling (llama-server's default
+    top-k 40 / top-p 0.95 / min-p 0.05 switched off, as eaglewire samples). The answer carries
+    ``tokens`` and llama.cpp's ``timings``."""
+    sampling = {"temperature": 0.0, "top_k": 1} if temperature == 0 else {
+        "temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    body = {"prompt": list(prompt_ids), "n_predict": n_predict, **sampling,
+            "seed": seed, "cache_prompt": False, "return_tokens": True, "stream": False}
+    return _post(url.rstrip("/") + "/completion", body, timeout)
+
+
+def metrics(url: str, timeout: float = 30.0) -> dict[str, float] | None:
+    """llama-server's Prometheus counters (``llamacpp:`` prefix dropped); None when it runs
+    without ``--metrics``."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        raise LlamaCppError(f"no llama-server answers at {url}: {e}") from e
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus exposition text -> {sample name without the ``llamacpp:`` prefix: value}; a
+    labelled sample keeps its labels in the key (``name{a="x"}``); timestamps are dropped."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name.removeprefix("llamacpp:") + (f"{{{labels}}}" if labels else "")] = float(sample.value)
+    return out

@@ -1,0 +1,52 @@
+"""What one engine release's target model file does with a draft config's layer ids.
+
+SGLang and vLLM both pick the aux states inside each target's model file; ``ModelFile``
+records, per file, where the rule lives (path and function in the engine's wheel) and what
+it captures. The tables themselves live with their engine (engines/sglang.py, engines/vllm.py);
+tests/engines re-reads every cited function from the released wheels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglewire.contract import ContractError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFile:
+    """How one engine release's target model file turns config ids into captured boundaries."""
+
+    engine: str
+    path: str  # in the engine's wheel
+    function: str  # where the id rule lives
+    ids: str  # plus_one | plus_one_if_first_is_one | verbatim_if_max_is_L | verbatim
+    captures_last: bool  # boundary L (after the last layer, before the norm) can be captured
+    block_output: bool = False  # captures a layer's output without the residual, not the stream
+    unsupported: str | None = None  # why this engine serves no EAGLE-3 draft on this target
+
+
+def layers_to_capture(ids: list[int], rule: str, num_layers: int) -> list[int]:
+    """The ``layers_to_capture`` a ``set_eagle3_layers_to_capture`` sets for ``ids`` under ``rule``."""
+    ids = list(ids)
+    if rule == "verbatim":
+        return ids
+    if rule == "plus_one":
+        return [i + 1 for i in ids]
+    if rule == "plus_one_if_first_is_one":
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+    if rule == "verbatim_if_max_is_L":
+        return ids if ids and max(ids) == num_layers else [i + 1 for i in ids]
+    raise ContractError(f"unknown SGLang id rule {rule!r}")
+
+
+def captured_boundaries(layers: list[int], num_layers: int, captures_last: bool) -> list[int]:
+    """Boundaries a forward captures for ``layers_to_capture``: the input of each layer ``i in
+    layers`` (in layer order) and, where the file does, the stream after the last layer."""
+    got = sorted({i for i in layers if 0 <= i < num_layers})
+    return got + [num_layers] if captures_last and num_layers in layers else got
+
+
+def read(ids: list[int], num_layers: int, f: ModelFile) -> list[int]:
+    """Boundaries model file ``f`` captures for config ``ids``, in the order it feeds them."""
+    return captured_boundaries(layers_to_capture(ids, f.ids, num_layers), num_layers, f.captures_last)

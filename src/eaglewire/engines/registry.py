@@ -1,0 +1,204 @@
+"""The engines eaglewire speaks: one line each (name, aliases, what eaglewire can do with it), and
+the library entry points that pick an engine by name.
+
+Adding an engine: one module (its ids ``to_ids`` / ``to_boundaries``, and what its abilities
+need: ``read_ids`` + ``parse_config`` to import, ``export`` to export, ``lint_flags`` to lint,
+``reads_export`` for SERVING.md's "other engines" section) and one ``Engine`` line below.
+
+Abilities: ``export`` (``eaglewire export --to``), ``import`` (``eaglewire import --from``),
+``lint`` (``doctor --engine``: its config and launch flags checked), ``run_here`` (eaglewire runs
+it on this machine and times it: ``bench``, ``tune``), ``measure`` (eaglewire reads a running
+server's served counters: ``doctor --engine-url``), ``stated_costs`` (``tune`` predicts it from a
+stated GPU cost model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from eaglewire.checkpoint import read_draft
+from eaglewire.contract import ContractError, EngineConventionError, default_aux_boundaries, validate_boundaries
+from eaglewire.engines import eagle, eaglewire, llamacpp, sglang, specforge, vllm
+from eaglewire.engines.export import ExportConfig, ExportReport
+from eaglewire.engines.importing import ImportReport, import_checkpoint
+
+CAPABILITIES = frozenset({"export", "import", "lint", "run_here", "measure", "stated_costs"})
+
+
+@dataclass(frozen=True)
+class Engine:
+    module: ModuleType  # its NAME is the engine's name
+    capabilities: frozenset[str]
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.module.NAME
+
+    def __post_init__(self) -> None:
+        unknown = self.capabilities - CAPABILITIES
+        if unknown:
+            raise ValueError(f"engine {self.name}: unknown capabilities {sorted(unknown)}; known: {sorted(CAPABILITIES)}")
+
+    def can(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    @property
+    def runs_here(self) -> bool:
+        return self.can("run_here")
+
+    @property
+    def per_model_file(self) -> bool:
+        """Its reading of the ids depends on the target's model file (needs ``target_arch``)."""
+        return bool(getattr(self.module, "PER_MODEL_FILE", False))
+
+    @property
+    def needs_target_arch(self) -> bool:
+        """It has no reading at all without the target's architecture."""
+        return bool(getattr(self.module, "NEEDS_TARGET_ARCH", False))
+
+
+ENGINES: tuple[Engine, ...] = (
+    Engine(eaglewire, frozenset({"lint", "run_here"})),
+    Engine(sglang, frozenset({"export", "import", "lint", "stated_costs"})),
+    Engine(vllm, frozenset({"export", "import", "lint", "stated_costs"}), aliases=(vllm.FORMAT_NAME,)),
+    Engine(specforge, frozenset({"import"})),
+    Engine(llamacpp, frozenset({"export", "lint", "run_here", "measure"})),
+    Engine(eagle, frozenset({"import"})),
+)
+_BY_NAME = {n: e for e in ENGINES for n in (e.name, *e.aliases)}
+
+
+def names(capability: str | None = None, *, aliases: bool = True) -> tuple[str, ...]:
+    """Engine names (each followed by its aliases unless ``aliases`` is false), in registry order;
+    only those with ``capability`` when given."""
+    if capability is not None and capability not in CAPABILITIES:
+        raise ValueError(f"capability {capability!r} is not one of {', '.join(sorted(CAPABILITIES))}")
+    return tuple(n for e in ENGINES if capability is None or e.can(capability)
+                 for n in ((e.name, *e.aliases) if aliases else (e.name,)))
+
+
+def get(name: str, capability: str | None = None, *, param: str = "engine") -> Engine:
+    """The engine called ``name`` (an alias resolves to its engine); ValueError naming the valid
+    names (those with ``capability``, when given)."""
+    engine = _BY_NAME.get(name)
+    if engine is None or (capability is not None and not engine.can(capability)):
+        raise ValueError(f"{param} {name!r} is not one of {', '.join(names(capability))}")
+    return engine
+
+
+def canonical(name: str) -> str:
+    """``speculators`` -> ``vllm``: the engine an alias names."""
+    return get(name).name
+
+
+# ---------------------------------------------------------------- ids
+
+def _engine(name: str) -> Engine:
+    engine = _BY_NAME.get(name)
+    if engine is None:
+        raise ContractError(f"unknown engine {name!r}; known: {', '.join(names())}")
+    return engine
+
+
+def to_engine(boundaries: list[int], num_layers: int, engine: str, *, target_arch: str | None = None) -> list[int]:
+    """Layer ids that make ``engine`` capture exactly ``boundaries`` on a target of architecture
+    ``target_arch`` (required for SGLang); EngineConventionError if it cannot."""
+    e = _engine(engine)
+    boundaries = validate_boundaries(list(boundaries), num_layers)
+    return e.module.to_ids(boundaries, num_layers, target_arch if e.per_model_file else None)
+
+
+def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_arch: str | None = None) -> list[int]:
+    """Boundaries that ``engine`` captures for config ``ids`` (None: the engine's default) on a
+    target of architecture ``target_arch`` (required for SGLang), in the order it feeds them."""
+    e = _engine(engine)
+    if ids is None:
+        # Every engine falls back to [2, L//2, L-3] when the config carries no ids.
+        return default_aux_boundaries(num_layers)
+    bounds = e.module.to_boundaries([int(i) for i in ids], num_layers, target_arch if e.per_model_file else None)
+    return validate_boundaries(bounds, num_layers)
+
+
+def refusal(engine: str, arch: str | None) -> str | None:
+    """Why ``engine`` serves no EAGLE-3 draft on this target at all (None: it does)."""
+    e = _engine(engine)
+    return e.module.refusal(arch) if e.per_model_file else None
+
+
+def read_ids(engine: str, config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
+    """Where ``engine`` finds its aux ids in ``config``: (label -> ids, None for its default;
+    notes). The one reader of each engine's keys: import and the doctor both use it."""
+    e = _BY_NAME.get(engine)
+    if e is None or not hasattr(e.module, "read_ids"):
+        valid = [n for n in names() if hasattr(_BY_NAME[n].module, "read_ids")]
+        raise ValueError(f"engine {engine!r} is not one of {', '.join(valid)}")
+    return e.module.read_ids(config)
+
+
+def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
+                     target_arch: str | None = None) -> tuple[list[int], list[str]]:
+    """(boundaries a ``fmt`` checkpoint with config ``ids`` was made for, notes).
+
+    Missing ids, and every EAGLE reference checkpoint, mean the default [2, L//2, L-3]
+    that every tool falls back to; the notes say so. sglang ids are read with the rule of
+    the target's model file (``target_arch``, required); a note names the target families
+    on which SGLang reads them differently.
+    """
+    e = get(fmt, "import", param="format")
+    default_only = getattr(e.module, "DEFAULT_ONLY", None)
+    if ids is None or default_only:
+        bounds = default_aux_boundaries(num_layers)
+        why = default_only or "the config carries no aux layer ids"
+        return bounds, [f"{why}: assuming the default boundaries {bounds} ([2, L//2, L-3]) that every "
+                        "tool falls back to; a draft trained on other layers would be fed the wrong states"]
+    arch = target_arch if e.per_model_file else None
+    try:
+        bounds = from_engine(ids, num_layers, e.name, target_arch=arch)
+    except EngineConventionError as err:
+        raise type(err)(f"config ids {ids} ({fmt} convention) do not fit this {num_layers}-layer target: {err}. "
+                        "Was the draft made for another target?") from err
+    notes = e.module.read_notes(ids, bounds, num_layers, arch) if hasattr(e.module, "read_notes") else []
+    return bounds, notes
+
+
+# ---------------------------------------------------------------- export / import
+
+def other_readings(engine: str, *, boundaries: list[int], ids: list[int], num_layers: int,
+                   target_arch: str | None) -> list[str]:
+    """SERVING.md lines: how every other engine reads the directory ``engine``'s export wrote."""
+    return [line for e in ENGINES if e.name != engine and hasattr(e.module, "reads_export")
+            for line in e.module.reads_export(engine, boundaries=boundaries, ids=ids, num_layers=num_layers,
+                                              target_arch=target_arch)]
+
+
+def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target=None,
+                 allow: frozenset[str] | set[str] = frozenset(), config: ExportConfig | None = None,
+                 **settings: Any) -> ExportReport:
+    """Write the native draft in ``draft_dir`` in the format of engine ``to`` to ``out_dir``.
+
+    ``config`` (default ``ExportConfig()``) with any of its fields overridden by ``settings``
+    (``target_arch``, ``verifier_name``, ``num_steps``, ``outtype``, ...). The engine's reading is
+    the one of the target's model file: ``target_arch`` (default: the architecture the draft's
+    contract records). vllm/speculators (and llamacpp, converted from it) need the target's
+    embedding: ``target``, else loaded from the spec the draft records; checked against the
+    contract, ``allow`` as in ``HiddenStateContract.check_target``.
+    """
+    engine = get(to, "export", param="export format")
+    config = replace(config or ExportConfig(), **settings)
+    draft, out = read_draft(draft_dir), Path(out_dir)
+    if out.resolve() == draft.path.resolve():
+        raise ValueError(f"the output directory {out} is the draft being exported; choose another")
+    return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)
+
+
+def import_draft(src_dir: str | Path, from_: str, target, out_dir: str | Path, *,
+                 target_arch: str | None = None, allow: frozenset[str] | set[str] = frozenset()) -> ImportReport:
+    """Convert a ``from_`` checkpoint directory into a native draft for ``target`` in ``out_dir``
+    (``engines.importing.import_checkpoint``)."""
+    engine = get(from_, "import", param="import format")
+    return import_checkpoint(src_dir, from_, engine, target, out_dir, target_arch=target_arch, allow=allow,
+                             infer=infer_boundaries)

@@ -1,0 +1,365 @@
+"""SGLang (0.5.23): how it reads a draft's ids on each target model file, where its config keeps
+them, its EAGLE-3 draft format (``LlamaForCausalLMEagle3``), its export, and its launch-flag lint.
+
+Ids. SGLang picks the aux states in each target's model file (``set_eagle3_layers_to_capture``),
+so the same ids mean other boundaries on other targets (``FILES``; tests/engines re-reads every
+cited function from the released wheel):
+
+| target model file                         | id -> boundary                     | boundaries |
+|-------------------------------------------|------------------------------------|------------|
+| llama (mistral), qwen2, qwen3             | b = id + 1  (id -1 -> 0)           | 0..L-1     |
+| gemma3_causal                             | id + 1, but captures the block's output without the residual | 0 only |
+| deepseek_v2 (DeepSeek-V3), glm4_moe_lite  | b = id + 1 if ids[0] == 1 else id  | 0..L-1, not starting at 1 |
+| gpt_oss                                   | b = id if max(id) == L else id + 1 | 0..L       |
+
+Config. The EAGLE reference layout plus ``target_hidden_size`` and the nested
+``eagle_config.eagle_aux_hidden_state_layer_ids``, the only place SGLang reads ids from
+(model_runner_components/spec_aux_hidden_state.py; a missing or broken config falls back to
+boundaries ``[2, L//2, L-3]`` without error). SGLang sizes ``fc`` from ``num_aux_hidden_states``,
+else from the nested id list, else 3 (models/llama_eagle3.py); it uses ``d2t`` (as
+``hot_token_id``), ignores ``t2d`` and shares the target's embedding. Tensor names are
+eaglewire's native names.
+
+An eaglewire export also writes the boundaries as the top-level
+``eagle_aux_hidden_state_layer_ids``: SGLang never looks there, and vLLM looks there first,
+so vLLM loading the SGLang export captures the same boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from eaglewire.checkpoint import DraftFiles
+from eaglewire.contract import TARGET_ARCHS, ContractError, EngineConventionError, target_arch, validate_boundaries
+from eaglewire.draft import DraftConfig
+from eaglewire.engines import model_file
+from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
+                                      record, serving_dtype, verifier, write_export)
+from eaglewire.engines.flags import Flags, chain_shape, parse_flags
+from eaglewire.engines.model_file import ModelFile
+from eaglewire.engines.shared import ARCHITECTURE, FormatError, llama_layer_config, parse_llama_layer
+
+log = logging.getLogger(__name__)
+
+NAME = "sglang"
+VERSION = "0.5.23"  # the release these readings were taken from (tests/engines re-reads them)
+PER_MODEL_FILE = True  # the ids' meaning depends on the target's model file
+NEEDS_TARGET_ARCH = True  # so no reading without the target's architecture
+
+
+def _file(path: str, cls: str, ids: str = "plus_one", *, last: bool = False, block_output: bool = False) -> ModelFile:
+    return ModelFile(engine="sglang", path=f"sglang/srt/models/{path}", ids=ids, captures_last=last,
+                     function=f"{cls}.set_eagle3_layers_to_capture", block_output=block_output)
+
+
+FILES: dict[str, ModelFile] = {
+    "llama": _file("llama.py", "LlamaForCausalLM"),
+    "mistral": _file("llama.py", "LlamaForCausalLM"),  # models/mistral.py subclasses it
+    "qwen2": _file("qwen2.py", "Qwen2ForCausalLM"),
+    "qwen3": _file("qwen3.py", "Qwen3ForCausalLM"),
+    "gemma3": _file("gemma3_causal.py", "Gemma3ForCausalLM", last=True, block_output=True),
+    "deepseek_v3": _file("deepseek_v2.py", "DeepseekV2ForCausalLM", "plus_one_if_first_is_one"),
+    "glm4_moe_lite": _file("glm4_moe_lite.py", "Glm4MoeLiteForCausalLM", "plus_one_if_first_is_one"),
+    "gpt_oss": _file("gpt_oss.py", "GptOssForCausalLM", "verbatim_if_max_is_L", last=True),
+}
+
+
+# ---------------------------------------------------------------- ids
+
+def file_for(arch: str | None) -> ModelFile:
+    """The model file whose rule SGLang applies to a target of architecture ``arch``."""
+    if arch is None:
+        raise ContractError(
+            f"SGLang {VERSION} reads the ids differently per target model file; give the "
+            f"target's architecture (target_arch / --target-arch: {', '.join(TARGET_ARCHS)})")
+    return FILES[target_arch(arch)]
+
+
+def refusal(arch: str | None) -> str | None:
+    """Why SGLang serves no EAGLE-3 draft on this target at all (None: it does)."""
+    return None if arch is None else file_for(arch).unsupported
+
+
+def layers_to_capture(ids: list[int], rule: str, num_layers: int) -> list[int]:
+    """The ``layers_to_capture`` SGLang's ``set_eagle3_layers_to_capture`` sets for ``ids`` under ``rule``."""
+    return model_file.layers_to_capture(ids, rule, num_layers)
+
+
+def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """The ids that make SGLang's model file for ``arch`` capture exactly ``boundaries``."""
+    f = file_for(arch)
+    where = f"SGLang {VERSION}'s {f.path} ({f.function})"
+    instead = "Retrain on another layout (e.g. [2, L//2, L-3]), or serve with vLLM or eaglewire"
+    if f.block_output and any(b > 0 for b in boundaries):
+        raise EngineConventionError(
+            f"{where} captures, for every layer after the first, the previous block's output without the "
+            "residual (the layer returns them apart and only hidden_states is kept), not the residual-stream "
+            "boundary the draft was trained on: SGLang would feed this Gemma 3 target's draft other states. "
+            "Serve it with eaglewire")
+    if num_layers in boundaries and not f.captures_last:
+        raise EngineConventionError(
+            f"{where} cannot capture boundary {num_layers} (the last layer's pre-norm output of a "
+            f"{num_layers}-layer target): its id would ask for the input of layer {num_layers}, which does "
+            f"not exist, so the draft would get fewer states than its fc takes. {instead}")
+    if f.ids == "plus_one":
+        ids = [b - 1 for b in boundaries]
+    elif f.ids == "plus_one_if_first_is_one":
+        if boundaries[0] == 1:
+            raise EngineConventionError(
+                f"{where} adds 1 to the ids only when the first id is 1: a first id 0 means boundary 0 and a "
+                f"first id 1 means boundary 2, so no id list starts at boundary 1. {instead}")
+        ids = [b - 1 for b in boundaries] if boundaries[0] == 2 else list(boundaries)
+    elif f.ids == "verbatim_if_max_is_L":
+        ids = list(boundaries) if boundaries[-1] == num_layers else [b - 1 for b in boundaries]
+    else:
+        raise ContractError(f"unknown SGLang id rule {f.ids!r}")
+    assert model_file.read(ids, num_layers, f) == boundaries, (ids, boundaries, f)
+    return ids
+
+
+def to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """Boundaries SGLang's model file for ``arch`` captures for config ``ids``, in the order fed."""
+    f = file_for(arch)
+    bounds = model_file.read(ids, num_layers, f)
+    if len(bounds) != len(ids):
+        raise EngineConventionError(
+            f"SGLang {VERSION}'s {f.path} captures only boundaries {bounds} for ids {ids} on a {num_layers}-layer "
+            f"target: {len(ids) - len(bounds)} of them name no layer it captures (or repeat one), so the "
+            f"draft would get {len(bounds)} states for an fc that takes {len(ids)}")
+    return bounds
+
+
+def families() -> dict[str, list[str]]:
+    """Target families whose SGLang model files read ids alike: ``"llama/mistral/..."`` -> archs."""
+    groups: dict[tuple[str, bool, bool], list[str]] = {}
+    for arch, f in FILES.items():
+        groups.setdefault((f.ids, f.captures_last, f.block_output), []).append(arch)
+    return {"/".join(archs): archs for archs in groups.values()}
+
+
+def readings(ids: list[int], num_layers: int) -> dict[str, list[int] | str]:
+    """How SGLang reads ``ids`` on each target family: label -> boundaries captured, or why
+    it cannot (families whose model files agree share one label)."""
+    out: dict[str, list[int] | str] = {}
+    for family, archs in families().items():
+        label = f"sglang {VERSION} on {family} targets"
+        try:
+            out[label] = validate_boundaries(to_boundaries(ids, num_layers, archs[0]), num_layers)
+        except ContractError as e:
+            out[label] = str(e)
+        got = out[label]
+        if FILES[archs[0]].block_output and isinstance(got, list) and max(got) > 0:
+            out[label] = (f"the inputs of layers {got}, but as the previous block's output without the "
+                          f"residual, not the residual-stream boundaries ({FILES[archs[0]].path})")
+    return out
+
+
+def ambiguity(boundaries: list[int], ids: list[int], num_layers: int) -> str | None:
+    """A sentence naming the target families on which SGLang reads ``ids`` as other than
+    ``boundaries`` (None if all read them alike; Gemma 3, wrong for any ids, is left out)."""
+    found = {k: v for k, v in readings(ids, num_layers).items() if "gemma3" not in k}
+    wrong = {k: v for k, v in found.items() if v != list(boundaries)}
+    if not wrong:
+        return None
+    return (f"On other targets SGLang reads ids {list(ids)} differently: "
+            + "; ".join(f"{k}: {v if isinstance(v, str) else f'boundaries {v}'}" for k, v in wrong.items()) + ".")
+
+
+def read_notes(ids: list[int], boundaries: list[int], num_layers: int, arch: str | None) -> list[str]:
+    """What an import states about reading ``ids`` as ``boundaries`` on this target."""
+    f = file_for(arch)
+    amb = ambiguity(boundaries, ids, num_layers)
+    return [f"read ids {ids} as boundaries {boundaries} with the rule of {f.path} ({target_arch(arch)} "
+            f"target){'; ' + amb if amb else ''}"]
+
+
+def cannot_feed(declared: list[int], num_layers: int, arch: str | None) -> str:
+    """Why SGLang cannot capture ``declared`` on this target ('' if it can)."""
+    try:
+        to_ids(declared, num_layers, arch)
+    except EngineConventionError as e:
+        return str(e)
+    return ""
+
+
+def config_fix(declared: list[int], num_layers: int, arch: str | None) -> str:
+    """The exact config change that makes SGLang capture ``declared`` on this target."""
+    try:
+        if arch is not None:
+            ids = to_ids(declared, num_layers, arch)
+            return (f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {json.dumps(ids)}}} (the rule '
+                    f"of {file_for(arch).path}), or re-export with `eaglewire export --to sglang`")
+    except EngineConventionError as e:
+        return str(e)
+    options = []
+    for family, archs in families().items():
+        try:
+            options.append(f"{json.dumps(to_ids(declared, num_layers, archs[0]))} on {family} targets")
+        except EngineConventionError:
+            options.append(f"none on {family} targets")
+    return ("set eagle_config.eagle_aux_hidden_state_layer_ids to " + "; ".join(options)
+            + " (or re-export with `eaglewire export --to sglang`, which reads the target's architecture)")
+
+
+# ---------------------------------------------------------------- config and format
+
+def build_config(cfg: DraftConfig, ids: list[int], boundaries: list[int] | None = None, *,
+                 dtype: str | None = None) -> dict[str, Any]:
+    """config.json of a SGLang draft: ``ids`` in SGLang's convention for the target's model
+    file (nested); ``boundaries`` for vLLM (top level) and the dtype engines should run it
+    in, when given (an eaglewire export gives both; SpecForge writes neither)."""
+    config = {
+        "architectures": [ARCHITECTURE],
+        **llama_layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True},
+    }
+    if dtype is not None:
+        config["torch_dtype"] = dtype
+    if boundaries is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(boundaries)
+    return config
+
+
+def num_aux(d: dict[str, Any]) -> int:
+    """How many aux states SGLang sizes ``fc`` for (models/llama_eagle3.py)."""
+    if d.get("num_aux_hidden_states") is not None:
+        return int(d["num_aux_hidden_states"])
+    nested = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+    ids = nested.get("eagle_aux_hidden_state_layer_ids")
+    return len(ids) if ids else 3
+
+
+def config_ids(d: dict[str, Any], *, reader: str = "SGLang") -> tuple[list[int] | None, list[str]]:
+    """(ids from ``eagle_config``, notes); None when absent (the engine then uses its default).
+    ``reader``: the tool whose reading the notes describe (SpecForge reads the same keys)."""
+    notes = []
+    nested = d.get("eagle_config") or {}
+    if not isinstance(nested, dict):
+        raise FormatError(f"eagle_config is {nested!r}; expected an object holding "
+                          "eagle_aux_hidden_state_layer_ids")
+    ids = nested.get("eagle_aux_hidden_state_layer_ids")
+    top = d.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and top is not None:
+        notes.append(f"ids {top} sit at the top level of the config, where {reader} never looks; "
+                     f"{reader} falls back to its default layers, and so does this import. If the "
+                     "draft was trained on those ids, move them into eagle_config and import again")
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)):
+        raise FormatError(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}; expected a list "
+                          "of integers")
+    return ids, notes
+
+
+def parse_config(d: dict[str, Any], *, where: str = "config.json", reader: str = "SGLang"
+                 ) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+    """(layer fields + draft_vocab_size/target_hidden_size, ids or None, notes); ``reader``
+    names the tool whose reading the notes describe."""
+    archs = d.get("architectures") or []
+    notes = []
+    if archs and ARCHITECTURE not in archs:
+        notes.append(f"architectures is {archs}, not [{ARCHITECTURE!r}]; read as an EAGLE-3 draft anyway")
+    layer = parse_llama_layer(d, where=where)
+    ids, id_notes = config_ids(d, reader=reader)
+    extra = {"draft_vocab_size": d.get("draft_vocab_size"), "target_hidden_size": d.get("target_hidden_size")}
+    return {**layer, **extra}, ids, notes + id_notes
+
+
+def read_ids(config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
+    """Where SGLang finds its aux ids in ``config``: (label -> ids, None for its default; notes)."""
+    ids, notes = config_ids(config)
+    return {"sglang": ids}, notes
+
+
+def serving_md(*, draft_path: str, target_name: str, boundaries: list[int], ids: list[int], target_arch: str,
+               model_file: str, ambiguity: str | None, num_steps: int, others: list[str]) -> str:
+    """SERVING.md for a SGLang export: exact launch flags, and how other engines read the directory."""
+    lines = [
+        "# Serving this draft with SGLang", "",
+        f"Exported by eaglewire for SGLang {VERSION} and a `{target_arch}` target, whose ids SGLang "
+        f"reads in `{model_file}`. The draft reads target boundaries {boundaries}; "
+        f"`eagle_config.eagle_aux_hidden_state_layer_ids` is {json.dumps(ids)}, from which that model file "
+        "captures exactly those boundaries.", "",
+        " ".join(["**The ids are only right for this target's model file.**", *([ambiguity] if ambiguity else []),
+                  "Export again for another target; the wrong reading feeds the draft other layers without "
+                  "any error."]), "",
+        "Chain drafting (top-k 1; SGLang requires num-draft-tokens = num-steps + 1):", "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target_name} \\",
+        "    --speculative-algorithm EAGLE3 \\",
+        f"    --speculative-draft-model-path {draft_path} \\",
+        f"    --speculative-num-steps {num_steps} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {num_steps + 1}",
+        "```", "",
+        "Tree drafting (SGLang's defaults): `--speculative-num-steps 5 --speculative-eagle-topk 4 "
+        "--speculative-num-draft-tokens 8`. Add `--tp N` to shard the target over N GPUs.", "",
+        f"`--model-path` must be the very target the draft was trained for ({target_name}); a "
+        "requantized or fine-tuned target lowers acceptance. SGLang uses this draft's `d2t`, "
+        "ignores `t2d` and shares the target's embedding; it sizes `fc` from the id list.", "",
+        "## Other engines loading this directory", "",
+        *others, "",
+    ]
+    return "\n".join(lines)
+
+
+def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
+           allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings) -> ExportReport:
+    """Write ``draft`` for SGLang into ``out``: ids by the rule of the target's model file
+    (``config.target_arch``, default: the architecture the contract records);
+    EngineConventionError for a layout that model file cannot capture."""
+    contract = draft.contract
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    arch = default_target_arch(config.target_arch, contract.target.architecture)
+    ids = to_ids(bounds, L, arch)
+    amb = ambiguity(bounds, ids, L)
+    notes = [amb] if amb else []
+    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
+    engine_config = {**build_config(draft.draft_config, ids, bounds, dtype=dtype),
+                     **record(draft, arch, f"sglang {VERSION}")}
+    serving = serving_md(draft_path=str(out.resolve()), target_name=verifier(config, draft) or "<the target's path or id>",
+                         boundaries=bounds, ids=ids, target_arch=arch, model_file=file_for(arch).path,
+                         ambiguity=amb, num_steps=config.num_steps,
+                         others=others("sglang", boundaries=bounds, ids=ids, num_layers=L, target_arch=arch))
+    files = write_export(out, engine_config, draft.state(), serving)
+    return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+                               notes=notes))
+
+
+def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_layers: int,
+                 target_arch: str | None) -> list[str]:
+    """SERVING.md lines: how SGLang reads the directory another ``engine``'s export wrote."""
+    if engine != "vllm":
+        return []
+    return [f"- SGLang {VERSION} cannot load it (it has no `Eagle3Speculator` architecture). Use "
+            f"`eaglewire export --to sglang` instead: {_ids_note(boundaries, num_layers, target_arch)}.",
+            "- Copying these ids into a SGLang config would be wrong: SGLang adds 1 to them on most target "
+            "model files (engines/sglang.py), one layer off."]
+
+
+def _ids_note(bounds: list[int], L: int, arch: str | None) -> str:
+    if arch is None:
+        return "this target's architecture has no SGLang reading in eaglewire (pass --target-arch)"
+    try:
+        ids = to_ids(bounds, L, arch)
+    except EngineConventionError as e:
+        return f"SGLang cannot serve this draft on this target: {e}"
+    return f"its nested ids would be {json.dumps(ids)} for this `{arch}` target"
+
+
+# ---------------------------------------------------------------- launch flags
+
+def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
+    """SGLang launch flags it would silently change or cannot honour (``arch``: the target's
+    architecture, for what its model file can capture)."""
+    args, out = parse_flags(flags), Flags()
+    cannot = cannot_feed(declared, num_layers, arch) if arch is not None else ""
+    if cannot:
+        out.problems.append(("fail", f"sglang cannot feed this draft {declared} on this target", cannot))
+    algo = args.get("--speculative-algorithm")
+    if algo is not None and algo.upper() != "EAGLE3":
+        out.problems.append(("fail", f"--speculative-algorithm {algo}: SGLang will not feed aux states "
+                             "to an EAGLE-3 draft", "--speculative-algorithm EAGLE3"))
+    return chain_shape(args, out, verdict="warn", silently="SGLang overrides it with only a log warning")

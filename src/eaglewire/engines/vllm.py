@@ -1,0 +1,392 @@
+"""vLLM (0.33.0) and its speculators format (speculators 0.9; ``speculators`` is an alias of this
+engine): how vLLM reads a draft's ids, where its config keeps them, the format, its export and
+its launch-flag lint.
+
+Ids. vLLM takes the ids verbatim as boundaries, sorted (0 = embedding output, L = the last
+layer's pre-norm output), on every target model file that implements SupportsEagle3
+(``FILES``: llama, qwen2/qwen3, deepseek_v2, gpt_oss); gemma3 and glm4_moe_lite have none,
+so vLLM serves no EAGLE-3 draft for them. tests/engines re-reads the cited functions.
+
+Format. The speculators EAGLE-3 format, as speculators 0.9 writes and reads it.
+
+``config.json``: ``speculators_model_type: "eagle3"``, ``architectures: ["Eagle3Speculator"]``,
+``transformer_layer_config`` (a Llama config of the draft layer; its ``vocab_size`` is the
+target's), ``draft_vocab_size``, ``target_hidden_size``, the norm flags, top-level
+``eagle_aux_hidden_state_layer_ids`` (boundaries verbatim: 0 = embedding output, L = last
+pre-norm state) and ``speculators_config {algorithm, proposal_methods,
+default_proposal_method, verifier {name_or_path, architectures}}``, ``torch_dtype``.
+``transformer_layer_config`` also carries ``num_aux_hidden_states``: vLLM 0.33.0 builds the
+draft's config from that object alone and counts aux states only from
+``num_aux_hidden_states`` or a nested ``eagle_config`` id list, else 3
+(models/llama_eagle3.py), so without it a draft on other than 3 boundaries does not load.
+Tensors: ``embed_tokens.weight`` (the target's, in the target's stored dtype: vLLM shares
+the target's embedding only when the two are exactly equal), ``fc.weight``, ``layers.0.*``,
+``norm.weight``, ``lm_head.weight`` and, only for a reduced vocabulary, ``d2t`` / ``t2d``
+(speculators has no such buffers for a full-vocabulary draft).
+
+The norm flags, and what an eaglewire draft is:
+- ``norm_before_residual``: the residual is ``hidden_norm(h)`` instead of ``h``. Ours is the
+  un-normed ``h``: false. vLLM reads a *missing* flag as true, so it is always written.
+- ``norm_output``: the post-norm state is fed to the next step (Eagle 3.1). We feed the
+  pre-norm state: false.
+- ``norm_before_fc`` / ``fc_norm``: an RMSNorm on the aux states before ``fc``. We have none.
+Pure functions only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglewire.checkpoint import DraftFiles
+from eaglewire.contract import ContractError, EngineConventionError
+from eaglewire.contract import target_arch as target_arch_key
+from eaglewire.draft import DraftConfig
+from eaglewire.engines import model_file
+from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
+                                      load_export_target, record, serving_dtype, stored_dtype, verifier,
+                                      write_export)
+from eaglewire.engines.flags import Flags, as_int, parse_flags
+from eaglewire.engines.model_file import ModelFile
+from eaglewire.engines.shared import FormatError, llama_layer_config, parse_llama_layer
+
+log = logging.getLogger(__name__)
+
+NAME = "vllm"
+FORMAT_NAME = "speculators"  # its checkpoint format's name: an alias of the engine
+VERSION = "0.33.0"  # the release these readings were taken from (tests/engines re-reads them)
+PER_MODEL_FILE = True  # whether it serves EAGLE-3 at all depends on the target's model file
+
+
+def _file(path: str, model: str, *, unsupported: str | None = None) -> ModelFile:
+    return ModelFile(engine="vllm", path=f"vllm/model_executor/models/{path}", ids="verbatim",
+                     captures_last=unsupported is None, unsupported=unsupported,
+                     function=f"{model}.forward + EagleModelMixin._set_aux_hidden_state_layers (sorted)")
+
+
+_NO_EAGLE3 = ("vLLM {v}'s {cls} does not implement SupportsEagle3, so vLLM refuses an EAGLE-3 draft "
+              "for this target; serve it with SGLang or eaglewire")
+FILES: dict[str, ModelFile] = {
+    "llama": _file("llama.py", "LlamaModel"),
+    "mistral": _file("llama.py", "LlamaModel"),  # models/mistral.py subclasses LlamaForCausalLM
+    "qwen2": _file("qwen2.py", "Qwen2Model"),
+    "qwen3": _file("qwen2.py", "Qwen2Model"),  # Qwen3Model subclasses Qwen2Model
+    "gemma3": _file("gemma3.py", "Gemma3Model", unsupported=_NO_EAGLE3.format(
+        v=VERSION, cls="Gemma3ForCausalLM (models/gemma3.py)")),
+    "deepseek_v3": _file("deepseek_v2.py", "DeepseekV2Model"),
+    "glm4_moe_lite": _file("glm4_moe_lite.py", "Glm4MoeLiteModel", unsupported=_NO_EAGLE3.format(
+        v=VERSION, cls="Glm4MoeLiteForCausalLM (models/glm4_moe_lite.py)")),
+    "gpt_oss": _file("gpt_oss.py", "GptOssModel"),
+}
+_GENERIC = _file("llama.py", "LlamaModel")
+
+
+# ---------------------------------------------------------------- ids
+
+def file_for(arch: str | None) -> ModelFile:
+    """The model file whose rule vLLM applies to a target of architecture ``arch`` (None: the
+    reading every file that serves EAGLE-3 shares)."""
+    return _GENERIC if arch is None else FILES[target_arch_key(arch)]
+
+
+def refusal(arch: str | None) -> str | None:
+    """Why vLLM serves no EAGLE-3 draft on this target at all (None: it does)."""
+    return None if arch is None else file_for(arch).unsupported
+
+
+def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """vLLM's ids for ``boundaries``: the boundaries verbatim; EngineConventionError where its
+    model file for ``arch`` serves no EAGLE-3 draft."""
+    why = refusal(arch)
+    if why:
+        raise EngineConventionError(why)
+    return list(boundaries)
+
+
+def to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """Boundaries vLLM captures for config ``ids`` (sorted, the order it feeds them)."""
+    f = file_for(arch)
+    bounds = model_file.read(ids, num_layers, f)
+    if len(bounds) != len(ids):
+        raise EngineConventionError(
+            f"vLLM {VERSION}'s {f.path} captures only boundaries {bounds} for ids {ids} on a {num_layers}-layer "
+            f"target: {len(ids) - len(bounds)} of them name no layer it captures (or repeat one), so the "
+            f"draft would get {len(bounds)} states for an fc that takes {len(ids)}")
+    return bounds
+
+
+def read_notes(ids: list[int], boundaries: list[int], num_layers: int, arch: str | None) -> list[str]:
+    """What an import states about reading ``ids`` as ``boundaries``."""
+    return [f"vLLM sorts the ids: {ids} feeds boundaries {boundaries} in that order"] if list(ids) != boundaries else []
+
+
+def cannot_feed(declared: list[int], num_layers: int, arch: str | None) -> str:
+    """Why vLLM cannot capture ``declared`` on this target ('' if it can)."""
+    try:
+        to_ids(declared, num_layers, arch)
+    except EngineConventionError as e:
+        return str(e)
+    return ""
+
+
+def config_fix(declared: list[int], num_layers: int, arch: str | None) -> str:
+    """The exact config change that makes vLLM capture ``declared`` on this target."""
+    why = cannot_feed(declared, num_layers, arch)
+    if why:
+        return why
+    return (f'set the top-level "eagle_aux_hidden_state_layer_ids": {json.dumps(declared)} and '
+            f"transformer_layer_config.num_aux_hidden_states: {len(declared)} (or re-export with "
+            "`eaglewire export --to vllm`)")
+
+
+# ---------------------------------------------------------------- config and format
+
+ARCHITECTURE = "Eagle3Speculator"
+MODEL_TYPE = "eagle3"
+
+# flag -> (our value, what a different value would mean)
+NORM_FLAGS: dict[str, tuple[bool, str]] = {
+    "norm_before_residual": (False, "its residual is the normed hidden state"),
+    "norm_output": (False, "it feeds its post-norm state to the next step (Eagle 3.1)"),
+    "norm_before_fc": (False, "it normalises the concatenated aux states before fc"),
+    "fc_norm": (False, "it normalises each aux state before fc"),
+}
+
+
+def build_config(cfg: DraftConfig, boundaries: list[int], *, verifier_name: str | None,
+                 verifier_architecture: str, num_steps: int, dtype: str) -> dict[str, Any]:
+    """config.json of a speculators export; ``boundaries`` are written verbatim as the ids."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "speculators_model_type": MODEL_TYPE,
+        "torch_dtype": dtype,
+        "transformer_layer_config": {**llama_layer_config(cfg), "num_aux_hidden_states": cfg.num_aux},
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        **{flag: value for flag, (value, _) in NORM_FLAGS.items()},
+        "embed_requires_grad": False,
+        "eagle_aux_hidden_state_layer_ids": list(boundaries),
+        "speculators_config": {
+            "algorithm": MODEL_TYPE,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_steps,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name, "architectures": [verifier_architecture]},
+        },
+    }
+
+
+def parse_config(d: dict[str, Any], *, where: str = "config.json"
+                 ) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+    """(layer fields + draft_vocab_size/target_hidden_size, ids or None, notes).
+
+    Raises FormatError for anything an eaglewire draft cannot compute exactly (other norm
+    placements, another layer type, another speculator type).
+    """
+    kind = d.get("speculators_model_type")
+    if kind != MODEL_TYPE:
+        hint = ("it has no speculators_model_type (a SGLang/SpecForge config? use --from sglang or specforge)"
+                if kind is None else f"it is a speculators {kind!r} checkpoint")
+        raise FormatError(f"{where} is not a speculators EAGLE-3 config: {hint}")
+    layer_cfg = d.get("transformer_layer_config")
+    if not isinstance(layer_cfg, dict):
+        raise FormatError(f"{where}: transformer_layer_config is missing or not an object")
+    notes = []
+    for flag, (ours, meaning) in NORM_FLAGS.items():
+        value = d.get(flag)
+        if value is None:
+            if flag == "norm_before_residual":
+                notes.append("norm_before_residual is missing: read as false (speculators' default), "
+                             "but vLLM reads a missing flag as true; set it explicitly before serving")
+        elif bool(value) != ours:
+            raise FormatError(f"{where}: {flag} is {value}: {meaning}; an eaglewire draft cannot "
+                              "compute that exactly, so it cannot be imported")
+    # speculators reads a layer config without model_type as Qwen3
+    layer = parse_llama_layer({"model_type": "qwen3", **layer_cfg}, where=f"{where} transformer_layer_config")
+    try:
+        readings = id_readings(d)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from e
+    ids = next(iter(readings.values()))  # a speculators config keeps them at the top level: one reading
+    fc_states = num_aux(d)
+    if ids is not None and fc_states != len(ids):
+        notes.append(f"vLLM sizes fc for {fc_states} aux states (num_aux_hidden_states in "
+                     f"transformer_layer_config, else 3) but the config names {len(ids)} ids; vLLM cannot "
+                     "load it until transformer_layer_config.num_aux_hidden_states is set")
+    extra = {"draft_vocab_size": d.get("draft_vocab_size"), "target_hidden_size": d.get("target_hidden_size")}
+    return {**layer, **extra}, ids, notes
+
+
+def read_ids(d: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
+    """Where vLLM finds its aux ids in ``config``: (label -> ids, None for its default; notes)."""
+    return id_readings(d), []
+
+
+def id_readings(d: dict[str, Any]) -> dict[str, list[int] | None]:
+    """Where vLLM 0.33.0 finds the ids in any draft config: label -> ids (None: its default).
+
+    Both runners read the top-level ids first. Without them, the default V2 runner
+    (v1/worker/gpu/spec_decode/eagle/eagle3_utils.get_eagle3_aux_layers_from_config) reads
+    ``eagle_config.layer_ids`` and the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``;
+    gpu_model_runner._get_eagle3_aux_layers_from_config) ``eagle_config.eagle_aux_hidden_state_layer_ids``.
+    """
+    top = d.get("eagle_aux_hidden_state_layer_ids")
+    nested = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+    v2, v1 = nested.get("layer_ids") or None, nested.get("eagle_aux_hidden_state_layer_ids") or None
+    if top or v1 == v2:
+        readings = {f"vllm {VERSION}": top or v2}
+    else:
+        readings = {f"vllm {VERSION} (V2 runner, the default)": v2, f"vllm {VERSION} (V1 runner)": v1}
+    for ids in readings.values():
+        if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)):
+            raise FormatError(f"aux layer ids {ids!r}; expected a list of integers")
+    return readings
+
+
+def num_aux(d: dict[str, Any]) -> int:
+    """How many aux states vLLM 0.33.0 sizes ``fc`` for (models/llama_eagle3.py): from the
+    config it builds (a speculators config: ``transformer_layer_config`` only)."""
+    src = d.get("transformer_layer_config") if d.get("speculators_model_type") else d
+    src = src if isinstance(src, dict) else {}
+    if src.get("num_aux_hidden_states") is not None:
+        return int(src["num_aux_hidden_states"])
+    nested = src.get("eagle_config") if isinstance(src.get("eagle_config"), dict) else {}
+    ids = nested.get("eagle_aux_hidden_state_layer_ids")
+    return len(ids) if ids else 3
+
+
+def to_speculators_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Native tensor names -> speculators names (``midlayer.`` -> ``layers.0.``)."""
+    return {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+            for k, v in state.items()}
+
+
+def check_vocab_maps(cfg: DraftConfig, d2t: torch.Tensor) -> bool:
+    """True when d2t/t2d must be written (a reduced vocabulary). A full-vocabulary draft
+    with a permuted d2t has no speculators form: FormatError."""
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        return True
+    if bool(d2t.any()):
+        raise FormatError("this full-vocabulary draft permutes token ids (d2t is not all zeros); "
+                          "speculators drops d2t when the draft vocabulary equals the target's, so "
+                          "the export would predict the wrong tokens. Rebuild the vocabulary as identity, "
+                          "or export with --to sglang (which keeps d2t)")
+    return False
+
+
+def verifier_notes(name: str | None, *, is_local_path: bool) -> list[str]:
+    """A warning when engines cannot load the verifier by ``name`` (not a path, not an HF id)."""
+    if name is not None and (is_local_path or name.count("/") == 1):
+        return []
+    return [f"verifier name {name!r} is neither a local path nor a Hugging Face id; vLLM and speculators "
+            "load the verifier by that name, so pass the target's path or id (--verifier-name)"]
+
+
+def serving_md(*, draft_path: str, target_name: str, boundaries: list[int], num_steps: int,
+               others: list[str]) -> str:
+    """SERVING.md for a vLLM / speculators export: exact launch flags, and how other engines
+    read the directory (``others``)."""
+    spec = json.dumps({"method": "eagle3", "model": draft_path, "num_speculative_tokens": num_steps})
+    return "\n".join([
+        "# Serving this draft with vLLM", "",
+        f"speculators EAGLE-3 format, for vLLM {VERSION}. The draft reads target boundaries {boundaries}; "
+        f"vLLM takes `eagle_aux_hidden_state_layer_ids` {json.dumps(boundaries)} verbatim, sorted (0 = "
+        "embedding output, L = last layer before the final norm), on every target model it serves EAGLE-3 "
+        f"for, and sizes `fc` from `transformer_layer_config.num_aux_hidden_states` ({len(boundaries)}).", "",
+        "```bash",
+        f"vllm serve {target_name} \\",
+        f"    --speculative-config '{spec}'",
+        "```", "",
+        "vLLM drafts chains (`num_speculative_tokens` tokens per step). Add "
+        "`--tensor-parallel-size N` to shard the target over N GPUs.", "",
+        f"The target must be the very one the draft was trained for ({target_name}); a requantized "
+        "or fine-tuned target lowers acceptance. `embed_tokens.weight` is that target's embedding in its "
+        "stored dtype, so vLLM shares the target's own (it does only when the two are exactly equal).", "",
+        "## Other engines loading this directory", "",
+        *others, "",
+    ])
+
+
+def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
+           allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings) -> ExportReport:
+    """Write ``draft`` in the speculators format into ``out``. Needs the target's embedding
+    (``target``, else loaded from the spec the draft records; checked against the contract,
+    ``allow`` as in ``HiddenStateContract.check_target``); ``torch_dtype`` is the target's stored dtype."""
+    contract, cfg = draft.contract, draft.draft_config
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    try:
+        arch = default_target_arch(config.target_arch, contract.target.architecture)
+    except ContractError:
+        if config.target_arch:
+            raise
+        arch = None  # vLLM reads ids verbatim on every model file that serves EAGLE-3
+    ids = to_ids(bounds, L, arch)
+    name = verifier(config, draft)
+    target = target if target is not None else load_export_target(draft)
+    notes = contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
+    notes += verifier_notes(name, is_local_path=bool(name) and Path(name).expanduser().exists())
+    dtype = stored_dtype(target.spec) or serving_dtype(draft.target_spec, str(target.dtype).removeprefix("torch."),
+                                                       notes)
+    engine_config = {**build_config(cfg, ids, verifier_name=name, num_steps=config.num_steps, dtype=dtype,
+                                    verifier_architecture=contract.target.architecture),
+                     **record(draft, arch, f"vllm {VERSION}")}
+    state = draft.state()
+    keep_maps = check_vocab_maps(cfg, state["d2t"])
+    tensors = to_speculators_names({k: v for k, v in state.items() if keep_maps or k not in ("d2t", "t2d")})
+    # the target's stored values: vLLM shares the target's embedding only when exactly equal
+    tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().to("cpu", getattr(torch, dtype))
+    serving = serving_md(draft_path=str(out.resolve()), target_name=name or "<the target's path or id>",
+                         boundaries=bounds, num_steps=config.num_steps,
+                         others=others("vllm", boundaries=bounds, ids=ids, num_layers=L, target_arch=arch))
+    files = write_export(out, engine_config, tensors, serving)
+    return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+                               notes=notes))
+
+
+def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_layers: int,
+                 target_arch: str | None) -> list[str]:
+    """SERVING.md lines: how vLLM reads the directory another ``engine``'s export wrote."""
+    if engine != "sglang":
+        return []
+    why = refusal(target_arch)
+    if why:
+        return [f"- vLLM {VERSION}: serves no EAGLE-3 draft for this target: {why}."]
+    off = ("one layer off" if [i + 1 for i in ids] == boundaries else "other boundaries") if ids != boundaries \
+        else "the same"
+    return [f"- vLLM {VERSION}: reads the top-level `eagle_aux_hidden_state_layer_ids` {json.dumps(boundaries)} "
+            "(written for it; SGLang never looks there) verbatim and captures the same boundaries. Without that key "
+            f"its V1 runner would read the nested SGLang ids {json.dumps(ids)} verbatim ({off}) and its default V2 "
+            "runner would fall back to [2, L//2, L-3]: do not remove it."]
+
+
+# ---------------------------------------------------------------- launch flags
+
+def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
+    """vLLM launch flags it would silently change or cannot honour (``arch``: the target's
+    architecture, for whether its model file serves EAGLE-3)."""
+    args, out = parse_flags(flags), Flags()
+    cannot = cannot_feed(declared, num_layers, arch) if arch is not None else ""
+    if cannot:
+        out.problems.append(("fail", f"vllm cannot feed this draft {declared} on this target", cannot))
+    raw = args.get("--speculative-config")
+    if raw is None:
+        out.problems.append(("fail", "no --speculative-config: vLLM runs without speculation",
+                             '--speculative-config \'{"method": "eagle3", "model": DRAFT, '
+                             '"num_speculative_tokens": 5}\''))
+        return out
+    try:
+        spec = json.loads(raw)
+    except json.JSONDecodeError as e:
+        out.problems.append(("fail", f"--speculative-config is not JSON ({e})", "quote the JSON object"))
+        return out
+    if spec.get("method") != "eagle3":
+        out.problems.append(("fail", f'method is {spec.get("method")!r}: vLLM will not read the aux '
+                             "states of an EAGLE-3 draft", 'set "method": "eagle3"'))
+    out.num_steps = as_int(spec.get("num_speculative_tokens"))
+    out.topk = 1
+    out.num_draft_tokens = out.num_steps + 1 if out.num_steps else None
+    return out

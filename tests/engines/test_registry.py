@@ -1,0 +1,82 @@
+"""The engine registry's entry points, the one draft-directory reader and the export defaults."""
+
+import dataclasses
+import inspect
+import json
+
+import pytest
+import torch
+
+from eaglewire import engines
+from eaglewire.checkpoint import read_draft, save_draft
+from eaglewire.contract import ContractError, HiddenStateContract
+from eaglewire.doctor.serving import lint_flags
+from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.engines import ExportConfig, llamacpp, sglang, vllm
+from eaglewire.engines.llamacpp import gguf
+
+
+def _native(out, target, boundaries):
+    V = target.vocab_size
+    cfg = DraftConfig.from_target(target.text_config, num_aux=len(boundaries), draft_vocab_size=V, vocab_size=V)
+    torch.manual_seed(0)
+    contract = HiddenStateContract(aux_boundaries=tuple(boundaries), target=target.fingerprint)
+    return save_draft(out, Eagle3Draft(cfg), contract, {"target": "tiny-test"})
+
+
+def test_every_engine_module_names_itself_and_can_translate():
+    for e in engines.ENGINES:
+        assert e.module.NAME == e.name and engines.get(e.name) is e
+        for capability, needs in (("import", ("parse_config", "read_ids")), ("export", ("export",)),
+                                  ("lint", ("lint_flags",))):
+            if e.can(capability):
+                assert all(hasattr(e.module, f) for f in needs), (e.name, capability)
+    assert engines.to_engine([2, 15, 27], 30, "speculators") == engines.to_engine([2, 15, 27], 30, "vllm")
+
+
+def test_a_draft_whose_config_and_contract_disagree_is_refused_by_export_too(tmp_path, chat_tiny_target):
+    """Export reads the draft with the same reader as load_draft, so it refuses what loading refuses."""
+    src = _native(tmp_path / "d", chat_tiny_target, [1, 3, 5])
+    config = json.loads((src / "config.json").read_text())
+    config["draft"]["num_aux"] = 4
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ContractError, match="fuses 4 states but its contract lists 3"):
+        read_draft(src)
+    with pytest.raises(ContractError, match="fuses 4 states but its contract lists 3"):
+        engines.export_draft(src, "sglang", tmp_path / "out", target_arch="llama")
+
+
+def test_export_defaults_live_in_export_config_only():
+    """No engine's export, nor the entry point, carries its own default for an ExportConfig field
+    (llama.cpp's export once defaulted num_steps to 3 where the CLI said 5)."""
+    settings = {f.name for f in dataclasses.fields(ExportConfig)}
+    for fn in (engines.export_draft, sglang.export, vllm.export, gguf.export, llamacpp.export):
+        own = [p for p in inspect.signature(fn).parameters.values() if p.name in settings]
+        assert not own, (fn.__module__, [p.name for p in own])
+    assert ExportConfig().num_steps == 5
+    with pytest.raises(ValueError, match="num_steps 0 must be an integer >= 1"):
+        ExportConfig(num_steps=0)
+
+
+def test_export_settings_override_the_config(tmp_path, chat_tiny_target):
+    src = _native(tmp_path / "d", chat_tiny_target, [1, 3, 5])
+    engines.export_draft(src, "sglang", tmp_path / "a", target_arch="llama")
+    engines.export_draft(src, "sglang", tmp_path / "b", config=ExportConfig(num_steps=2), target_arch="llama")
+    assert "--speculative-num-steps 5 " in (tmp_path / "a" / "SERVING.md").read_text()
+    assert "--speculative-num-steps 2 " in (tmp_path / "b" / "SERVING.md").read_text()
+
+
+def test_speculators_flags_are_linted_as_vllm_reads_them():
+    """``speculators`` is vLLM: its launch flags are vLLM's --speculative-config, not SGLang's flags."""
+    flags = '--speculative-config \'{"method": "eagle3", "model": "d", "num_speculative_tokens": 4}\''
+    got = lint_flags("speculators", flags, [2, 15, 27], 30, "llama")
+    assert (got.num_steps, got.topk, got.problems) == (4, 1, [])
+    assert lint_flags("speculators", "", [2, 15, 27], 30).problems[0][1].startswith("no --speculative-config")
+
+
+def test_served_metrics_are_read_as_prometheus_text():
+    """Timestamps and labelled samples (a space inside a label value) read right."""
+    text = ('# TYPE llamacpp:spec_decode_num_drafts_total counter\n'
+            'llamacpp:spec_decode_num_drafts_total 17 1700000000000\n'
+            'llamacpp:requests{state="in flight"} 2\n')
+    assert llamacpp.parse_metrics(text) == {"spec_decode_num_drafts_total": 17.0, 'requests{state="in flight"}': 2.0}
