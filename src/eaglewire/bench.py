@@ -368,7 +368,7 @@ def tune_for_bench(config: BenchConfig, *, target=None):
     draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
     prompts = encoded_prompts(target.tokenizer, dataset, offset, DEFAULT_PROMPTS)
     llamacpp = None
-    if query.engine == "llamacpp":
+    if query.engine == LLAMACPP:
         llamacpp = llamacpp_setup(config.draft, config.out_dir, target_gguf=config.llamacpp_target,
                                   draft_gguf=config.llamacpp_draft, llamacpp_dir=config.llamacpp_dir,
                                   threads=config.llamacpp_threads, flags=config.llamacpp_flags)
