@@ -23,10 +23,10 @@ import torch
 from eaglewire.data.regenerate import RegenerateConfig, _generate, _generation_config
 from eaglewire.decode.batched import BatchedDecoder
 from eaglewire.decode.text import encode_prompt
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.prompts import load_prompts
-from eaglewire.target import load_target
-from eaglewire.tokens import stop_token_ids
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.core.prompts import load_prompts
+from eaglewire.model.target import load_target
+from eaglewire.core.tokens import stop_token_ids
 
 
 def timed(fn) -> tuple[list[tuple[list[int], bool]], float, int]:

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from eaglewire.capture import capture
-from eaglewire.contract import default_aux_boundaries
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.target import load_target
+from eaglewire.model.capture import capture
+from eaglewire.core.contract import default_aux_boundaries
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.model.target import load_target
 
 
 def main() -> None:

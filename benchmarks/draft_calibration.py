@@ -15,11 +15,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from eaglewire.checkpoint import load_draft
+from eaglewire.model.checkpoint import load_draft
 from eaglewire.data.shards import ShardDataset
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.target import load_target
-from eaglewire.ttt import target_signal, ttt_unroll
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.model.target import load_target
+from eaglewire.model.ttt import target_signal, ttt_unroll
 
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
 

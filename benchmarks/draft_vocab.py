@@ -31,17 +31,17 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.checkpoint import load_draft, save_draft
+from eaglewire.model.checkpoint import load_draft, save_draft
 from eaglewire.data.conversations import load_conversations, tokenize_conversation
 from eaglewire.data.shards import ShardDataset
 from eaglewire.doctor.measure import step_rightness
 from eaglewire.doctor.stored import stored_batches
-from eaglewire.presets import cache_dir, data_path, resolve_draft
-from eaglewire.target import load_tokenizer
-from eaglewire.target_head import load_target_head
-from eaglewire.ttt import counted_positions
-from eaglewire.vocab import count_tokens, frequency_coverage
-from eaglewire.vocab_shrink import shrink_to_frequent
+from eaglewire.core.presets import cache_dir, data_path, resolve_draft
+from eaglewire.model.target import load_tokenizer
+from eaglewire.model.target_head import load_target_head
+from eaglewire.model.ttt import counted_positions
+from eaglewire.model.vocab import count_tokens, frequency_coverage
+from eaglewire.model.vocab_shrink import shrink_to_frequent
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 DOCTOR_TARGET = cache_dir() / "targets" / "SmolLM2-135M-Instruct.Q4_1-af376ba2c50dc702"

@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from eaglewire.checkpoint import load_draft
+from eaglewire.model.checkpoint import load_draft
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.runner import HFRunner, LeanRunner
 from eaglewire.decode.text import encode_prompt
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.prompts import load_prompts
-from eaglewire.target import load_target
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.core.prompts import load_prompts
+from eaglewire.model.target import load_target
 
 
 def verify_cost(target, repeats: int) -> None:

@@ -21,7 +21,7 @@ $EW engines install llamacpp --jobs "$THREADS"
 $EW export --to llamacpp --draft reference --out "$OUT/export-f32" --outtype q8_0 --target-outtype f32 --num-steps 3
 $EW export --to llamacpp --draft reference --out "$OUT/export-f16" --outtype q8_0 --target-outtype f16 --num-steps 3
 DRAFT="$OUT/export-f32/draft-q8_0.gguf"
-Q41=$($PY -c "from eaglewire.presets import TARGET_PRESETS, fetch_asset; print(fetch_asset(TARGET_PRESETS['smollm2-135m'].asset))")
+Q41=$($PY -c "from eaglewire.core.presets import TARGET_PRESETS, fetch_asset; print(fetch_asset(TARGET_PRESETS['smollm2-135m'].asset))")
 
 # plain and chains of 1 and 3 (llama.cpp: --spec-draft-n-max 1 / 3, n-min 0, p-min 0)
 C="1,0,0,0;1,1,1,2;1,3,1,4"

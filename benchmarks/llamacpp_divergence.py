@@ -14,9 +14,9 @@ import torch
 
 from eaglewire.decode.text import encode_prompt
 from eaglewire.engines.llamacpp import LlamaServer, ServerConfig, complete, require_server
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.prompts import load_prompts
-from eaglewire.target import load_target
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.core.prompts import load_prompts
+from eaglewire.model.target import load_target
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from eaglewire.engines.llamacpp import LlamaServer, chain_config, complete, require_server
-from eaglewire.prompts import load_prompts
-from eaglewire.target import load_tokenizer
+from eaglewire.core.prompts import load_prompts
+from eaglewire.model.target import load_tokenizer
 from eaglewire.decode.text import encode_prompt
 from eaglewire.acceptance.probe import wait_draft_stats
 

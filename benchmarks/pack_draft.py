@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.checkpoint import load_draft, save_draft
+from eaglewire.model.checkpoint import load_draft, save_draft
 
 
 def main(src: str, out: str) -> None:

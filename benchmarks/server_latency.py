@@ -29,16 +29,16 @@ from dataclasses import asdict, dataclass
 
 from openai import OpenAI
 
-from eaglewire.bench import parse_config
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.prompts import load_prompts
+from eaglewire.bench.run import parse_config
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.core.prompts import load_prompts
 
 SERVER = """
 import logging, sys, torch
 torch.set_num_threads({threads})
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 from eaglewire.decode.engine import SpecConfig
-from eaglewire.server import ServeConfig, serve
+from eaglewire.serve.app import ServeConfig, serve
 serve(ServeConfig(target={target!r}, draft={draft!r}, port={port}, max_queue=256, device="cpu", spec=SpecConfig(**{spec!r})))
 """
 

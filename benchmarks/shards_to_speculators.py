@@ -71,9 +71,9 @@ from safetensors.torch import save_file
 
 from eaglewire.engines import to_engine
 from eaglewire.data.shards import ShardDataset, ShardWriter
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.target import load_target, resolve_target_path
-from eaglewire.vocab import count_tokens
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.model.target import load_target, resolve_target_path
+from eaglewire.model.vocab import count_tokens
 
 log = logging.getLogger("shards_to_speculators")
 REPO = Path(__file__).resolve().parents[1]

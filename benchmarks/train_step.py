@@ -16,9 +16,9 @@ from unittest import mock
 
 import torch
 
-from eaglewire import ttt_attention as attention_module
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.ttt import TargetSignal, ttt_unroll
+from eaglewire.model import ttt_attention as attention_module
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.ttt import TargetSignal, ttt_unroll
 
 
 def smollm2_draft() -> Eagle3Draft:
@@ -65,7 +65,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.repeats + 1):  # the first round warms up
         for name, fn in variants.items():
-            with mock.patch("eaglewire.draft.ttt_attention", fn):
+            with mock.patch("eaglewire.model.draft.ttt_attention", fn):
                 t = step_seconds(draft, inputs, args.ttt_steps)
             if r:
                 times[name].append(t)

@@ -11,14 +11,14 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from eaglewire.target import load_tokenizer
+    from eaglewire.model.target import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2_target():
-    from eaglewire.target import load_target
+    from eaglewire.model.target import load_target
 
     return load_target("smollm2-135m", device="cpu", dtype="fp32")
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from eaglewire.bench import (BenchConfig, Row, config_label, heldout_prompts, parse_configs, position_acceptance, speedup,
+from eaglewire.bench.run import (BenchConfig, Row, config_label, heldout_prompts, parse_configs, position_acceptance, speedup,
                              tau_per_request, tau_pooled, time_split)
-from eaglewire.checkpoint import save_draft
+from eaglewire.model.checkpoint import save_draft
 from eaglewire.cli import main
 from eaglewire.decode.engine import GenerationStats, SpecConfig
 
@@ -108,8 +108,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, chat_tiny_target):
-    from eaglewire.contract import HiddenStateContract
-    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
     torch.manual_seed(0)
     cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=128,
@@ -180,8 +180,8 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, capsys):
 
 
 def test_sampling_rows_are_seeded_per_prompt(tmp_path, chat_tiny_target, draft_dir, one_thread):
-    from eaglewire.bench import run_bench
-    from eaglewire.bench_report import to_json
+    from eaglewire.bench.run import run_bench
+    from eaglewire.bench.report import to_json
 
     common = dict(draft=str(draft_dir), dataset=str(write_prompts(tmp_path / "p.jsonl", 2)), max_new_tokens=8,
                   temperature=0.9, warmup=0, seed=3)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from eaglewire.capture import capture
-from eaglewire.contract import ContractError
+from eaglewire.model.capture import capture
+from eaglewire.core.contract import ContractError
 from tiny import ARCHITECTURES, tiny_target
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglewire.checkpoint import load_draft, read_draft_config, save_draft
+from eaglewire.model.checkpoint import load_draft, read_draft_config, save_draft
 from eaglewire.cli import main
 
 
@@ -56,8 +56,8 @@ def test_prepare_then_train(tmp_path, target_dir, chats, capsys):
 
 
 def test_generate_streams_the_same_text_with_and_without_a_draft(tmp_path, chat_tiny_target, target_dir, capsys):
-    from eaglewire.contract import HiddenStateContract
-    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
     cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=100,
                                   vocab_size=chat_tiny_target.vocab_size)
@@ -102,8 +102,8 @@ def test_contract_command(capsys):
 
 
 def test_checkpoint_round_trip_and_foreign_target(tmp_path, chat_tiny_target):
-    from eaglewire.contract import ContractError, HiddenStateContract
-    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.core.contract import ContractError, HiddenStateContract
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
     from tiny import tiny_target
 
     cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=100,
@@ -189,7 +189,7 @@ def test_defaults_and_choices_have_one_spelling():
 
     from eaglewire.decode.sampling import MAX_NEW_TOKENS
     from eaglewire.engines import names as engine_names
-    from eaglewire.presets import DEFAULT_TARGET, TARGET_PRESETS
+    from eaglewire.core.presets import DEFAULT_TARGET, TARGET_PRESETS
 
     assert DEFAULT_TARGET in TARGET_PRESETS
     configs = {name: p.get_default("config_class") for name, p in subcommands().items()}
@@ -258,7 +258,7 @@ def test_a_read_only_out_is_one_error_line(tmp_path, target_dir, chats, capsys, 
     import errno
     import os
 
-    import eaglewire.locks as locks
+    import eaglewire.core.locks as locks
 
     def read_only(path, *a, **k):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
@@ -273,8 +273,8 @@ def test_a_read_only_out_is_one_error_line(tmp_path, target_dir, chats, capsys, 
 
 
 def test_a_truncated_draft_is_one_error_line_naming_the_file(tmp_path, chat_tiny_target, target_dir, capsys):
-    from eaglewire.contract import HiddenStateContract
-    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
     cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=100,
                                   vocab_size=chat_tiny_target.vocab_size)
@@ -340,7 +340,7 @@ CONFIG_FILES = {
 def test_every_subcommand_takes_a_config_file_and_its_flags_come_from_its_dataclass(monkeypatch):
     """A subcommand without --config, a flag that is not a field of its config, or a field without
     its flag and help in --help fails here; so does a subcommand missing from CONFIG_FILES."""
-    from eaglewire.configs import CONFIG_DEST, _leaves
+    from eaglewire.core.configs import CONFIG_DEST, _leaves
 
     monkeypatch.setenv("COLUMNS", "100000")  # --help on one line per flag: argparse wraps at hyphens
 
@@ -368,7 +368,7 @@ def test_a_config_file_sets_the_settings_and_a_flag_overrides_it(tmp_path, comma
     import yaml
 
     from eaglewire.cli import build_parser
-    from eaglewire.configs import config_from_args
+    from eaglewire.core.configs import config_from_args
 
     values, kwargs, override, changed = CONFIG_FILES[command]
     path = tmp_path / f"run{suffix}"

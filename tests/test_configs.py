@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from eaglewire.configs import (RESOLVED_CONFIG, ConfigError, add_config_args, config_from_args, config_from_mapping,
+from eaglewire.core.configs import (RESOLVED_CONFIG, ConfigError, add_config_args, config_from_args, config_from_mapping,
                                config_record, config_to_args, load_config_file, write_resolved_config)
 
 

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from eaglewire.contract import (
+from eaglewire.core.contract import (
     TARGET_ARCHS,
     ContractError,
     EngineConventionError,

@@ -179,10 +179,10 @@ def test_doctor_never_passes_a_draft_that_predicts_nothing(tmp_path, chat_tiny_t
     the declared layout the best of candidates that all scored 0."""
     import torch
 
-    from eaglewire.checkpoint import save_draft
-    from eaglewire.contract import HiddenStateContract
+    from eaglewire.model.checkpoint import save_draft
+    from eaglewire.core.contract import HiddenStateContract
     from eaglewire.doctor import run_doctor
-    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
     target = chat_tiny_target
     V = target.vocab_size
@@ -225,7 +225,7 @@ PROMPTS = ["Name three primary colors.", "What is the capital of France?", "Writ
 def trained(tmp_path_factory, smollm2_target):
     """Two drafts on the target's own greedy replies: one reads [0, 2, 15], one [2, 15, 27]."""
     from eaglewire.data.prepare import PrepareConfig, prepare
-    from eaglewire.train import TrainConfig, train
+    from eaglewire.train.loop import TrainConfig, train
 
     root = tmp_path_factory.mktemp("doctor")
     chats = root / "chats.jsonl"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglewire.capture import capture
-from eaglewire.contract import HiddenStateContract
+from eaglewire.model.capture import capture
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.shards import ShardWriter
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.doctor.stored import stored_layouts, token_signal
-from eaglewire.target import load_target
-from eaglewire.train import TrainConfig, train
+from eaglewire.model.target import load_target
+from eaglewire.train.loop import TrainConfig, train
 from tiny import save_tiny_dir
 
 AUX = (2, 4, 5)
@@ -52,7 +52,7 @@ def test_stored_doctor_matches_the_full_doctor(setup):
     assert "needs the target to run" in skipped.summary
     assert stored.exit_code == 0, stored.render()
     # --json records the resolved config, and --config reads it back from the report
-    from eaglewire.configs import config_from_mapping, load_config_file
+    from eaglewire.core.configs import config_from_mapping, load_config_file
 
     assert config_from_mapping(DoctorConfig, load_config_file(root / "stored.json")) == \
         doctor_config(root, target_dir, stored=True, json=str(root / "stored.json"))

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.ttt_attention import ttt_attention_dense, ttt_attention_flash
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.ttt_attention import ttt_attention_dense, ttt_attention_flash
 from tiny import ARCHITECTURES, tiny_config
 
 

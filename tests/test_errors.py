@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from eaglewire.errors import CorruptFileError, reading, user_message
+from eaglewire.core.errors import CorruptFileError, reading, user_message
 
 
 def test_os_errors_name_the_file_and_the_fix():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglewire.fileio import atomic_path, atomic_save_safetensors, atomic_write_json, atomic_write_text
+from eaglewire.core.fileio import atomic_path, atomic_save_safetensors, atomic_write_json, atomic_write_text
 
 
 def test_writes_replace_the_file_and_leave_no_temporary(tmp_path):
@@ -40,7 +40,7 @@ def test_a_failed_write_removes_its_temporary_and_names_the_file(tmp_path, monke
 
     import safetensors
 
-    import eaglewire.fileio as fileio
+    import eaglewire.core.fileio as fileio
 
     # safetensors reports a full disk as text, not as an OSError
     message = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
@@ -65,7 +65,7 @@ def test_a_failed_write_removes_its_temporary_and_names_the_file(tmp_path, monke
 
 
 def test_a_directory_replaces_the_old_one_only_when_complete(tmp_path):
-    from eaglewire.fileio import atomic_dir, replace_dir
+    from eaglewire.core.fileio import atomic_dir, replace_dir
 
     out = tmp_path / "tree"
     out.mkdir()

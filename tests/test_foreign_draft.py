@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglewire.checkpoint import save_draft
-from eaglewire.contract import HiddenStateContract
+from eaglewire.model.checkpoint import save_draft
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.shards import ShardWriter
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.foreign_draft import detect_draft_format, load_any_draft
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.engines.foreign_draft import detect_draft_format, load_any_draft
 from eaglewire.engines import export_draft
-from eaglewire.train import TrainConfig, train
+from eaglewire.train.loop import TrainConfig, train
 from tiny import tiny_target
 
 AUX, VD = (2, 4, 5), 64

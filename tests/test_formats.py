@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglewire.checkpoint import read_draft_config, save_draft
-from eaglewire.contract import ContractError, EngineConventionError, HiddenStateContract
-from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.checkpoint import read_draft_config, save_draft
+from eaglewire.core.contract import ContractError, EngineConventionError, HiddenStateContract
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.engines import FormatError, export_draft, import_draft, infer_boundaries, sglang, specforge
 from eaglewire.engines import eagle as eagle_format
 from eaglewire.engines import shared
@@ -503,7 +503,7 @@ def our_ttt_logits(draft, target, inputs, steps: int) -> list[torch.Tensor]:
 def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
     """speculators' Eagle3DraftModel loads our export and gives our logits; a checkpoint it
     writes imports into eaglewire and gives its logits (fp32, max abs diff <= 1e-4)."""
-    from eaglewire.checkpoint import load_draft
+    from eaglewire.model.checkpoint import load_draft
 
     reason = peer_skip_reason()
     if reason:
@@ -545,7 +545,7 @@ def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
 def test_non_ascending_boundaries_are_refused_on_every_path(tmp_path, chat_tiny_target, target_dir, capsys):
     """Engines feed aux states in layer order, so [5, 2, 7] would be served as [2, 5, 7]: refused
     wherever a layout enters (capture, prepare, train, contract, export of a hand-edited draft)."""
-    from eaglewire.capture import capture
+    from eaglewire.model.capture import capture
     from eaglewire.cli import main
 
     with pytest.raises(ContractError, match=r"\[5, 2, 7\] are not ascending; sort them \(--aux-boundaries 2,5,7\)"):

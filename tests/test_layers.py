@@ -12,27 +12,21 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom to top: a module may import modules of its own layer or of the layers below it.
 # A name is a module or a package prefix (the longest match wins).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("eaglewire", "eaglewire.contract", "eaglewire.configs", "eaglewire.presets", "eaglewire.fileio",
-              "eaglewire.errors", "eaglewire.locks",
-              "eaglewire.distributed", "eaglewire.machine", "eaglewire.tokens", "eaglewire.vocab", "eaglewire.plots",
-              "eaglewire.prompts", "eaglewire.ttt_attention")),
-    ("model", ("eaglewire.target", "eaglewire.target_head", "eaglewire.capture", "eaglewire.draft", "eaglewire.vocab_shrink", "eaglewire.ttt",
-               "eaglewire.checkpoint")),
-    ("engines", ("eaglewire.engines", "eaglewire.foreign_draft")),
+    ("base", ("eaglewire", "eaglewire.core")),
+    ("model", ("eaglewire.model",)),
+    ("engines", ("eaglewire.engines",)),
     ("decode", ("eaglewire.decode",)),
     ("data", ("eaglewire.data",)),
     ("train", ("eaglewire.train",)),
     ("acceptance", ("eaglewire.acceptance",)),
-    ("runtime", ("eaglewire.runtime",)),
-    ("commands", ("eaglewire.cli", "eaglewire.server", "eaglewire.server_schemas", "eaglewire.quickstart",
-                  "eaglewire.bench", "eaglewire.bench_report", "eaglewire.doctor", "eaglewire.tune",
-                  "eaglewire.command_configs", "eaglewire.engine_configs")),
+    ("commands", ("eaglewire.cli", "eaglewire.command_configs", "eaglewire.quickstart", "eaglewire.serve",
+                  "eaglewire.bench", "eaglewire.doctor", "eaglewire.tune")),
 ]
-ENTRY_POINTS = {"eaglewire.cli": set(), "eaglewire.server": {"eaglewire.cli"},
+ENTRY_POINTS = {"eaglewire.cli": set(), "eaglewire.serve.app": {"eaglewire.cli"},
                 "eaglewire.quickstart": {"eaglewire.cli"}}  # command -> the modules that may import it
 # The commands, each a module or package prefix; modules of one command import each other freely.
-COMMANDS = {"cli": ("eaglewire.cli",), "serve": ("eaglewire.server", "eaglewire.server_schemas"),
-            "quickstart": ("eaglewire.quickstart",), "bench": ("eaglewire.bench", "eaglewire.bench_report"),
+COMMANDS = {"cli": ("eaglewire.cli", "eaglewire.command_configs"), "serve": ("eaglewire.serve",),
+            "quickstart": ("eaglewire.quickstart",), "bench": ("eaglewire.bench",),
             "doctor": ("eaglewire.doctor",), "tune": ("eaglewire.tune",)}
 COMPOSERS = {"cli", "quickstart"}  # the commands that may import other commands: they compose them
 
@@ -158,7 +152,7 @@ def test_decode_does_not_import_data():
 def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
     """The graph reads function-level and submodule imports, and a cycle is reported."""
     g = graph()
-    assert "eaglewire.runtime" in g["eaglewire.server"]  # module level
+    assert "eaglewire.decode.load" in g["eaglewire.serve.app"]  # module level
     assert "eaglewire.quickstart" in g["eaglewire.cli"]  # inside a function
     assert "eaglewire.engines.sglang" in g["eaglewire.engines.specforge"]  # from package import module
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -172,7 +166,7 @@ def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
         "eaglewire.doctor.run (doctor) imports eaglewire.tune.run (tune)",
         "eaglewire.tune.simulate (tune) imports eaglewire.doctor.replay (doctor)"]
     assert commands_importing_commands({"eaglewire.quickstart": {"eaglewire.tune.run"},
-                                        "eaglewire.bench_report": {"eaglewire.bench"}}) == []
+                                        "eaglewire.bench.report": {"eaglewire.bench.run"}}) == []
     with pytest.raises(AssertionError, match="eaglewire.nowhere has no layer"):
         layer_of("eaglewire.nowhere")
 
@@ -198,3 +192,16 @@ def test_docs_draw_the_same_layers():
             short = prefix.removeprefix("eaglewire.").replace(".", "/") + ("/" if path.is_dir() else "")
             words = rows[layer].replace(",", " ").replace("·", " ").split()
             assert short in words, f"docs/architecture.md does not draw {short} in layer {layer!r}"
+
+
+ROOT_MODULES = {"__init__", "cli", "command_configs", "quickstart"}  # the entry: cli composes the commands
+
+
+def test_the_folders_show_the_layers():
+    """The package root holds only the entry; every other module sits in a folder, and every folder
+    in exactly one layer (so a module's path says its layer)."""
+    root = {p.stem for p in (SRC / "eaglewire").glob("*.py")}
+    assert root <= ROOT_MODULES, f"modules at the root: {sorted(root - ROOT_MODULES)}: put them in their layer's folder"
+    for package in sorted(p.name for p in (SRC / "eaglewire").iterdir() if (p / "__init__.py").exists()):
+        inside = {layer_of(m) for m in modules() if m == f"eaglewire.{package}" or m.startswith(f"eaglewire.{package}.")}
+        assert len(inside) == 1, f"eaglewire/{package}/ spans layers {sorted(LAYERS[i][0] for i in inside)}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglewire.locks import LOCK_NAME, DirectoryLocked, directory_lock, file_lock
+from eaglewire.core.locks import LOCK_NAME, DirectoryLocked, directory_lock, file_lock
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -24,7 +24,7 @@ def held_elsewhere(directory: Path, name: str = LOCK_NAME):
     """Another process holding ``directory``'s lock until the block ends; yields its pid."""
     code = textwrap.dedent(f"""
         import sys
-        from eaglewire.locks import directory_lock
+        from eaglewire.core.locks import directory_lock
         with directory_lock({str(directory)!r}, name={name!r}):
             print("held", flush=True)
             sys.stdin.read()
@@ -62,7 +62,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(tmp_path, ca
     out.mkdir()
     pid = dead_pid()
     (out / LOCK_NAME).write_text(json.dumps({"pid": pid, "command": "eaglewire prepare"}))  # as after kill -9
-    with caplog.at_level(logging.WARNING, logger="eaglewire.locks"), directory_lock(out):
+    with caplog.at_level(logging.WARNING, logger="eaglewire.core.locks"), directory_lock(out):
         assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
     assert f"pid {pid}" in caplog.text and "no longer running" in caplog.text
 

@@ -1,4 +1,4 @@
-from eaglewire.machine import _cpuinfo, describe, native_bf16, summary_line
+from eaglewire.core.machine import _cpuinfo, describe, native_bf16, summary_line
 
 CPUINFO = """processor\t: 0
 model name\t: AMD EPYC 9R14

@@ -39,7 +39,7 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
     assert (out / "summary.md").read_text().count("| serve with |") == 1  # one recommendation
     assert done["tune"]["bench_config"] and (out / "tune.json").is_file()
     # the doctor's and tune's JSON record the config they ran with, loadable with --config
-    from eaglewire.configs import config_from_mapping, load_config_file
+    from eaglewire.core.configs import config_from_mapping, load_config_file
     from eaglewire.doctor import DoctorConfig
     from eaglewire.tune.run import TuneConfig
 
@@ -48,12 +48,12 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
     tune = config_from_mapping(TuneConfig, load_config_file(out / "tune.json"))
     assert (tune.draft, tune.out) == (str(out / "draft"), str(out / "tune.json"))
 
-    import eaglewire.train
+    import eaglewire.train.loop
 
     def no_retraining(*a, **k):
         raise AssertionError("a finished stage ran again")
 
-    monkeypatch.setattr(eaglewire.train, "train", no_retraining)
+    monkeypatch.setattr(eaglewire.train.loop, "train", no_retraining)
     assert run_quickstart(config, target=chat_tiny_target, progress=False)["train"] == done["train"]
 
 
@@ -115,7 +115,7 @@ def test_quickstart_benches_tunes_choice():
 
 
 def test_quickstart_measures_the_configs_that_pay_first():
-    from eaglewire.bench import parse_configs
+    from eaglewire.bench.run import parse_configs
 
     configs = QuickstartConfig().bench_configs.split(";")
     assert {"1,0,0,0", "1,1,1,2", "1,5,4,12,0.1"} <= set(configs)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eaglewire.checkpoint import load_draft, read_draft_config
-from eaglewire.presets import resolve_draft
+from eaglewire.model.checkpoint import load_draft, read_draft_config
+from eaglewire.core.presets import resolve_draft
 
 
 def test_reference_is_small_fp16_and_records_its_training():

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from eaglewire.data.import_data import ImportDataConfig, import_data
 from eaglewire.doctor import DoctorConfig, run_doctor
-from eaglewire.target_head import load_target_head
-from eaglewire.train import TrainConfig, train
+from eaglewire.model.target_head import load_target_head
+from eaglewire.train.loop import TrainConfig, train
 from tiny import save_tiny_dir
 
 L, H = 8, 64

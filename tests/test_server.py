@@ -28,12 +28,12 @@ import uvicorn
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from eaglewire.contract import HiddenStateContract
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings, encode_prompt
-from eaglewire.tokens import stop_token_ids
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.server import ServeConfig, Server, add_serve_args, create_app, exit_status, serve_app
+from eaglewire.core.tokens import stop_token_ids
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.serve.app import ServeConfig, Server, add_serve_args, create_app, exit_status, serve_app
 
 MODEL = "tiny-chat"
 MAX_TOKENS = 12
@@ -364,7 +364,7 @@ def test_what_a_lenient_reader_takes(server):
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, chat_tiny_target, monkeypatch):
-    import eaglewire.server_schemas as schemas
+    import eaglewire.serve.schemas as schemas
 
     calls = []
     real = schemas.encode_prompt
@@ -387,7 +387,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, chat_tiny
 
 def test_tokenizing_does_not_hold_up_the_server(server, monkeypatch):
     """A prompt being tokenized (a long one takes seconds) must not stall other requests."""
-    import eaglewire.server as srv
+    import eaglewire.serve.app as srv
 
     entered, release = threading.Event(), threading.Event()
     real = srv.completion_prompt_ids
@@ -715,7 +715,7 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
 def test_serve_flags_default_to_spec_config_and_are_checked():
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    from eaglewire.configs import config_from_args
+    from eaglewire.core.configs import config_from_args
 
     config = config_from_args(ServeConfig, parser.parse_args(["--target", "smollm2-135m"]))
     assert config.spec == SpecConfig()
@@ -742,7 +742,7 @@ def test_serve_flags_default_to_spec_config_and_are_checked():
 def test_logprobs_are_refused_by_both_request_models():
     from pydantic import ValidationError
 
-    from eaglewire.server_schemas import ChatCompletionRequest, CompletionRequest
+    from eaglewire.serve.schemas import ChatCompletionRequest, CompletionRequest
 
     with pytest.raises(ValidationError, match="logprobs are not supported"):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)

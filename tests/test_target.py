@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eaglewire.target import fingerprint_target, load_target, resolve_dtype
+from eaglewire.model.target import fingerprint_target, load_target, resolve_dtype
 from tiny import tiny_target
 
 
@@ -55,9 +55,9 @@ def test_real_target_fingerprint(smollm2_target, smollm2_tokenizer):
 
 
 def test_a_truncated_gguf_names_the_file_and_leaves_nothing_in_the_cache(tmp_path, monkeypatch, smollm2_tokenizer):
-    from eaglewire.errors import CorruptFileError
-    from eaglewire.presets import TARGET_PRESETS, fetch_asset
-    from eaglewire.target import load_tokenizer
+    from eaglewire.core.errors import CorruptFileError
+    from eaglewire.core.presets import TARGET_PRESETS, fetch_asset
+    from eaglewire.model.target import load_tokenizer
 
     whole = fetch_asset(TARGET_PRESETS["smollm2-135m"].asset)  # in the cache already (smollm2_tokenizer)
     cut = tmp_path / "cut.gguf"

@@ -4,12 +4,12 @@ import json
 import pytest
 import torch
 
-import eaglewire.train as train_mod
-from eaglewire.checkpoint import load_draft
-from eaglewire.contract import ContractError
+import eaglewire.train.loop as train_mod
+from eaglewire.model.checkpoint import load_draft
+from eaglewire.core.contract import ContractError
 from eaglewire.data.prepare import PrepareConfig, prepare
-from eaglewire.target import Target
-from eaglewire.train import TrainConfig, TrainingError, batch_plan, lr_lambda, split_indices, train
+from eaglewire.model.target import Target
+from eaglewire.train.loop import TrainConfig, TrainingError, batch_plan, lr_lambda, split_indices, train
 from tiny import tiny_target
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
@@ -104,7 +104,7 @@ def test_truncate_metrics_keeps_the_rows_up_to_the_step(tmp_path):
 
 
 def test_a_second_train_into_one_out_is_refused(tmp_path, conversations_file, chat_tiny_target):
-    from eaglewire.locks import DirectoryLocked
+    from eaglewire.core.locks import DirectoryLocked
     from test_locks import held_elsewhere
 
     with held_elsewhere(tmp_path / "draft") as pid:

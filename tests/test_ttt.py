@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.ttt import (StepCounts, TargetSignal, counted_per_step, shift_left, signal_positions, target_signal,
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, shift_left, signal_positions, target_signal,
                            ttt_unroll)
 
 V, VD, T = 16, 16, 10

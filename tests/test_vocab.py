@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
+from eaglewire.model.vocab import build_draft_vocab, count_tokens, frequency_coverage
 
 
 def test_top_tokens_sorted_with_offsets():

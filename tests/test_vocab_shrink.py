@@ -3,11 +3,11 @@ import dataclasses
 import pytest
 import torch
 
-from eaglewire.checkpoint import load_draft, read_draft_config, save_draft
-from eaglewire.contract import HiddenStateContract, TargetFingerprint
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.vocab import build_draft_vocab
-from eaglewire.vocab_shrink import (
+from eaglewire.model.checkpoint import load_draft, read_draft_config, save_draft
+from eaglewire.core.contract import HiddenStateContract, TargetFingerprint
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.vocab import build_draft_vocab
+from eaglewire.model.vocab_shrink import (
     frequent_draft_ids,
     shrink_draft_vocab,
     shrink_to_frequent,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import transformers
 
-from eaglewire.target import Target, target_from_config
+from eaglewire.model.target import Target, target_from_config
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "deepseek_v3")
 

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from eaglewire.configs import RESOLVED_CONFIG, add_config_args, config_from_args, write_resolved_config
+from eaglewire.core.configs import RESOLVED_CONFIG, add_config_args, config_from_args, write_resolved_config
 
 
 def _table(rows: list[tuple[str, str]], title: str) -> str:
@@ -27,7 +27,7 @@ def _set_threads(n: int | None) -> None:
 
 def _record(directory, config) -> None:
     """The run directory's record of its resolved config (rank 0 alone under torchrun)."""
-    from eaglewire.distributed import dist_rank_world
+    from eaglewire.core.distributed import dist_rank_world
 
     if dist_rank_world()[0] == 0:
         write_resolved_config(directory, config)
@@ -48,7 +48,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from eaglewire.train import TrainConfig, train
+    from eaglewire.train.loop import TrainConfig, train
 
     config = config_from_args(TrainConfig, args)
     result = train(config, progress=not args.no_progress)
@@ -67,8 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from eaglewire.command_configs import GenerateConfig
     from eaglewire.decode.sampling import SamplingParams
     from eaglewire.decode.text import TextStream, encode_prompt
-    from eaglewire.runtime import load_decoder
-    from eaglewire.tokens import stop_token_ids
+    from eaglewire.decode.load import load_decoder
+    from eaglewire.core.tokens import stop_token_ids
 
     config = config_from_args(GenerateConfig, args)
     decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
@@ -112,7 +112,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eaglewire.engine_configs import ExportCommandConfig
+    from eaglewire.engines.configs import ExportCommandConfig
     from eaglewire.engines import export_draft
 
     c = config_from_args(ExportCommandConfig, args)
@@ -121,9 +121,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from eaglewire.engine_configs import ImportConfig
+    from eaglewire.engines.configs import ImportConfig
     from eaglewire.engines import import_draft
-    from eaglewire.target import load_target
+    from eaglewire.model.target import load_target
 
     c = config_from_args(ImportConfig, args)
     print(import_draft(c.src, c.format, load_target(c.target, device="cpu", dtype="fp32"), c.out,
@@ -141,8 +141,8 @@ def cmd_import_data(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from eaglewire.bench import BenchConfig, run_bench
-    from eaglewire.bench_report import terminal_table, write_report
+    from eaglewire.bench.run import BenchConfig, run_bench
+    from eaglewire.bench.report import terminal_table, write_report
 
     config = config_from_args(BenchConfig, args)
     result = run_bench(config, progress=not args.no_progress)
@@ -168,7 +168,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
     """``eaglewire engines install llamacpp``: download and build llama.cpp once, with progress."""
     from tqdm.auto import tqdm
 
-    from eaglewire.engine_configs import EnginesConfig
+    from eaglewire.engines.configs import EnginesConfig
     from eaglewire.engines import llamacpp
 
     config = config_from_args(EnginesConfig, args)
@@ -206,12 +206,12 @@ def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target, and which code says so."""
     from eaglewire import engines
     from eaglewire.command_configs import ContractConfig
-    from eaglewire.contract import EngineConventionError, default_aux_boundaries, target_arch, validate_boundaries
+    from eaglewire.core.contract import EngineConventionError, default_aux_boundaries, target_arch, validate_boundaries
     from eaglewire.engines import sglang, vllm
 
     config = config_from_args(ContractConfig, args)
     if config.num_layers is None:
-        from eaglewire.target import load_target
+        from eaglewire.model.target import load_target
 
         target = load_target(config.target, device="cpu")
         num_layers, arch = target.num_layers, config.target_arch or target.fingerprint.architecture
@@ -253,15 +253,15 @@ def _command(sub, name: str, config_class: type, func, help_text: str, *, progre
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eaglewire.bench import BenchConfig
+    from eaglewire.bench.run import BenchConfig
     from eaglewire.command_configs import ContractConfig, GenerateConfig
     from eaglewire.data.import_data import ImportDataConfig
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.doctor import DoctorConfig
-    from eaglewire.engine_configs import EnginesConfig, ExportCommandConfig, ImportConfig
+    from eaglewire.engines.configs import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig
-    from eaglewire.server import ServeConfig, cmd_serve
-    from eaglewire.train import TrainConfig
+    from eaglewire.serve.app import ServeConfig, cmd_serve
+    from eaglewire.train.loop import TrainConfig
     from eaglewire.tune.run import TuneConfig
 
     parser = argparse.ArgumentParser(prog="eaglewire", description=__doc__)
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; run the same command to resume", file=sys.stderr)
         return 130
     except Exception as e:
-        from eaglewire.errors import user_message
+        from eaglewire.core.errors import user_message
 
         if (message := user_message(e)) is None:
             raise  # a bug: its traceback is what a report needs

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from eaglewire.decode.engine import SpecConfig
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
-from eaglewire.presets import DEFAULT_TARGET
+from eaglewire.core.presets import DEFAULT_TARGET
 
 _TARGET_HELP = "preset name, HF model directory or .gguf file"
 

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eaglewire.fileio import atomic_write_json
-from eaglewire.locks import directory_lock
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.target import Target, load_target
+from eaglewire.core.fileio import atomic_write_json
+from eaglewire.core.locks import directory_lock
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.model.target import Target, load_target
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,10 @@ def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, pr
 
 
 def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: bool) -> dict[str, Any]:
-    from eaglewire.bench import BenchConfig, run_bench
-    from eaglewire.bench_report import write_report
+    from eaglewire.bench.run import BenchConfig, run_bench
+    from eaglewire.bench.report import write_report
     from eaglewire.doctor import DoctorConfig, run_doctor
-    from eaglewire.train import TrainConfig, train
+    from eaglewire.train.loop import TrainConfig, train
 
     out = Path(config.out)
     stages = Stages(out, config)
@@ -162,7 +162,7 @@ def _prepare(config: QuickstartConfig, out: Path, target: Target, *, offset: int
 
 def tune_stage(config: QuickstartConfig, draft: Path, target: Target) -> dict[str, Any]:
     """``eaglewire tune`` for eaglewire's engine, on prompts after the bench's own when the set has them."""
-    from eaglewire.prompts import load_prompts
+    from eaglewire.core.prompts import load_prompts
     from eaglewire.tune.run import TuneConfig, run_tune
 
     available = len(load_prompts(config.bench_dataset))
@@ -215,8 +215,8 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
 def spec_flags(config: str) -> str:
     """``generate``/``serve`` flags of a bench config ``batch,steps,topk,draft-tokens[,min-prob]``:
     its SpecConfig's fields, as configs.py spells them."""
-    from eaglewire.bench import parse_config
-    from eaglewire.configs import config_to_args
+    from eaglewire.bench.run import parse_config
+    from eaglewire.core.configs import config_to_args
 
     return shlex.join(config_to_args(parse_config(config)))
 

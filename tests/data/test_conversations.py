@@ -270,7 +270,7 @@ def test_iter_streams_and_fills_the_report(tmp_path):
 
 @pytest.mark.real
 def test_real_sharegpt_file():
-    from eaglewire.presets import data_path
+    from eaglewire.core.presets import data_path
 
     path = data_path("sharegpt")
     convs, report = load_conversations(path)

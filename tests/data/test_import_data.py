@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from eaglewire.cli import main
-from eaglewire.contract import HiddenStateContract
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.foreign import ForeignDataError
 from eaglewire.data.import_data import ImportDataConfig, import_data
 from eaglewire.data.shards import ShardDataset, ShardWriter
-from eaglewire.target import load_target
-from eaglewire.target_head import load_target_head
+from eaglewire.model.target import load_target
+from eaglewire.model.target_head import load_target_head
 from tiny import save_tiny_dir
 
 L, H, AUX = 8, 64, (2, 4, 5)
@@ -225,7 +225,7 @@ def test_config_only_target_records_what_it_knows(shards, target_dir, tmp_path):
 
 def test_train_on_imported_data_with_the_head_only(shards, target_dir, tmp_path):
     """Training on imported shards reads only the head; it trains exactly as with the full target."""
-    from eaglewire.train import TrainConfig, train
+    from eaglewire.train.loop import TrainConfig, train
 
     src = write_vllm(ShardDataset(shards), tmp_path / "src")
     run_import("vllm", src, tmp_path / "data", target_dir, boundaries=[*AUX, L])
@@ -243,7 +243,7 @@ def test_train_on_imported_data_with_the_head_only(shards, target_dir, tmp_path)
 def test_a_capture_without_boundary_L_is_for_token_labels_only(shards, target_dir, tmp_path):
     from eaglewire.data.import_data import ABSENT_LAST
     from eaglewire.doctor import DoctorConfig, run_doctor
-    from eaglewire.train import TrainConfig, TrainingError, train
+    from eaglewire.train.loop import TrainConfig, TrainingError, train
 
     ds = ShardDataset(shards)
     src = tmp_path / "src"
@@ -263,8 +263,8 @@ def test_a_capture_without_boundary_L_is_for_token_labels_only(shards, target_di
                           device="cpu"), progress=False)
     with pytest.raises(ValueError, match="pass --labels tokens"):
         run_doctor(DoctorConfig(draft="unused", target=str(target_dir), data=str(tmp_path / "out"), stored=True))
-    from eaglewire.checkpoint import save_draft
-    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.model.checkpoint import save_draft
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
     target = load_target_head(str(target_dir))
     draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=len(AUX), draft_vocab_size=256,

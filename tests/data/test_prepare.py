@@ -150,7 +150,7 @@ def test_base_model_is_refused_before_loading_with_the_options(tmp_path, base_ta
 
 @pytest.mark.parametrize("how", ["plain", "file"])
 def test_base_model_with_a_template_records_it_and_trains(tmp_path, base_target_dir, how):
-    from eaglewire.target import load_target
+    from eaglewire.model.target import load_target
 
     data = tmp_path / "a.jsonl"
     write_chats(data, 4)

@@ -19,7 +19,7 @@ from torch import nn
 
 from eaglewire.data.conversations import Conversation, load_conversations
 from eaglewire.data.regenerate import RegenerateConfig, regenerate
-from eaglewire.target import Target
+from eaglewire.model.target import Target
 
 NEW = 8  # max_new_tokens: every reply of the random target is truncated at NEW tokens
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglewire.contract import ContractError, HiddenStateContract, TargetFingerprint
+from eaglewire.core.contract import ContractError, HiddenStateContract, TargetFingerprint
 from eaglewire.data.shards import (
     SHARD_FORMAT_VERSION, ShardDataset, ShardError, ShardWriter, shard_work)
-from eaglewire.distributed import dist_rank_world
+from eaglewire.core.distributed import dist_rank_world
 
 H, K, V = 16, 3, 100  # hidden size, aux boundaries, vocab
 SOURCE = {"dataset": "fake", "max_length": 64, "regenerated": False}

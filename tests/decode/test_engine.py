@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from eaglewire.contract import HiddenStateContract
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
 from eaglewire.decode.tree import Tree
-from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from tiny import ARCHITECTURES, tiny_target
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from eaglewire.decode.gemm import PackedLinear, onednn_available, pack_linears
-from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
 
 @pytest.mark.parametrize("onednn", [False, pytest.param(True, marks=pytest.mark.skipif(

@@ -16,7 +16,7 @@ import pytest
 
 from eaglewire.engines.sglang import VERSION as SGLANG_VERSION
 from eaglewire.engines.vllm import VERSION as VLLM_VERSION
-from eaglewire.presets import cache_dir
+from eaglewire.core.presets import cache_dir
 
 PINNED = {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}
 UNREACHABLE = ("Could not fetch URL", "NewConnectionError", "Failed to establish a new connection",

@@ -15,11 +15,11 @@ from typing import Any, List, Optional
 
 import pytest
 
-from eaglewire.contract import TARGET_ARCHS, ContractError, EngineConventionError
+from eaglewire.core.contract import TARGET_ARCHS, ContractError, EngineConventionError
 from eaglewire.engines import from_engine, to_engine
 from eaglewire.engines.sglang import FILES as SGLANG_FILES
 from eaglewire.engines.vllm import FILES as VLLM_FILES
-from eaglewire.draft import DraftConfig
+from eaglewire.model.draft import DraftConfig
 from eaglewire.engines import sglang as sglang_format
 from eaglewire.engines import vllm as speculators_format
 

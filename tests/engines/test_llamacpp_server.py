@@ -85,8 +85,8 @@ def test_greedy_outputs_are_identical_and_tau_is_llamacpps(exported, server_bina
 
 
 def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):
-    from eaglewire.bench import BenchConfig, run_bench, same_output_as_plain, tau_pooled
-    from eaglewire.bench_report import write_report
+    from eaglewire.bench.run import BenchConfig, run_bench, same_output_as_plain, tau_pooled
+    from eaglewire.bench.report import write_report
 
     out, _ = exported
     prompts = tmp_path / "prompts.jsonl"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglewire.bench import BenchConfig, Row, parse_config, llamacpp_runs, llamacpp_server_config, llamacpp_stats, \
+from eaglewire.bench.run import BenchConfig, Row, parse_config, llamacpp_runs, llamacpp_server_config, llamacpp_stats, \
     same_output_as_plain, speedup, tau_per_request, tau_pooled, verified_per_pass
 from eaglewire.doctor import llamacpp as doctor
 from eaglewire.doctor.report import DoctorReport
@@ -307,11 +307,11 @@ def test_export_writes_a_gguf_with_the_contracts_layers(tmp_path, target_dir):
     pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece (eaglewire[llamacpp])")
     import torch
 
-    from eaglewire.checkpoint import save_draft
-    from eaglewire.contract import HiddenStateContract
-    from eaglewire.draft import DraftConfig, Eagle3Draft
+    from eaglewire.model.checkpoint import save_draft
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
     from eaglewire.engines import export_draft
-    from eaglewire.target import load_target
+    from eaglewire.model.target import load_target
 
     target = load_target(str(target_dir), device="cpu", dtype="fp32")
     bounds = [0, 3, 6]  # boundary 0 (the embedding output) is expressible in llama.cpp
@@ -338,7 +338,7 @@ def test_export_writes_a_gguf_with_the_contracts_layers(tmp_path, target_dir):
 
 
 def test_bench_without_llama_server_says_how_to_install_it(tmp_path, monkeypatch, chat_tiny_target):
-    from eaglewire.bench import run_bench
+    from eaglewire.bench.run import run_bench
 
     monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
@@ -387,7 +387,7 @@ def test_engines_which_reports_what_the_commands_will_use(tmp_path, monkeypatch,
 
 
 def test_outputs_across_engines_match_up_to_the_stop_token():
-    from eaglewire.bench import same_output_across_engines
+    from eaglewire.bench.run import same_output_across_engines
 
     ours = Row("1,0,0,0", "plain", [], [[5, 6, 2], [5, 6, 7], [1, 2, 3]])
     theirs = Row("llamacpp 1,0,0,0", "plain", [], [[5, 6], [5, 6, 7], [1, 9, 3]], engine_name="llamacpp")

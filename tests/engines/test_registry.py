@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from eaglewire import engines
-from eaglewire.checkpoint import read_draft, save_draft
-from eaglewire.contract import ContractError, HiddenStateContract
+from eaglewire.model.checkpoint import read_draft, save_draft
+from eaglewire.core.contract import ContractError, HiddenStateContract
 from eaglewire.doctor.serving import lint_flags
-from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.engines import ExportConfig, llamacpp, sglang, vllm
 from eaglewire.engines.llamacpp import gguf
 

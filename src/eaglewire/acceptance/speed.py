@@ -97,7 +97,7 @@ def encoded_prompts(tokenizer, dataset: str, offset: int, count: int) -> list[li
     """Token ids of ``count`` prompts of ``dataset`` from number ``offset`` on (through the chat template
     where the set is chat)."""
     from eaglewire.decode.text import encode_prompt
-    from eaglewire.prompts import load_prompts
+    from eaglewire.core.prompts import load_prompts
 
     prompts = load_prompts(dataset)[offset:offset + count]
     if not prompts:
@@ -111,7 +111,7 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
     """(the engine's costs, its plain outputs per prompt): probed for eaglewire and llama.cpp, stated
     for SGLang and vLLM (whose outputs eaglewire's engine stands in for: greedy text is the target's)."""
     from eaglewire.acceptance.probe import probe_eaglewire, probe_llamacpp
-    from eaglewire.tokens import stop_token_ids
+    from eaglewire.core.tokens import stop_token_ids
 
     if query.engine == LLAMACPP and llamacpp is None:
         raise ValueError("engine 'llamacpp' is timed on its own GGUFs: pass llamacpp=llamacpp_setup(...)")

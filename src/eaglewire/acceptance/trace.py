@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglewire.capture import capture
-from eaglewire.draft import Eagle3Draft
-from eaglewire.target import Target
-from eaglewire.ttt import shift_left
+from eaglewire.model.capture import capture
+from eaglewire.model.draft import Eagle3Draft
+from eaglewire.model.target import Target
+from eaglewire.model.ttt import shift_left
 
 LLAMACPP_TOP_K = 10  # llama.cpp's EAGLE-3 draft sampler keeps the top 10 and renormalises
 

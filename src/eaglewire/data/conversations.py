@@ -135,7 +135,7 @@ def iter_conversations(path: str | Path, *, report: LoadReport) -> Iterator[Conv
         raise FileNotFoundError(
             f"conversation file {path} does not exist; pass a ShareGPT JSON array (.json) or "
             "OpenAI-style JSONL of {\"messages\": [...]} records, or "
-            "eaglewire.presets.data_path('sharegpt')"
+            "eaglewire.core.presets.data_path('sharegpt')"
         )
     first = _first_char(path)
     if first is None:

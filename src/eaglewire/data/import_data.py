@@ -28,13 +28,13 @@ from typing import Any, Iterator
 
 import torch
 
-from eaglewire.contract import HiddenStateContract, TargetFingerprint, validate_boundaries
+from eaglewire.core.contract import HiddenStateContract, TargetFingerprint, validate_boundaries
 from eaglewire.data.foreign import (LAYOUTS, ForeignDataError, Sample, Skip, read_rows, read_specforge,
                                     read_speculators, read_vllm)
 from eaglewire.data.shards import DTYPES, ShardError, ShardWriter
-from eaglewire.fileio import replace_dir
-from eaglewire.locks import directory_lock
-from eaglewire.target_head import config_fingerprint, load_target_head, unnorm_weight
+from eaglewire.core.fileio import replace_dir
+from eaglewire.core.locks import directory_lock
+from eaglewire.model.target_head import config_fingerprint, load_target_head, unnorm_weight
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,18 @@ from typing import Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from eaglewire.capture import capture
-from eaglewire.contract import HiddenStateContract, default_aux_boundaries, validate_boundaries
+from eaglewire.model.capture import capture
+from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries, validate_boundaries
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.sources import pad_right
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
-from eaglewire.distributed import dist_rank_world
-from eaglewire.locks import LOCK_NAME, directory_lock
-from eaglewire.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
-from eaglewire.target import Target, load_target, load_tokenizer
+from eaglewire.core.distributed import dist_rank_world
+from eaglewire.core.locks import LOCK_NAME, directory_lock
+from eaglewire.core.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
+from eaglewire.model.target import Target, load_target, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from eaglewire.data.conversations import Conversation
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
-from eaglewire.tokens import END_OF_TURN_TOKENS, stop_token_ids
+from eaglewire.core.tokens import END_OF_TURN_TOKENS, stop_token_ids
 
 log = logging.getLogger(__name__)
 

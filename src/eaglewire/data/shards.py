@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from eaglewire.contract import ContractError, HiddenStateContract, TargetFingerprint
-from eaglewire.distributed import check_rank
-from eaglewire.fileio import atomic_path, atomic_write_json
+from eaglewire.core.contract import ContractError, HiddenStateContract, TargetFingerprint
+from eaglewire.core.distributed import check_rank
+from eaglewire.core.fileio import atomic_path, atomic_write_json
 
 log = logging.getLogger(__name__)
 

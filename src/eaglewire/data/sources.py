@@ -13,11 +13,11 @@ from typing import Protocol
 
 import torch
 
-from eaglewire.capture import capture
-from eaglewire.contract import HiddenStateContract
+from eaglewire.model.capture import capture
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.conversations import load_conversations, tokenize_conversation
 from eaglewire.data.shards import ShardDataset, ShardError, incomplete_reason
-from eaglewire.target import Target
+from eaglewire.model.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def adopt_template(target: Target, source: dict, contract: HiddenStateContract) 
     tok = target.tokenizer
     if not isinstance(text, str) or tok is None or getattr(tok, "chat_template", None) == text:
         return
-    from eaglewire.target import chat_template_sha256
+    from eaglewire.model.target import chat_template_sha256
 
     probe = type("T", (), {"chat_template": text})()
     if chat_template_sha256(probe) != contract.target.chat_template_sha256:

@@ -32,7 +32,7 @@ import torch
 
 from eaglewire.decode.runner import LeanWeights, attend, rope
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
-from eaglewire.target import Target
+from eaglewire.model.target import Target
 
 Piece = tuple[int, int, int]  # (row, start, end): prompt tokens start..end-1 of one row
 

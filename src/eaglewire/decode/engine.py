@@ -20,15 +20,15 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from eaglewire.contract import HiddenStateContract
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.decode.gemm import pack_linears
 from eaglewire.decode.kv_cache import DraftCache
 from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams, logits_to_probs, sample
 from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
 from eaglewire.decode.verify import greedy_verify, sampling_verify
-from eaglewire.draft import Eagle3Draft
-from eaglewire.target import Target
+from eaglewire.model.draft import Eagle3Draft
+from eaglewire.model.target import Target
 
 
 @dataclass(kw_only=True)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eaglewire.capture import capture
+from eaglewire.model.capture import capture
 from eaglewire.decode.gemm import PackedLinear
 from eaglewire.decode.kv_cache import compact_target_cache
-from eaglewire.target import Target
+from eaglewire.model.target import Target
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

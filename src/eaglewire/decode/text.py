@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eaglewire.tokens import stop_token_ids
+from eaglewire.core.tokens import stop_token_ids
 
 __all__ = ["encode_prompt", "stop_token_ids", "StopStrings", "IncrementalDetokenizer", "TextStream"]
 

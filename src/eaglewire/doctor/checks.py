@@ -14,8 +14,8 @@ from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing
 from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import config_fix, lint_flags, read_engine_config
-from eaglewire.draft import Eagle3Draft
-from eaglewire.ttt import StepCounts
+from eaglewire.model.draft import Eagle3Draft
+from eaglewire.model.ttt import StepCounts
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eaglewire import engines as engine_registry
-from eaglewire.presets import DEFAULT_TARGET
+from eaglewire.core.presets import DEFAULT_TARGET
 
 
 @dataclass(kw_only=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eaglewire.contract import default_aux_boundaries
+from eaglewire.core.contract import default_aux_boundaries
 
 
 def candidate_layouts(declared: list[int], num_layers: int,

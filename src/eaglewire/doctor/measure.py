@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eaglewire.capture import capture
+from eaglewire.model.capture import capture
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.sources import pad_right
 from eaglewire.acceptance.replay import RoundAgreement, compare_rounds
-from eaglewire.draft import Eagle3Draft
-from eaglewire.target import Target
-from eaglewire.ttt import (StepCounts, TargetSignal, counted_positions, shift_left, target_signal, ttt_unroll,
+from eaglewire.model.draft import Eagle3Draft
+from eaglewire.model.target import Target
+from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_positions, shift_left, target_signal, ttt_unroll,
                            vocab_coverage)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eaglewire.configs import RESOLVED_KEY
+from eaglewire.core.configs import RESOLVED_KEY
 
 VERDICTS = ("ok", "warn", "fail", "skip", "inconclusive")
 # Exit codes: passed 0, failed 1 (2 is the CLI's user error), inconclusive 3: too little evidence

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.configs import config_record
-from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
+from eaglewire.core.configs import config_record
+from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving)
 from eaglewire.doctor.config import DoctorConfig
@@ -26,8 +26,8 @@ from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire import engines
 from eaglewire.doctor.serving import predicted_tau
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
-from eaglewire.foreign_draft import load_any_draft
-from eaglewire.target import Target, load_target
+from eaglewire.engines.foreign_draft import load_any_draft
+from eaglewire.model.target import Target, load_target
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
                       sequences: list[Sequence], steps: int) -> RoundAgreement | None:
     """The engine's greedy chain of ``steps`` on held-out prompts, round by round against the replay
     of the training-time unroll on the text it produced (``replay.py``): they must accept the same."""
-    from eaglewire.tokens import stop_token_ids
+    from eaglewire.core.tokens import stop_token_ids
     from eaglewire.decode.engine import SpecConfig, SpecDecoder
 
     config, draft = m.config, m.draft

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eaglewire import engines
-from eaglewire.contract import ContractError, EngineConventionError, default_aux_boundaries, target_arch
+from eaglewire.core.contract import ContractError, EngineConventionError, default_aux_boundaries, target_arch
 from eaglewire.engines.flags import Flags
 
 

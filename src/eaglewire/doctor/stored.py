@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.configs import config_record
-from eaglewire.contract import SOFT_FIELDS, HiddenStateContract
+from eaglewire.core.configs import config_record
+from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.import_data import ABSENT_LAST
 from eaglewire.data.shards import ShardDataset
@@ -35,10 +35,10 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import config_fix
-from eaglewire.foreign_draft import load_any_draft
-from eaglewire.target import Target
-from eaglewire.target_head import load_target_head
-from eaglewire.ttt import TargetSignal, signal_positions, target_signal
+from eaglewire.engines.foreign_draft import load_any_draft
+from eaglewire.model.target import Target
+from eaglewire.model.target_head import load_target_head
+from eaglewire.model.ttt import TargetSignal, signal_positions, target_signal
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eaglewire.contract import EngineConventionError, default_aux_boundaries
+from eaglewire.core.contract import EngineConventionError, default_aux_boundaries
 from eaglewire.engines.shared import parse_llama_layer
 
 NAME = "eagle"

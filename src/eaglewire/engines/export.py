@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from eaglewire.checkpoint import DraftFiles
-from eaglewire.contract import ContractError
-from eaglewire.contract import target_arch as target_arch_key
+from eaglewire.model.checkpoint import DraftFiles
+from eaglewire.core.contract import ContractError
+from eaglewire.core.contract import target_arch as target_arch_key
 from eaglewire.engines.shared import FormatError
-from eaglewire.fileio import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from eaglewire.target import Target, load_target
+from eaglewire.core.fileio import atomic_save_safetensors, atomic_write_json, atomic_write_text
+from eaglewire.model.target import Target, load_target
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eaglewire.checkpoint import CHECKPOINT_FORMAT, save_draft
-from eaglewire.contract import ContractError, HiddenStateContract
-from eaglewire.draft import DraftConfig
+from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, save_draft
+from eaglewire.core.contract import ContractError, HiddenStateContract
+from eaglewire.model.draft import DraftConfig
 from eaglewire.engines import shared
 from eaglewire.engines.export import RECORD_KEY, default_target_arch
 from eaglewire.engines.shared import FormatError
-from eaglewire.target import Target
+from eaglewire.model.target import Target
 
 log = logging.getLogger(__name__)
 

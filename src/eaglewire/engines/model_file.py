@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eaglewire.contract import ContractError
+from eaglewire.core.contract import ContractError
 
 
 @dataclass(frozen=True, kw_only=True)

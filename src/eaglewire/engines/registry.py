@@ -19,8 +19,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from eaglewire.checkpoint import read_draft
-from eaglewire.contract import ContractError, EngineConventionError, default_aux_boundaries, validate_boundaries
+from eaglewire.model.checkpoint import read_draft
+from eaglewire.core.contract import ContractError, EngineConventionError, default_aux_boundaries, validate_boundaries
 from eaglewire.engines import eagle, eaglewire, llamacpp, sglang, specforge, vllm
 from eaglewire.engines.export import ExportConfig, ExportReport
 from eaglewire.engines.importing import ImportReport, import_checkpoint

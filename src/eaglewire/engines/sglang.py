@@ -32,9 +32,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eaglewire.checkpoint import DraftFiles
-from eaglewire.contract import TARGET_ARCHS, ContractError, EngineConventionError, target_arch, validate_boundaries
-from eaglewire.draft import DraftConfig
+from eaglewire.model.checkpoint import DraftFiles
+from eaglewire.core.contract import TARGET_ARCHS, ContractError, EngineConventionError, target_arch, validate_boundaries
+from eaglewire.model.draft import DraftConfig
 from eaglewire.engines import model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       record, serving_dtype, verifier, write_export)

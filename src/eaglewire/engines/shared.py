@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from eaglewire.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eaglewire.contract import EngineConventionError
+from eaglewire.core.contract import EngineConventionError
 from eaglewire.engines import sglang
 
 NAME = "specforge"

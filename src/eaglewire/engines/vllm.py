@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from eaglewire.checkpoint import DraftFiles
-from eaglewire.contract import ContractError, EngineConventionError
-from eaglewire.contract import target_arch as target_arch_key
-from eaglewire.draft import DraftConfig
+from eaglewire.model.checkpoint import DraftFiles
+from eaglewire.core.contract import ContractError, EngineConventionError
+from eaglewire.core.contract import target_arch as target_arch_key
+from eaglewire.model.draft import DraftConfig
 from eaglewire.engines import model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       load_export_target, record, serving_dtype, stored_dtype, verifier,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from eaglewire.acceptance.speed import (DEFAULT_PROMPTS, SpeedQuery, SpeedRanking,
                                         chain_rule, encoded_prompts, llamacpp_setup, rank_speed)
-from eaglewire.configs import RESOLVED_KEY, config_record
-from eaglewire.locks import directory_lock
+from eaglewire.core.configs import RESOLVED_KEY, config_record
+from eaglewire.core.locks import directory_lock
 from eaglewire.engines import names as engine_names
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
-from eaglewire.presets import DEFAULT_TARGET
+from eaglewire.core.presets import DEFAULT_TARGET
 
 _QUERY = SpeedQuery()  # the defaults of what tune measures
 
@@ -115,8 +115,8 @@ def run_tune(config: TuneConfig, *, target=None, prompts: list[list[int]] | None
 
 
 def _run_tune(config: TuneConfig, *, target, prompts: list[list[int]] | None, progress) -> TuneResult:
-    from eaglewire.checkpoint import load_draft
-    from eaglewire.target import load_target
+    from eaglewire.model.checkpoint import load_draft
+    from eaglewire.model.target import load_target
 
     target = target or load_target(config.target)
     draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]

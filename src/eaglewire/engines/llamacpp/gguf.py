@@ -23,14 +23,14 @@ from typing import Any
 
 from dataclasses import replace
 
-from eaglewire.checkpoint import DraftFiles
+from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.engines import vllm
 from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice
 from eaglewire.engines.llamacpp import installation as engine
 from eaglewire.engines.llamacpp.readings import DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES, to_ids
 from eaglewire.engines.shared import FormatError
-from eaglewire.fileio import atomic_path, atomic_write_text
-from eaglewire.presets import cache_dir
+from eaglewire.core.fileio import atomic_path, atomic_write_text
+from eaglewire.core.presets import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
     stays in ``out/speculators``. ``config.target_path``: the target's directory or .gguf
     (default: the one the draft records). Raises EngineConventionError for a layout llama.cpp
     cannot feed, FormatError when the written GGUF does not carry the contract's layers."""
-    from eaglewire.target import resolve_target_path
+    from eaglewire.model.target import resolve_target_path
 
     check_choice(config.outtype, DRAFT_OUTTYPES, "--outtype")
     check_choice(config.target_outtype, TARGET_OUTTYPES, "--target-outtype")
@@ -214,7 +214,7 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
                           "(pass target_path)")
     target_dir = resolve_target_path(spec)
     if target is None and config.target_path is not None:
-        from eaglewire.target import load_target
+        from eaglewire.model.target import load_target
 
         target = load_target(spec, device="cpu", dtype="fp32")  # its embedding goes into the speculators export
     spec_report = vllm.export(draft, "vllm", out / "speculators",
@@ -233,7 +233,7 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
     files = ["speculators/", draft_file.name]
     others_found = [str(Path(spec).expanduser())] if spec and str(spec).endswith(".gguf") else []
     if spec and not others_found:
-        from eaglewire.presets import TARGET_PRESETS, fetch_asset
+        from eaglewire.core.presets import TARGET_PRESETS, fetch_asset
 
         if spec in TARGET_PRESETS:
             others_found = [str(fetch_asset(TARGET_PRESETS[spec].asset))]

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglewire.fileio import atomic_dir, atomic_path
-from eaglewire.presets import cache_dir
+from eaglewire.core.fileio import atomic_dir, atomic_path
+from eaglewire.core.presets import cache_dir
 
 log = logging.getLogger(__name__)
 

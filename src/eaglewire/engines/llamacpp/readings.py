@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from eaglewire.contract import EngineConventionError, default_aux_boundaries
+from eaglewire.core.contract import EngineConventionError, default_aux_boundaries
 
 NAME = "llamacpp"
 NUM_AUX = 3  # llama.cpp (build 11434) fuses exactly three target states

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglewire.contract import TargetFingerprint
-from eaglewire.target import (Target, chat_template_sha256, fingerprint_target, resolve_target_path,
+from eaglewire.core.contract import TargetFingerprint
+from eaglewire.model.target import (Target, chat_template_sha256, fingerprint_target, resolve_target_path,
                               tokenizer_sha256)
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglewire.fileio import atomic_path
+from eaglewire.core.fileio import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def resolve_draft(spec: str | os.PathLike) -> Path:
     """A draft directory, or the name of a draft shipped in the package (``reference``)."""
     name = str(spec)
     if name in DRAFT_PRESETS and not Path(name).exists():
-        path = Path(__file__).parent / "assets" / DRAFT_PRESETS[name]
+        path = Path(__file__).parents[1] / "assets" / DRAFT_PRESETS[name]
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"the {name!r} draft is missing from this installation ({path}); "
                                     "reinstall eaglewire or pass a draft directory")

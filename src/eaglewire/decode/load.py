@@ -3,9 +3,9 @@ target plus a draft checked against it, loaded into one ``SpecDecoder``."""
 
 from __future__ import annotations
 
-from eaglewire.checkpoint import load_draft
+from eaglewire.model.checkpoint import load_draft
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
-from eaglewire.target import load_target
+from eaglewire.model.target import load_target
 
 __all__ = ["load_decoder"]
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglewire.ttt_attention import ttt_attention
+from eaglewire.model.ttt_attention import ttt_attention
 
 
 @dataclass(kw_only=True)

@@ -21,19 +21,19 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from eaglewire.checkpoint import save_draft
-from eaglewire.contract import HiddenStateContract, default_aux_boundaries
+from eaglewire.model.checkpoint import save_draft
+from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries
 from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
-from eaglewire.distributed import dist_rank_world
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.fileio import atomic_torch_save, atomic_write_text
-from eaglewire.locks import directory_lock
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.target import Target, load_target, resolve_device
-from eaglewire.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll,
+from eaglewire.core.distributed import dist_rank_world
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.core.fileio import atomic_torch_save, atomic_write_text
+from eaglewire.core.locks import directory_lock
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.model.target import Target, load_target, resolve_device
+from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll,
                            vocab_coverage)
-from eaglewire.vocab import build_draft_vocab, count_tokens, frequency_coverage
+from eaglewire.model.vocab import build_draft_vocab, count_tokens, frequency_coverage
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class Trainer:
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
         if target is None and config.head_only:
-            from eaglewire.target_head import load_target_head
+            from eaglewire.model.target_head import load_target_head
 
             target = load_target_head(config.target, device=self.device)
         self.target = target or load_target(config.target, device=self.device)
@@ -283,7 +283,7 @@ class Trainer:
     def _initial_draft(self, dcfg: DraftConfig) -> Eagle3Draft:
         """The --init-draft weights, checked to fit this run: same contract and architecture, and
         none of its held-out sequences in this run's training split."""
-        from eaglewire.foreign_draft import load_any_draft
+        from eaglewire.engines.foreign_draft import load_any_draft
 
         draft, contract, stored, _ = load_any_draft(self.config.init_draft, target=self.target)  # foreign: converted
         self.contract.check_same(contract, what=f"--init-draft {self.config.init_draft}")
@@ -583,7 +583,7 @@ class Trainer:
             metrics_file.flush()
 
     def _plot(self) -> None:
-        from eaglewire.plots import plot_training
+        from eaglewire.core.plots import plot_training
 
         try:
             plot_training(self.out / METRICS_FILE, self.out / "training.png")

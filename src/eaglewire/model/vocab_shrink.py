@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
-from eaglewire.draft import Eagle3Draft
-from eaglewire.vocab import rank_by_count, vocab_maps
+from eaglewire.model.draft import Eagle3Draft
+from eaglewire.model.vocab import rank_by_count, vocab_maps
 
 
 def frequent_draft_ids(draft_to_target: torch.Tensor, counts: torch.Tensor, size: int) -> torch.Tensor:

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from eaglewire.contract import TargetFingerprint
-from eaglewire.errors import reading
-from eaglewire.fileio import atomic_dir
-from eaglewire.locks import file_lock
-from eaglewire.presets import TARGET_PRESETS, cache_dir, fetch_asset
+from eaglewire.core.contract import TargetFingerprint
+from eaglewire.core.errors import reading
+from eaglewire.core.fileio import atomic_dir
+from eaglewire.core.locks import file_lock
+from eaglewire.core.presets import TARGET_PRESETS, cache_dir, fetch_asset
 
 log = logging.getLogger(__name__)
 

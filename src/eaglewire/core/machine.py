@@ -5,7 +5,7 @@ every figure in BENCHMARKS.md names it.
 Machines of one kind differ in CPU model: some are AVX2-only, others have AVX-512 with bf16 and
 VNNI, and oneDNN / MKL pick different kernels (and summation orders) on each.
 
-    python -m eaglewire.machine        # one line for logs
+    python -m eaglewire.core.machine        # one line for logs
 """
 
 from __future__ import annotations

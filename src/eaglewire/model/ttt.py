@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from eaglewire.draft import Eagle3Draft
+from eaglewire.model.draft import Eagle3Draft
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eaglewire.checkpoint import CHECKPOINT_FORMAT, load_draft
+from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, load_draft
 from eaglewire.engines import eagle, specforge, vllm
-from eaglewire.presets import resolve_draft
+from eaglewire.core.presets import resolve_draft
 
 log = logging.getLogger(__name__)
 

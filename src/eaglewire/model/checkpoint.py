@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eaglewire.contract import ContractError, HiddenStateContract
-from eaglewire.draft import DraftConfig, Eagle3Draft
-from eaglewire.errors import reading
-from eaglewire.fileio import atomic_save_safetensors, atomic_write_json
-from eaglewire.presets import resolve_draft
+from eaglewire.core.contract import ContractError, HiddenStateContract
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.core.errors import reading
+from eaglewire.core.fileio import atomic_save_safetensors, atomic_write_json
+from eaglewire.core.presets import resolve_draft
 
 CHECKPOINT_FORMAT = "eaglewire-eagle3"
 CHECKPOINT_VERSION = 1

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
-from eaglewire.errors import as_os_error
+from eaglewire.core.errors import as_os_error
 
 __all__ = ["atomic_path", "atomic_dir", "replace_dir", "atomic_write_bytes", "atomic_write_text",
            "atomic_write_json", "atomic_torch_save", "atomic_save_safetensors"]

@@ -376,7 +376,7 @@ def config_record(config: Any) -> dict[str, Any]:
 def write_resolved_config(directory: str | Path, config: Any) -> Path:
     """Record ``config`` in run directory ``directory`` as ``resolved_config.json`` (atomically);
     ``--config`` reads it back."""
-    from eaglewire.fileio import atomic_write_json
+    from eaglewire.core.fileio import atomic_write_json
 
     path = Path(directory) / RESOLVED_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglewire.bench import BenchResult, Row, position_acceptance, same_output_across_engines, same_output_as_plain, \
+from eaglewire.bench.run import BenchResult, Row, position_acceptance, same_output_across_engines, same_output_as_plain, \
     speedup, tau_per_request, tau_pooled, time_split, verified_per_pass
-from eaglewire.locks import directory_lock
+from eaglewire.core.locks import directory_lock
 
 HEADERS = ["config", "method", "tok/s", "speedup", "τ pooled", "τ per-request", "verified/pass",
            "acceptance by position", "draft s", "verify s", "prefill s", "other s", "new tokens", "same as plain"]
@@ -109,7 +109,7 @@ def to_json(result: BenchResult) -> dict:
 
 def plot_acceptance(result: BenchResult, png: Path) -> Path:
     """Per-position acceptance, one line per speculative config."""
-    from eaglewire.plots import _pyplot
+    from eaglewire.core.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -127,7 +127,7 @@ def plot_acceptance(result: BenchResult, png: Path) -> Path:
 
 def plot_throughput(result: BenchResult, png: Path) -> Path:
     """tokens/s per config, baselines included."""
-    from eaglewire.plots import _pyplot
+    from eaglewire.core.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(result.rows) + 2), 4))

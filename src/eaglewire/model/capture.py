@@ -19,8 +19,8 @@ from typing import Any, Iterator
 
 import torch
 
-from eaglewire.contract import HiddenStateContract, validate_boundaries
-from eaglewire.target import Target
+from eaglewire.core.contract import HiddenStateContract, validate_boundaries
+from eaglewire.model.target import Target
 
 
 @dataclass

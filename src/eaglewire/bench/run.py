@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eaglewire.configs import RESOLVED_KEY
-from eaglewire.checkpoint import load_draft, read_draft_config
+from eaglewire.core.configs import RESOLVED_KEY
+from eaglewire.model.checkpoint import load_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
-from eaglewire.locks import directory_lock
+from eaglewire.core.locks import directory_lock
 from eaglewire.engines import names as engine_names
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
-from eaglewire.presets import DEFAULT_TARGET
-from eaglewire.prompts import Prompt, load_prompts
-from eaglewire.target import load_target
+from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.core.prompts import Prompt, load_prompts
+from eaglewire.model.target import load_target
 
 
 log = logging.getLogger(__name__)
@@ -404,7 +404,7 @@ def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
         runs = config.runs if "eaglewire" in config.engine else []
         rows += _run_eaglewire(config, target, encoded, runs, progress)
     else:
-        from eaglewire.target import load_tokenizer
+        from eaglewire.model.target import load_tokenizer
 
         tok = target.tokenizer if target is not None else load_tokenizer(config.target)
         encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
@@ -487,7 +487,7 @@ def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
     from eaglewire.engines.llamacpp import require_tree
     from eaglewire.engines import export_draft
     from eaglewire.engines.llamacpp import target_architecture, target_gguf
-    from eaglewire.target import resolve_target_path
+    from eaglewire.model.target import resolve_target_path
 
     if not needs_draft:
         target_dir = resolve_target_path(config.target)

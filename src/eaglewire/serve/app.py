@@ -45,14 +45,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream
-from eaglewire.runtime import load_decoder
-from eaglewire.server_schemas import (APIError, AssistantMessage, BearerAuth, ChatChoice, ChatChunkChoice,
+from eaglewire.decode.load import load_decoder
+from eaglewire.serve.schemas import (APIError, AssistantMessage, BearerAuth, ChatChoice, ChatChunkChoice,
                                       ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
                                       Completion, CompletionChoice, CompletionChunk, CompletionRequest,
                                       CountRequests, LimitBody, Metrics, chat_prompt_ids, completion_prompt_ids,
                                       error_body, max_token_chars, new_id, parse_body, token_budget, usage,
                                       validation_error)
-from eaglewire.tokens import stop_token_ids
+from eaglewire.core.tokens import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
     if request_timeout is not None and request_timeout <= 0:
         raise ValueError(f"request_timeout must be > 0 seconds (or None: no limit), got {request_timeout}")
     if decoder.target.tokenizer is None:
-        raise ValueError("the target has no tokenizer; load it with eaglewire.target.load_target")
+        raise ValueError("the target has no tokenizer; load it with eaglewire.model.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
     metrics = Metrics(decoder.spec.num_steps + 1 if decoder.draft is not None else 1, ROUTES)
     worker = EngineWorker(decoder, max_queue, metrics, own_thread=engine_thread)
@@ -579,12 +579,12 @@ def exit_status(server: Server, started: bool) -> int:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``eaglewire serve``, one per ServeConfig field."""
-    from eaglewire.configs import add_config_args
+    from eaglewire.core.configs import add_config_args
 
     add_config_args(parser, ServeConfig)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from eaglewire.configs import config_from_args
+    from eaglewire.core.configs import config_from_args
 
     return serve(config_from_args(ServeConfig, args))

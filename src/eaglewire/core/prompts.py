@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglewire.presets import data_path
+from eaglewire.core.presets import data_path
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""`eaglewire bench`: the runner and its report."""

@@ -1,0 +1,1 @@
+"""The model layer: targets, the draft, capture, TTT, vocabularies, checkpoints."""

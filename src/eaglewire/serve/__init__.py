@@ -1,0 +1,1 @@
+"""`eaglewire serve`: the OpenAI-compatible app and its request models."""

@@ -1,0 +1,1 @@
+"""The training layer: the TTT training loop, checkpoints, resume, data parallel."""
