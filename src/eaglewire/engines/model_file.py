@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eaglewire.core.contract import ContractError
+from eaglewire.core.contract import ContractError, EngineConventionError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,3 +50,15 @@ def captured_boundaries(layers: list[int], num_layers: int, captures_last: bool)
 def read(ids: list[int], num_layers: int, f: ModelFile) -> list[int]:
     """Boundaries model file ``f`` captures for config ``ids``, in the order it feeds them."""
     return captured_boundaries(layers_to_capture(ids, f.ids, num_layers), num_layers, f.captures_last)
+
+
+def read_every(ids: list[int], num_layers: int, f: ModelFile, engine: str) -> list[int]:
+    """``read``, and an EngineConventionError when an id names no captured layer (or repeats one):
+    the draft would get fewer states than its fc takes. ``engine`` names the release, e.g. "SGLang 0.5.23"."""
+    bounds = read(ids, num_layers, f)
+    if len(bounds) != len(ids):
+        raise EngineConventionError(
+            f"{engine}'s {f.path} captures only boundaries {bounds} for ids {ids} on a {num_layers}-layer "
+            f"target: {len(ids) - len(bounds)} of them name no layer it captures (or repeat one), so the "
+            f"draft would get {len(bounds)} states for an fc that takes {len(ids)}")
+    return bounds

@@ -109,14 +109,7 @@ def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int
 
 def to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
     """Boundaries vLLM captures for config ``ids`` (sorted, the order it feeds them)."""
-    f = file_for(arch)
-    bounds = model_file.read(ids, num_layers, f)
-    if len(bounds) != len(ids):
-        raise EngineConventionError(
-            f"vLLM {VERSION}'s {f.path} captures only boundaries {bounds} for ids {ids} on a {num_layers}-layer "
-            f"target: {len(ids) - len(bounds)} of them name no layer it captures (or repeat one), so the "
-            f"draft would get {len(bounds)} states for an fc that takes {len(ids)}")
-    return bounds
+    return model_file.read_every(ids, num_layers, file_for(arch), f"vLLM {VERSION}")
 
 
 def read_notes(ids: list[int], boundaries: list[int], num_layers: int, arch: str | None) -> list[str]:
