@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, save_draft
 from eaglewire.core.contract import ContractError, HiddenStateContract
 from eaglewire.model.draft import DraftConfig
-from eaglewire.engines import shared
+import eaglewire.engines.shared as shared
 from eaglewire.engines.export import RECORD_KEY, default_target_arch
 from eaglewire.engines.shared import FormatError
 from eaglewire.model.target import Target

@@ -8,6 +8,7 @@ tests/engines re-reads every cited function from the released wheels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from eaglewire.core.contract import ContractError, EngineConventionError
@@ -62,3 +63,13 @@ def read_every(ids: list[int], num_layers: int, f: ModelFile, engine: str) -> li
             f"target: {len(ids) - len(bounds)} of them name no layer it captures (or repeat one), so the "
             f"draft would get {len(bounds)} states for an fc that takes {len(ids)}")
     return bounds
+
+
+def why_not(to_ids: Callable[[list[int], int, str | None], list[int]], declared: list[int], num_layers: int,
+            arch: str | None) -> str:
+    """Why an engine whose ``to_ids`` translates boundaries cannot capture ``declared`` ('' if it can)."""
+    try:
+        to_ids(declared, num_layers, arch)
+    except EngineConventionError as e:
+        return str(e)
+    return ""

@@ -21,7 +21,12 @@ from typing import Any
 
 from eaglewire.model.checkpoint import read_draft
 from eaglewire.core.contract import ContractError, EngineConventionError, default_aux_boundaries, validate_boundaries
-from eaglewire.engines import eagle, eaglewire, llamacpp, sglang, specforge, vllm
+import eaglewire.engines.eagle as eagle
+import eaglewire.engines.eaglewire as eaglewire
+import eaglewire.engines.llamacpp as llamacpp
+import eaglewire.engines.sglang as sglang
+import eaglewire.engines.specforge as specforge
+import eaglewire.engines.vllm as vllm
 from eaglewire.engines.export import ExportConfig, ExportReport
 from eaglewire.engines.importing import ImportReport, import_checkpoint
 

@@ -35,7 +35,7 @@ from typing import Any
 from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.core.contract import TARGET_ARCHS, ContractError, EngineConventionError, target_arch, validate_boundaries
 from eaglewire.model.draft import DraftConfig
-from eaglewire.engines import model_file
+import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       record, serving_dtype, verifier, write_export)
 from eaglewire.engines.flags import Flags, chain_shape, parse_flags
@@ -171,11 +171,7 @@ def read_notes(ids: list[int], boundaries: list[int], num_layers: int, arch: str
 
 def cannot_feed(declared: list[int], num_layers: int, arch: str | None) -> str:
     """Why SGLang cannot capture ``declared`` on this target ('' if it can)."""
-    try:
-        to_ids(declared, num_layers, arch)
-    except EngineConventionError as e:
-        return str(e)
-    return ""
+    return model_file.why_not(to_ids, declared, num_layers, arch)
 
 
 def config_fix(declared: list[int], num_layers: int, arch: str | None) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from eaglewire.core.contract import EngineConventionError
-from eaglewire.engines import sglang
+import eaglewire.engines.sglang as sglang
 
 NAME = "specforge"
 

@@ -46,7 +46,7 @@ from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.core.contract import ContractError, EngineConventionError
 from eaglewire.core.contract import target_arch as target_arch_key
 from eaglewire.model.draft import DraftConfig
-from eaglewire.engines import model_file
+import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       load_export_target, record, serving_dtype, stored_dtype, verifier,
                                       write_export)
@@ -119,11 +119,7 @@ def read_notes(ids: list[int], boundaries: list[int], num_layers: int, arch: str
 
 def cannot_feed(declared: list[int], num_layers: int, arch: str | None) -> str:
     """Why vLLM cannot capture ``declared`` on this target ('' if it can)."""
-    try:
-        to_ids(declared, num_layers, arch)
-    except EngineConventionError as e:
-        return str(e)
-    return ""
+    return model_file.why_not(to_ids, declared, num_layers, arch)
 
 
 def config_fix(declared: list[int], num_layers: int, arch: str | None) -> str:

@@ -24,9 +24,9 @@ from typing import Any
 from dataclasses import replace
 
 from eaglewire.model.checkpoint import DraftFiles
-from eaglewire.engines import vllm
+import eaglewire.engines.vllm as vllm
 from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice
-from eaglewire.engines.llamacpp import installation as engine
+import eaglewire.engines.llamacpp.installation as engine
 from eaglewire.engines.llamacpp.readings import DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES, to_ids
 from eaglewire.engines.shared import FormatError
 from eaglewire.core.fileio import atomic_path, atomic_write_text
