@@ -26,6 +26,7 @@ from eaglewire.model.checkpoint import load_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
+from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
 from eaglewire.engines import names as engine_names
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
@@ -376,7 +377,7 @@ def tune_for_bench(config: BenchConfig, *, target=None):
     settings = {"draft": config.draft, "target": config.target, "dataset": dataset, "offset": offset,
                 "num_prompts": DEFAULT_PROMPTS, **asdict(query)}
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    (config.out_dir / "tune.json").write_text(json.dumps(ranking.report(settings, key=RESOLVED_KEY), indent=2) + "\n")
+    atomic_write_text(config.out_dir / "tune.json", json.dumps(ranking.report(settings, key=RESOLVED_KEY), indent=2) + "\n")
     return ranking
 
 

@@ -20,19 +20,19 @@ SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_
 
 def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
     """(model name, flags) of the first processor listed, or (platform's name, empty)."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = None, set()
     try:
-        text = path.read_text()
+        lines = path.read_text().splitlines()
     except OSError:
-        return model, flags
-    for line in text.splitlines():
+        lines = []
+    for line in lines:
         key, _, value = line.partition(":")
         key = key.strip()
-        if key == "model name" and model == (platform.processor() or platform.machine()):
+        if key == "model name" and model is None:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = set(value.split())
-    return model, flags
+    return model or platform.processor() or platform.machine(), flags
 
 
 def describe() -> dict[str, object]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from eaglewire.acceptance.speed import (DEFAULT_PROMPTS, SpeedQuery, SpeedRanking,
                                         chain_rule, encoded_prompts, llamacpp_setup, rank_speed)
 from eaglewire.core.configs import RESOLVED_KEY, config_record
+from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
 from eaglewire.engines import names as engine_names
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
@@ -130,5 +131,5 @@ def _run_tune(config: TuneConfig, *, target, prompts: list[list[int]] | None, pr
     result = TuneResult(config=config, **vars(ranking))
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.out).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        atomic_write_text(config.out, json.dumps(result.to_dict(), indent=2) + "\n")
     return result
