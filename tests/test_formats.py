@@ -403,7 +403,8 @@ def test_vocab_maps_are_completed_or_refused():
     full = shared.complete_vocab_maps
     assert torch.equal(full(d2t, None, vocab_size=6, draft_vocab_size=3, where="x")[1], t2d)
     assert torch.equal(full(None, t2d, vocab_size=6, draft_vocab_size=3, where="x")[0], d2t)
-    assert full(d2t, ~t2d, vocab_size=6, draft_vocab_size=3, where="x")[2]  # disagreement noted
+    with pytest.raises(FormatError, match="t2d disagrees with d2t read either way"):  # never rebuilt silently
+        full(d2t, ~t2d, vocab_size=6, draft_vocab_size=3, where="x")
     with pytest.raises(FormatError, match="same target token"):
         full(torch.tensor([0, 0, -1]), None, vocab_size=6, draft_vocab_size=3, where="x")
     with pytest.raises(FormatError, match="the token mapping is lost"):
@@ -573,3 +574,25 @@ def test_vllm_feeds_foreign_ids_in_layer_order(tmp_path, chat_tiny_target):
     (tmp_path / "v" / "config.json").write_text(json.dumps(config))
     back = import_draft(tmp_path / "v", "vllm", chat_tiny_target, tmp_path / "back")
     assert back.aux_boundaries == [2, 5, 7] and any("vLLM sorts the ids" in n for n in back.notes)
+
+
+def test_a_d2t_written_as_absolute_ids_is_read_as_ids_loudly_or_refused():
+    """SGLang, vLLM and speculators read d2t as offsets (target = draft id + d2t); a checkpoint that
+    wrote the target ids themselves used to be kept as offsets whenever every id still fit."""
+    V, Vd = 100, 20
+    kept = torch.cat([torch.arange(0, 10), torch.arange(40, 50)])  # adjacent ids, as a frequency vocab has
+    offsets = kept - torch.arange(Vd)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    full = shared.complete_vocab_maps
+    d2t, got_t2d, notes = full(offsets, t2d, vocab_size=V, draft_vocab_size=Vd, where="x")
+    assert torch.equal(d2t, offsets) and torch.equal(got_t2d, t2d) and notes == []
+    for given_t2d in (t2d, None):  # t2d agrees with the absolute reading; without it, d2t climbs strictly
+        d2t, got_t2d, notes = full(kept, given_t2d, vocab_size=V, draft_vocab_size=Vd, where="x")
+        assert torch.equal(d2t, offsets) and torch.equal(got_t2d, t2d)
+        assert len(notes) == 1 and "absolute target ids" in notes[0] and "d2t - arange" in notes[0]
+    assert shared.read_d2t(offsets, None, vocab_size=V, where="x").kind == "offsets"
+    other = torch.zeros(V, dtype=torch.bool)
+    other[50:70] = True
+    with pytest.raises(FormatError, match="t2d disagrees with d2t read either way"):
+        full(kept, other, vocab_size=V, draft_vocab_size=Vd, where="x")

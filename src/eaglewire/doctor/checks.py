@@ -103,7 +103,13 @@ def check_evidence(report: DoctorReport, n: int, sequences: int, config: DoctorC
 
 
 def check_accuracy(report: DoctorReport, m: Measured, summary: dict, source: str) -> None:
-    """acc@0 at the declared layout (``source``: what it was measured on) against what training recorded."""
+    """acc@0 at the declared layout (``source``: what it was measured on) against what training recorded;
+    then the draft as the serving engine builds it from its config (``check_engine_fields``)."""
+    _check_accuracy(report, m, summary, source)
+    check_engine_fields(report, m)
+
+
+def _check_accuracy(report: DoctorReport, m: Measured, summary: dict, source: str) -> None:
     acc0, n = m.acc0, m.n
     evidence = [f"acc@0 {acc0:.3f}" + "".join(f", cond acc@{j} {c:.3f}" for j, c in enumerate(m.cond, 1))
                 + f" over {n:,} judged reply tokens"]
@@ -112,8 +118,8 @@ def check_accuracy(report: DoctorReport, m: Measured, summary: dict, source: str
         report.add(Check("accuracy in isolation", "fail", f"the draft predicts nothing: acc@0 {acc0:.3f} "
                          f"({source})", evidence + [f"at most {high:.3f} at ~95% confidence, under the "
                                                    f"{USEFUL_ACC0} a draft needs to accept anything"],
-                         fix="a draft this weak cannot speed decoding, nor can its wiring be checked: train it "
-                         "longer or on more data, and check it was trained on this target's states"))
+                         fix=vocab_map_fault(m) or "a draft this weak cannot speed decoding, nor can its wiring be "
+                         "checked: train it longer or on more data, and check it was trained on this target's states"))
         return
     recorded = (summary.get("final_eval") or {}).get("val_acc_0")
     verdict = "ok"
@@ -200,3 +206,70 @@ def check_alignment(report: DoctorReport, m: Measured) -> None:
                          "re-capture with `eaglewire prepare` and retrain"))
     else:
         report.add(Check("alignment", "ok", "tokens and states line up (no off-by-one position shift)", evidence))
+
+
+def vocab_map_fault(m: Measured) -> str | None:
+    """The fix when the draft's own d2t is evidently absolute target ids read as offsets: read as
+    ids, it covers clearly more of the target's next tokens on the judged replies (None otherwise)."""
+    import torch
+
+    from eaglewire.engines.shared import looks_absolute
+
+    d2t = m.draft.d2t.cpu().long()
+    V = m.draft.config.vocab_size
+    if not looks_absolute(d2t) or int(d2t.max()) >= V or int(d2t.min()) < 0:
+        return None
+    now, alt = torch.zeros(V, dtype=torch.bool), torch.zeros(V, dtype=torch.bool)
+    now[m.draft.draft_to_target.cpu().clamp(max=V - 1)] = True
+    alt[d2t] = True
+    hits_now = hits_alt = total = 0
+    for b in m.batches:
+        nxt = b.signal.argmax[:, :-1].cpu()[b.loss_mask[:, 1:].cpu()]  # [N] the target's next tokens on replies
+        hits_now, hits_alt, total = hits_now + int(now[nxt].sum()), hits_alt + int(alt[nxt].sum()), total + nxt.numel()
+    if total == 0 or hits_alt <= max(2 * hits_now, 0.2 * total):
+        return None
+    return (f"the draft's d2t holds absolute target ids (d2t[0..3] = {d2t[:3].tolist()}, climbing strictly) read as "
+            f"offsets: read as ids it covers {hits_alt / total:.1%} of the target's next tokens, as offsets "
+            f"{hits_now / total:.1%}. Re-import the checkpoint (`eaglewire import` now reads such a d2t as ids), "
+            "or rewrite d2t as d2t - arange(draft_vocab_size)")
+
+
+def check_engine_fields(report: DoctorReport, m: Measured) -> None:
+    """Every field the serving engine reads from ``--engine-config`` that changes what the draft
+    computes, against training; a field read otherwise is a FAIL with the key to write, and the draft
+    rebuilt as the engine builds it is measured on the same tokens (acc@0 as served)."""
+    from eaglewire.doctor.serving import field_readers, read_fields
+    from eaglewire.engines import canonical
+    from eaglewire.engines.served import as_served
+
+    config = m.config
+    if not config.engine_config or config.engine not in field_readers():
+        return
+    path = Path(config.engine_config)
+    cfg = json.loads(path.read_text())
+    b = m.batches[0]
+    real = b.loss_mask.new_ones(b.input_ids.shape, dtype=bool)  # [B, T]
+    rows = (b.input_ids[real].cpu(), b.emb[real].cpu())  # [N], [N, H]
+    reading = read_fields(canonical(config.engine), cfg, path.parent, m.draft, emb_rows=rows)
+    served = reading.served
+    evidence = [f"{k}: {v}" for k, v in served.cited.items()] + reading.notes
+    if not reading.found:
+        report.add(Check("engine fields", "ok", f"{served.engine} computes the draft as trained: norm flags "
+                         f"{', '.join(f'{k} {v}' for k, v in served.norms.items())}; eps {served.rms_norm_eps}; "
+                         f"rope_theta {served.rope_theta:g}; {served.draft_vocab_size} draft ids mapped by d2t "
+                         f"offsets; the {served.embedding}'s embedding, the {served.lm_head}'s lm_head", evidence))
+        return
+    lines = [f"{f.field}: {served.engine} reads {f.served!r}, trained {f.trained!r}: {f.meaning}" for f in reading.found]
+    measurable = [f for f in reading.found if f.measurable]
+    if measurable and len(measurable) == len(reading.found):
+        built = as_served(m.draft, measurable, d2t=reading.d2t)
+        acc = isolation_accuracy(built, m.batches, m.declared, steps=1)[0].acc
+        report.accuracy["acc@0 as served"] = acc
+        lines.append(f"the draft as {served.engine} builds it from this config: acc@0 {acc:.3f} on the same "
+                     f"{m.n:,} tokens (as trained: {m.acc0:.3f})")
+    else:
+        lines.append(f"not measured: {', '.join(f.field for f in reading.found if not f.measurable)} "
+                     f"make {served.engine} load another draft (or none)")
+    report.add(Check("engine fields", "fail", f"{served.engine} reads {', '.join(f.field for f in reading.found)} "
+                     "otherwise than the draft was trained", lines + evidence,
+                     fix="; ".join(f.fix for f in reading.found)))

@@ -114,3 +114,93 @@ def predicted_tau(acc0: float, cond: list[float], num_steps: int) -> float:
         alive *= rates[min(i, len(rates) - 1)]
         tau += alive
     return tau
+
+
+# ---------------------------------------------------------------- every field, as the engine reads it
+
+@dataclass
+class FieldReading:
+    """What ``engine`` computes the draft with from its config directory, against training."""
+
+    served: Any  # engines.served.ServedDraft
+    found: list  # engines.served.Mismatch: each field read otherwise than trained
+    d2t: Any = None  # [Vd] long offsets the engine maps draft ids with, where they differ from the draft's
+    notes: list[str] = field(default_factory=list)
+
+
+def field_readers() -> tuple[str, ...]:
+    """Engines whose every computing field the doctor reads from their config."""
+    return tuple(n for n in _config_readers() if hasattr(engines.get(n).module, "read_served"))
+
+
+def _directory_tensors(directory) -> dict[str, Any]:
+    """The tensors beside an engine config that change what the draft computes (d2t, t2d,
+    embed_tokens.weight, lm_head presence): name -> tensor (lm_head: its name only, None)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out: dict[str, Any] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                short = name.removeprefix("model.")
+                if short in ("d2t", "t2d", "embed_tokens.weight"):
+                    out[short] = f.get_tensor(name)
+                elif "lm_head" in short or "embed_tokens" in short:
+                    out.setdefault(short, None)
+    return out
+
+
+def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_rows=None) -> FieldReading:
+    """Every field ``engine`` reads from ``config`` (and the tensors in ``directory``) that changes
+    what ``draft`` computes, against what it was trained with. ``emb_rows``: (token ids [N],
+    the target's embedding rows [N, H]) to tell whether the checkpoint's own embed_tokens is the
+    target's (vLLM uses its own when they differ)."""
+    import torch
+
+    from eaglewire.engines.served import Mismatch, mismatches
+    from eaglewire.engines.shared import looks_absolute
+
+    module = engines.get(engine).module
+    tensors = _directory_tensors(directory) if directory is not None else {}
+    embed = tensors.get("embed_tokens.weight")
+    differs, notes = False, []
+    if embed is not None and emb_rows is not None:
+        ids, rows = emb_rows
+        mine = embed.float()[ids]  # [N, H]
+        rel = float((mine - rows.float()).norm() / rows.float().norm().clamp_min(1e-12))
+        differs = rel > 1e-2
+        notes.append(f"the checkpoint's embed_tokens.weight differs from the target's by {rel:.2e} (relative)")
+    served = module.read_served(config, set(tensors) if tensors else None, own_embedding_differs=differs)
+    out = FieldReading(served, mismatches(served, draft.config, config_key=module.served_config_key(config)), notes=notes)
+    if served.embedding == "draft":
+        out.found.append(Mismatch("embed_tokens", "the checkpoint's own", "the target's",
+                                  f"{served.engine} uses the checkpoint's own embed_tokens, which is not this target's",
+                                  "write the target's embedding as embed_tokens.weight in the target's stored dtype, "
+                                  "or remove it (re-export with `eaglewire export`)", measurable=False))
+    vd, trained = draft.config.draft_vocab_size, draft.draft_to_target.cpu()
+    if vd == draft.config.vocab_size and "d2t" not in tensors:
+        return out
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        mapped = torch.arange(vd)  # vLLM: draft_id_to_target_id stays zeros; SGLang: no hot-token map
+        what = "the checkpoint has no d2t: it maps draft id i to target id i"
+        fix = "write the draft's d2t (offsets: target id - draft id) beside the weights"
+    else:
+        d2t = d2t.long().flatten()
+        mapped = torch.arange(d2t.numel()) + d2t if d2t.numel() == vd else None
+        absolute = d2t.numel() == vd and torch.equal(d2t, trained)
+        what = (f"d2t is written as absolute target ids (d2t[0..3] = {d2t[:3].tolist()}, "
+                f"{'climbing strictly, ' if looks_absolute(d2t) else ''}equal to the draft's target ids) where "
+                f"{served.engine} reads offsets ({served.cited.get('d2t / t2d', '')})" if absolute else
+                f"its d2t maps draft ids to other target ids than training used")
+        fix = ("rewrite d2t as d2t - arange(draft_vocab_size) (offsets), or re-export with `eaglewire export`"
+               if absolute else "write the draft's own d2t (offsets), or re-export with `eaglewire export`")
+    if mapped is not None and torch.equal(mapped, trained):
+        return out
+    measurable = mapped is not None and int(mapped.min()) >= 0 and int(mapped.max()) < draft.config.vocab_size
+    out.found.append(Mismatch("d2t", "absolute ids" if "absolute" in what else "other offsets", "offsets",
+                              what, fix, measurable=measurable))
+    out.d2t = (mapped - torch.arange(vd)) if measurable else None
+    return out

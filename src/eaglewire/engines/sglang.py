@@ -352,3 +352,50 @@ def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | Non
         out.problems.append(("fail", f"--speculative-algorithm {algo}: SGLang will not feed aux states "
                              "to an EAGLE-3 draft", "--speculative-algorithm EAGLE3"))
     return chain_shape(args, out, verdict="warn", silently="SGLang overrides it with only a log warning")
+
+
+# ---------------------------------------------------------------- what the draft computes
+
+_LLAMA_EAGLE3 = "sglang/srt/models/llama_eagle3.py"
+SERVED_CITED = {
+    "norm_before_residual": f"{_LLAMA_EAGLE3} LlamaDecoderLayer.forward: the residual is always the un-normed "
+                            "hidden state; SGLang never reads norm_before_residual",
+    "norm_before_fc / fc_norm / norm_output": f"{_LLAMA_EAGLE3} LlamaModel.__init__: eagle_config['norm_before_fc'] "
+                                              "first, then the top-level key; fc_norm or use_aux_norm; norm_output",
+    "layer fields": "transformers' LlamaConfig (model_type llama): its defaults fill missing keys",
+    "draft_vocab_size / lm_head": f"{_LLAMA_EAGLE3} LlamaForCausalLMEagle3.__init__: tie_word_embeddings -> the "
+                                  "embedding is the head; draft_vocab_size missing -> load_lm_head_from_target "
+                                  "(the target's head over its whole vocabulary)",
+    "d2t / t2d": f"{_LLAMA_EAGLE3} load_weights: hot_token_id = d2t + arange (offsets); t2d skipped",
+    "embedding": "sglang/srt/speculative/eagle_worker_v2.py: EAGLE3 always set_embed(the target's embedding)",
+    "dtype": "the server's --dtype: the target's",
+}
+
+
+def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embedding_differs: bool = False):
+    """``ServedDraft``: what SGLang 0.5.23 computes a draft with, from its ``config.json`` ``d`` as SGLang
+    reads it (``SERVED_CITED``); ``tensors`` / ``own_embedding_differs`` as for vLLM (SGLang always
+    shares the target's embedding, so only the head depends on them)."""
+    from eaglewire.engines.served import ServedDraft
+    from eaglewire.engines.shared import LLAMA_DEFAULTS, parse_rope
+
+    c = {**LLAMA_DEFAULTS, "tie_word_embeddings": False, **{k: v for k, v in d.items() if v is not None}}
+    nested = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+    norms = {"norm_before_residual": False,
+             "norm_before_fc": bool(nested.get("norm_before_fc", c.get("norm_before_fc", False))),
+             "fc_norm": bool(c.get("fc_norm") or c.get("use_aux_norm")), "norm_output": bool(c.get("norm_output", False))}
+    heads = int(c["num_attention_heads"])
+    theta, rope = parse_rope(d)
+    vd = d.get("draft_vocab_size")
+    head = "embedding" if c["tie_word_embeddings"] else ("target" if vd is None else "draft")
+    return ServedDraft(
+        engine=f"SGLang {VERSION}", norms=norms, draft_vocab_size=int(vd) if vd is not None else None,
+        target_hidden_size=int(c.get("target_hidden_size") or c["hidden_size"]), num_aux=num_aux(d),
+        hidden_size=int(c["hidden_size"]), head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+        rms_norm_eps=float(c["rms_norm_eps"]), rope_theta=theta, rope_parameters=rope, embedding="target",
+        lm_head=head, cited=dict(SERVED_CITED))
+
+
+def served_config_key(d: dict[str, Any]) -> str:
+    """Where SGLang reads the draft layer's fields (the top level)."""
+    return ""

@@ -10,6 +10,7 @@ The layout is the EAGLE-3 reference one (SafeAILab/EAGLE), which SGLang and Spec
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -196,14 +197,78 @@ def complete_vocab_maps(d2t: torch.Tensor | None, t2d: torch.Tensor | None, *, v
             raise FormatError(f"{where}: t2d marks {kept.numel()} tokens but the draft vocabulary has "
                               f"{draft_vocab_size}")
         return kept - torch.arange(draft_vocab_size), t2d.bool(), notes
-    d2t = d2t.long()
-    targets = torch.arange(draft_vocab_size) + d2t
-    if int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
-        raise FormatError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
+    reading = read_d2t(d2t, t2d, vocab_size=vocab_size, where=where)
+    if reading.kind == "absolute":
+        notes.append(reading.message)
+    targets = reading.targets
     derived = torch.zeros(vocab_size, dtype=torch.bool)
     derived[targets] = True
-    if int(derived.sum()) != draft_vocab_size:
-        raise FormatError(f"{where}: d2t maps several draft ids to the same target token")
-    if t2d is not None and not torch.equal(t2d.bool(), derived):
-        notes.append("t2d disagrees with d2t; rebuilt t2d from d2t (the map serving engines use)")
-    return d2t, derived, notes
+    return targets - torch.arange(draft_vocab_size), derived, notes
+
+
+# A frequency-built draft vocabulary always holds some neighbouring target ids (the byte tokens,
+# the first ids of a BPE merge table), so offsets (target - draft id) repeat; absolute ids
+# written as d2t climb strictly instead. Below this many draft ids the pattern says nothing.
+MIN_IDS_TO_TELL = 16
+
+
+@dataclass(frozen=True)
+class D2tReading:
+    """How a checkpoint's d2t reads: ``offsets`` (target = draft id + d2t, what SGLang, vLLM and
+    speculators compute) or ``absolute`` (d2t holds the target ids themselves, as llama.cpp's GGUF
+    stores them); ``targets`` [Vd] long: the target id of each draft id under that reading."""
+
+    kind: str
+    targets: torch.Tensor
+    message: str = ""
+
+
+def _valid_targets(targets: torch.Tensor, vocab_size: int) -> bool:
+    return (int(targets.min()) >= 0 and int(targets.max()) < vocab_size
+            and torch.unique(targets).numel() == targets.numel())
+
+
+def looks_absolute(d2t: torch.Tensor) -> bool:
+    """d2t climbs strictly from a first value >= 0 over at least MIN_IDS_TO_TELL ids: target ids
+    written where offsets belong (offsets of an ascending frequency vocabulary repeat)."""
+    d2t = d2t.long()
+    return (d2t.numel() >= MIN_IDS_TO_TELL and int(d2t[0]) >= 0
+            and bool((d2t[1:] > d2t[:-1]).all()))
+
+
+def read_d2t(d2t: torch.Tensor, t2d: torch.Tensor | None, *, vocab_size: int, where: str) -> D2tReading:
+    """Which reading of ``d2t`` the checkpoint means, checked against ``t2d`` when present; never
+    one map rebuilt from the other: FormatError naming what was found when they disagree.
+
+    With t2d, the reading t2d agrees with wins (neither: refused). Without it, the offsets reading
+    unless it maps outside the vocabulary or repeats a token while the absolute one does not, or
+    d2t climbs strictly (``looks_absolute``)."""
+    d2t = d2t.long()
+    Vd = d2t.numel()
+    as_offsets, as_absolute = torch.arange(Vd) + d2t, d2t.clone()
+    ok = {"offsets": _valid_targets(as_offsets, vocab_size), "absolute": _valid_targets(as_absolute, vocab_size)}
+    absolute = D2tReading("absolute", as_absolute, (
+        f"{where}: d2t holds absolute target ids (d2t[0..3] = {d2t[:3].tolist()}, climbing strictly), not the "
+        "offsets SGLang, vLLM and speculators read (target = draft id + d2t): an engine serving this checkpoint "
+        "maps every draft id to the wrong token. Read as absolute ids and converted to offsets; to serve the "
+        "original, rewrite d2t as d2t - arange(draft_vocab_size)"))
+    if t2d is not None:
+        marked = t2d.bool().nonzero().flatten()
+        agree = {k: ok[k] and torch.equal(torch.sort(t)[0], marked)
+                 for k, t in (("offsets", as_offsets), ("absolute", as_absolute))}
+        if agree["offsets"]:
+            return D2tReading("offsets", as_offsets)
+        if agree["absolute"]:
+            return replace(absolute, message=absolute.message.replace("climbing strictly", "t2d agrees with that "
+                                                                      "reading, not with offsets"))
+        raise FormatError(f"{where}: t2d disagrees with d2t read either way: t2d marks {marked.numel()} tokens "
+                          f"(first {marked[:3].tolist()}); d2t read as offsets maps to "
+                          f"{as_offsets[:3].tolist()}..., read as absolute ids to {as_absolute[:3].tolist()}... "
+                          "One of them is from another vocabulary: rebuild both from the token counts (or drop "
+                          "the wrong one, if you know which)")
+    if not ok["offsets"] and not ok["absolute"]:
+        raise FormatError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {vocab_size}) or to the "
+                          "same target token twice, read as offsets or as absolute ids")
+    if not ok["offsets"] or looks_absolute(d2t):
+        return absolute
+    return D2tReading("offsets", as_offsets)

@@ -1,0 +1,129 @@
+"""The doctor reads every field of an engine's config as that engine reads it (engines/served.py and
+each engine's ``read_served``): a field read otherwise than trained FAILs with the key to write, and
+the draft as the engine builds it is measured beside the trained one; correct exports pass."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglewire.doctor.config import DoctorConfig
+from eaglewire.doctor.serving import read_fields
+from eaglewire.engines import export_draft
+from eaglewire.engines import sglang, vllm
+from eaglewire.engines.served import as_served, mismatches
+from eaglewire.model.checkpoint import load_draft
+from test_formats import make_native
+from tiny import tiny_target
+
+CHATS = ["Name three primary colors.", "What is the capital of France?", "Write a haiku about rain.",
+         "Give me two tips for better sleep.", "What does a CPU do?", "Why is the sky blue?"]
+
+
+def _edit(directory: Path, drop: tuple[str, ...] = (), **changes) -> Path:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key in drop:
+        config.pop(key)
+    config.update(changes)
+    path.write_text(json.dumps(config))
+    return path
+
+
+# ---------------------------------------------------------------- the readings, pure
+
+def test_vllm_reads_a_missing_norm_before_residual_as_true_only_in_the_speculators_format():
+    layer = {"hidden_size": 64, "num_attention_heads": 4, "rms_norm_eps": 1e-5, "vocab_size": 256}
+    spec = vllm.read_served({"speculators_model_type": "eagle3", "transformer_layer_config": layer})
+    assert spec.norms["norm_before_residual"] is True and spec.norms["norm_before_fc"] is False
+    assert spec.draft_vocab_size == 256  # missing: the target's whole vocabulary
+    other = vllm.read_served({**layer, "eagle_config": {"norm_before_fc": True}})  # a SGLang/EAGLE-format config
+    assert other.norms["norm_before_residual"] is False and other.norms["norm_before_fc"] is True
+    assert vllm.read_served({"speculators_model_type": "eagle3", "transformer_layer_config": {}}).rms_norm_eps is None
+
+
+def test_sglang_never_reads_norm_before_residual_and_takes_the_target_head_without_draft_vocab_size():
+    got = sglang.read_served({"hidden_size": 64, "num_attention_heads": 4, "norm_before_residual": True})
+    assert got.norms["norm_before_residual"] is False  # its decoder layer always adds the un-normed state
+    assert got.lm_head == "target" and got.embedding == "target"
+    assert sglang.read_served({"tie_word_embeddings": True, "draft_vocab_size": 8}).lm_head == "embedding"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "deepseek_v3"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_correct_exports_read_as_trained_on_every_target_model_file(tmp_path, engine, arch):
+    target = tiny_target(arch, vocab_size=256, num_layers=8, hidden_size=64)
+    native = make_native(tmp_path / "native", target, [2, 4, 5], draft_vocab=64)
+    export_draft(native, engine, tmp_path / "out", target=target)
+    draft, _, _ = load_draft(native)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    reading = read_fields(engine, config, tmp_path / "out", draft,
+                          emb_rows=(torch.arange(256), target.embed_tokens.weight.detach()))
+    assert reading.found == [], [m.meaning for m in reading.found]
+
+
+def test_the_draft_as_served_with_norm_before_residual_computes_otherwise(chat_tiny_target, tmp_path):
+    draft, _, _ = load_draft(make_native(tmp_path / "n", chat_tiny_target, [2, 4, 6]))
+    served = vllm.read_served({"speculators_model_type": "eagle3", "transformer_layer_config": {
+        **json.loads(json.dumps(vllm.build_config(draft.config, [2, 4, 6], verifier_name=None,
+                                                  verifier_architecture="LlamaForCausalLM", num_steps=3,
+                                                  dtype="float32")["transformer_layer_config"]))},
+        "draft_vocab_size": draft.config.draft_vocab_size, "target_hidden_size": draft.config.target_hidden_size})
+    found = mismatches(served, draft.config)
+    assert [m.field for m in found] == ["norm_before_residual"] and 'write "norm_before_residual": false' in found[0].fix
+    built = as_served(draft, found)
+    emb, h = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    pos = torch.arange(5)[None]
+    assert not torch.allclose(built.forward_ttt(emb, h, pos, []), draft.forward_ttt(emb, h, pos, []))
+    assert torch.equal(as_served(draft, []).forward_ttt(emb, h, pos, []), draft.forward_ttt(emb, h, pos, []))
+
+
+# ---------------------------------------------------------------- the doctor, end to end
+
+def _chats(tmp_path: Path) -> str:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": p}, {"role": "assistant", "content": f"Here is my answer to: {p} " * 3}]}) + "\n"
+        for i, p in enumerate(CHATS)))
+    return str(path)
+
+
+def _doctor(target, draft, chats, **kw):
+    from eaglewire.doctor import run_doctor
+
+    report = run_doctor(DoctorConfig(draft=str(draft), conversations=chats, engine_prompts=0, tune=False, **kw),
+                        target=target)
+    return {c.name: c for c in report.checks}, report
+
+
+def test_doctor_fails_a_vllm_config_that_omits_norm_before_residual(tmp_path, chat_tiny_target):
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
+    export_draft(native, "vllm", tmp_path / "vllm", target=chat_tiny_target)
+    chats = _chats(tmp_path)
+    good, _ = _doctor(chat_tiny_target, native, chats, engine="vllm",
+                      engine_config=str(tmp_path / "vllm" / "config.json"))
+    assert good["engine fields"].verdict == "ok", good["engine fields"].evidence
+    assert good["engine wiring"].verdict == "ok"
+    config = _edit(tmp_path / "vllm", drop=("norm_before_residual",))
+    checks, report = _doctor(chat_tiny_target, native, chats, engine="vllm", engine_config=str(config))
+    fields = checks["engine fields"]
+    assert fields.verdict == "fail" and "norm_before_residual" in fields.summary
+    assert 'write "norm_before_residual": false' in fields.fix
+    assert any("acc@0" in e and "as trained" in e for e in fields.evidence)
+    assert "acc@0 as served" in report.accuracy and report.exit_code == 1
+
+
+def test_doctor_names_an_absolute_d2t_in_the_served_directory(tmp_path, chat_tiny_target):
+    native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
+    export_draft(native, "sglang", tmp_path / "sg")
+    weights = tmp_path / "sg" / "model.safetensors"
+    state = load_file(str(weights))
+    state["d2t"] = state["d2t"] + torch.arange(state["d2t"].numel())  # the target ids, where offsets belong
+    save_file(state, str(weights))
+    checks, _ = _doctor(chat_tiny_target, native, _chats(tmp_path), engine="sglang",
+                        engine_config=str(tmp_path / "sg" / "config.json"))
+    fields = checks["engine fields"]
+    assert fields.verdict == "fail" and "d2t" in fields.summary
+    assert any("absolute target ids" in e for e in fields.evidence) and "d2t - arange" in fields.fix
