@@ -62,3 +62,76 @@ def test_bench_configs_parse_into_spec_configs():
     text = ";".join(config_label(s) for s in specs)
     assert text == "1,0,0,0;1,5,1,6;1,6,4,24;1,5,1,6,0.1"
     assert parse_configs(text) == specs
+
+
+# ---------------------------------------------------------------- engines' launch flags, as their parsers read them
+
+VLLM_SPELLINGS = [
+    """--speculative-config '{"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}'""",
+    """-sc '{"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}'""",
+    """--speculative_config '{"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}'""",
+    """--speculative-config='{"method":"eagle3","model":"/d","num_speculative_tokens":4}'""",
+    "--speculative-config.method eagle3 --speculative-config.model /d --speculative-config.num_speculative_tokens 4",
+    "--speculative_config.method=eagle3 --speculative-config.model=/d -sc.num_speculative_tokens 4",
+    """--speculative-config '{"model": "/runs/llama-eagle3-draft", "num_speculative_tokens": 4}'""",  # detected
+]
+
+
+@pytest.mark.parametrize("flags", VLLM_SPELLINGS)
+def test_every_vllm_spelling_of_the_speculative_config_is_read(flags):
+    from eaglewire.doctor.serving import lint_flags
+
+    got = lint_flags("vllm", "serve org/target " + flags, [2, 15, 27], 30, "llama")
+    assert got.problems == [] and got.num_steps == 4, got.problems
+
+
+def test_vllm_dotted_keys_merge_into_one_object_read_as_json():
+    from eaglewire.engines.flags import parse_flexible
+
+    args, notes = parse_flexible("--speculative-config.num_speculative_tokens 3 --speculative-config.draft.x+ a,b "
+                                 "--max_model_len 99", {"-sc": "--speculative-config"})
+    assert args == {"--speculative-config": {"num_speculative_tokens": 3, "draft": {"x": ["a", "b"]}},
+                    "--max-model-len": "99"} and notes == []
+
+
+@pytest.mark.parametrize("model, method", [("/runs/my-draft", "draft_model"), ("yuhuili/EAGLE-LLaMA3-8B", "eagle"),
+                                           ("AngelSlim/Qwen3-8B_eagle3", "eagle3")])
+def test_an_omitted_vllm_method_is_what_vllm_detects_from_the_path(model, method):
+    from eaglewire.doctor.serving import lint_flags
+    from eaglewire.engines.vllm import detect_method
+
+    assert detect_method(model) == method
+    got = lint_flags("vllm", f"""-sc '{{"model": "{model}", "num_speculative_tokens": 3}}'""", [2, 15, 27], 30)
+    assert (got.problems == []) == (method == "eagle3")
+    if method != "eagle3":
+        assert got.problems[0][0] == "fail" and repr(method) in got.problems[0][1] and '"eagle3"' in got.problems[0][2]
+
+
+def test_no_vllm_speculative_config_in_any_spelling_is_a_fail():
+    from eaglewire.doctor.serving import lint_flags
+
+    [(verdict, what, _)] = lint_flags("vllm", "serve org/target --max-model-len 4096", [2, 15, 27], 30).problems
+    assert verdict == "fail" and "without speculation" in what
+
+
+@pytest.mark.parametrize("flags", [
+    "--speculative-algorithm EAGLE3 --speculative-draft-model-path /d --speculative-num-steps 3",
+    "--speculative-algorithm=EAGLE3 --speculative-draft-model /d --speculative-num-steps=3",  # its alias
+    "--speculative-algo EAGLE3 --speculative-draft-model /d --speculative-num-s 3",  # argparse abbreviations
+])
+def test_sglang_aliases_and_abbreviations_read_as_its_parser_reads_them(flags):
+    from eaglewire.engines.sglang import read_flags
+
+    args, problems = read_flags(flags)
+    assert problems == [] and args["--speculative-algorithm"] == "EAGLE3" and args["--speculative-num-steps"] == "3"
+    assert args["--speculative-draft-model-path"] == "/d"
+
+
+def test_sglang_refuses_ambiguous_abbreviations_and_underscores():
+    from eaglewire.doctor.serving import lint_flags
+
+    got = lint_flags("sglang", "--speculative-algorithm EAGLE --speculative-num 3 --speculative_eagle_topk 1",
+                     [2, 15, 27], 30)
+    whats = [w for _, w, _ in got.problems]
+    assert any("abbreviates several" in w for w in whats) and any("only dashes" in w for w in whats)
+    assert any("--speculative-algorithm EAGLE:" in w for w in whats)

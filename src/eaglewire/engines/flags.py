@@ -3,6 +3,7 @@ the chain-shape check that SGLang-style flags (SGLang, eaglewire) share. Pure fu
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,3 +63,77 @@ def chain_shape(args: dict[str, str], out: Flags, *, verdict: str, silently: str
                              f"--speculative-num-steps {steps} + 1: {silently}",
                              f"--speculative-num-draft-tokens {steps + 1}"))
     return out
+
+
+def positional(flags: str) -> list[str]:
+    """The words that are neither a flag nor a flag's value (``vllm serve MODEL``: ``serve``, ``MODEL``)."""
+    tokens, out, i = shlex.split(flags), [], 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if _is_flag(tok):
+            if "=" not in tok and i + 1 < len(tokens) and not _is_flag(tokens[i + 1]):
+                i += 1
+        else:
+            out.append(tok)
+        i += 1
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        elif isinstance(v, list) and isinstance(into.get(k), list):
+            into[k] += v
+        else:
+            into[k] = v
+
+
+def parse_flexible(flags: str, aliases: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """Launch flags as vLLM 0.33.0's ``FlexibleArgumentParser.parse_args`` (vllm/utils/argparse_utils.py)
+    reads them -> ({canonical flag: value}, notes): underscores in a flag's name read as dashes
+    (``--speculative_config``), ``aliases`` (``-sc`` -> ``--speculative-config``), dotted keys merged
+    into one JSON object (``--speculative-config.method eagle3``, ``.key+ a,b`` appends a list;
+    each value read as JSON, else as text) that, like argparse, replaces an earlier whole value."""
+    args, notes = parse_flags(flags), []
+    out: dict[str, Any] = {}
+    dotted: dict[str, dict[str, Any]] = {}
+    for raw, value in args.items():
+        name, _, rest = raw.partition(".")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        name = aliases.get(name, name)
+        if not rest:
+            out[name] = value
+            continue
+        append = rest.endswith("+")
+        keys = rest.removesuffix("+").split(".")
+        parsed = json.loads(json.dumps(value.split(","))) if append else _json_or_text(value)
+        for key in reversed(keys):
+            parsed = {key: parsed}
+        _merge(dotted.setdefault(name, {}), parsed)
+    for name, value in dotted.items():
+        if name in out:
+            notes.append(f"{name} is given whole and as dotted keys: vLLM appends the dotted ones last, so they "
+                         f"replace the whole value ({json.dumps(value)})")
+        out[name] = value
+    return out, notes
+
+
+def resolve_abbreviation(flag: str, known: tuple[str, ...], aliases: dict[str, str]) -> str | list[str]:
+    """``flag`` as argparse (``allow_abbrev``, its default) resolves it among ``known``: an alias or an
+    exact name -> that name; a unique prefix -> the name it abbreviates; an ambiguous prefix -> the
+    names it could mean (argparse refuses it); anything else -> itself."""
+    flag = aliases.get(flag, flag)
+    if flag in known or not flag.startswith("--"):
+        return flag
+    hits = [k for k in (*known, *aliases) if k.startswith(flag)]
+    hits = sorted({aliases.get(h, h) for h in hits})
+    return hits[0] if len(hits) == 1 else (hits or flag)

@@ -38,7 +38,7 @@ from eaglewire.model.draft import DraftConfig
 import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       record, serving_dtype, verifier, write_export)
-from eaglewire.engines.flags import Flags, chain_shape, parse_flags
+from eaglewire.engines.flags import Flags, chain_shape, parse_flags, resolve_abbreviation
 from eaglewire.engines.model_file import ModelFile
 from eaglewire.engines.shared import ARCHITECTURE, FormatError, llama_layer_config, parse_llama_layer
 
@@ -340,10 +340,50 @@ def _ids_note(bounds: list[int], L: int, arch: str | None) -> str:
 
 # ---------------------------------------------------------------- launch flags
 
+# sglang/srt/arg_groups/fields/spec.py: every --speculative-* option (read by a plain argparse parser,
+# allow_abbrev on: a unique prefix abbreviates one); its aliases (Arg(aliases=...))
+SPEC_FLAGS = tuple("--" + f.replace("_", "-") for f in (
+    "speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
+    "speculative_draft_load_format", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+    "speculative_dflash_block_size", "speculative_domino_candidate_pool_size", "speculative_dspark_block_size",
+    "speculative_dspark_sps_table_path", "speculative_dspark_confidence_sts_path",
+    "speculative_dspark_align_verify_tokens_to_graph_tier", "speculative_accept_threshold_single",
+    "speculative_accept_threshold_acc", "speculative_use_rejection_sampling", "speculative_use_block_verification",
+    "speculative_token_map", "speculative_attention_mode", "speculative_draft_attention_backend",
+    "speculative_dsa_topk_backend", "speculative_draft_kv_cache_dtype", "speculative_draft_window_size",
+    "speculative_draft_sink_size", "speculative_moe_runner_backend", "speculative_moe_a2a_backend",
+    "speculative_enable_w4a4_mxfp4_megamoe", "speculative_draft_model_quantization", "speculative_adaptive",
+    "speculative_adaptive_config", "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
+    "speculative_ngram_match_type", "speculative_ngram_max_trie_depth", "speculative_ngram_capacity",
+    "speculative_ngram_external_corpus_path", "speculative_ngram_external_sam_budget",
+    "speculative_ngram_external_corpus_max_tokens"))
+FLAG_ALIASES = {"--speculative-draft-model": "--speculative-draft-model-path"}
+
+
+def read_flags(flags: str) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+    """SGLang's launch flags as its parser reads them: aliases and unique abbreviations resolved to
+    the option's name; (flags, problems: an ambiguous abbreviation, or an underscore spelling argparse
+    refuses)."""
+    out, problems = {}, []
+    for flag, value in parse_flags(flags).items():
+        if flag.startswith("--speculative_"):
+            problems.append(("fail", f"{flag}: SGLang's parser knows only dashes, so it refuses this flag",
+                             flag.replace("_", "-")))
+            continue
+        got = resolve_abbreviation(flag, SPEC_FLAGS, FLAG_ALIASES) if flag.startswith("--speculative") else flag
+        if isinstance(got, list):
+            problems.append(("fail", f"{flag} abbreviates several SGLang options ({', '.join(got)}): argparse "
+                             "refuses it", "spell the option out"))
+            continue
+        out[got] = value
+    return out, problems
+
+
 def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
     """SGLang launch flags it would silently change or cannot honour (``arch``: the target's
-    architecture, for what its model file can capture)."""
-    args, out = parse_flags(flags), Flags()
+    architecture, for what its model file can capture), read as its parser reads them (``read_flags``)."""
+    args, problems = read_flags(flags)
+    out = Flags(problems=problems)
     cannot = cannot_feed(declared, num_layers, arch) if arch is not None else ""
     if cannot:
         out.problems.append(("fail", f"sglang cannot feed this draft {declared} on this target", cannot))

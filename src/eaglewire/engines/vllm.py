@@ -50,7 +50,7 @@ import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       load_export_target, record, serving_dtype, stored_dtype, verifier,
                                       write_export)
-from eaglewire.engines.flags import Flags, as_int, parse_flags
+from eaglewire.engines.flags import Flags, as_int, parse_flexible
 from eaglewire.engines.model_file import ModelFile
 from eaglewire.engines.shared import FormatError, llama_layer_config, parse_llama_layer
 
@@ -354,95 +354,54 @@ def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_laye
 
 # ---------------------------------------------------------------- launch flags
 
+FLAG_ALIASES = {"-sc": "--speculative-config"}  # vllm/engine/arg_utils.py add_cli_args
+
+
+def detect_method(model: str | None) -> str:
+    """The method vLLM 0.33.0 takes when ``--speculative-config`` names none (vllm/config/speculative.py
+    SpeculativeConfig.__post_init__: "draft_model", then detected from the draft's path: "eagle-" ->
+    eagle, else "eagle3" -> eagle3)."""
+    path = (model or "").lower()
+    return "eagle" if "eagle-" in path else "eagle3" if "eagle3" in path else "draft_model"
+
+
 def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
     """vLLM launch flags it would silently change or cannot honour (``arch``: the target's
-    architecture, for whether its model file serves EAGLE-3)."""
-    args, out = parse_flags(flags), Flags()
+    architecture, for whether its model file serves EAGLE-3), read as vLLM's own parser reads
+    them (``flags.parse_flexible``: ``-sc``, underscores, dotted keys)."""
+    args, notes = parse_flexible(flags, FLAG_ALIASES)
+    out = Flags()
     cannot = cannot_feed(declared, num_layers, arch) if arch is not None else ""
     if cannot:
         out.problems.append(("fail", f"vllm cannot feed this draft {declared} on this target", cannot))
     raw = args.get("--speculative-config")
     if raw is None:
-        out.problems.append(("fail", "no --speculative-config: vLLM runs without speculation",
+        out.problems.append(("fail", "no --speculative-config (nor -sc, --speculative_config or dotted "
+                             "--speculative-config.KEY): vLLM runs without speculation",
                              '--speculative-config \'{"method": "eagle3", "model": DRAFT, '
                              '"num_speculative_tokens": 5}\''))
         return out
+    out.problems += [("warn", n, "give --speculative-config once") for n in notes]
     try:
-        spec = json.loads(raw)
+        spec = raw if isinstance(raw, dict) else json.loads(raw)
     except json.JSONDecodeError as e:
         out.problems.append(("fail", f"--speculative-config is not JSON ({e})", "quote the JSON object"))
         return out
-    if spec.get("method") != "eagle3":
-        out.problems.append(("fail", f'method is {spec.get("method")!r}: vLLM will not read the aux '
+    if not isinstance(spec, dict):
+        out.problems.append(("fail", f"--speculative-config is {spec!r}, not a JSON object", "pass a JSON object"))
+        return out
+    method = spec.get("method")
+    if method is None:
+        method = detect_method(spec.get("model"))
+        if method != "eagle3":
+            out.problems.append(("fail", f'no "method", and vLLM detects {method!r} from the draft path '
+                                 f'{spec.get("model")!r} (vllm/config/speculative.py: "eagle3" only when the path '
+                                 'contains "eagle3" and not "eagle-"): it will not read the aux states',
+                                 'set "method": "eagle3"'))
+    elif method != "eagle3":
+        out.problems.append(("fail", f"method is {method!r}: vLLM will not read the aux "
                              "states of an EAGLE-3 draft", 'set "method": "eagle3"'))
     out.num_steps = as_int(spec.get("num_speculative_tokens"))
     out.topk = 1
     out.num_draft_tokens = out.num_steps + 1 if out.num_steps else None
     return out
-
-
-# ---------------------------------------------------------------- what the draft computes
-
-_LLAMA_EAGLE3 = "vllm/model_executor/models/llama_eagle3.py"
-SERVED_CITED = {
-    "norms (speculators format)": "vllm/transformers_utils/configs/speculators/algos.py update_eagle3: "
-                                  "norm_before_residual defaults to true, norm_before_fc / fc_norm / norm_output to false",
-    "norms (other formats)": f"{_LLAMA_EAGLE3} LlamaDecoderLayer.__init__ getattr(config, 'norm_before_residual', False); "
-                             "LlamaModel.__init__ eagle_config['norm_before_fc'] first, then the top-level key",
-    "layer fields": "vllm/transformers_utils/configs/speculators/base.py extract_transformers_pre_trained_config: "
-                    "the speculators format's draft config is transformer_layer_config alone (no Llama defaults)",
-    "draft_vocab_size": f"{_LLAMA_EAGLE3} Eagle3LlamaForCausalLM.__init__: missing -> vocab_size (the target's)",
-    "d2t / t2d": f"{_LLAMA_EAGLE3} compute_logits (targets = arange + d2t) and load_weights (t2d skipped)",
-    "embedding / lm_head": "vllm/v1/worker/gpu/spec_decode/eagle/utils.py maybe_share_target_embed / _should_share: "
-                           "the target's unless the checkpoint has its own that differs; the same for lm_head",
-    "rope": "vllm/transformers_utils/config.py patch_rope_parameters and layers/rotary_embedding get_rope "
-            "(rope_theta, else 10000)",
-    "dtype": "vllm/config/speculative.py SpeculativeConfig.__post_init__: the draft's ModelConfig takes "
-             "dtype=target_model_config.dtype",
-    "head_dim": "vllm/model_executor/models/llama.py LlamaAttention: config.head_dim, else hidden_size // heads",
-}
-
-
-def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embedding_differs: bool = False):
-    """``ServedDraft``: what vLLM 0.33.0 computes a draft with, from its ``config.json`` ``d`` as vLLM
-    reads it (``SERVED_CITED``); ``tensors``: the checkpoint's tensor names, when known (its own
-    lm_head / embed_tokens); ``own_embedding_differs``: its embed_tokens is not the target's exactly."""
-    from eaglewire.engines.served import ServedDraft
-    from eaglewire.engines.shared import LLAMA_DEFAULTS, parse_rope
-
-    speculators = d.get("speculators_model_type") is not None
-    if speculators:
-        layer = dict(d.get("transformer_layer_config") or {})  # no Llama defaults: a bare PreTrainedConfig
-        norms = {"norm_before_residual": bool(d.get("norm_before_residual", True)),
-                 "norm_before_fc": bool(d.get("norm_before_fc", False)), "fc_norm": bool(d.get("fc_norm", False)),
-                 "norm_output": bool(d.get("norm_output", False))}
-        eps = layer.get("rms_norm_eps")
-        vocab_size = layer.get("vocab_size")
-    else:
-        layer = {**LLAMA_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}  # LlamaConfig defaults
-        nested = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
-        norms = {"norm_before_residual": bool(layer.get("norm_before_residual", False)),
-                 "norm_before_fc": bool(nested.get("norm_before_fc", layer.get("norm_before_fc", False))),
-                 "fc_norm": bool(layer.get("fc_norm", False)), "norm_output": bool(layer.get("norm_output", False))}
-        eps = layer.get("rms_norm_eps")
-        vocab_size = layer.get("vocab_size")
-    hidden, heads = layer.get("hidden_size"), layer.get("num_attention_heads")
-    head_dim = layer.get("head_dim") or (int(hidden) // int(heads) if hidden and heads else None)
-    theta, rope = parse_rope(layer)
-    vd = d.get("draft_vocab_size") if speculators else layer.get("draft_vocab_size")
-    names = tensors or set()
-    own_head = tensors is None or any("lm_head" in n for n in names)
-    return ServedDraft(
-        engine=f"vLLM {VERSION}", norms=norms, draft_vocab_size=int(vd) if vd is not None else vocab_size,
-        target_hidden_size=int(d.get("target_hidden_size") or hidden) if (d.get("target_hidden_size") or hidden) else None,
-        num_aux=num_aux(d), hidden_size=int(hidden) if hidden else None, head_dim=int(head_dim) if head_dim else None,
-        rms_norm_eps=float(eps) if eps is not None else None, rope_theta=theta, rope_parameters=rope,
-        embedding="draft" if own_embedding_differs and any("embed_tokens" in n for n in names) else "target",
-        lm_head="draft" if own_head else "target",
-        layer=str(layer.get("model_type") or "llama") if speculators else "llama",
-        cited=dict(SERVED_CITED))
-
-
-def served_config_key(d: dict[str, Any]) -> str:
-    """Where vLLM reads the draft layer's fields in ``d`` (for fixes)."""
-    return "transformer_layer_config." if d.get("speculators_model_type") is not None else ""
