@@ -127,3 +127,33 @@ def test_doctor_names_an_absolute_d2t_in_the_served_directory(tmp_path, chat_tin
     fields = checks["engine fields"]
     assert fields.verdict == "fail" and "d2t" in fields.summary
     assert any("absolute target ids" in e for e in fields.evidence) and "d2t - arange" in fields.fix
+
+
+# ---------------------------------------------------------------- wrapped (multimodal) targets
+
+@pytest.mark.parametrize("arch, engine, path, served", [
+    ("Gemma3ForConditionalGeneration", "vllm", "vllm/model_executor/models/gemma3_mm.py", None),
+    ("LlavaForConditionalGeneration", "vllm", "vllm/model_executor/models/llava.py", [2, 15, 27]),
+    ("Mistral3ForConditionalGeneration", "vllm", "vllm/model_executor/models/mistral3.py", [2, 15, 27]),
+    ("Qwen2VLForConditionalGeneration", "vllm", "vllm/model_executor/models/qwen2_vl.py", None),
+    ("Qwen2_5_VLForConditionalGeneration", "vllm", "vllm/model_executor/models/qwen2_5_vl.py", [2, 15, 27]),
+    ("Gemma3ForConditionalGeneration", "sglang", "sglang/srt/models/gemma3_mm.py", None),
+    ("LlavaForConditionalGeneration", "sglang", "sglang/srt/models/llava.py", None),
+    ("Mistral3ForConditionalGeneration", "sglang", "sglang/srt/models/mistral.py", None),
+    ("Qwen2VLForConditionalGeneration", "sglang", "sglang/srt/models/qwen2_vl.py", None),
+    ("Qwen2_5_VLForConditionalGeneration", "sglang", "sglang/srt/models/qwen2_5_vl.py", [3, 16, 28]),
+])
+def test_wrapped_targets_are_read_through_the_wrappers_own_model_file(arch, engine, path, served):
+    from eaglewire.doctor.serving import read_engine_config
+    from eaglewire.engines import get
+
+    module = get(engine).module
+    assert module.file_for(arch).path == path
+    config = ({"eagle_aux_hidden_state_layer_ids": [2, 15, 27]} if engine == "vllm"
+              else {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}})
+    reading = read_engine_config(engine, config, 30, [2, 15, 27] if served is None else served, arch)
+    if served is None:  # the wrapper serves no EAGLE-3 draft (or, Gemma 3 on SGLang, feeds other states)
+        assert reading.problems and any(path.rsplit("/", 1)[1] in p or "gemma3" in p for p in reading.problems)
+        assert "models/gemma3.py" not in " ".join(reading.problems)  # the wrapper's file, not the text model's
+    else:
+        assert list(reading.readings.values()) == [served] and not reading.problems

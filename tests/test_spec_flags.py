@@ -72,7 +72,7 @@ VLLM_SPELLINGS = [
     """--speculative_config '{"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}'""",
     """--speculative-config='{"method":"eagle3","model":"/d","num_speculative_tokens":4}'""",
     "--speculative-config.method eagle3 --speculative-config.model /d --speculative-config.num_speculative_tokens 4",
-    "--speculative_config.method=eagle3 --speculative-config.model=/d -sc.num_speculative_tokens 4",
+    "--speculative_config.method=eagle3 --speculative-config.model=/d --speculative_config.num_speculative_tokens 4",
     """--speculative-config '{"model": "/runs/llama-eagle3-draft", "num_speculative_tokens": 4}'""",  # detected
 ]
 
@@ -92,6 +92,16 @@ def test_vllm_dotted_keys_merge_into_one_object_read_as_json():
                                  "--max_model_len 99", {"-sc": "--speculative-config"})
     assert args == {"--speculative-config": {"num_speculative_tokens": 3, "draft": {"x": ["a", "b"]}},
                     "--max-model-len": "99"} and notes == []
+
+
+def test_vllm_dotted_keys_under_two_spellings_stay_apart_and_the_last_wins():
+    """FlexibleArgumentParser merges dotted keys per spelling: ``-sc.x`` after ``--speculative-config.method``
+    replaces the whole object, so the method is lost (vLLM then detects it from the path)."""
+    from eaglewire.doctor.serving import lint_flags
+
+    got = lint_flags("vllm", "--speculative-config.method eagle3 -sc.num_speculative_tokens 4", [2, 15, 27], 30)
+    assert [v for v, _, _ in got.problems] == ["warn", "fail"] and "only" in got.problems[0][1]
+    assert "'draft_model'" in got.problems[1][1]
 
 
 @pytest.mark.parametrize("model, method", [("/runs/my-draft", "draft_model"), ("yuhuili/EAGLE-LLaMA3-8B", "eagle"),

@@ -30,6 +30,10 @@ class EngineReading:
 def _known_arch(arch: str | None, notes: list[str]) -> str | None:
     if arch is None:
         return None
+    from eaglewire.engines.model_file import wrapper_key
+
+    if wrapper_key(arch):  # a wrapped target: each engine reads it through its wrapper's own model file
+        return str(arch)
     try:
         return target_arch(arch)
     except ContractError as e:

@@ -74,7 +74,12 @@ class ExportReport:
 
 
 def default_target_arch(target_arch: str | None, architecture: str) -> str:
-    """``target_arch`` if given, else the target's recorded HF architecture, as a contract key."""
+    """``target_arch`` if given, else the target's recorded HF architecture, as a contract key (a wrapped
+    target's wrapper class as given: engines read it through the wrapper's own model file)."""
+    from eaglewire.engines.model_file import wrapper_key
+
+    if wrapper_key(target_arch or architecture):
+        return str(target_arch or architecture)
     try:
         return target_arch_key(target_arch or architecture)
     except ContractError as e:

@@ -104,25 +104,25 @@ def parse_flexible(flags: str, aliases: dict[str, str]) -> tuple[dict[str, Any],
     each value read as JSON, else as text) that, like argparse, replaces an earlier whole value."""
     args, notes = parse_flags(flags), []
     out: dict[str, Any] = {}
-    dotted: dict[str, dict[str, Any]] = {}
+    dotted: dict[str, dict[str, Any]] = {}  # per spelling: vLLM merges ``-sc.x`` and ``--speculative-config.y`` apart
     for raw, value in args.items():
         name, _, rest = raw.partition(".")
         if name.startswith("--"):
             name = "--" + name[2:].replace("_", "-")
-        name = aliases.get(name, name)
         if not rest:
-            out[name] = value
+            out[aliases.get(name, name)] = value
             continue
         append = rest.endswith("+")
         keys = rest.removesuffix("+").split(".")
-        parsed = json.loads(json.dumps(value.split(","))) if append else _json_or_text(value)
+        parsed = value.split(",") if append else _json_or_text(value)
         for key in reversed(keys):
             parsed = {key: parsed}
         _merge(dotted.setdefault(name, {}), parsed)
-    for name, value in dotted.items():
+    for name, value in dotted.items():  # appended after every other flag, in order: the last one wins
+        name = aliases.get(name, name)
         if name in out:
-            notes.append(f"{name} is given whole and as dotted keys: vLLM appends the dotted ones last, so they "
-                         f"replace the whole value ({json.dumps(value)})")
+            notes.append(f"{name} is given more than once (whole, dotted or under an alias): vLLM parses the "
+                         f"dotted keys last, so only {json.dumps(value)} counts")
         out[name] = value
     return out, notes
 

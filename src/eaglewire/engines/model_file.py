@@ -73,3 +73,32 @@ def why_not(to_ids: Callable[[list[int], int, str | None], list[int]], declared:
     except EngineConventionError as e:
         return str(e)
     return ""
+
+
+# A *ForConditionalGeneration target wraps a text model; each engine serves it from the wrapper's own
+# model file, which forwards the aux-layer ids to its language model (or does not). Wrapper class
+# (lower case) -> the text model's architecture key, which the wrapper's reading defers to.
+WRAPPERS: dict[str, str] = {
+    "gemma3forconditionalgeneration": "gemma3",
+    "llavaforconditionalgeneration": "llama",
+    "mistral3forconditionalgeneration": "mistral",
+    "qwen2vlforconditionalgeneration": "qwen2",
+    "qwen2_5_vlforconditionalgeneration": "qwen2",
+}
+
+
+def wrapper_key(arch: str | None) -> str | None:
+    """``arch``'s WRAPPERS key when it names a wrapped (multimodal) target, else None."""
+    key = str(arch or "").strip().lower()
+    return key if key in WRAPPERS else None
+
+
+def wrapped(text: ModelFile, path: str, function: str, *, forwards: bool, why: str | None = None) -> ModelFile:
+    """The reading of a wrapper served from ``path``: the text model ``text``'s rule when the wrapper
+    forwards the ids to it (``function`` says where), else unsupported (``why``)."""
+    if not forwards:
+        return ModelFile(engine=text.engine, path=path, function=function, ids=text.ids, captures_last=False,
+                         unsupported=why)
+    return ModelFile(engine=text.engine, path=path, function=f"{function} -> {text.path} {text.function}",
+                     ids=text.ids, captures_last=text.captures_last, block_output=text.block_output,
+                     unsupported=text.unsupported and f"{text.unsupported} (through {path})")

@@ -66,6 +66,31 @@ FILES: dict[str, ModelFile] = {
     "gpt_oss": _file("gpt_oss.py", "GptOssForCausalLM", "verbatim_if_max_is_L", last=True),
 }
 
+_MODELS = "sglang/srt/models/"
+_NO_CAPTURE = ("SGLang {v}'s {cls} ({path}) has no set_eagle3_layers_to_capture, so SGLang refuses an EAGLE-3 "
+               "draft for this target (model_executor/model_runner_components/attention_backend_setup.py "
+               "configure_aux_hidden_state_capture raises); serve it with vLLM or eaglewire")
+# *ForConditionalGeneration targets: the wrapper's file, and whether its set_eagle3_layers_to_capture hands
+# the ids to its language model (whose rule then applies)
+WRAPPER_FILES: dict[str, ModelFile] = {
+    "gemma3forconditionalgeneration": model_file.wrapped(
+        FILES["gemma3"], _MODELS + "gemma3_mm.py",
+        "Gemma3ForConditionalGeneration.set_eagle3_layers_to_capture -> language_model", forwards=True),
+    "llavaforconditionalgeneration": model_file.wrapped(
+        FILES["llama"], _MODELS + "llava.py", "LlavaForConditionalGeneration", forwards=False,
+        why=_NO_CAPTURE.format(v=VERSION, cls="LlavaForConditionalGeneration", path="models/llava.py")),
+    "mistral3forconditionalgeneration": model_file.wrapped(
+        FILES["mistral"], _MODELS + "mistral.py", "Mistral3ForConditionalGeneration(LlavaForConditionalGeneration)",
+        forwards=False, why=_NO_CAPTURE.format(v=VERSION, cls="Mistral3ForConditionalGeneration",
+                                               path="models/mistral.py")),
+    "qwen2vlforconditionalgeneration": model_file.wrapped(
+        FILES["qwen2"], _MODELS + "qwen2_vl.py", "Qwen2VLForConditionalGeneration", forwards=False,
+        why=_NO_CAPTURE.format(v=VERSION, cls="Qwen2VLForConditionalGeneration", path="models/qwen2_vl.py")),
+    "qwen2_5_vlforconditionalgeneration": model_file.wrapped(
+        FILES["qwen2"], _MODELS + "qwen2_5_vl.py",
+        "Qwen2_5_VLForConditionalGeneration.set_eagle3_layers_to_capture (self.model: Qwen2Model)", forwards=True),
+}
+
 
 # ---------------------------------------------------------------- ids
 
@@ -75,7 +100,8 @@ def file_for(arch: str | None) -> ModelFile:
         raise ContractError(
             f"SGLang {VERSION} reads the ids differently per target model file; give the "
             f"target's architecture (target_arch / --target-arch: {', '.join(TARGET_ARCHS)})")
-    return FILES[target_arch(arch)]
+    wrapper = model_file.wrapper_key(arch)
+    return WRAPPER_FILES[wrapper] if wrapper else FILES[target_arch(arch)]
 
 
 def refusal(arch: str | None) -> str | None:
@@ -91,6 +117,8 @@ def layers_to_capture(ids: list[int], rule: str, num_layers: int) -> list[int]:
 def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
     """The ids that make SGLang's model file for ``arch`` capture exactly ``boundaries``."""
     f = file_for(arch)
+    if f.unsupported:
+        raise EngineConventionError(f.unsupported)
     where = f"SGLang {VERSION}'s {f.path} ({f.function})"
     instead = "Retrain on another layout (e.g. [2, L//2, L-3]), or serve with vLLM or eaglewire"
     if f.block_output and any(b > 0 for b in boundaries):
@@ -165,7 +193,7 @@ def read_notes(ids: list[int], boundaries: list[int], num_layers: int, arch: str
     """What an import states about reading ``ids`` as ``boundaries`` on this target."""
     f = file_for(arch)
     amb = ambiguity(boundaries, ids, num_layers)
-    return [f"read ids {ids} as boundaries {boundaries} with the rule of {f.path} ({target_arch(arch)} "
+    return [f"read ids {ids} as boundaries {boundaries} with the rule of {f.path} ({model_file.wrapper_key(arch) or target_arch(arch)} "
             f"target){'; ' + amb if amb else ''}"]
 
 

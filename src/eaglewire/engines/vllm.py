@@ -84,13 +84,36 @@ FILES: dict[str, ModelFile] = {
 }
 _GENERIC = _file("llama.py", "LlamaModel")
 
+_MODELS = "vllm/model_executor/models/"
+_FORWARDS = "SupportsEagle3.set_aux_hidden_state_layers (interfaces.py): get_language_model().model"
+# *ForConditionalGeneration targets (registry.py _MULTIMODAL_MODELS): the wrapper's file, and whether its
+# class implements SupportsEagle3, which hands the ids to its language model's EagleModelMixin
+WRAPPER_FILES: dict[str, ModelFile] = {
+    "gemma3forconditionalgeneration": model_file.wrapped(
+        FILES["gemma3"], _MODELS + "gemma3_mm.py", "Gemma3ForConditionalGeneration", forwards=False,
+        why=_NO_EAGLE3.format(v=VERSION, cls="Gemma3ForConditionalGeneration (models/gemma3_mm.py)")),
+    "llavaforconditionalgeneration": model_file.wrapped(
+        FILES["llama"], _MODELS + "llava.py", f"LlavaForConditionalGeneration {_FORWARDS}", forwards=True),
+    "mistral3forconditionalgeneration": model_file.wrapped(
+        FILES["mistral"], _MODELS + "mistral3.py", f"Mistral3ForConditionalGeneration {_FORWARDS}", forwards=True),
+    "qwen2vlforconditionalgeneration": model_file.wrapped(
+        FILES["qwen2"], _MODELS + "qwen2_vl.py", "Qwen2VLForConditionalGeneration", forwards=False,
+        why=_NO_EAGLE3.format(v=VERSION, cls="Qwen2VLForConditionalGeneration (models/qwen2_vl.py)")),
+    "qwen2_5_vlforconditionalgeneration": model_file.wrapped(
+        FILES["qwen2"], _MODELS + "qwen2_5_vl.py", f"Qwen2_5_VLForConditionalGeneration {_FORWARDS}",
+        forwards=True),
+}
+
 
 # ---------------------------------------------------------------- ids
 
 def file_for(arch: str | None) -> ModelFile:
     """The model file whose rule vLLM applies to a target of architecture ``arch`` (None: the
-    reading every file that serves EAGLE-3 shares)."""
-    return _GENERIC if arch is None else FILES[target_arch_key(arch)]
+    reading every file that serves EAGLE-3 shares); a wrapped target's is its wrapper's file."""
+    if arch is None:
+        return _GENERIC
+    wrapper = model_file.wrapper_key(arch)
+    return WRAPPER_FILES[wrapper] if wrapper else FILES[target_arch_key(arch)]
 
 
 def refusal(arch: str | None) -> str | None:
@@ -405,3 +428,70 @@ def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | Non
     out.topk = 1
     out.num_draft_tokens = out.num_steps + 1 if out.num_steps else None
     return out
+
+
+# ---------------------------------------------------------------- what the draft computes
+
+_LLAMA_EAGLE3 = "vllm/model_executor/models/llama_eagle3.py"
+SERVED_CITED = {
+    "norms (speculators format)": "vllm/transformers_utils/configs/speculators/algos.py update_eagle3: "
+                                  "norm_before_residual defaults to true, norm_before_fc / fc_norm / norm_output to false",
+    "norms (other formats)": f"{_LLAMA_EAGLE3} LlamaDecoderLayer.__init__ getattr(config, 'norm_before_residual', False); "
+                             "LlamaModel.__init__ eagle_config['norm_before_fc'] first, then the top-level key",
+    "layer fields": "vllm/transformers_utils/configs/speculators/base.py extract_transformers_pre_trained_config: "
+                    "the speculators format's draft config is transformer_layer_config alone (no Llama defaults)",
+    "draft_vocab_size": f"{_LLAMA_EAGLE3} Eagle3LlamaForCausalLM.__init__: missing -> vocab_size (the target's)",
+    "d2t / t2d": f"{_LLAMA_EAGLE3} compute_logits (targets = arange + d2t) and load_weights (t2d skipped)",
+    "embedding / lm_head": "vllm/v1/worker/gpu/spec_decode/eagle/utils.py maybe_share_target_embed / _should_share: "
+                           "the target's unless the checkpoint has its own that differs; the same for lm_head",
+    "rope": "vllm/transformers_utils/config.py patch_rope_parameters and layers/rotary_embedding get_rope "
+            "(rope_theta, else 10000)",
+    "dtype": "vllm/config/speculative.py SpeculativeConfig.__post_init__: the draft's ModelConfig takes "
+             "dtype=target_model_config.dtype",
+    "head_dim": "vllm/model_executor/models/llama.py LlamaAttention: config.head_dim, else hidden_size // heads",
+}
+
+
+def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embedding_differs: bool = False):
+    """``ServedDraft``: what vLLM 0.33.0 computes a draft with, from its ``config.json`` ``d`` as vLLM
+    reads it (``SERVED_CITED``); ``tensors``: the checkpoint's tensor names, when known (its own
+    lm_head / embed_tokens); ``own_embedding_differs``: its embed_tokens is not the target's exactly."""
+    from eaglewire.engines.served import ServedDraft
+    from eaglewire.engines.shared import LLAMA_DEFAULTS, parse_rope
+
+    speculators = d.get("speculators_model_type") is not None
+    if speculators:
+        layer = dict(d.get("transformer_layer_config") or {})  # no Llama defaults: a bare PreTrainedConfig
+        norms = {"norm_before_residual": bool(d.get("norm_before_residual", True)),
+                 "norm_before_fc": bool(d.get("norm_before_fc", False)), "fc_norm": bool(d.get("fc_norm", False)),
+                 "norm_output": bool(d.get("norm_output", False))}
+        eps = layer.get("rms_norm_eps")
+        vocab_size = layer.get("vocab_size")
+    else:
+        layer = {**LLAMA_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}  # LlamaConfig defaults
+        nested = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+        norms = {"norm_before_residual": bool(layer.get("norm_before_residual", False)),
+                 "norm_before_fc": bool(nested.get("norm_before_fc", layer.get("norm_before_fc", False))),
+                 "fc_norm": bool(layer.get("fc_norm", False)), "norm_output": bool(layer.get("norm_output", False))}
+        eps = layer.get("rms_norm_eps")
+        vocab_size = layer.get("vocab_size")
+    hidden, heads = layer.get("hidden_size"), layer.get("num_attention_heads")
+    head_dim = layer.get("head_dim") or (int(hidden) // int(heads) if hidden and heads else None)
+    theta, rope = parse_rope(layer)
+    vd = d.get("draft_vocab_size") if speculators else layer.get("draft_vocab_size")
+    names = tensors or set()
+    own_head = tensors is None or any("lm_head" in n for n in names)
+    return ServedDraft(
+        engine=f"vLLM {VERSION}", norms=norms, draft_vocab_size=int(vd) if vd is not None else vocab_size,
+        target_hidden_size=int(d.get("target_hidden_size") or hidden) if (d.get("target_hidden_size") or hidden) else None,
+        num_aux=num_aux(d), hidden_size=int(hidden) if hidden else None, head_dim=int(head_dim) if head_dim else None,
+        rms_norm_eps=float(eps) if eps is not None else None, rope_theta=theta, rope_parameters=rope,
+        embedding="draft" if own_embedding_differs and any("embed_tokens" in n for n in names) else "target",
+        lm_head="draft" if own_head else "target",
+        layer=str(layer.get("model_type") or "llama") if speculators else "llama",
+        cited=dict(SERVED_CITED))
+
+
+def served_config_key(d: dict[str, Any]) -> str:
+    """Where vLLM reads the draft layer's fields in ``d`` (for fixes)."""
+    return "transformer_layer_config." if d.get("speculators_model_type") is not None else ""
