@@ -145,3 +145,18 @@ def test_sglang_wrappers_forward_the_ids_where_they_set_layers_to_capture(wheels
     assert has == (f.unsupported is None or f.block_output), f.path
     if key == "qwen2_5_vlforconditionalgeneration":
         assert "self.model.layers_to_capture = [val + 1 for val in layer_ids]" in text and f.ids == "plus_one"
+
+
+def test_llamacpp_converter_defaults_are_the_cited_ones():
+    from eaglewire.core.presets import cache_dir
+    from eaglewire.engines.llamacpp.readings import converter_reads
+
+    path = cache_dir() / "engines" / "llama.cpp-11434" / "conversion" / "llama.py"
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's source is not at {path} (`eaglewire engines install llamacpp`)")
+    text = path.read_text()
+    assert 'eagle3_raw_config.get("norm_before_residual", False)' in text
+    assert 'eagle3_raw_config.get("norm_before_fc", False)' in text
+    assert "data = data + np.arange(data.size, dtype=np.int64)" in text  # offsets -> absolute ids
+    got = converter_reads({}, num_layers=30)
+    assert got["norm_before_residual"] is False and got["target_layers"] == [2, 15, 27]

@@ -107,3 +107,21 @@ def llamacpp_arch(architecture: str) -> str | None:
     if architecture in HF_TO_LLAMACPP_ARCH:
         return HF_TO_LLAMACPP_ARCH[architecture]
     return architecture if re.fullmatch(r"[a-z0-9_\-]+", architecture) else None
+
+
+# What llama.cpp's converter (conversion/llama.py LlamaModel.set_gguf_parameters / prepare_tensors, build
+# BUILD) takes from an EAGLE-3 config.json and its tensors into the draft GGUF, which
+# src/models/eagle3.cpp then computes with: missing norm flags are false (as eaglewire trains), d2t
+# offsets become absolute target ids in the GGUF, a missing d2t means the target's whole vocabulary.
+CONVERTER = "conversion/llama.py LlamaModel.set_gguf_parameters / prepare_tensors"
+
+
+def converter_reads(config: dict, *, num_layers: int) -> dict:
+    """The GGUF values the converter writes for ``config``: norm_before_residual, norm_before_fc,
+    target_layers and target_hidden_size (None: the target config's), d2t's meaning."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    return {"norm_before_residual": bool(config.get("norm_before_residual", False)),
+            "norm_before_fc": bool(config.get("norm_before_fc", False)),
+            "target_layers": list(ids) if ids else default_aux_boundaries(num_layers),
+            "target_hidden_size": config.get("target_hidden_size"),
+            "d2t": "offsets in, absolute target ids in the GGUF (d2t + arange)"}
