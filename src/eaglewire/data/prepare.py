@@ -118,7 +118,10 @@ def resolve_data(data: str) -> Path:
 
 def file_identity(path: Path) -> dict[str, object]:
     """What identifies an input file's content: size and sha256 (whole, or of the first and
-    last MiB for files over 64 MiB)."""
+    last MiB for files over 64 MiB). A directory (a datasets one) is identified by each of its files."""
+    if path.is_dir():
+        return {"files": {f.relative_to(path).as_posix(): file_identity(f)
+                          for f in sorted(path.rglob("*")) if f.is_file()}}
     size = path.stat().st_size
     digest = hashlib.sha256()
     with open(path, "rb") as f:
