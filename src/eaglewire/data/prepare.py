@@ -264,9 +264,10 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     out = Path(config.out)
     _check_boundaries_early(config, target)
     source_path = resolve_data(config.data)
-    if not source_path.is_file():
-        raise FileNotFoundError(f"--data {config.data}: {source_path} is not a file; pass a preset "
-                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json or a messages .jsonl file")
+    if not source_path.exists():
+        raise FileNotFoundError(f"--data {config.data}: {source_path} does not exist; pass a preset "
+                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json, a messages .jsonl, a parquet file "
+                                "or a datasets directory (save_to_disk)")
     # Everything that can be refused is checked before the target is loaded.
     template = resolve_template(config, target.tokenizer if target is not None else load_tokenizer(config.target))
     source = source_record(config, source_path, template)
