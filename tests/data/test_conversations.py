@@ -420,3 +420,108 @@ def test_bos_is_prepended_when_the_template_leaves_it_out(smollm2_tokenizer, mon
     monkeypatch.undo()
     plain = tokenize_conversation(conv, tok, chat_template=PLAIN_TEXT)
     assert tc.input_ids[1:] == plain.input_ids and tc.loss_mask[1:] == plain.loss_mask
+
+
+# ---------------------------------------------------------------- parquet and datasets directories
+
+def ultrachat_table(records):
+    """UltraChat's parquet shape: prompt, prompt_id, messages (list of {content, role})."""
+    import pyarrow as pa
+
+    return pa.table({"prompt": [r["messages"][0]["content"] for r in records],
+                     "prompt_id": [f"p{i:04d}" for i in range(len(records))],
+                     "messages": [r["messages"] for r in records]})
+
+
+CHATS = [openai(("user", "Hi"), ("assistant", "Hello!")),
+         openai(("system", "be brief"), ("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?")),
+         openai(("assistant", "I speak first"), ("user", "ok")),
+         openai(("user", "Grüß dich ✓"), ("assistant", "Hallo ✓"))]
+
+
+def test_parquet_messages_like_ultrachat(tmp_path):
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train_sft-00000-of-00001"  # no extension: the bytes say parquet
+    pq.write_table(ultrachat_table(CHATS), path)
+    convs, report = load_conversations(path)
+    want, _ = load_conversations(write_jsonl(tmp_path / "same.jsonl", CHATS))
+    assert [(c.id, c.messages) for c in convs] == [(c.id, c.messages) for c in want]  # ids: the row index
+    assert report.skipped == {"starts with assistant": 1}
+    assert report.skipped_records == [{"id": "2", "row": 2, "reason": "starts with assistant"}]
+    assert "skipped 1 (starts with assistant: 1)" in report.summary() and not report.truncated
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def save_dataset(records, path, **kw):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(records).save_to_disk(str(path), **kw)
+    return path
+
+
+def test_datasets_directory_of_sharegpt_conversations_reads_as_the_json(tmp_path):
+    records = GOOD + [sharegpt("u", ("human", "only a question")), sharegpt("r", ("human", "hi"), ("xyz", "?"))]
+    write_array(tmp_path / "data.json", records)
+    want, want_report = load_conversations(tmp_path / "data.json")
+    convs, report = load_conversations(save_dataset(records, tmp_path / "ds"))
+    assert [(c.id, c.messages) for c in convs] == [(c.id, c.messages) for c in want]
+    assert report.skipped == want_report.skipped == {"no assistant turn": 1, "unknown role 'xyz'": 1}
+    assert [r["id"] for r in report.skipped_records] == ["u", "r"]
+
+
+def test_a_cut_arrow_stream_keeps_its_complete_batches(tmp_path, caplog):
+    records = [openai(("user", f"question {i}"), ("assistant", f"answer {i}")) for i in range(2500)]
+    ds = save_dataset(records, tmp_path / "ds")
+    arrow = next(ds.glob("*.arrow"))
+    data = arrow.read_bytes()
+    arrow.write_bytes(data[:-500])  # the last batch (datasets writes 1,000 rows a batch) is cut
+    with caplog.at_level(logging.WARNING):
+        convs, report = load_conversations(ds)
+    assert len(convs) == 2000 and convs[-1].messages[0]["content"] == "question 1999"
+    assert report.truncated and report.dropped_bytes == len(data) - 500 - report.truncated_at_byte > 0
+    assert "file truncated" in report.summary() and "cannot read past byte" in caplog.text
+
+
+def test_unreadable_or_wrong_tables_say_what_to_do(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cut = tmp_path / "cut.parquet"
+    pq.write_table(ultrachat_table(CHATS), cut)
+    cut.write_bytes(cut.read_bytes()[:-20])
+    with pytest.raises(ValueError, match="cut-off parquet file is unreadable .* fetch it again"):
+        load_conversations(cut)
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "text.parquet")
+    with pytest.raises(ValueError, match=r"no messages or conversations column \(its columns: text\)"):
+        load_conversations(tmp_path / "text.parquet")
+    datasets = pytest.importorskip("datasets")
+    split = datasets.Dataset.from_list(CHATS)
+    datasets.DatasetDict({"train_sft": split, "test_sft": split}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match=r"is a DatasetDict \(splits: train_sft, test_sft\); pass one split"):
+        load_conversations(tmp_path / "dict")
+    convs, _ = load_conversations(tmp_path / "dict" / "train_sft")
+    assert len(convs) == 3
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="not a datasets directory"):
+        load_conversations(tmp_path / "plain")
+
+
+def test_prepare_reads_a_datasets_directory(tmp_path, chat_tiny_target):
+    from eaglewire.data.prepare import PrepareConfig, prepare
+    from eaglewire.data.shards import ShardDataset
+
+    records = [openai(("user", f"Question {i}?"), ("assistant", f"Answer {i}.")) for i in range(3)]
+    ds = save_dataset(records + [openai(("assistant", "first"), ("user", "?"))], tmp_path / "ds")
+    summary = prepare(PrepareConfig(out=str(tmp_path / "shards"), data=str(ds), max_length=64, batch_tokens=256,
+                                    shard_tokens=64), target=chat_tiny_target, progress=False)
+    assert summary.sequences == 3
+    assert len(ShardDataset(tmp_path / "shards")) == 3
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert set(manifest["source"]["file"]["files"]) == {p.name for p in ds.iterdir()}
+    assert manifest["status"]["load_report"]["skipped"] == {"starts with assistant": 1}
+    assert manifest["status"]["load_report"]["skipped_records"] == [{"id": "3", "row": 3,
+                                                                     "reason": "starts with assistant"}]

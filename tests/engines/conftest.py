@@ -70,3 +70,14 @@ class Wheel:
 def wheels() -> dict[str, Wheel]:
     into = cache_dir() / "engines" / "wheels"
     return {name: Wheel(_fetch(name, version, into)) for name, version in PINNED.items()}
+
+
+# The peers whose capture writers tests/data/test_foreign_writers.py runs (pure-Python wheels,
+# read without installing): speculators' data generation and SpecForge's capture schema.
+PEERS = {"speculators": "0.9.0", "specforge": "0.2.0"}
+
+
+def peer_wheels() -> dict[str, Wheel]:
+    """The peers' pinned wheels and vLLM's (its hidden-states connector writes speculators' files)."""
+    into = cache_dir() / "engines" / "wheels"
+    return {name: Wheel(_fetch(name, version, into)) for name, version in {**PEERS, "vllm": VLLM_VERSION}.items()}

@@ -1,4 +1,5 @@
-"""Load chat conversations (ShareGPT JSON, OpenAI-style JSONL) and tokenize them with a loss mask.
+"""Load chat conversations (ShareGPT JSON, OpenAI-style JSONL, parquet, ``datasets`` directories)
+and tokenize them with a loss mask.
 
 Terms:
   record        one JSON object of the file, before normalisation
@@ -8,9 +9,15 @@ Terms:
   loss mask     1 on the tokens the draft learns to predict: each assistant reply's content
                 and the end-of-turn token right after it; 0 on all template scaffolding
 
-The format is chosen by the first non-whitespace character ('[' JSON array, '{' JSONL), never
-by the file extension. A JSON array is parsed record by record, so a file cut off mid-record
-(the shipped ShareGPT file is) still yields every complete record before the cut.
+The format is chosen by the file's bytes, never by its extension: a directory with
+``state.json`` is a ``datasets`` directory (save_to_disk), ``PAR1`` a parquet file, an Arrow
+stream or file its own magic (``data/tables.py`` reads them, with pyarrow alone); else the first
+non-whitespace character ('[' JSON array, '{' JSONL). A JSON array is parsed record by record, so
+a file cut off mid-record (the shipped ShareGPT file is) still yields every complete record
+before the cut; an Arrow stream cut mid-batch yields every complete batch (a cut-off parquet file
+cannot be read: its index is at the end). In a table, a row is a record: its ``messages``
+(role/content, as UltraChat's parquet) or ``conversations`` (ShareGPT's from/value) column,
+and ``id`` where there is one; other columns (UltraChat's ``prompt``, ``prompt_id``) are not read.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from eaglewire.data.tables import TableError, iter_rows, table_columns, table_kind
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +75,8 @@ class LoadReport:
     truncated: bool = False  # the file ended mid-record (or could not be parsed further)
     truncated_at_byte: int | None = None  # where the last complete record ended
     dropped_bytes: int = 0  # bytes after truncated_at_byte that were not parsed
-    # the first MAX_SKIPPED_LISTED skipped records: {"id", "reason"} (+ "line" in JSONL, 1-based)
+    # the first MAX_SKIPPED_LISTED skipped records: {"id", "reason"} (+ "line" in JSONL, 1-based;
+    # "row" in a table, 0-based)
     skipped_records: list[dict[str, Any]] = field(default_factory=list)
 
     def skip(self, reason: str, **where: Any) -> None:
@@ -133,10 +143,16 @@ def iter_conversations(path: str | Path, *, report: LoadReport) -> Iterator[Conv
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(
-            f"conversation file {path} does not exist; pass a ShareGPT JSON array (.json) or "
-            "OpenAI-style JSONL of {\"messages\": [...]} records, or "
+            f"conversation file {path} does not exist; pass a ShareGPT JSON array (.json), "
+            "OpenAI-style JSONL of {\"messages\": [...]} records, a parquet file or a datasets directory "
+            "(save_to_disk) with a messages or conversations column, or "
             "eaglewire.core.presets.data_path('sharegpt')"
         )
+    if table_kind(path) is not None:
+        return _normalised(_iter_table(path, report), report)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory but not a datasets directory (no state.json); pass a "
+                         "conversation file, a parquet file, or a directory written by Dataset.save_to_disk")
     first = _first_char(path)
     if first is None:
         raise ValueError(f"{path} is empty; expected a ShareGPT JSON array or JSONL conversations")
@@ -206,6 +222,39 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[tuple[int, Any,
                 last_end = byte
             else:
                 return  # closing ']'
+
+
+TABLE_COLUMNS = ("id", "conversations", "messages")
+
+
+def _iter_table(path: Path, report: LoadReport) -> Iterator[tuple[int, Any, dict]]:
+    """(index, record, {"row": index}) per row of a parquet/Arrow file or datasets directory; the
+    columns are checked at once, the rows read lazily."""
+    try:
+        names = table_columns(path)
+    except TableError as e:
+        raise ValueError(str(e)) from e
+    if not {"conversations", "messages"} & set(names):
+        raise ValueError(f"{path} has no messages or conversations column (its columns: "
+                         f"{', '.join(names) or 'none'}); eaglewire reads chat turns from messages "
+                         "(role/content) or conversations (ShareGPT's from/value)")
+    return _table_records(path, report)
+
+
+def _table_records(path: Path, report: LoadReport) -> Iterator[tuple[int, Any, dict]]:
+    cuts: list = []
+    index = -1
+    try:
+        for index, row in enumerate(iter_rows(path, columns=list(TABLE_COLUMNS), cuts=cuts)):
+            yield index, {k: v for k, v in row.items() if v is not None}, {"row": index}
+    except TableError as e:
+        raise ValueError(str(e)) from e
+    for cut in cuts:  # rows of a cut-off Arrow stream end at its last complete batch
+        report.truncated = True
+        report.truncated_at_byte = cut.at_byte
+        report.dropped_bytes += cut.dropped_bytes
+        log.warning("%s: %s ends mid-batch after row %d; the rows before the cut are kept", path, cut.path.name,
+                    index)
 
 
 def _report_cut(report: LoadReport, path: Path, last_end: int, why: str) -> None:

@@ -57,8 +57,9 @@ class ImportDataConfig:
     aux_boundaries: list[int] | None = field(default=None, metadata={
         "help": "stored boundaries the shards' aux holds, in order (default: every stored one but L)"})
     tokens: str | None = field(default=None, metadata={
-        "help": "jsonl rows with input_ids and loss_mask (speculators: row i = hs_i; vllm: checks token_ids "
-                "and adds the loss mask)"})
+        "help": "rows with input_ids and loss_mask: a datasets directory (save_to_disk), parquet or jsonl "
+                "(speculators: row i = hs_i, default the datasets directory the states are in, i.e. "
+                "--preprocessed-data; vllm: rows by id, checks token_ids and adds the loss mask)"})
     dtype: str = field(default="bf16", metadata={"help": "stored hidden dtype: bf16 or fp16"})
     shard_mb: int = field(default=512, metadata={"help": "approximate shard size; bounds the memory in use"})
     no_last: bool = field(default=False, metadata={

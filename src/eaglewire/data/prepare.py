@@ -118,7 +118,10 @@ def resolve_data(data: str) -> Path:
 
 def file_identity(path: Path) -> dict[str, object]:
     """What identifies an input file's content: size and sha256 (whole, or of the first and
-    last MiB for files over 64 MiB)."""
+    last MiB for files over 64 MiB). A directory (a datasets one) is identified by each of its files."""
+    if path.is_dir():
+        return {"files": {f.relative_to(path).as_posix(): file_identity(f)
+                          for f in sorted(path.rglob("*")) if f.is_file()}}
     size = path.stat().st_size
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -261,9 +264,10 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     out = Path(config.out)
     _check_boundaries_early(config, target)
     source_path = resolve_data(config.data)
-    if not source_path.is_file():
-        raise FileNotFoundError(f"--data {config.data}: {source_path} is not a file; pass a preset "
-                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json or a messages .jsonl file")
+    if not source_path.exists():
+        raise FileNotFoundError(f"--data {config.data}: {source_path} does not exist; pass a preset "
+                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json, a messages .jsonl, a parquet file "
+                                "or a datasets directory (save_to_disk)")
     # Everything that can be refused is checked before the target is loaded.
     template = resolve_template(config, target.tokenizer if target is not None else load_tokenizer(config.target))
     source = source_record(config, source_path, template)
