@@ -94,8 +94,10 @@ class Fake:
         turns = sum(m["role"] == "assistant" for m in messages)
         text = f"reply {turns} to {messages[-1]['content'][:12]} after {len(json.dumps(messages))}"
         message = {"role": "assistant", "content": text}
-        if self.reasoning == "field":
+        if self.reasoning == "field":  # SGLang's and llama-server's name
             message["reasoning_content"] = " pondering "
+        elif self.reasoning == "vllm":  # vLLM 0.33.0's
+            message["reasoning"] = "pondering"
         elif self.reasoning == "inline":
             message["content"] = "<think>pondering</think>\n\n" + text
         return 200, {"choices": [{"message": message, "finish_reason": "stop"}],
@@ -229,7 +231,7 @@ def test_a_server_that_tokenizes_otherwise_is_refused_before_any_work(tmp_path, 
 
 # -- reasoning, turns ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("where", ["field", "inline"])
+@pytest.mark.parametrize("where", ["field", "vllm", "inline"])
 @pytest.mark.parametrize("mode", ["keep", "strip"])
 def test_reasoning_is_kept_or_stripped(tmp_path, smollm2_tokenizer, where, mode):
     with fake_server(Fake(smollm2_tokenizer, reasoning=where)) as url:
@@ -237,7 +239,7 @@ def test_reasoning_is_kept_or_stripped(tmp_path, smollm2_tokenizer, where, mode)
     reply = records(tmp_path / "out.jsonl")["0"]["messages"][-1]["content"]
     assert reply.startswith("reply 0 to Question 0") == (mode == "strip")
     if mode == "keep":
-        want = "<think>\npondering\n</think>\n\n" if where == "field" else "<think>pondering</think>\n\n"
+        want = "<think>\npondering\n</think>\n\n" if where != "inline" else "<think>pondering</think>\n\n"
         assert reply.startswith(want) and reply.removeprefix(want).startswith("reply 0 to Question 0")
     assert read_meta(tmp_path / "out.jsonl")["settings"]["reasoning"] == mode
 

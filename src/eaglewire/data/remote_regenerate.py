@@ -157,7 +157,7 @@ def _answer(response: Any) -> tuple[str | None, str | None, bool, int]:
         message = choice["message"]
     except (KeyError, IndexError, TypeError):
         raise ServerUnavailable(f"the server's answer is not a chat completion: {str(response)[:300]}") from None
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    reasoning = message.get("reasoning_content") or message.get("reasoning")  # SGLang, llama-server; vLLM 0.33.0
     usage = response.get("usage") or {}
     return message.get("content"), reasoning, choice.get("finish_reason") == "length", int(
         usage.get("completion_tokens") or 0)
