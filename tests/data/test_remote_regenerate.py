@@ -186,6 +186,14 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_output(tmp_path, smollm
     assert records(out) == records(tmp_path / "whole.jsonl")
 
 
+def test_when_a_run_stops_every_conversation_answered_is_written(tmp_path, smollm2_tokenizer):
+    out = tmp_path / "out.jsonl"
+    with fake_server(Fake(smollm2_tokenizer, fail_after=4)) as url:
+        with pytest.raises(ServerUnavailable):
+            run(smollm2_tokenizer, [url], out, concurrency=3, retries=1)
+    assert len(records(out)) == 4
+
+
 def test_a_refused_request_is_a_counted_skip(tmp_path, smollm2_tokenizer):
     with fake_server(Fake(smollm2_tokenizer, refuse="Question 4")) as url:
         report = run(smollm2_tokenizer, [url], tmp_path / "out.jsonl")
@@ -367,3 +375,20 @@ def test_llama_server_slots_and_context_per_slot():
     assert args[args.index("-t") + 1] == "2" and args[args.index("-tb") + 1] == "2"
     one = server_args(ServerConfig(model=Path("m.gguf")), port=1)  # the doctor's and bench's launch: unchanged
     assert one[one.index("-np") + 1] == "1" and "-cb" not in one
+
+
+def test_the_command_regenerates_in_process_without_a_server_and_refuses_other_settings(tmp_path, target_dir,
+                                                                                        capsys):
+    from eaglewire.cli import main
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c.messages}) + "\n" for c in CONVERSATIONS[:2]))
+    out = tmp_path / "r.jsonl"
+    argv = ["regenerate", "--target", str(target_dir), "--data", str(data), "--out", str(out),
+            "--max-new-tokens", "4", "--device", "cpu", "--no-progress"]
+    assert main(argv) == 0
+    assert set(records(out)) == {"0", "1"} and "prepare --data" in capsys.readouterr().out
+    settings = read_meta(out)["settings"]
+    assert settings["mode"] == "in-process" and settings["sampling"] == {"temperature": 0.0, "max_tokens": 4}
+    assert main(argv[:-4] + ["8", "--device", "cpu", "--no-progress"]) == 2
+    assert "max_tokens" in capsys.readouterr().err and not out.with_name("r.jsonl.lock").exists()

@@ -401,16 +401,29 @@ class _Run:
             while len(inflight) < 2 * self.remote.concurrency and (item := next(queue, None)) is not None:
                 inflight.add(pool.submit(self._conversation, *item))
 
+        error: BaseException | None = None
         top_up()
         while inflight:
             done, _ = wait(inflight, return_when=FIRST_COMPLETED)
             for future in done:
                 inflight.discard(future)
-                self._write(out, future.result())
+                try:
+                    result = future.result()
+                except _Stopped:
+                    continue
+                except Exception as e:  # the first failure stops the run; what finishes meanwhile is written
+                    if error is None:
+                        error = e
+                        self.stop.set()
+                    continue
+                self._write(out, result)
                 bar.update(1)
-            top_up()
+            if error is None:
+                top_up()
             self._finish(start)
             bar.set_postfix(tok_s=f"{self.report.tokens_per_second:.1f}")
+        if error is not None:
+            raise error
 
     def _finish(self, start: float) -> None:
         self.report.seconds = time.perf_counter() - start
@@ -458,6 +471,8 @@ class _Run:
             return client.post("/v1/chat/completions", body)
 
         def retried() -> None:
+            if self.stop.is_set():  # another conversation already stopped the run
+                raise _Stopped
             with self.guard:
                 self.report.retries += 1
 
