@@ -303,6 +303,18 @@ def _export(**kw):
     return ExportConfig(**kw)
 
 
+def _remote(**kw):
+    from eaglewire.data.remote_regenerate import RemoteConfig
+
+    return RemoteConfig(**kw)
+
+
+def _sampling(**kw):
+    from eaglewire.data.regenerate import RegenerateConfig
+
+    return RegenerateConfig(**kw)
+
+
 # Per command: a --config file (flag spellings and nested mappings included), the constructor
 # arguments it stands for, and flags that override part of it with the arguments they change.
 CONFIG_FILES = {
@@ -334,6 +346,10 @@ CONFIG_FILES = {
              ["--num-prompts", "4"], dict(num_prompts=4)),
     "contract": ({"num_layers": 30, "aux_boundaries": "3,16,28"}, dict(num_layers=30, aux_boundaries=[3, 16, 28]),
                  ["--num-layers", "31"], dict(num_layers=31)),
+    "regenerate": ({"out": "o.jsonl", "server": "http://a:1,http://b:2", "max_new_tokens": 12},
+                   dict(out="o.jsonl", remote=_remote(server=["http://a:1", "http://b:2"]),
+                        sampling=_sampling(max_new_tokens=12)),
+                   ["--concurrency", "3"], dict(remote=_remote(server=["http://a:1", "http://b:2"], concurrency=3))),
 }
 
 

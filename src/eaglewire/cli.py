@@ -47,6 +47,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from eaglewire.data.remote_regenerate import RegenerateCommandConfig, meta_path, run_regenerate
+
+    config = config_from_args(RegenerateCommandConfig, args)
+    report = run_regenerate(config, progress=not args.no_progress)
+    print(report.summary())
+    print(f"replies in {config.out} (settings in {meta_path(config.out)}); read them with "
+          f"`eaglewire prepare --data {config.out}`")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from eaglewire.train.loop import TrainConfig, train
 
@@ -257,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eaglewire.command_configs import ContractConfig, GenerateConfig
     from eaglewire.data.import_data import ImportDataConfig
     from eaglewire.data.prepare import PrepareConfig
+    from eaglewire.data.remote_regenerate import RegenerateCommandConfig
     from eaglewire.doctor import DoctorConfig
     from eaglewire.engines.configs import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig
@@ -269,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     sub = parser.add_subparsers(dest="command", required=True)
     _command(sub, "prepare", PrepareConfig, cmd_prepare, "conversations -> captured hidden-state shards", progress=True)
+    _command(sub, "regenerate", RegenerateCommandConfig, cmd_regenerate, "replace assistant replies with the target's own (in this process, or through OpenAI-compatible servers) -> conversations JSONL", progress=True)
     _command(sub, "train", TrainConfig, cmd_train, "train an EAGLE-3 draft (TTT) on shards or live captures",
              progress=True)
     _command(sub, "generate", GenerateConfig, cmd_generate, "generate text with speculative decoding (stream to stdout)")

@@ -22,6 +22,7 @@ from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries,
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
+from eaglewire.data.remote_regenerate import RemoteConfig, read_meta
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.sources import pad_right
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
@@ -55,6 +56,7 @@ class PrepareConfig:
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file to render conversations with (instead of the tokenizer's; for base models)"})
     template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})
     overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  # --regenerate through servers: its flags
 
     def __post_init__(self) -> None:
         if self.num_conversations is not None and self.num_conversations < 1:
@@ -72,12 +74,15 @@ class PrepareConfig:
             raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {self.template!r}")
         if self.template == "plain" and self.chat_template is not None:
             raise ValueError("give --chat-template FILE or --template plain, not both")
+        if self.remote.remote and not self.regenerate:
+            raise ValueError("--server / --llamacpp-gguf give the server to regenerate replies through: add "
+                             "--regenerate (or drop them to keep the data's own replies)")
 
 
 TEMPLATES = ("chat", "plain")
 _HASH_WHOLE = 64 << 20  # files up to this size are hashed whole; larger ones by size + ends
 _PREPARED = re.compile(r"(manifest(\.rank\d+-of-\d+)?\.json|shard-(r\d+-)?\d+\.safetensors|"
-                       r"regenerated\.rank\d+\.jsonl)(\.tmp)?")
+                       r"regenerated\.rank\d+\.jsonl(\.meta\.json)?)(\.tmp)?")
 
 
 @dataclass
@@ -169,6 +174,11 @@ def source_record(config: PrepareConfig, path: Path, template: tuple[str, str]) 
                                 **({"batch_size": config.regenerate_batch_size} if config.temperature else {})}
         if config.max_turns is not None:
             record["max_turns"] = config.max_turns
+        if config.remote.remote:  # not the URLs: a resume may reach the same model elsewhere
+            record["regenerate"]["server"] = {"model": config.remote.server_model, "reasoning": config.remote.reasoning,
+                                              "chat_template_kwargs": config.remote.template_kwargs()}
+    if (meta := read_meta(path)) is not None:  # replies of `eaglewire regenerate`: how they were made
+        record["regenerated_by"] = meta.get("settings")
     return record
 
 
@@ -293,6 +303,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict())
     if config.regenerate:
         conversations = _regenerate(target, conversations, out, config, rank, progress)
+        if (meta := read_meta(out / f"regenerated.rank{rank}.jsonl")) is not None:
+            writer.set_status(regenerated_by=meta.get("settings"))  # the server's model id, sampling, reasoning
     resumed = len(writer.done_ids)
     truncated = 0
     dropped: list[str] = []
@@ -329,12 +341,18 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
 
 def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: int, progress: bool):
     from eaglewire.data.regenerate import RegenerateConfig, regenerate
+    from eaglewire.data.remote_regenerate import regenerate_remote, server_urls
 
     path = out / f"regenerated.rank{rank}.jsonl"
-    regen = regenerate(target, conversations, path, progress=progress,
-                       config=RegenerateConfig(max_new_tokens=config.max_new_tokens,
-                                               temperature=config.temperature, max_turns=config.max_turns,
-                                               batch_size=config.regenerate_batch_size))
+    regen_config = RegenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                    max_turns=config.max_turns, batch_size=config.regenerate_batch_size)
+    if config.remote.remote:
+        ctx = regen_config.max_prompt_tokens + regen_config.max_new_tokens
+        with server_urls(config.remote, ctx_per_slot=ctx) as urls:
+            regen = regenerate_remote(conversations, path, tokenizer=target.tokenizer, config=regen_config,
+                                      remote=config.remote, urls=urls, target=config.target, progress=progress)
+    else:
+        regen = regenerate(target, conversations, path, progress=progress, config=regen_config)
     log.info("%s", regen.summary())
     done, _ = load_conversations(path)
     return done

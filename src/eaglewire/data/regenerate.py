@@ -49,13 +49,18 @@ _ROLES = ("system", "user", "assistant")
 
 @dataclass(kw_only=True)
 class RegenerateConfig:
-    max_new_tokens: int = MAX_NEW_TOKENS
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    batch_size: int = 8
-    seed: int = 0  # batch i samples with seed + i (i counts batches of the input, resumed or not)
-    max_turns: int | None = None  # regenerate at most this many replies per conversation
-    max_prompt_tokens: int = 2048  # a longer history cuts the conversation at that turn
+    max_new_tokens: int = field(default=MAX_NEW_TOKENS, metadata={"help": "reply length limit in tokens"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0 = greedy)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold (1 = off)"})
+    batch_size: int = field(default=8, metadata={
+        "help": "in-process: conversations regenerated together (rows of one batched generation)"})
+    # in-process, batch i samples with seed + i (i counts batches of the input, resumed or not);
+    # through a server, conversation i of the input with seed + i
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    max_turns: int | None = field(default=None, metadata={
+        "help": "regenerate at most this many replies per conversation; it ends there (default: all)"})
+    max_prompt_tokens: int = field(default=2048, metadata={
+        "help": "a longer history cuts the conversation at that turn (its earlier turns are kept)"})
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1)

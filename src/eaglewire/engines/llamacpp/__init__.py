@@ -21,7 +21,7 @@ from eaglewire.engines.llamacpp.readings import (NAME, DRAFT_OUTTYPES, EAGLE3_TA
                                                  NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
                                                  reads_export, to_boundaries, to_ids)
 from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_config, complete, free_port, metrics,
-                                               parse_metrics, server_args, spec_flags)
+                                               parse_metrics, plain_server_config, server_args, spec_flags)
 
 __all__ = [
     "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",
@@ -29,7 +29,7 @@ __all__ = [
     "LlamaServer", "ServerConfig", "build_server", "built_server", "chain_config", "complete", "converter_target_dir",
     "download_sdist", "draft_layers", "export", "find_server", "find_tree", "free_port", "install",
     "layer_input_archs", "layout_problem", "lint_flags", "llamacpp_arch", "metrics", "parse_metrics",
-    "read_gguf_metadata", "reads_export", "require_server", "require_tree", "run_converter", "server_args",
+    "plain_server_config", "read_gguf_metadata", "reads_export", "require_server", "require_tree", "run_converter", "server_args",
     "server_build", "serving_md", "source_dir", "spec_flags", "target_architecture", "target_gguf", "to_boundaries",
     "to_ids", "unpack_tree",
 ]

@@ -36,9 +36,10 @@ class ServerConfig:
     p_min: float = 0.0  # --spec-draft-p-min: stop drafting below this draft probability
     ctx_size: int = 4096
     extra: list[str] = field(default_factory=list)
+    slots: int = 1  # -np: requests decoded together (continuous batching, -cb, when more than one)
 
     def __post_init__(self) -> None:
-        for name, low in (("threads", 1), ("n_max", 1), ("n_min", 0), ("ctx_size", 64)):
+        for name, low in (("threads", 1), ("n_max", 1), ("n_min", 0), ("ctx_size", 64), ("slots", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"llama-server {name} must be >= {low}, got {getattr(self, name)}")
         if self.n_min > self.n_max:
@@ -67,7 +68,9 @@ def server_args(config: ServerConfig, *, port: int, host: str = "127.0.0.1") -> 
     """The llama-server command line (without the binary) for ``config``."""
     t = str(config.threads)
     args = ["-m", str(config.model), "--host", host, "--port", str(port), "-t", t, "-tb", t,
-            "-c", str(config.ctx_size), "-np", "1", "--metrics", "--no-webui"]
+            "-c", str(config.ctx_size), "-np", str(config.slots), "--metrics", "--no-webui"]
+    if config.slots > 1:
+        args.append("-cb")
     if config.draft is not None:
         args += ["-md", str(config.draft), *spec_flags(config.n_max, config.n_min, config.p_min),
                  "-td", t, "-tbd", t]
@@ -197,3 +200,14 @@ def parse_metrics(text: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             out[sample.name.removeprefix("llamacpp:") + (f"{{{labels}}}" if labels else "")] = float(sample.value)
     return out
+
+
+def plain_server_config(model: Path, *, slots: int, threads: int, ctx_per_slot: int = 4096,
+                        extra: list[str] | None = None) -> ServerConfig:
+    """A plain (no draft) launch serving ``slots`` requests at once, each with ``ctx_per_slot``
+    tokens of context: llama-server splits ``-c`` over its slots, so ``-c`` is their product.
+    What regeneration through llama-server starts."""
+    if ctx_per_slot < 64:
+        raise ValueError(f"llama-server ctx_per_slot must be >= 64, got {ctx_per_slot}")
+    return ServerConfig(model=Path(model), threads=threads, slots=slots, ctx_size=slots * ctx_per_slot,
+                        extra=list(extra or []))
