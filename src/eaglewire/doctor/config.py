@@ -43,6 +43,11 @@ class DoctorConfig:
                                                                      "sequences (another engine or precision): drift"})
     labels: str = field(default="head", metadata={"help": "--stored: the target's signal from its head on the stored "
                                                           "last state (head) or the stored next tokens (tokens)"})
+    traffic: str | None = field(default=None, metadata={"help": "prompts users send (JSONL of OpenAI chat or completion "
+                                                                "requests, request logs, or prompt lines): the draft's "
+                                                                "acceptance on them beside the held-out data, by slice"})
+    traffic_prompts: int = field(default=32, metadata={"help": "--traffic: prompts read from the file"})
+    traffic_tokens: int = field(default=48, metadata={"help": "--traffic: reply tokens the target writes per prompt"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:
@@ -55,6 +60,8 @@ class DoctorConfig:
         if self.engine_url and not engine_registry.get(self.engine).can("measure"):
             raise ValueError(f"--engine-url reads a running server's own counters; --engine {self.engine!r} has none "
                              f"eaglewire reads: use --engine {' or '.join(engine_registry.names('measure'))}")
-        for name in ("num_sequences", "max_length", "steps", "min_tokens"):
+        if self.traffic and self.stored:
+            raise ValueError("--traffic needs the target to write replies; it cannot run with --stored")
+        for name in ("num_sequences", "max_length", "steps", "min_tokens", "traffic_prompts", "traffic_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -19,6 +19,7 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.llamacpp import serving as llamacpp_serving
 from eaglewire.doctor.served import check_served
+from eaglewire.doctor.traffic import check_traffic
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
                                       engine_agreement, stored_accuracy)
 from eaglewire.acceptance.replay import RoundAgreement
@@ -85,6 +86,8 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     rounds = _check_acceptance(report, m, target, contract, sequences, serving_steps)
     if config.engine_url:  # the running server against the replay on its own text (doctor/served.py)
         check_served(report, config, target, draft, declared, sequences, serving_steps)
+    if config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)
+        check_traffic(report, config, target, draft, declared, sequences, serving_steps)
 
     if config.tune:
         _check_speed(report, config, target, draft, contract, sequences)
