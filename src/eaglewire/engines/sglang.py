@@ -288,6 +288,8 @@ def serving_md(*, draft_path: str, target_name: str, boundaries: list[int], ids:
         f"`--model-path` must be the very target the draft was trained for ({target_name}); a "
         "requantized or fine-tuned target lowers acceptance. SGLang uses this draft's `d2t`, "
         "ignores `t2d` and shares the target's embedding; it sizes `fc` from the id list.", "",
+        "Served τ against what the draft earns: `eaglewire doctor --draft DRAFT --engine sglang --engine-url "
+        "http://HOST:30000` (each answer's `meta_info`; `--enable-metrics` adds SGLang's gauges).", "",
         "## Other engines loading this directory", "",
         *others, "",
     ]

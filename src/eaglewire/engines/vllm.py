@@ -295,6 +295,9 @@ def serving_md(*, draft_path: str, target_name: str, boundaries: list[int], num_
         f"The target must be the very one the draft was trained for ({target_name}); a requantized "
         "or fine-tuned target lowers acceptance. `embed_tokens.weight` is that target's embedding in its "
         "stored dtype, so vLLM shares the target's own (it does only when the two are exactly equal).", "",
+        "Served τ against what the draft earns: `eaglewire doctor --draft DRAFT --engine vllm --engine-url "
+        "http://HOST:8000` (add `--per-request-spec-decode-metrics summary` to `vllm serve`: figures of the "
+        "doctor's own requests, not the counters any client moves).", "",
         "## Other engines loading this directory", "",
         *others, "",
     ])

@@ -10,7 +10,10 @@ is a request admitted and not finished: the one being decoded plus those waiting
 at once and its generation stops after the current round. On shutdown (``Server``) requests get
 ``graceful_timeout`` seconds; the app then ends those still running (a stream with an error event
 and [DONE]) rather than leave uvicorn to cut them off. Routes: POST /v1/chat/completions, POST
-/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text, prometheus_client).
+/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text, prometheus_client;
+its speculative counters are vLLM 0.33.0's names under the ``eaglewire_`` prefix, so one reader
+serves both, and ``--per-request-spec-decode-metrics`` puts vLLM's per-request
+``metrics.speculative_decoding`` in each whole answer: ``doctor --engine-url`` reads either).
 With an API key every /v1 route, and /metrics unless ``metrics_public``, needs ``Authorization:
 Bearer``. Bodies must be ``application/json`` (415 otherwise) and arrive within
 ``request_timeout`` seconds (408 otherwise).
