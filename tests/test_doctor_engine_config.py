@@ -1,4 +1,4 @@
-"""The doctor reads every field of an engine's config as that engine reads it (engines/served.py and
+"""The doctor reads every field of an engine's config as that engine reads it (engines/served_draft.py and
 each engine's ``read_served``): a field read otherwise than trained FAILs with the key to write, and
 the draft as the engine builds it is measured beside the trained one; correct exports pass."""
 
@@ -13,7 +13,7 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.serving import read_fields
 from eaglewire.engines import export_draft
 from eaglewire.engines import sglang, vllm
-from eaglewire.engines.served import as_served, mismatches
+from eaglewire.engines.served_draft import as_served, mismatches
 from eaglewire.model.checkpoint import load_draft
 from test_formats import make_native
 from tiny import tiny_target

@@ -748,3 +748,47 @@ def test_logprobs_are_refused_by_both_request_models():
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)
     with pytest.raises(ValidationError, match="logprobs are not supported"):
         CompletionRequest(model="m", prompt="x", logprobs=2)
+
+
+# -- speculative acceptance as vLLM reports it (doctor --engine-url reads it) ------
+
+def test_per_request_spec_metrics_and_counters_agree_and_ids_are_greedys(chat_tiny_target):
+    """With --per-request-spec-decode-metrics each whole answer carries vLLM's
+    metrics.speculative_decoding; /metrics' vLLM-named counters grow by exactly those figures;
+    return_token_ids gives plain greedy's ids."""
+    from eaglewire.engines.vllm import spec_counters
+
+    draft, contract = random_draft(chat_tiny_target)
+    decoder = SpecDecoder(chat_tiny_target, draft, contract, SpecConfig.chain(3))
+    ids = text_ids(chat_tiny_target, "count to ten")
+    greedy, _ = SpecDecoder(chat_tiny_target).generate(ids, max_new_tokens=MAX_TOKENS,
+                                                       stop_token_ids=set(stop_token_ids(chat_tiny_target.tokenizer,
+                                                                                         chat_tiny_target.model)))
+    body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    with live_server(create_app(decoder, model_name=MODEL, per_request_metrics="detailed")) as (url, _):
+        before = spec_counters(raw(url, "GET", "/metrics")[1], "eaglewire_")
+        status, answer = raw(url, "POST", COMPLETIONS, body)
+        after = spec_counters(raw(url, "GET", "/metrics")[1], "eaglewire_")
+        plain = raw(url, "POST", COMPLETIONS, {"prompt": ids, "max_tokens": 2, "temperature": 0})[1]
+    assert status == 200 and answer["choices"][0]["token_ids"] == greedy
+    spec = answer["metrics"]["speculative_decoding"]
+    assert spec["num_spec_tokens"] == 3 and len(spec["acceptance_histogram"]) == 4
+    assert spec["num_spec_steps"] == sum(spec["acceptance_histogram"]) == len(spec["per_step_accepted"]) > 0
+    assert spec["num_draft_tokens"] == 3 * spec["num_spec_steps"]  # a chain of 3 drafts 3 every step
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"])
+    assert before == {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]}
+    assert after["drafts"] == spec["num_spec_steps"] and after["draft_tokens"] == spec["num_draft_tokens"]
+    assert after["accepted"] == spec["num_accepted_draft_tokens"] == sum(after["per_pos"])
+    assert "token_ids" not in plain["choices"][0]  # only when asked, as vLLM
+
+
+def test_no_per_request_metrics_unless_asked_and_none_without_a_draft(server, chat_tiny_target):
+    _, answer = raw(server, "POST", COMPLETIONS, {"prompt": "count", "max_tokens": 2, "temperature": 0})
+    assert "metrics" not in answer
+    with live_server(create_app(SpecDecoder(chat_tiny_target), model_name=MODEL,
+                                per_request_metrics="summary")) as (url, _):
+        _, answer = raw(url, "POST", COMPLETIONS, {"prompt": "count", "max_tokens": 2, "temperature": 0})
+        text = raw(url, "GET", "/metrics")[1]
+    assert "metrics" not in answer and "spec_decode" not in text  # plain decoding: as vLLM without speculation
+    with pytest.raises(ValueError, match="per_request_metrics"):
+        create_app(SpecDecoder(chat_tiny_target), model_name=MODEL, per_request_metrics="all")

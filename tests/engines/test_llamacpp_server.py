@@ -120,3 +120,25 @@ def test_tune_times_llama_server_and_traces_its_own_text(exported, server_binary
     chain = next(p for p in result.ranked if p.shape.n_max == 1 and p.shape.p_min == 0)
     assert 1.0 <= chain.tau <= 2.0 and chain.drafted == 1.0
     assert json.loads((out / "tune" / "tune.json").read_text())["costs"]["engine"] == "llamacpp"
+
+
+def test_doctor_reads_llama_servers_tau_as_the_replay_predicts(drafted_server, smollm2_target, tmp_path):
+    """`doctor --engine llamacpp --engine-url`: llama-server's own counters, per position, against
+    the replay of the same chain on its own text (the f32 GGUF of the same weights: lossless)."""
+    from eaglewire.doctor import run_doctor
+    from eaglewire.doctor.config import DoctorConfig
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p},
+                                                                     {"role": "assistant", "content": "Sure."}]}) + "\n"
+                             for i, p in enumerate(PROMPTS)))
+    config = DoctorConfig(draft="reference", conversations=str(chats), engine="llamacpp",
+                          engine_url=drafted_server.url, engine_prompts=len(PROMPTS), engine_tokens=NEW_TOKENS,
+                          num_sequences=len(PROMPTS), tune=False)
+    report = run_doctor(config, target=smollm2_target)
+    check = {c.name: c for c in report.checks}["served acceptance"]
+    served = report.to_dict()["served"]
+    print(json.dumps(served))
+    assert check.verdict == "ok", report.render()
+    assert abs(served["tau"] - served["replayed_tau"]) <= 0.05, served
+    assert served["chain"] == 3 and len(served["per_position"]) == 3 and served["tau"] > 1.0

@@ -240,7 +240,7 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     rebuilt as the engine builds it is measured on the same tokens (acc@0 as served)."""
     from eaglewire.doctor.serving import field_readers, read_fields
     from eaglewire.engines import canonical
-    from eaglewire.engines.served import as_served
+    from eaglewire.engines.served_draft import as_served
 
     config = m.config
     if not config.engine_config or config.engine not in field_readers():

@@ -26,7 +26,7 @@ class DoctorConfig:
     engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
     target_arch: str | None = field(default=None, metadata={"help": "the target's architecture as the engine loads "
                                                                     "it (default: the one the draft records)"})
-    engine_url: str | None = field(default=None, metadata={"help": "a running llama-server (--engine llamacpp): measure its served τ on the held-out prompts"})
+    engine_url: str | None = field(default=None, metadata={"help": "base URL of the running --engine server (sglang, vllm, llamacpp, eaglewire): its served τ and per-position acceptance on the held-out prompts, against the replay on its own text"})
     engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
     min_tokens: int = field(default=1000, metadata={"help": "judged reply tokens below which the verdict is "
@@ -43,6 +43,11 @@ class DoctorConfig:
                                                                      "sequences (another engine or precision): drift"})
     labels: str = field(default="head", metadata={"help": "--stored: the target's signal from its head on the stored "
                                                           "last state (head) or the stored next tokens (tokens)"})
+    traffic: str | None = field(default=None, metadata={"help": "prompts users send (JSONL of OpenAI chat or completion "
+                                                                "requests, request logs, or prompt lines): the draft's "
+                                                                "acceptance on them beside the held-out data, by slice"})
+    traffic_prompts: int = field(default=32, metadata={"help": "--traffic: prompts read from the file"})
+    traffic_tokens: int = field(default=48, metadata={"help": "--traffic: reply tokens the target writes per prompt"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:
@@ -53,7 +58,10 @@ class DoctorConfig:
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(engines)}")
         if self.engine_url and not engine_registry.get(self.engine).can("measure"):
-            raise ValueError(f"--engine-url measures a running llama-server; it needs --engine llamacpp, not {self.engine!r}")
-        for name in ("num_sequences", "max_length", "steps", "min_tokens"):
+            raise ValueError(f"--engine-url reads a running server's own counters; --engine {self.engine!r} has none "
+                             f"eaglewire reads: use --engine {' or '.join(engine_registry.names('measure'))}")
+        if self.traffic and self.stored:
+            raise ValueError("--traffic needs the target to write replies; it cannot run with --stored")
+        for name in ("num_sequences", "max_length", "steps", "min_tokens", "traffic_prompts", "traffic_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

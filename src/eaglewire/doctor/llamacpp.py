@@ -5,9 +5,9 @@
 - whether llama.cpp (build ``engines.llamacpp.BUILD``) feeds EAGLE-3 drafts for the target's
   architecture at all (its graph must expose layer inputs; others abort at load);
 - llama.cpp's speculative flags (``--engine-flags``): what it would silently change or ignore;
-- with ``--engine-url`` of a running llama-server: the served τ on the held-out prompts, set
-  against eaglewire's engine on the same prompts. A served τ below it is a serving-side fault
-  (wiring, flags, a requantized target), not a weak draft.
+- with ``--engine-url`` of a running llama-server: the served τ on the held-out prompts, judged
+  by ``served.py`` for every engine (``ServedTau`` / ``served_check`` below are the older
+  llama.cpp-only reading, kept for their callers; ``run.py`` no longer uses them).
 """
 
 from __future__ import annotations

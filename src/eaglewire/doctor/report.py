@@ -43,6 +43,8 @@ class DoctorReport:
     resolved_config: dict[str, Any] = field(default_factory=dict)  # the DoctorConfig of the run (configs.config_record)
     facts: dict[str, Any] = field(default_factory=dict)  # sequences, counted tokens, seconds
     accuracy: dict[str, float] = field(default_factory=dict)  # acc@0, cond acc@j in isolation (JSON only; checks print them)
+    served: dict[str, Any] = field(default_factory=dict)  # --engine-url: served τ, per position, the replay's (JSON)
+    traffic: dict[str, Any] = field(default_factory=dict)  # --traffic: acceptance per slice of traffic (JSON)
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
@@ -66,7 +68,8 @@ class DoctorReport:
     def to_dict(self) -> dict[str, Any]:
         return {"draft": self.draft, "target": self.target, "ok": self.status == "passed", "status": self.status,
                 "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
-                "facts": self.facts, "accuracy": self.accuracy, RESOLVED_KEY: self.resolved_config}
+                "facts": self.facts, "accuracy": self.accuracy, RESOLVED_KEY: self.resolved_config} | \
+            {k: v for k, v in (("served", self.served), ("traffic", self.traffic)) if v}
 
     def render(self) -> str:
         lines = [f"eaglewire doctor: draft {self.draft} on target {self.target}"]

@@ -17,8 +17,9 @@ from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, 
                                      check_serving)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
-from eaglewire.doctor.llamacpp import measure_served, served_check
 from eaglewire.doctor.llamacpp import serving as llamacpp_serving
+from eaglewire.doctor.served import check_served
+from eaglewire.doctor.traffic import check_traffic
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
                                       engine_agreement, stored_accuracy)
 from eaglewire.acceptance.replay import RoundAgreement
@@ -83,11 +84,10 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     _check_drift(report, m)
     check_alignment(report, m)
     rounds = _check_acceptance(report, m, target, contract, sequences, serving_steps)
-    if config.engine_url:
-        served = measure_served(config.engine_url, [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]],
-                                max_new_tokens=config.engine_tokens, num_steps=serving_steps)
-        report.add(served_check(served, rounds.measured_tau if rounds and rounds.rounds else None,
-                                predicted_tau(m.acc0, m.cond, serving_steps), serving_steps))
+    if config.engine_url:  # the running server against the replay on its own text (doctor/served.py)
+        check_served(report, config, target, draft, declared, sequences, serving_steps)
+    if config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)
+        check_traffic(report, config, target, draft, declared, sequences, serving_steps)
 
     if config.tune:
         _check_speed(report, config, target, draft, contract, sequences)

@@ -126,8 +126,8 @@ def predicted_tau(acc0: float, cond: list[float], num_steps: int) -> float:
 class FieldReading:
     """What ``engine`` computes the draft with from its config directory, against training."""
 
-    served: Any  # engines.served.ServedDraft
-    found: list  # engines.served.Mismatch: each field read otherwise than trained
+    served: Any  # engines.served_draft.ServedDraft
+    found: list  # engines.served_draft.Mismatch: each field read otherwise than trained
     d2t: Any = None  # [Vd] long offsets the engine maps draft ids with, where they differ from the draft's
     notes: list[str] = field(default_factory=list)
 
@@ -163,7 +163,7 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
     target's (vLLM uses its own when they differ)."""
     import torch
 
-    from eaglewire.engines.served import Mismatch, mismatches
+    from eaglewire.engines.served_draft import Mismatch, mismatches
     from eaglewire.engines.shared import looks_absolute
 
     module = engines.get(engine).module

@@ -3,8 +3,8 @@
 | module            | engine                                        | abilities                      |
 |-------------------|-----------------------------------------------|--------------------------------|
 | eaglewire.py      | eaglewire's own engine                        | lint, run here, measure        |
-| sglang.py         | SGLang (ids per target model file)            | export, import, lint           |
-| vllm.py           | vLLM / speculators (alias ``speculators``)    | export, import, lint           |
+| sglang.py         | SGLang (ids per target model file)            | export, import, lint, measure  |
+| vllm.py           | vLLM / speculators (alias ``speculators``)    | export, import, lint, measure  |
 | specforge.py      | SpecForge checkpoints                         | import                         |
 | llamacpp/         | llama.cpp: install, server, GGUF export, lint | export, lint, run here, measure |
 | eagle.py          | the EAGLE-3 reference code                    | import                         |
@@ -13,7 +13,8 @@ Each module owns what eaglewire knows of its engine: its id reading (with the fi
 of the released code it was read from), where its config keeps the ids, its checkpoint format
 (export / import), its launch-flag lint and, for llama.cpp, install / launch / metrics.
 ``registry.py`` lists them; shared.py, model_file.py, flags.py, export.py and importing.py
-hold what several engines share.
+hold what several engines share; served_counts.py the shape of a running server's own account of
+what it accepted (``measure_served`` in each module that can measure).
 """
 
 from eaglewire.engines.export import ExportConfig, ExportReport

@@ -22,3 +22,20 @@ def to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int
 def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
     """eaglewire's flags that it would refuse."""
     return chain_shape(parse_flags(flags), Flags(), verdict="fail", silently="eaglewire refuses it")
+
+
+# ---------------------------------------------------------------- served acceptance (doctor --engine-url)
+# ``eaglewire serve`` exports vLLM 0.33.0's speculative counters under its own prefix
+# (``eaglewire_spec_decode_num_drafts_total`` ..., serve/schemas.py Metrics) and, with
+# --per-request-spec-decode-metrics, vLLM's per-request ``metrics.speculative_decoding``: vLLM's
+# reader reads it.
+
+METRICS_PREFIX = "eaglewire_"
+
+
+def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
+    """Greedy completions of ``prompts`` from ``eaglewire serve`` at ``url`` and what it accepted."""
+    import eaglewire.engines.vllm as vllm
+
+    return vllm.measure_served(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout,
+                               prefix=METRICS_PREFIX, engine=NAME)

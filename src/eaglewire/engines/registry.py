@@ -67,9 +67,9 @@ class Engine:
 
 
 ENGINES: tuple[Engine, ...] = (
-    Engine(eaglewire, frozenset({"lint", "run_here"})),
-    Engine(sglang, frozenset({"export", "import", "lint", "stated_costs"})),
-    Engine(vllm, frozenset({"export", "import", "lint", "stated_costs"}), aliases=(vllm.FORMAT_NAME,)),
+    Engine(eaglewire, frozenset({"lint", "run_here", "measure"})),
+    Engine(sglang, frozenset({"export", "import", "lint", "stated_costs", "measure"})),
+    Engine(vllm, frozenset({"export", "import", "lint", "stated_costs", "measure"}), aliases=(vllm.FORMAT_NAME,)),
     Engine(specforge, frozenset({"import"})),
     Engine(llamacpp, frozenset({"export", "lint", "run_here", "measure"})),
     Engine(eagle, frozenset({"import"})),

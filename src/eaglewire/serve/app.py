@@ -10,7 +10,10 @@ is a request admitted and not finished: the one being decoded plus those waiting
 at once and its generation stops after the current round. On shutdown (``Server``) requests get
 ``graceful_timeout`` seconds; the app then ends those still running (a stream with an error event
 and [DONE]) rather than leave uvicorn to cut them off. Routes: POST /v1/chat/completions, POST
-/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text, prometheus_client).
+/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text, prometheus_client;
+its speculative counters are vLLM 0.33.0's names under the ``eaglewire_`` prefix, so one reader
+serves both, and ``--per-request-spec-decode-metrics`` puts vLLM's per-request
+``metrics.speculative_decoding`` in each whole answer: ``doctor --engine-url`` reads either).
 With an API key every /v1 route, and /metrics unless ``metrics_public``, needs ``Authorization:
 Bearer``. Bodies must be ``application/json`` (415 otherwise) and arrive within
 ``request_timeout`` seconds (408 otherwise).
@@ -49,9 +52,9 @@ from eaglewire.decode.load import load_decoder
 from eaglewire.serve.schemas import (APIError, AssistantMessage, BearerAuth, ChatChoice, ChatChunkChoice,
                                       ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
                                       Completion, CompletionChoice, CompletionChunk, CompletionRequest,
-                                      CountRequests, LimitBody, Metrics, chat_prompt_ids, completion_prompt_ids,
-                                      error_body, max_token_chars, new_id, parse_body, token_budget, usage,
-                                      validation_error)
+                                      CountRequests, LimitBody, Metrics, PER_REQUEST_LEVELS, PerRequestMetrics,
+                                      chat_prompt_ids, completion_prompt_ids, error_body, max_token_chars, new_id,
+                                      parse_body, spec_decoding_metrics, token_budget, usage, validation_error)
 from eaglewire.core.tokens import stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,8 @@ class Done:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # the generated ids (return_token_ids)
+    metrics: PerRequestMetrics | None = None  # speculative acceptance, with --per-request-spec-decode-metrics
 
 
 @dataclass
@@ -112,8 +117,10 @@ class EngineWorker:
     """Runs admitted jobs through the decoder, one at a time, in order, on one thread: its own
     (``start``) or the caller's (``run``; what ``serve_app`` does)."""
 
-    def __init__(self, decoder: SpecDecoder, max_queue: int, metrics: Metrics, *, own_thread: bool = True) -> None:
+    def __init__(self, decoder: SpecDecoder, max_queue: int, metrics: Metrics, *, own_thread: bool = True,
+                 per_request_metrics: str = "none") -> None:
         self.decoder, self.max_queue, self.metrics = decoder, max_queue, metrics
+        self.per_request_metrics = per_request_metrics  # vLLM's levels: none, summary, detailed
         self.tokenizer = decoder.target.tokenizer
         self.stop_ids = set(stop_token_ids(self.tokenizer, decoder.target.model))
         self.closing = False
@@ -192,13 +199,14 @@ class EngineWorker:
                 self._release(job)
 
     def _generate(self, job: Job) -> None:
-        text = TextStream(self.tokenizer, job.stops)
+        text, produced = TextStream(self.tokenizer, job.stops), []
         rounds = self.decoder.stream(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
                                      stop_token_ids=self.stop_ids, should_stop=text.stops if text.stops.stops else None)
         try:
             for tokens in rounds:
                 if job.cancelled.is_set():
                     break
+                produced += tokens
                 if delta := text.push(tokens):
                     job.emit(Delta(delta))
         finally:
@@ -212,7 +220,9 @@ class EngineWorker:
         if tail := text.finish():
             job.emit(Delta(tail))
         self._release(job)  # before the client can hear it is done and send the next request
-        job.emit(Done(stats.finish_reason, stats.prompt_tokens, stats.new_tokens))
+        steps = self.decoder.spec.num_steps if self.decoder.draft is not None else 0
+        job.emit(Done(stats.finish_reason, stats.prompt_tokens, stats.new_tokens, produced,
+                      spec_decoding_metrics(stats, steps, self.per_request_metrics)))
 
 
 # -- the HTTP side -------------------------------------------------------------
@@ -320,9 +330,12 @@ class _Service:
         use = usage(done.prompt_tokens, done.completion_tokens)
         if chat:
             choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=done.finish_reason)
-            return JSONResponse(ChatCompletion(id=rid, model=self.model_name, choices=[choice], usage=use).model_dump())
-        choice = CompletionChoice(text=text, finish_reason=done.finish_reason)
-        return JSONResponse(Completion(id=rid, model=self.model_name, choices=[choice], usage=use).model_dump())
+            return JSONResponse(ChatCompletion(id=rid, model=self.model_name, choices=[choice], usage=use,
+                                               metrics=done.metrics).model_dump())
+        ids = done.token_ids if req.return_token_ids else None
+        choice = CompletionChoice(text=text, finish_reason=done.finish_reason, token_ids=ids)
+        return JSONResponse(Completion(id=rid, model=self.model_name, choices=[choice], usage=use,
+                                       metrics=done.metrics).model_dump())
 
     async def chat(self, request: Request):
         req = parse_body(ChatCompletionRequest, await request.body(), request.headers.get("content-type"))
@@ -389,15 +402,19 @@ def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
 def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
                max_context: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
                request_timeout: float | None = REQUEST_TIMEOUT_SECONDS, metrics_public: bool = False,
-               engine_thread: bool = True) -> FastAPI:
+               engine_thread: bool = True, per_request_metrics: str = "none") -> FastAPI:
     """The FastAPI app serving ``decoder`` as ``model_name``; its engine thread lives with the app's lifespan.
 
     ``max_queue`` bounds the requests in flight (decoding + waiting); ``max_context`` (prompt +
     generated tokens) defaults to the target's max_position_embeddings; a request body over
     ``max_request_bytes`` gets 413, one not received within ``request_timeout`` seconds 408 (None:
     no limit). With ``api_key``, /metrics needs it too unless ``metrics_public``. ``engine_thread=False`` starts no engine thread: ``serve_app``
-    runs the engine on the thread that loaded the models.
+    runs the engine on the thread that loaded the models. ``per_request_metrics`` (vLLM's
+    --per-request-spec-decode-metrics levels: none, summary, detailed) puts each answer's
+    speculative acceptance in its ``metrics.speculative_decoding``, as vLLM 0.33.0 does.
     """
+    if per_request_metrics not in PER_REQUEST_LEVELS:
+        raise ValueError(f"per_request_metrics must be one of {PER_REQUEST_LEVELS}, got {per_request_metrics!r}")
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_request_bytes < 1:
@@ -408,7 +425,8 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
         raise ValueError("the target has no tokenizer; load it with eaglewire.model.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
     metrics = Metrics(decoder.spec.num_steps + 1 if decoder.draft is not None else 1, ROUTES)
-    worker = EngineWorker(decoder, max_queue, metrics, own_thread=engine_thread)
+    worker = EngineWorker(decoder, max_queue, metrics, own_thread=engine_thread,
+                          per_request_metrics=per_request_metrics)
     service = _Service(decoder, model_name, max_context, worker)
     created = int(time.time())
 
@@ -494,6 +512,9 @@ class ServeConfig:
     device: str = "auto"
     graceful_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish on shutdown"})
+    per_request_spec_decode_metrics: str = field(default="none", metadata={
+        "choices": PER_REQUEST_LEVELS, "help": "each whole answer's speculative acceptance in its "
+        "metrics.speculative_decoding, as vLLM's flag of this name: summary, or detailed (per verify step too)"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -560,7 +581,7 @@ def serve(config: ServeConfig) -> int:
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
                      max_context=config.max_context, max_request_bytes=config.max_request_bytes,
                      request_timeout=config.request_timeout, metrics_public=config.metrics_public,
-                     engine_thread=False)
+                     engine_thread=False, per_request_metrics=config.per_request_spec_decode_metrics)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)

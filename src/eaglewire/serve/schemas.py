@@ -204,6 +204,7 @@ class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's field: the generated ids in choices[0].token_ids
 
     @field_validator("prompt")
     @classmethod
@@ -421,6 +422,54 @@ def _is_none(value: Any) -> bool:
     return value is None
 
 
+class SpeculativeDecodingMetrics(BaseModel):
+    """One request's speculative acceptance, in vLLM 0.33.0's shape and meaning
+    (vllm/entrypoints/generate/base/protocol.py, SpeculativeDecodingMetrics; filled as
+    vllm/v1/metrics/stats.py RequestSpecDecodeMetrics.to_dict does)."""
+
+    mean_acceptance_length: float  # 1 + accepted / verify steps (bonus included)
+    draft_acceptance_rate: float  # accepted / drafted
+    acceptance_histogram: list[int]  # [j]: verify steps that accepted exactly j drafted tokens (num_spec_tokens + 1)
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+    per_step_accepted: list[int] | None = Field(None, exclude_if=_is_none)  # "detailed" only
+    per_step_drafted: list[int] | None = Field(None, exclude_if=_is_none)
+
+
+class PerRequestMetrics(BaseModel):
+    """A response's ``metrics`` (vLLM's PerRequestMetrics: only its speculative part is filled)."""
+
+    speculative_decoding: SpeculativeDecodingMetrics | None = None
+
+
+PER_REQUEST_LEVELS = ("none", "summary", "detailed")  # vLLM's --per-request-spec-decode-metrics
+
+
+def spec_decoding_metrics(stats: GenerationStats, num_spec_tokens: int, level: str) -> PerRequestMetrics | None:
+    """``stats``' verify rounds as vLLM reports them per request (None at level "none" or
+    without speculation). A round drafted ``verified - 1`` tokens and accepted ``accept - 1``;
+    a round that drafted nothing is no speculative step (vLLM counts only drafts)."""
+    if level not in PER_REQUEST_LEVELS:
+        raise ValueError(f"per-request spec decode metrics level {level!r} is not one of {PER_REQUEST_LEVELS}")
+    if level == "none" or num_spec_tokens < 1:
+        return None
+    rounds = [(a - 1, v - 1) for a, v in zip(stats.accept_lengths, stats.verified_lengths) if v > 1]  # drafted ones
+    accepted, drafted = [a for a, _ in rounds], [d for _, d in rounds]
+    histogram = [0] * (num_spec_tokens + 1)
+    for j in accepted:
+        histogram[min(j, num_spec_tokens)] += 1
+    steps, n_accepted, n_drafted = len(accepted), sum(accepted), sum(drafted)
+    detailed = level == "detailed"
+    return PerRequestMetrics(speculative_decoding=SpeculativeDecodingMetrics(
+        mean_acceptance_length=1.0 + n_accepted / steps if steps else 1.0,
+        draft_acceptance_rate=n_accepted / n_drafted if n_drafted else 0.0,
+        acceptance_histogram=histogram, num_spec_steps=steps, num_accepted_draft_tokens=n_accepted,
+        num_draft_tokens=n_drafted, num_spec_tokens=num_spec_tokens,
+        per_step_accepted=accepted if detailed else None, per_step_drafted=drafted if detailed else None))
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -458,6 +507,7 @@ class ChatCompletion(_ResponseHeader):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    metrics: PerRequestMetrics | None = Field(None, exclude_if=_is_none)  # --per-request-spec-decode-metrics
 
 
 class CompletionChoice(BaseModel):
@@ -465,12 +515,15 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_is_none)  # with return_token_ids, as vLLM's
+
 
 
 class Completion(_ResponseHeader):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage
+    metrics: PerRequestMetrics | None = Field(None, exclude_if=_is_none)  # --per-request-spec-decode-metrics
 
 
 class ChatDelta(BaseModel):
@@ -510,6 +563,7 @@ class Metrics:
         self.cancelled = self.prompt_tokens = self.generated = 0
         self.accept_counts = [0] * max_accept  # rounds whose accept length was i + 1
         self.position_accepts = [0] * (max_accept - 1)  # rounds that accepted draft depth i + 1
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0  # rounds that drafted, vLLM's counters
         self.generation_seconds, self.last_tokens_per_second = 0.0, 0.0
 
     def count_request(self, path: str, status: int) -> None:
@@ -525,6 +579,11 @@ class Metrics:
                 self.accept_counts[min(n, len(self.accept_counts)) - 1] += 1
             for d, n in enumerate(stats.position_accepts[:len(self.position_accepts)]):
                 self.position_accepts[d] += n
+            for a, v in zip(stats.accept_lengths, stats.verified_lengths):
+                if v > 1:  # a round that drafted: vLLM's num_drafts
+                    self.spec_drafts += 1
+                    self.spec_draft_tokens += v - 1
+                    self.spec_accepted += a - 1
             self.generation_seconds += stats.total_seconds
             if not cancelled:
                 self.last_tokens_per_second = stats.tokens_per_second
@@ -546,7 +605,7 @@ class Metrics:
                 sum_value=sum((i + 1) * n for i, n in enumerate(self.accept_counts)))
             for d, n in enumerate(self.position_accepts):
                 position.add_metric([str(d + 1)], n / max(rounds, 1))
-            return [
+            return self._spec_counters() + [
                 requests,
                 CounterMetricFamily("eaglewire_requests_cancelled", "generations stopped by a client that left",
                                     value=self.cancelled),
@@ -560,6 +619,23 @@ class Metrics:
                 GaugeMetricFamily("eaglewire_queue_depth", "requests waiting for the engine", value=waiting),
                 GaugeMetricFamily("eaglewire_requests_running", "requests being generated", value=running),
             ]
+
+    def _spec_counters(self) -> list:
+        """vLLM 0.33.0's speculative counters (vllm/v1/spec_decode/metrics.py, SpecDecodingProm)
+        under eaglewire's prefix, ``position`` from 0 as vLLM's; none without a draft, as vLLM."""
+        if not self.position_accepts:
+            return []
+        per_pos = CounterMetricFamily("eaglewire_spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["position"])
+        for d, n in enumerate(self.position_accepts):
+            per_pos.add_metric([str(d)], n)
+        return [CounterMetricFamily("eaglewire_spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                    value=self.spec_drafts),
+                CounterMetricFamily("eaglewire_spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                    value=self.spec_draft_tokens),
+                CounterMetricFamily("eaglewire_spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                    value=self.spec_accepted),
+                per_pos]
 
     def render(self, *, waiting: int, running: int) -> bytes:
         """The Prometheus text exposition (format 0.0.4), written by prometheus_client."""

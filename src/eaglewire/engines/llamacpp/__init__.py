@@ -22,8 +22,10 @@ from eaglewire.engines.llamacpp.readings import (NAME, DRAFT_OUTTYPES, EAGLE3_TA
                                                  reads_export, to_boundaries, to_ids)
 from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_config, complete, free_port, metrics,
                                                parse_metrics, plain_server_config, server_args, spec_flags)
+from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-url (engines/served_counts.py)
 
 __all__ = [
+    "measure_served",
     "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",
     "INSTALL_HINT", "NAME", "NUM_AUX", "SDIST", "SERVER", "TARGET_OUTTYPES", "Installation", "LlamaCppError", "LlamaFlags",
     "LlamaServer", "ServerConfig", "build_server", "built_server", "chain_config", "complete", "converter_target_dir",

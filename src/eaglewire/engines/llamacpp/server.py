@@ -211,3 +211,52 @@ def plain_server_config(model: Path, *, slots: int, threads: int, ctx_per_slot: 
         raise ValueError(f"llama-server ctx_per_slot must be >= 64, got {ctx_per_slot}")
     return ServerConfig(model=Path(model), threads=threads, slots=slots, ctx_size=slots * ctx_per_slot,
                         extra=list(extra or []))
+
+
+# ------------------------------------------------------------------ served acceptance (doctor --engine-url)
+# Read from llama.cpp b11434: per request, ``timings.draft_n`` / ``timings.draft_n_accepted``
+# (tools/server/server-common.cpp, result_timings::to_json; only when it drafted); counters, with
+# --metrics, in tools/server/server-task.cpp, server_task_result_metrics::to_json:
+# ``llamacpp:spec_decode_num_drafts_total`` (verify steps), ``..._num_draft_tokens_total``,
+# ``..._num_accepted_tokens_total`` and ``..._num_accepted_tokens_per_pos_total{position="i"}``
+# from 0 — vLLM's names under llama.cpp's prefix. A verify step is counted once per drafted round
+# (tools/server/server-context.cpp, slot.stats.n_draft_verif_steps).
+
+SPEC_DRAFTS = "spec_decode_num_drafts_total"
+SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _per_pos(counters: dict[str, float]) -> list[int]:
+    found = {}
+    for key, value in counters.items():
+        if key.startswith(SPEC_PER_POS + '{position="'):
+            found[int(key.split('"')[1])] = int(value)
+    return [found.get(i, 0) for i in range(max(found) + 1)] if found else []
+
+
+def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
+    """Greedy completions of ``prompts`` from the llama-server at ``url`` and what it says it
+    accepted: drafted and accepted tokens from each answer's timings, verify steps and
+    per-position acceptance from the counters' difference (--metrics)."""
+    from eaglewire.engines.llamacpp.readings import NAME
+    from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError
+
+    try:
+        before = metrics(url)
+        answers = [complete(url, p, n_predict=max_new_tokens, timeout=timeout) for p in prompts]
+        after = metrics(url)
+    except LlamaCppError as e:
+        raise ServedError(str(e)) from e
+    timings = [a.get("timings") or {} for a in answers]
+    out = ServedCounts(engine=NAME, outputs=[list(a.get("tokens") or []) for a in answers],
+                       draft_tokens=sum(int(t.get("draft_n", 0)) for t in timings),
+                       accepted=sum(int(t.get("draft_n_accepted", 0)) for t in timings), source="mixed")
+    if before is None or after is None or SPEC_DRAFTS not in after:
+        raise ServedError(f"the llama-server at {url} exports no {SPEC_DRAFTS} (it runs without --metrics, or "
+                          "without a draft): restart it with --metrics and -md draft.gguf --spec-type draft-eagle3")
+    out.drafts = int(after[SPEC_DRAFTS] - before.get(SPEC_DRAFTS, 0))
+    start, end = _per_pos(before), _per_pos(after)
+    out.accepted_per_pos = [e - (start[i] if i < len(start) else 0) for i, e in enumerate(end)]
+    out.notes.append(f"drafted and accepted tokens from each answer's timings; verify steps and per-position "
+                     f"acceptance from the {OTHER_TRAFFIC}")
+    return out

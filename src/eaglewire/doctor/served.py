@@ -1,0 +1,204 @@
+"""``doctor --engine-url``: the τ a running server achieves, set against what the draft earns there.
+
+The doctor sends its held-out prompts to the server (greedy), reads what the engine itself says
+it accepted (each engine module's ``measure_served``: per-request figures where the engine gives
+them, else its Prometheus counters before and after), and replays the same greedy chain on the
+training-time unroll of the server's own output text (``acceptance/replay.py``): greedy decoding
+is lossless, so a server wired as trained accepts exactly what the replay accepts on its text. A
+served acceptance below the replay beyond binomial noise is a serving-side fault, not a weak
+draft; the fix names the causes the other checks did not rule out.
+
+Shapes: S draft steps, T tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from eaglewire import engines
+from eaglewire.acceptance.replay import accepted_after
+from eaglewire.doctor.evidence import wilson_bounds
+from eaglewire.doctor.measure import Sequence, capture_batches, step_rightness
+from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.engines.served_counts import ServedCounts, ServedError
+
+log = logging.getLogger(__name__)
+
+# The served text is the target's own greedy text at fewer positions than this: the server runs
+# another target (precision, quantization, weights) or does not decode greedily.
+MIN_TEXT_AGREEMENT = 0.98
+# A server wired as trained accepts what the replay accepts on its own text, up to the last round
+# of each answer (a server may draft past the tokens it returns) and near-ties that its verify
+# and the doctor's capture round apart: served τ this far from the replay is no fault by itself.
+SERVED_TAU_TOLERANCE = 0.05
+
+
+@dataclass
+class Replayed:
+    """The greedy chain replayed on the training-time unroll of a text, round by round."""
+
+    drafts: int = 0  # rounds that drafted
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    judged: int = 0  # output tokens whose target argmax was compared with the text
+    agreeing: int = 0  # ... and equal to it
+
+    def add(self, other: "Replayed") -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted += other.accepted
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        self.accepted_per_pos = [(self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else 0) +
+                                 (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
+                                 for i in range(n)]
+        self.judged += other.judged
+        self.agreeing += other.agreeing
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
+
+    @property
+    def text_agreement(self) -> float:
+        return self.agreeing / self.judged if self.judged else 1.0
+
+
+def replay_chain(right: torch.Tensor, prompt_len: int) -> Replayed:
+    """right [S, T] bool over prompt + a greedy output -> the rounds a greedy chain of S drafts
+    there: each drafts at most the tokens left in the text (llama.cpp caps a draft at the tokens
+    remaining, tools/server/server-context.cpp get_n_draft_max) and accepts its leading right steps."""
+    S, T = right.shape
+    out = Replayed(accepted_per_pos=[0] * S)
+    p = prompt_len  # the round's root: the last token the target produced
+    while (room := T - p - 1) > 0:
+        k = min(S, room)
+        a = accepted_after(right[:k], p - 1)
+        out.drafts += 1
+        out.draft_tokens += k
+        out.accepted += a
+        for i in range(a):
+            out.accepted_per_pos[i] += 1
+        p += a + 1
+    return out
+
+
+def replay_served(target, draft, layout: list[int], prompts: list[list[int]], outputs: list[list[int]],
+                  num_steps: int) -> Replayed:
+    """The replay on every (prompt, server output) pair, fed the declared ``layout``."""
+    total = Replayed(accepted_per_pos=[0] * num_steps)
+    for prompt, output in zip(prompts, outputs):
+        if not output:
+            continue
+        text = torch.tensor(list(prompt) + list(output))  # [T]
+        own = Sequence("served output", text, torch.arange(len(text)) >= len(prompt))
+        batch = capture_batches(target, draft, [own], layout)[0]
+        right = step_rightness(draft, batch, layout, steps=num_steps)[0]  # [S, T]
+        one = replay_chain(right, len(prompt))
+        argmax = batch.signal.argmax[0, len(prompt) - 1:len(text) - 1].cpu()  # [T - P]: predicts text[P:]
+        one.judged, one.agreeing = len(output), int((argmax == text[len(prompt):]).sum())
+        total.add(one)
+    return total
+
+
+def chain_length(counts: ServedCounts, default: int) -> int:
+    """The server's chain: its per-position counters' length (vLLM, llama.cpp, eaglewire), or
+    drafted tokens per verify step (SGLang's histogram grows only as far as it accepted)."""
+    per_step = round(counts.draft_tokens / counts.drafts) if counts.drafts else 0
+    return max(len(counts.accepted_per_pos), per_step) or default
+
+
+# What can make a server accept less than the draft earns on its own text, and the check that
+# rules each out when it passed.
+CAUSES = (
+    ("engine wiring", "the layers the engine feeds the draft (the ids in its config, read as that engine reads "
+                      "them)"),
+    ("serving flags", "launch flags (temperature, chain length, draft probability cut-offs such as "
+                      "--spec-draft-p-min)"),
+    (None, "a draft config field the engine reads otherwise than trained (norm_before_residual, d2t as offsets "
+           "or absolute ids, draft_vocab_size)"),
+    (None, "the engine's decoding path (positions, the KV cache after acceptance, tree masks, the states fed "
+           "back after a rejection)"),
+)
+
+
+def candidate_causes(report: DoctorReport, replayed: Replayed) -> list[str]:
+    """The causes of a serving-side fault that no passing check ruled out."""
+    passed = {c.name for c in report.checks if c.verdict == "ok"}
+    causes = [what for check, what in CAUSES if check is None or check not in passed]
+    if replayed.text_agreement < MIN_TEXT_AGREEMENT:
+        causes.insert(0, f"the server's target is not the one measured here: its greedy text is this target's "
+                         f"own at {replayed.text_agreement:.1%} of positions (another precision, a requantized "
+                         "GGUF, other weights, or sampling instead of greedy)")
+    return causes
+
+
+def served_check(counts: ServedCounts, replayed: Replayed, report: DoctorReport) -> Check:
+    """Served acceptance against the replay on the server's own text. The replay is the
+    expectation on that text, not a second sample: the served rate per drafted token is judged
+    against the binomial (Wilson) interval of the replay's rate over the served drafted tokens, and
+    a fault must also cost more than SERVED_TAU_TOLERANCE of τ."""
+    name = "served acceptance"
+    n = max(counts.draft_tokens, 1)
+    low, high = wilson_bounds(replayed.acceptance_rate, n)
+    per_pos = ", ".join(f"{s:.2f}/{r:.2f}" for s, r in zip(counts.per_position, replayed.per_position))
+    evidence = [f"{counts.engine} ({counts.source}): {counts.accepted} of {counts.draft_tokens} drafted tokens "
+                f"accepted over {counts.drafts} verify steps: served τ {counts.tau:.2f}",
+                f"replayed on the server's own {replayed.judged} output tokens: {replayed.accepted} of "
+                f"{replayed.draft_tokens} over {replayed.drafts} rounds: τ {replayed.tau:.2f}",
+                f"acceptance per drafted token {counts.acceptance_rate:.3f} served vs {replayed.acceptance_rate:.3f} "
+                f"replayed (binomial noise over {n:,} drafted tokens: {low:.3f}..{high:.3f})"]
+    if per_pos:
+        evidence.append(f"per position, served/replayed: {per_pos}")
+    evidence += counts.notes
+    if counts.drafts == 0 or counts.draft_tokens == 0:
+        return Check(name, "fail", f"the {counts.engine} server drafted nothing for the doctor's prompts", evidence,
+                     fix="start the server with the draft and speculative decoding on")
+    if replayed.judged == 0:
+        return Check(name, "inconclusive", f"served τ {counts.tau:.2f}; the server returned no output ids to "
+                     "replay on", evidence, fix="use a server build that returns the generated token ids")
+    gap = replayed.tau - counts.tau
+    if counts.acceptance_rate < low and gap > SERVED_TAU_TOLERANCE:
+        causes = candidate_causes(report, replayed)
+        return Check(name, "fail", f"a serving-side fault: the {counts.engine} server accepts less than the draft "
+                     f"earns on the same text (τ {counts.tau:.2f} served vs {replayed.tau:.2f} replayed, beyond "
+                     "noise)", evidence,
+                     fix="the draft is not the problem; check, in turn: " + "; ".join(causes))
+    if counts.acceptance_rate > high and -gap > SERVED_TAU_TOLERANCE:
+        return Check(name, "warn", f"the {counts.engine} server reports more accepted than the replay allows "
+                     f"(τ {counts.tau:.2f} vs {replayed.tau:.2f})", evidence,
+                     fix="other clients' traffic in its counters, or a server not decoding greedily: measure on "
+                         "an idle server with per-request metrics")
+    return Check(name, "ok", f"served τ {counts.tau:.2f}, as the replay predicts ({replayed.tau:.2f}, within "
+                 "noise)", evidence)
+
+
+def check_served(report: DoctorReport, config, target, draft, layout: list[int], sequences: list[Sequence],
+                 default_steps: int) -> Check:
+    """Measure the server at ``config.engine_url`` on the held-out prompts and judge it."""
+    prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]]
+    module = engines.get(config.engine, "measure", param="--engine").module
+    try:
+        counts = module.measure_served(config.engine_url, prompts, max_new_tokens=config.engine_tokens)
+    except ServedError as e:
+        return report.add(Check("served acceptance", "fail", f"could not read the served acceptance: {e}",
+                                fix=f"check that --engine-url {config.engine_url} is the {config.engine} server "
+                                    "serving this draft"))
+    steps = chain_length(counts, default_steps)
+    replayed = replay_served(target, draft, layout, prompts, counts.outputs, steps)
+    check = report.add(served_check(counts, replayed, report))
+    report.served = {"engine": counts.engine, "source": counts.source, "tau": counts.tau,
+                     "per_position": counts.per_position, "replayed_tau": replayed.tau,
+                     "replayed_per_position": replayed.per_position, "chain": steps}
+    return check

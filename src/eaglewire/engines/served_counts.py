@@ -1,0 +1,112 @@
+"""What a running server says it accepted: the one shape every engine's reading of its own counters
+fills (``measure_served`` in sglang.py, vllm.py, eaglewire.py, llamacpp/server.py), and the HTTP
+and Prometheus plumbing they share.
+
+Two kinds of source, stated in ``source``: *per-request* figures (SGLang's ``meta_info``, vLLM's
+``metrics.speculative_decoding``, llama.cpp's ``timings``) belong to the requests sent and to
+nothing else; *counters* (the Prometheus totals) are read before and after the requests and
+subtracted, so traffic from other clients between the two reads counts too.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+OTHER_TRAFFIC = ("counters are the server's totals read before and after these requests: traffic from other "
+                 "clients in between counts too (measure on an idle server, or use per-request metrics)")
+
+
+class ServedError(RuntimeError):
+    """A server that does not answer, or answers something eaglewire cannot read."""
+
+
+@dataclass
+class ServedCounts:
+    """One engine's own account of the doctor's requests."""
+
+    engine: str
+    drafts: int = 0  # verify steps that checked a draft (vLLM's num_drafts, llama.cpp's verify steps)
+    draft_tokens: int = 0  # drafted tokens proposed
+    accepted: int = 0  # drafted tokens accepted (the bonus token not counted)
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose position i (0 first) was accepted
+    outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt ([] when not returned)
+    source: str = "counters"  # per-request | counters | mixed
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify step, bonus included: 1 + accepted / drafts (vLLM's and llama.cpp's
+        "mean acceptance length")."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
+
+
+def per_pos_from_histogram(histogram: list[int]) -> list[int]:
+    """Dense histogram [j] = verify steps that accepted exactly j drafted tokens -> [i] = steps
+    that accepted position i (those with j > i)."""
+    return [sum(histogram[i + 1:]) for i in range(max(len(histogram) - 1, 0))]
+
+
+def add_lists(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def post_json(url: str, body: dict, *, timeout: float, who: str) -> dict:
+    """POST ``body`` as JSON; the JSON answer, or ServedError naming ``who`` answers at ``url``."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise ServedError(f"{who} at {url} answered {e.code}: {e.read()[:500]!r}") from e
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        raise ServedError(f"no {who} answers at {url}: {e}; pass the server's base URL as --engine-url") from e
+    except json.JSONDecodeError as e:
+        raise ServedError(f"{who} at {url} answered something that is not JSON ({e})") from e
+
+
+def get_text(url: str, *, timeout: float, who: str) -> str | None:
+    """GET ``url`` as text; None when the server has no such route (404, 501: e.g. metrics off)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 501):
+            return None
+        raise ServedError(f"{who} at {url} answered {e.code}: {e.read()[:500]!r}") from e
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        raise ServedError(f"no {who} answers at {url}: {e}; pass the server's base URL as --engine-url") from e
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus exposition text -> (sample name, labels, value), names as written (``_total`` kept)."""
+    return [(s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def total(rows: list[tuple[str, dict[str, str], float]], name: str) -> float | None:
+    """The sum of ``name`` over all its label sets (several engines, models); None if absent."""
+    values = [v for n, _, v in rows if n == name]
+    return sum(values) if values else None
+
+
+def by_label(rows: list[tuple[str, dict[str, str], float]], name: str, label: str) -> dict[int, float]:
+    """``name`` summed per integer value of ``label`` (other labels summed over)."""
+    out: dict[int, float] = {}
+    for n, labels, v in rows:
+        if n == name and str(labels.get(label, "")).isdigit():
+            out[int(labels[label])] = out.get(int(labels[label]), 0.0) + v
+    return out
