@@ -43,6 +43,10 @@ class DoctorConfig:
                                                                      "sequences (another engine or precision): drift"})
     labels: str = field(default="head", metadata={"help": "--stored: the target's signal from its head on the stored "
                                                           "last state (head) or the stored next tokens (tokens)"})
+    skip_label_check: bool = field(default=False, metadata={"help": "--stored: no label check (the target's head on "
+                                                                     "the stored last state against the stored next "
+                                                                     "tokens); only for a target that is not a language "
+                                                                     "model of this text, e.g. a random test target"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:

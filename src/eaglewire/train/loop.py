@@ -75,6 +75,7 @@ class TrainConfig:
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
     head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
     allow_incomplete_data: bool = field(default=False, metadata={"help": "train on --data whose `prepare` did not finish (refused otherwise; a warning says how much it covers)"})
+    skip_label_check: bool = field(default=False, metadata={"help": "train without the label check at start (the target's head on the stored last state against the stored next tokens); only for a target that is not a language model of this text, e.g. a random test target"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
@@ -94,7 +95,7 @@ class TrainConfig:
 
     # Fields that may change between an interrupted run and its resume.
     RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
-                                   "head_only", "allow_incomplete_data"})
+                                   "head_only", "allow_incomplete_data", "skip_label_check"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -248,6 +249,10 @@ class Trainer:
             if self.source.dataset.manifest["source"].get("last_hidden") == ABSENT_LAST:
                 raise TrainingError(f"--data {config.data} holds no boundary-L state (imported with --no-last), "
                                     "the target's signal in training; import a capture that holds it")
+            if not config.skip_label_check:
+                from eaglewire.data.label_check import require_labels
+
+                require_labels(self.source.dataset, self.target, where=f"train --data {config.data}")
         self.contract: HiddenStateContract = self.source.contract
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
