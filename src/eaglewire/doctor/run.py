@@ -215,7 +215,9 @@ def _load_sequences(config: DoctorConfig, target: Target, contract: HiddenStateC
     heldout = [] if config.include_training else list(summary.get("heldout_sequence_ids") or [])
     data, conversations = config.data, config.conversations
     if not data and not conversations:
-        trained_on = summary.get("data")
+        from eaglewire.core.presets import recorded_data
+
+        trained_on = recorded_data(summary)  # the preset it was prepared from when the path is not here
         if trained_on and (Path(trained_on) / "manifest.json").exists():
             data = trained_on
         else:

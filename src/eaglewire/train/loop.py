@@ -555,7 +555,17 @@ class Trainer:
                 "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
                 "config": cfg.identity(), "init_draft": self.init_lineage,
                 "final_eval": final_eval or (history.evals[-1] if history.evals else {}),
-                "seconds": round(history.seconds + time.perf_counter() - run.start, 1)}
+                "seconds": round(history.seconds + time.perf_counter() - run.start, 1),
+                **self._data_preset()}
+
+    def _data_preset(self) -> dict[str, str]:
+        """``data_preset``: the named data set the training data came from, which resolves on any machine
+        (``presets.recorded_data``) where the recorded path does not."""
+        from eaglewire.core.presets import DATA_PRESETS
+
+        cfg = self.config
+        name = (self.source.dataset.manifest["source"].get("data") if cfg.data is not None else cfg.online_data)
+        return {"data_preset": name} if isinstance(name, str) and name in DATA_PRESETS else {}
 
     def _save_run(self, run: RunState, training_summary: dict[str, Any]) -> None:
         self._save(run.draft, run.optimizer, run.scheduler, asdict(run.position), asdict(run.history),
