@@ -47,6 +47,9 @@ class DoctorConfig:
                                                                      "the stored last state against the stored next "
                                                                      "tokens); only for a target that is not a language "
                                                                      "model of this text, e.g. a random test target"})
+    allow_target_mismatch: list[str] | None = field(default=None, metadata={
+        "help": "target fingerprint fields allowed to differ from the draft's and the data's (a warning, then "
+                "measured), e.g. weights_sha256 for a requantized target or one recorded as unknown"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:

@@ -199,7 +199,7 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     summary = draft_cfg.get("training") or {}
     declared, stored, L = list(contract.aux_boundaries), list(ds.contract.aux_boundaries), ds.contract.num_layers
-    if not _identity(report, contract, ds, target):
+    if not _identity(report, contract, ds, target, set(config.allow_target_mismatch or ())):
         return report
     _check_labels(report, config, ds, target)
     arch = config.target_arch or contract.target.architecture
@@ -237,17 +237,24 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     return report
 
 
-def _identity(report: DoctorReport, contract: HiddenStateContract, ds: ShardDataset, target: Target) -> bool:
-    """The draft, the stored data and the head must belong to one target."""
-    hard = []
+def _identity(report: DoctorReport, contract: HiddenStateContract, ds: ShardDataset, target: Target,
+              allow: set[str] = frozenset()) -> bool:
+    """The draft, the stored data and the head must belong to one target (``allow``: fields that may differ)."""
+    hard, allowed = [], []
     for what, fp in (("stored data", ds.contract.target), ("--target", target.fingerprint)):
         diff = contract.target.differences(fp)
-        hard += [f"{k}: draft {a!r}, {what} {b!r}" for k, (a, b) in diff.items() if k not in SOFT_FIELDS]
+        hard += [f"{k}: draft {a!r}, {what} {b!r}" for k, (a, b) in diff.items() if k not in SOFT_FIELDS | allow]
+        allowed += [f"{k}: draft {a!r}, {what} {b!r} (allowed by --allow-target-mismatch)"
+                    for k, (a, b) in diff.items() if k in allow]
     if hard:
+        fields = sorted({line.split(":")[0] for line in hard})
         report.add(Check("identity", "fail", "the draft, the stored states and the target are not of one target",
-                         hard, fix="pass the target and the data the draft was trained for"))
+                         hard, fix="pass the target and the data the draft was trained for (if the difference is "
+                                   f"deliberate: --allow-target-mismatch {','.join(fields)})"))
         return False
-    report.add(Check("identity", "ok", "the draft, the stored states and the head belong to one target"))
+    report.add(Check("identity", "warn" if allowed else "ok",
+                     "the draft, the stored states and the head belong to one target" +
+                     (" except the allowed fields" if allowed else ""), allowed))
     return True
 
 
