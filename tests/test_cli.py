@@ -109,7 +109,7 @@ def test_checkpoint_round_trip_and_foreign_target(tmp_path, chat_tiny_target):
     cfg = DraftConfig.from_target(chat_tiny_target.text_config, num_aux=3, draft_vocab_size=100,
                                   vocab_size=chat_tiny_target.vocab_size)
     draft = Eagle3Draft(cfg)
-    contract = HiddenStateContract(aux_boundaries=(1, 4, 8), target=chat_tiny_target.fingerprint)
+    contract = HiddenStateContract(aux_boundaries=(1, 4, 7), target=chat_tiny_target.fingerprint)
     save_draft(tmp_path / "d", draft, contract, {"note": "x"})
     loaded, loaded_contract, meta = load_draft(tmp_path / "d", target=chat_tiny_target)
     assert loaded_contract == contract and meta["training"] == {"note": "x"}

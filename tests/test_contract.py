@@ -37,9 +37,9 @@ def test_default_boundaries():
 
 
 def test_json_round_trip():
-    c = contract((0, 3, 30))
+    c = contract((0, 3, 29))
     assert HiddenStateContract.from_json(c.to_json()) == c
-    assert HiddenStateContract.from_dict(c.to_dict()).aux_boundaries == (0, 3, 30)
+    assert HiddenStateContract.from_dict(c.to_dict()).aux_boundaries == (0, 3, 29)
 
 
 @pytest.mark.parametrize("bounds, message", [

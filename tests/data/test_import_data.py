@@ -88,6 +88,7 @@ def write_specforge(ds: ShardDataset, src: Path, target) -> Path:
 
 
 def run_import(layout: str, src: Path, out: Path, target_dir: Path, **kw):
+    kw.setdefault("skip_label_check", True)  # a random tiny target models no text: tests/data/test_label_check.py
     return import_data(ImportDataConfig(src=str(src), layout=layout, out=str(out), target=str(target_dir), **kw))
 
 
@@ -205,7 +206,7 @@ def test_unknown_or_wrong_layout_is_one_line(shards, target_dir, tmp_path, capsy
 def test_cli_imports(shards, target_dir, tmp_path, capsys):
     src = write_vllm(ShardDataset(shards), tmp_path / "src")
     code = main(["import-data", "--from", "vllm", str(src), "--out", str(tmp_path / "out"),
-                 "--target", str(target_dir), "--boundaries", "2,4,5,8"])
+                 "--target", str(target_dir), "--boundaries", "2,4,5,8", "--skip-label-check"])
     assert code == 0 and "sequences" in capsys.readouterr().out
     assert len(ShardDataset(tmp_path / "out")) == 6
 
@@ -233,7 +234,8 @@ def test_train_on_imported_data_with_the_head_only(shards, target_dir, tmp_path)
     for head_only in (True, False):
         cfg = TrainConfig(out=str(tmp_path / f"draft-{head_only}"), target=str(target_dir), data=str(tmp_path / "data"),
                           head_only=head_only, max_steps=3, batch_tokens=64, val_sequences=1, draft_vocab_size=64,
-                          eval_interval=3, save_interval=3, log_interval=1, ttt_steps=2, device="cpu")
+                          eval_interval=3, save_interval=3, log_interval=1, ttt_steps=2, device="cpu",
+                          skip_label_check=True)
         results.append(train(cfg, progress=False))
     assert results[0].final_eval == results[1].final_eval
     with pytest.raises(ValueError, match="--head-only trains on stored states"):

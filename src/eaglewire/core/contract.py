@@ -69,6 +69,20 @@ def validate_boundaries(boundaries: list[int], num_layers: int) -> list[int]:
     return out
 
 
+def validate_aux_boundaries(boundaries: list[int], num_layers: int) -> list[int]:
+    """``validate_boundaries`` for a draft's aux states, which must lie below L: boundary L is the
+    target's own signal (the head reads it), stored apart as the last state, never an aux input."""
+    out = validate_boundaries(boundaries, num_layers)
+    if num_layers in out:
+        below = [b for b in out if b != num_layers]
+        raise ContractError(
+            f"aux boundaries {out} include {num_layers} = L, the last layer's output of this {num_layers}-layer "
+            "target, which is the target's signal (final norm + lm_head read it), stored as the last state, "
+            f"not an aux input; the aux states must be below L. Pass --aux-boundaries with values in "
+            f"[0, {num_layers - 1}]" + (f", e.g. {','.join(map(str, below))}" if below else ""))
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class TargetFingerprint:
     """What identifies the target whose states a draft reads."""
@@ -100,7 +114,7 @@ class HiddenStateContract:
         if self.version != CONTRACT_VERSION:
             raise ContractError(f"contract version {self.version} is not supported "
                                 f"(this eaglewire reads version {CONTRACT_VERSION})")
-        bounds = validate_boundaries(list(self.aux_boundaries), self.target.num_layers)
+        bounds = validate_aux_boundaries(list(self.aux_boundaries), self.target.num_layers)
         object.__setattr__(self, "aux_boundaries", tuple(bounds))
 
     @property

@@ -137,3 +137,22 @@ def data_path(name: str) -> Path:
     if name not in DATA_PRESETS:
         raise ValueError(f"unknown data set {name!r}; known: {', '.join(sorted(DATA_PRESETS))}")
     return fetch_asset(DATA_PRESETS[name])
+
+
+def recorded_data(training: dict) -> str | None:
+    """The data a draft's ``training`` record names, as it resolves on this machine.
+
+    ``training["data"]`` is the path the draft was trained from, on the machine that trained it. When
+    that path is not here (a fresh clone of the shipped ``reference``) and the record names the data
+    preset it was prepared from (``data_preset``), the preset, whose held-out sequence ids are the same
+    conversations; else the recorded path as it is (None when nothing is recorded).
+    """
+    recorded, preset = training.get("data"), training.get("data_preset")
+    if recorded and Path(recorded).exists():
+        return str(recorded)
+    if preset in DATA_PRESETS:
+        if recorded:
+            log.info("the draft's training data %s is not on this machine: using the preset it was prepared "
+                     "from, %r", recorded, preset)
+        return str(preset)
+    return str(recorded) if recorded else None

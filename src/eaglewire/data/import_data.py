@@ -28,12 +28,14 @@ from typing import Any, Iterator
 
 import torch
 
-from eaglewire.core.contract import HiddenStateContract, TargetFingerprint, validate_boundaries
+from eaglewire.core.contract import HiddenStateContract, TargetFingerprint, validate_aux_boundaries, validate_boundaries
 from eaglewire.data.foreign import (LAYOUTS, ForeignDataError, Sample, Skip, read_rows, read_specforge,
                                     read_speculators, read_vllm)
-from eaglewire.data.shards import DTYPES, ShardError, ShardWriter
+from eaglewire.data.label_check import LabelCheckError, check_labels
+from eaglewire.data.shards import DTYPES, ShardDataset, ShardError, ShardWriter
 from eaglewire.core.fileio import replace_dir
 from eaglewire.core.locks import directory_lock
+from eaglewire.model.target import Target
 from eaglewire.model.target_head import config_fingerprint, load_target_head, unnorm_weight
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,10 @@ class ImportDataConfig:
     no_last: bool = field(default=False, metadata={
         "help": "the capture holds no boundary-L state: store zeros in its place (for doctor --stored --labels "
                 "tokens; train refuses such shards)"})
+    skip_label_check: bool = field(default=False, metadata={
+        "help": "import without the label check (the target's head on the stored last state against the stored "
+                "next tokens); only for a target that is not a language model of this text, e.g. a random test "
+                "target", "record": False})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -102,15 +108,15 @@ class ImportSummary:
         return rows + [("note", n) for n in self.notes]
 
 
-def _target(spec: str) -> tuple[TargetFingerprint, torch.Tensor | None, list[str]]:
-    """(fingerprint, the final norm's scale or None, fingerprint fields unknown)."""
+def _target(spec: str) -> tuple[TargetFingerprint, torch.Tensor | None, list[str], Target | None]:
+    """(fingerprint, the final norm's scale or None, fingerprint fields unknown, the head-only target or None)."""
     try:
         target = load_target_head(spec)
     except ValueError as e:  # no weights or no tokenizer (HeadOnlyError is one too)
         log.info("%s; recording what its config says", e)
         fingerprint, unknown = config_fingerprint(spec)
-        return fingerprint, None, unknown
-    return target.fingerprint, unnorm_weight(target), []
+        return fingerprint, None, unknown, None
+    return target.fingerprint, unnorm_weight(target), [], target
 
 
 def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
@@ -143,7 +149,7 @@ def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
                                    f"so the last boundary must be {num_layers}")
         last_index = stored.index(num_layers)
     default = [b for b in stored if b != num_layers]
-    aux = validate_boundaries(list(config.aux_boundaries or default), num_layers)
+    aux = validate_aux_boundaries(list(config.aux_boundaries or default), num_layers)
     if missing := [b for b in aux if b not in stored]:
         raise ForeignDataError(f"--aux-boundaries {aux}: {missing} are not stored (stored: {stored})")
     return Plan(stored=stored, aux_index=[stored.index(b) for b in aux], last_index=last_index, absent=absent)
@@ -225,7 +231,7 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
 
 
 def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> ImportSummary:
-    fingerprint, scale, unknown = _target(config.target)
+    fingerprint, scale, unknown, head = _target(config.target)
     samples = _read(config, src)
     skipped: Counter[str] = Counter()
     writer: ShardWriter | None = None
@@ -257,6 +263,7 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
         if writer is not None and partial.exists():
             writer.__exit__(Exception, None, None)  # keep the finished shards: a rerun resumes
         raise
+    label_note = _check_labels(config, partial, out, head, plan)
     replace_dir(partial, out)
     notes = [f"fingerprint fields {unknown} are unknown (no weights/tokenizer in --target): train or doctor "
              f"with --allow-target-mismatch {','.join(unknown)}"] if unknown else []
@@ -264,6 +271,8 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
         notes.append(f"no boundary-L state: last_hidden is {ABSENT_LAST}; use doctor --stored --labels tokens")
     elif plan.last_index is None:
         notes.append("last_hidden holds SpecForge's post-norm state mapped back through the final norm")
+    if label_note:
+        notes.append(label_note)
     return ImportSummary(out=out, contract=writer.contract, sequences=totals["sequences"], tokens=totals["tokens"],
                          skipped=dict(skipped), unknown=unknown, notes=notes)
 
@@ -282,3 +291,26 @@ def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: Ta
     return ShardWriter(partial, contract, source=source, dtype=config.dtype,
                        shard_tokens=max(1, config.shard_mb * 2**20 // row_bytes))
 
+
+
+def _check_labels(config: ImportDataConfig, partial: Path, out: Path, head: Target | None, plan: Plan) -> str | None:
+    """The label check on ``partial`` before it becomes ``out`` (``label_check.py``); a note when not run.
+    A fail keeps ``partial`` (every sample is written there) and says what to do."""
+    if plan.absent:
+        return None  # no boundary-L state to check (--no-last)
+    if config.skip_label_check:
+        return "label check skipped (--skip-label-check)"
+    if head is None:
+        return ("label check not run: --target holds no weights (its final norm and lm_head judge the stored "
+                "last state); `eaglewire doctor --stored` with the weights runs it")
+    check = check_labels(ShardDataset(partial, verify=False), head, greedy=False, reference=False)
+    log.info("label check (%s): %s", check.rule, check.message)
+    if check.verdict == "fail":
+        error = LabelCheckError(check, f"import-data --boundaries {','.join(map(str, plan.stored))}")
+        error.add_note(
+            f"nothing was renamed to {out}: the imported shards are kept in {partial} to inspect. Delete {partial} "
+            f"and import again with the --boundaries that name the stored states (the one that is boundary "
+            f"{head.num_layers} last), or, if the target is not a language model of this text, with "
+            "--skip-label-check")
+        raise error
+    return None if check.verdict == "ok" else f"label check: {check.message}"

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglewire.model.capture import capture
-from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries, validate_boundaries
+from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries, validate_aux_boundaries
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
@@ -208,7 +208,7 @@ def _check_boundaries_early(config: PrepareConfig, target: Target | None) -> Non
             return  # the contract check after loading says it
     else:
         return
-    validate_boundaries(list(config.aux_boundaries), num_layers)
+    validate_aux_boundaries(list(config.aux_boundaries), num_layers)
 
 
 def remove_prepared(out: Path) -> None:
@@ -332,11 +332,22 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
         writer.set_status(complete=True, conversations=len(conversations), dropped_no_reply=dropped,
                           truncated_to_max_length_this_run=truncated)
     bar.close()
+    if world == 1 and totals["sequences"]:  # under torchrun the other ranks' parts may not be written yet
+        _check_labels(out, target)
     return PrepareSummary(
         out=str(out), conversations_loaded=len(conversations), sequences=totals["sequences"],
         tokens=totals["tokens"], loss_tokens=totals["loss_tokens"], bytes_on_disk=totals["bytes"],
         truncated_sequences=truncated, dropped_no_loss_tokens=len(dropped), resumed_sequences=resumed,
         seconds=time.perf_counter() - start, skipped=dict(report.skipped))
+
+
+def _check_labels(out: Path, target: Target) -> None:
+    """The label check on a sample of what was written (``label_check.py``); refuses a capture whose
+    stored last state does not give the target's own predictions."""
+    from eaglewire.data.label_check import require_labels
+    from eaglewire.data.shards import ShardDataset
+
+    require_labels(ShardDataset(out, verify=False), target, where=f"prepare --out {out}")
 
 
 def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: int, progress: bool):

@@ -48,6 +48,13 @@ class DoctorConfig:
                                                                 "acceptance on them beside the held-out data, by slice"})
     traffic_prompts: int = field(default=32, metadata={"help": "--traffic: prompts read from the file"})
     traffic_tokens: int = field(default=48, metadata={"help": "--traffic: reply tokens the target writes per prompt"})
+    skip_label_check: bool = field(default=False, metadata={"help": "--stored: no label check (the target's head on "
+                                                                     "the stored last state against the stored next "
+                                                                     "tokens); only for a target that is not a language "
+                                                                     "model of this text, e.g. a random test target"})
+    allow_target_mismatch: list[str] | None = field(default=None, metadata={
+        "help": "target fingerprint fields allowed to differ from the draft's and the data's (a warning, then "
+                "measured), e.g. weights_sha256 for a requantized target or one recorded as unknown"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:

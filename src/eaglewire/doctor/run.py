@@ -51,7 +51,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     declared = list(contract.aux_boundaries)
     L = target.num_layers
 
-    identity_ok = _check_identity(report, contract, target)
+    identity_ok = _check_identity(report, contract, target, set(config.allow_target_mismatch or ()))
     arch = config.target_arch or contract.target.architecture
     if config.engine == LLAMACPP:
         serving, serving_steps = llamacpp_serving(report, config, declared, L, arch)
@@ -102,20 +102,25 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
 
 # ------------------------------------------------------------------ checks
 
-def _check_identity(report: DoctorReport, contract: HiddenStateContract, target: Target) -> bool:
+def _check_identity(report: DoctorReport, contract: HiddenStateContract, target: Target,
+                    allow: set[str] = frozenset()) -> bool:
     diff = contract.target.differences(target.fingerprint)
-    hard = {k: v for k, v in diff.items() if k not in SOFT_FIELDS}
+    hard = {k: v for k, v in diff.items() if k not in SOFT_FIELDS and k not in allow}
     fp = target.fingerprint
     facts = (f"{fp.architecture}, {fp.num_layers} layers, hidden {fp.hidden_size}, vocab {fp.vocab_size:,}; "
              "tokenizer, chat template and weights by hash")
     if hard:
         report.add(Check("identity", "fail", "the draft was trained for another target",
                          [f"{k}: draft {a!r}, target {b!r}" for k, (a, b) in hard.items()],
-                         fix="serve the draft with the target it was trained on, or retrain it on this target"))
+                         fix="serve the draft with the target it was trained on, or retrain it on this target (if the "
+                             f"difference is deliberate, e.g. a requantized target: --allow-target-mismatch "
+                             f"{','.join(hard)})"))
         return False
-    soft = [f"{k}: draft {a!r}, target {b!r} (the drift check measures what this costs)" for k, (a, b) in diff.items()]
+    soft = [f"{k}: draft {a!r}, target {b!r} (" + ("allowed by --allow-target-mismatch; " if k in allow else "") +
+            "the drift check measures what this costs)" for k, (a, b) in diff.items()]
     report.add(Check("identity", "warn" if soft else "ok", "the draft's contract matches the target" +
-                     (" except its precision" if soft else ""), soft or [facts]))
+                     ((" except its precision" if set(diff) <= SOFT_FIELDS else " except " + ", ".join(diff))
+                      if soft else ""), soft or [facts]))
     return True
 
 
@@ -215,7 +220,9 @@ def _load_sequences(config: DoctorConfig, target: Target, contract: HiddenStateC
     heldout = [] if config.include_training else list(summary.get("heldout_sequence_ids") or [])
     data, conversations = config.data, config.conversations
     if not data and not conversations:
-        trained_on = summary.get("data")
+        from eaglewire.core.presets import recorded_data
+
+        trained_on = recorded_data(summary)  # the preset it was prepared from when the path is not here
         if trained_on and (Path(trained_on) / "manifest.json").exists():
             data = trained_on
         else:

@@ -27,6 +27,7 @@ from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.import_data import ABSENT_LAST
+from eaglewire.data.label_check import check_labels
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
@@ -198,8 +199,9 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     summary = draft_cfg.get("training") or {}
     declared, stored, L = list(contract.aux_boundaries), list(ds.contract.aux_boundaries), ds.contract.num_layers
-    if not _identity(report, contract, ds, target):
+    if not _identity(report, contract, ds, target, set(config.allow_target_mismatch or ())):
         return report
+    _check_labels(report, config, ds, target)
     arch = config.target_arch or contract.target.architecture
     serving, _ = check_serving(report, config, declared, L, arch)
     picked, warning = _pick(ds, summary, config)
@@ -235,17 +237,24 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     return report
 
 
-def _identity(report: DoctorReport, contract: HiddenStateContract, ds: ShardDataset, target: Target) -> bool:
-    """The draft, the stored data and the head must belong to one target."""
-    hard = []
+def _identity(report: DoctorReport, contract: HiddenStateContract, ds: ShardDataset, target: Target,
+              allow: set[str] = frozenset()) -> bool:
+    """The draft, the stored data and the head must belong to one target (``allow``: fields that may differ)."""
+    hard, allowed = [], []
     for what, fp in (("stored data", ds.contract.target), ("--target", target.fingerprint)):
         diff = contract.target.differences(fp)
-        hard += [f"{k}: draft {a!r}, {what} {b!r}" for k, (a, b) in diff.items() if k not in SOFT_FIELDS]
+        hard += [f"{k}: draft {a!r}, {what} {b!r}" for k, (a, b) in diff.items() if k not in SOFT_FIELDS | allow]
+        allowed += [f"{k}: draft {a!r}, {what} {b!r} (allowed by --allow-target-mismatch)"
+                    for k, (a, b) in diff.items() if k in allow]
     if hard:
+        fields = sorted({line.split(":")[0] for line in hard})
         report.add(Check("identity", "fail", "the draft, the stored states and the target are not of one target",
-                         hard, fix="pass the target and the data the draft was trained for"))
+                         hard, fix="pass the target and the data the draft was trained for (if the difference is "
+                                   f"deliberate: --allow-target-mismatch {','.join(fields)})"))
         return False
-    report.add(Check("identity", "ok", "the draft, the stored states and the head belong to one target"))
+    report.add(Check("identity", "warn" if allowed else "ok",
+                     "the draft, the stored states and the head belong to one target" +
+                     (" except the allowed fields" if allowed else ""), allowed))
     return True
 
 
@@ -265,3 +274,24 @@ def _check_served(report: DoctorReport, m: Measured, stored: list[int], arch: st
                          [f"stored boundaries: {stored}"],
                          fix=f"either {config_fix(m.config.engine, declared, m.num_layers, arch)}"
                              f", or {retrain}"))
+
+
+def _check_labels(report: DoctorReport, config: DoctorConfig, ds: ShardDataset, target: Target) -> None:
+    """The label check (``data/label_check.py``): does the stored last state give the target's predictions?
+    A draft trained on these shards learned the head's reading of that state as its labels."""
+    if ds.manifest["source"].get("last_hidden") == ABSENT_LAST:
+        report.add(Check("label check", "skip", "the data hold no boundary-L state (imported with --no-last)"))
+        return
+    if config.skip_label_check:
+        report.add(Check("label check", "skip", "not run (--skip-label-check)"))
+        return
+    check = check_labels(ds, target)
+    if check.verdict == "fail":
+        stored = ds.manifest["source"].get("stored_boundaries")
+        boundaries = f" (imported with --boundaries {','.join(map(str, stored))})" if stored else ""
+        report.add(Check("label check", "fail", f"the stored last state{boundaries} does not give the target's own "
+                         "predictions: a draft trained on it learned wrong labels", [check.message],
+                         fix=f"re-import with --boundaries whose last value names the stored state that is boundary "
+                             f"{ds.contract.num_layers} (or capture it again), then retrain the draft on the new shards"))
+    else:
+        report.add(Check("label check", check.verdict, check.message))

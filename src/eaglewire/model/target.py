@@ -113,6 +113,49 @@ class Target:
         return self._fingerprint
 
 
+# ------------------------------------------------------------------ model classes
+
+WRAPPERS = "Llava, Mistral 3, Gemma 3, Qwen2-VL, Qwen2.5-VL"  # *ForConditionalGeneration wrappers run here
+
+
+class TargetModelError(ValueError):
+    """A target whose config transformers builds no decoder-only text model for."""
+
+
+def auto_model_class(config, *, where: str = "target"):
+    """transformers' auto class for a target's config: a causal LM, else a ``*ForConditionalGeneration``
+    wrapper (image-text-to-text: Llava, Mistral 3, Qwen2-VL, ...), which eaglewire runs on its text
+    model: ``get_decoder()`` is the language model, the lm_head its head, text-only input its forward.
+    Anything else is refused here, in eaglewire's words (not transformers' list of every class)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and hasattr(config, "get_text_config"):
+        return AutoModelForImageTextToText
+    archs = ", ".join(getattr(config, "architectures", None) or []) or "none recorded"
+    raise TargetModelError(
+        f"{where}: model_type {config.model_type!r} (architectures: {archs}) is not a decoder-only text model "
+        f"eaglewire can run: transformers has neither a causal-LM class nor a *ForConditionalGeneration wrapper "
+        f"for it. eaglewire runs causal LMs and the wrappers of one ({WRAPPERS}) on their text model; pass "
+        "the text model's directory (or a causal-LM checkpoint of it)")
+
+
+def check_text_model(model, *, where: str = "target") -> None:
+    """The parts eaglewire reaches into: ``get_decoder().layers``, its final ``norm``, an lm_head."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    missing = [what for what, ok in (("get_decoder()", decoder is not None),
+                                     ("get_decoder().layers", hasattr(decoder, "layers")),
+                                     ("get_decoder().norm", hasattr(decoder, "norm")),
+                                     ("get_output_embeddings()", model.get_output_embeddings() is not None)) if not ok]
+    if missing:
+        raise TargetModelError(f"{where}: {type(model).__name__} has no {', '.join(missing)}: eaglewire captures the "
+                               "decoder layers' inputs and applies the final norm + lm_head; pass a decoder-only "
+                               f"text model or a wrapper of one ({WRAPPERS})")
+
+
 # ------------------------------------------------------------------ fingerprint
 
 def _sha256(data: bytes) -> str:
@@ -251,12 +294,14 @@ def load_tokenizer(spec: str):
 def load_target(spec: str, *, device: str | torch.device = "auto",
                 dtype: str | torch.dtype = "auto") -> Target:
     """Load a target from a preset name, a local HF model directory, or a .gguf file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_target_path(spec)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev).eval()
+    cls = auto_model_class(AutoConfig.from_pretrained(str(path)), where=f"target {spec}")
+    model = cls.from_pretrained(str(path), dtype=dt).to(dev).eval()
+    check_text_model(model, where=f"target {spec}")
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return Target(model=model, tokenizer=tokenizer, spec=spec)
@@ -264,9 +309,8 @@ def load_target(spec: str, *, device: str | torch.device = "auto",
 
 def target_from_config(config, *, seed: int = 0, tokenizer=None, dtype=torch.float32) -> Target:
     """A randomly initialised target from a transformers config (tests, benchmarks)."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = auto_model_class(config).from_config(config, dtype=dtype).eval()
+    check_text_model(model)
     model.requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, spec=f"random:{config.model_type}")

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from eaglewire.core.contract import TargetFingerprint
-from eaglewire.model.target import (Target, chat_template_sha256, fingerprint_target, resolve_target_path,
-                              tokenizer_sha256)
+from eaglewire.model.target import (Target, auto_model_class, chat_template_sha256, check_text_model,
+                                    fingerprint_target, resolve_target_path, tokenizer_sha256)
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +42,36 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
     return out
 
 
+_WRAPPER_PREFIX = re.compile(r"^(?:model\.|language_model\.)+")
+
+
+def _stored_names(names: list[str], locations: dict[str, Path]) -> dict[str, str]:
+    """Parameter name -> its name in the files. A wrapper (``LlavaForConditionalGeneration``) names its
+    text model ``model.language_model.norm.weight`` in memory and may store it as
+    ``language_model.model.norm.weight`` (its lm_head as ``language_model.lm_head.weight``): a name
+    absent verbatim is matched with the ``model.`` / ``language_model.`` prefixes stripped, when unique."""
+    by_short: dict[str, list[str]] = {}
+    for stored in locations:
+        by_short.setdefault(_WRAPPER_PREFIX.sub("", stored), []).append(stored)
+    out = {}
+    for n in names:
+        candidates = by_short.get(_WRAPPER_PREFIX.sub("", n), [])
+        out[n] = n if n in locations else candidates[0] if len(candidates) == 1 else n
+    return out
+
+
 def read_tensors(names: list[str], locations: dict[str, Path], *, where: Path) -> dict[str, torch.Tensor]:
     """Only ``names``, each opened in its own file; raise naming the first absent one."""
-    missing = [n for n in names if n not in locations]
+    stored = _stored_names(names, locations)
+    missing = [n for n in names if stored[n] not in locations]
     if missing:
         raise HeadOnlyError(f"target {where}: tensor(s) {missing} are not in its safetensors files "
                             f"({len(locations)} tensors found); pass a transformers model directory "
                             "saved with save_pretrained")
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        with safe_open(str(locations[name]), "pt") as f:
-            out[name] = f.get_tensor(name)
+        with safe_open(str(locations[stored[name]]), "pt") as f:
+            out[name] = f.get_tensor(stored[name])
     return out
 
 
@@ -61,12 +81,13 @@ def load_target_head(spec: str, *, device: str | torch.device = "cpu", dtype: to
     ``head``, ``embed_tokens``, ``fingerprint`` and the size properties work; running the
     model does not (its layers hold no data). ``spec`` is a model directory or preset.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_target_path(spec)
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_model_class(config, where=f"target {spec}").from_config(config, dtype=dtype)
+    check_text_model(model, where=f"target {spec}")
     model.eval().requires_grad_(False)
     names = [n for n, _ in model.named_parameters()]  # tied parameters listed once, as a full load does
     embed = model.get_input_embeddings()
@@ -110,7 +131,7 @@ def unnorm_weight(target: Target) -> torch.Tensor:
 def config_fingerprint(spec: str) -> tuple[TargetFingerprint, list[str]]:
     """The fingerprint of a target known only by its config (and tokenizer, when present), plus
     the fields it could not know. Unknown fields are recorded as ``"unknown"``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
@@ -118,7 +139,8 @@ def config_fingerprint(spec: str) -> tuple[TargetFingerprint, list[str]]:
                             "(its config.json is enough to import; its weights add the head)")
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config, where=f"--target {spec}").from_config(config)
+    check_text_model(model, where=f"--target {spec}")
     unknown = ["weights_sha256"]
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))

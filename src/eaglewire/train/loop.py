@@ -75,6 +75,7 @@ class TrainConfig:
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
     head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
     allow_incomplete_data: bool = field(default=False, metadata={"help": "train on --data whose `prepare` did not finish (refused otherwise; a warning says how much it covers)"})
+    skip_label_check: bool = field(default=False, metadata={"help": "train without the label check at start (the target's head on the stored last state against the stored next tokens); only for a target that is not a language model of this text, e.g. a random test target"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
@@ -94,7 +95,7 @@ class TrainConfig:
 
     # Fields that may change between an interrupted run and its resume.
     RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
-                                   "head_only", "allow_incomplete_data"})
+                                   "head_only", "allow_incomplete_data", "skip_label_check"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -248,6 +249,10 @@ class Trainer:
             if self.source.dataset.manifest["source"].get("last_hidden") == ABSENT_LAST:
                 raise TrainingError(f"--data {config.data} holds no boundary-L state (imported with --no-last), "
                                     "the target's signal in training; import a capture that holds it")
+            if not config.skip_label_check:
+                from eaglewire.data.label_check import require_labels
+
+                require_labels(self.source.dataset, self.target, where=f"train --data {config.data}")
         self.contract: HiddenStateContract = self.source.contract
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
@@ -550,7 +555,17 @@ class Trainer:
                 "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
                 "config": cfg.identity(), "init_draft": self.init_lineage,
                 "final_eval": final_eval or (history.evals[-1] if history.evals else {}),
-                "seconds": round(history.seconds + time.perf_counter() - run.start, 1)}
+                "seconds": round(history.seconds + time.perf_counter() - run.start, 1),
+                **self._data_preset()}
+
+    def _data_preset(self) -> dict[str, str]:
+        """``data_preset``: the named data set the training data came from, which resolves on any machine
+        (``presets.recorded_data``) where the recorded path does not."""
+        from eaglewire.core.presets import DATA_PRESETS
+
+        cfg = self.config
+        name = (self.source.dataset.manifest["source"].get("data") if cfg.data is not None else cfg.online_data)
+        return {"data_preset": name} if isinstance(name, str) and name in DATA_PRESETS else {}
 
     def _save_run(self, run: RunState, training_summary: dict[str, Any]) -> None:
         self._save(run.draft, run.optimizer, run.scheduler, asdict(run.position), asdict(run.history),

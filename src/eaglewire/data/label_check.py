@@ -1,0 +1,253 @@
+"""The label check: do the stored boundary-L states give the target's own predictions?
+
+Training, the stored-state doctor and every acceptance figure take the target's signal from
+its final norm + lm_head applied to the stored last state (boundary L). A capture whose last
+stored state is another layer (an import with the wrong ``--boundaries``) gives a draft wrong
+labels that it learns well; nothing else notices. This module applies the head to the stored
+last state of a sample of sequences, at every position whose next token is a stored reply token
+(``loss_mask`` on it), and compares the head's argmax with that token.
+
+Shapes: T tokens of one sequence, H hidden size, V target vocabulary.
+
+The rule (constants below, in one place), by what is known, first match:
+
+- **the target can run** (``prepare``, ``train`` with the full target): the target's own agreement on
+  the same tokens, from its ordinary forward (``model(input_ids).logits``, independent of the
+  capture hooks) on ``REFERENCE_SEQUENCES`` sequences, is the expectation. Refused when the stored
+  states agree less than ``REFERENCE_MIN_RATIO`` x that, beyond twice the binomial noise. It
+  covers greedy data too, and better: a reply re-tokenized through the template is not always
+  the ids the target generated, and the reference sees the same tokens.
+- **self-written greedy, head only** (``prepare --regenerate`` at temperature 0, read from the
+  manifest's source): the replies are the target's own argmax, so the agreement is ~1 (SmolLM2-135M:
+  0.997 honest, 0.508 from the state two layers below). Refused below ``GREEDY_MIN_AGREEMENT``.
+- **otherwise, head only** (``import-data``, ``train --head-only``, ``doctor --stored``): the head's calibration.
+  On text like the target's own, the head's mean cross-entropy on the stored next tokens is close
+  to its own mean entropy; a state from another layer keeps the head confident but wrong, so the
+  cross-entropy rises far above the entropy. Entropy alone does not separate them: measured on
+  SmolLM2-135M, 12 ShareGPT conversations, 2,148 reply tokens, the states of boundaries 30 (L), 29,
+  28 and 15 give agreement 0.678 / 0.477 / 0.440 / 0.072, entropy 1.43 / 1.61 / 1.26 / 1.06 nats
+  (lower layers are no less confident) and cross-entropy minus entropy -0.06 / +1.86 / +3.34 /
+  +17.7 nats. Refused when that gap exceeds ``CALIBRATION_MAX_GAP``. A target that is not a
+  language model of the text (a random test target, a base model on a foreign language) fails
+  this rule on honest data: ``--skip-label-check`` is for that case, and only that.
+
+Positions: index t judges x_{t+1} where ``loss_mask[t+1]`` and the span goes on after it: the last
+token of each reply span (the end-of-turn the template appends, which a reply cut at
+``--max-new-tokens`` never generated) is not judged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eaglewire.model.target import Target
+
+log = logging.getLogger(__name__)
+
+SAMPLE_SEQUENCES = 16  # sequences read from the shards (evenly spread)
+SAMPLE_POSITIONS = 4096  # judged positions at most (the head is a [H, V] matmul per position)
+REFERENCE_SEQUENCES = 4  # sequences the target runs on for its own rate
+MIN_POSITIONS = 16  # fewer judged positions: no verdict ("skip")
+GREEDY_MIN_AGREEMENT = 0.9  # self-written greedy data: the honest capture measures 0.997
+REFERENCE_MIN_RATIO = 0.9  # of the target's own agreement on the same tokens
+REFERENCE_NOISE_SIGMAS = 2.0  # binomial noise allowed below that
+CALIBRATION_MAX_GAP = 1.0  # nats of cross-entropy above entropy (honest -0.06, one layer below +1.86)
+
+BOUNDARIES_CAUSE = ("the likely cause: the stored last state is not boundary L = {L} (the last layer's output "
+                    "before the final norm, of this {L}-layer target). With import-data, the last value of "
+                    "--boundaries must name the state that is boundary {L} (vLLM/speculators layer id {L}); "
+                    "check which layer the capturing tool stored last")
+SKIP_HINT = ("if the target is not a language model of this text (a random test target), pass "
+             "--skip-label-check")
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the head says at the judged positions."""
+
+    positions: int = 0
+    agree: int = 0
+    entropy: float = 0.0  # summed, nats
+    cross_entropy: float = 0.0  # summed, nats
+
+    def __add__(self, other: Figures) -> Figures:
+        return Figures(self.positions + other.positions, self.agree + other.agree,
+                       self.entropy + other.entropy, self.cross_entropy + other.cross_entropy)
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / max(self.positions, 1)
+
+    @property
+    def mean_entropy(self) -> float:
+        return self.entropy / max(self.positions, 1)
+
+    @property
+    def gap(self) -> float:
+        """Mean cross-entropy on the stored next tokens minus mean entropy, nats."""
+        return (self.cross_entropy - self.entropy) / max(self.positions, 1)
+
+    def describe(self) -> str:
+        return (f"argmax agrees with the stored next token at {self.agreement:.3f} of {self.positions:,} positions, "
+                f"mean entropy {self.mean_entropy:.2f} nats, cross-entropy - entropy {self.gap:+.2f} nats")
+
+
+@dataclass(frozen=True)
+class LabelCheck:
+    """The verdict (``ok``, ``fail`` or ``skip``), a message naming the figures, and the figures."""
+
+    verdict: str
+    message: str
+    rule: str  # "greedy", "reference" or "calibration"
+    stored: Figures
+    sequences: int
+    reference: Figures | None = None  # the target's own forward on the reference sequences
+    stored_on_reference: Figures | None = None  # the stored states on those same sequences
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict != "fail"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"verdict": self.verdict, "rule": self.rule, "sequences": self.sequences,
+               "positions": self.stored.positions, "agreement": round(self.stored.agreement, 4),
+               "mean_entropy": round(self.stored.mean_entropy, 4), "gap_nats": round(self.stored.gap, 4)}
+        if self.reference is not None:
+            out["reference_agreement"] = round(self.reference.agreement, 4)
+        return out
+
+
+class LabelCheckError(ValueError):
+    """Stored states whose boundary-L state does not give the target's predictions."""
+
+    def __init__(self, check: LabelCheck, where: str):
+        super().__init__(f"{where}: {check.message}")
+        self.check = check
+
+
+def judged_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] bool: index t judges x_{t+1} (a reply token that is not its span's last). loss_mask [T] bool."""
+    mask = loss_mask.bool()
+    out = torch.zeros_like(mask)
+    out[:-2] = mask[1:-1] & mask[2:]  # [T]
+    return out
+
+
+def figures(logits: torch.Tensor, input_ids: torch.Tensor, judged: torch.Tensor) -> Figures:
+    """Figures of logits [T, V] (index t predicting x_{t+1}) at ``judged`` [T] positions."""
+    nxt = torch.zeros_like(input_ids)
+    nxt[:-1] = input_ids[1:]  # [T] the next token
+    logp = logits[judged].float().log_softmax(-1)  # [n, V]
+    target_logp = logp.gather(-1, nxt[judged].to(logp.device)[:, None])[:, 0]  # [n]
+    return Figures(positions=int(judged.sum()),
+                   agree=int((logp.argmax(-1) == nxt[judged].to(logp.device)).sum()),
+                   entropy=float(-(logp.exp() * logp).sum()),
+                   cross_entropy=float(-target_logp.sum()))
+
+
+def can_run(target: Target) -> bool:
+    """Whether the target's layers hold weights (a head-only target's are on the meta device)."""
+    return not any(p.is_meta for p in target.layers.parameters())
+
+
+def is_self_written_greedy(source: dict[str, Any]) -> bool:
+    """A manifest source recording ``prepare --regenerate`` at temperature 0."""
+    regen = source.get("regenerate") if isinstance(source, dict) else None
+    return bool(source.get("regenerated")) and isinstance(regen, dict) and float(regen.get("temperature", 1)) == 0
+
+
+def sample_indices(n: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n) (all of them when n <= k)."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
+
+
+@torch.no_grad()
+def _stored_figures(reader, index: int, target: Target, budget: int) -> Figures:
+    item = reader[index]
+    ids, judged = item["input_ids"], judged_positions(item["loss_mask"])  # [T], [T]
+    if int(judged.sum()) > budget:  # keep the first `budget` judged positions
+        judged &= torch.cumsum(judged.long(), 0) <= budget
+    if not judged.any():
+        return Figures()
+    last = item["last_hidden"][judged].to(target.device, target.dtype)  # [n, H]
+    logits = torch.zeros(len(ids), target.vocab_size)
+    logits[judged] = target.head(last).float().cpu()  # [n, V] into [T, V]
+    return figures(logits, ids, judged)
+
+
+@torch.no_grad()
+def _reference_figures(reader, index: int, target: Target) -> Figures:
+    """The target's ordinary forward on the stored tokens (not the capture hooks)."""
+    item = reader[index]
+    ids, judged = item["input_ids"], judged_positions(item["loss_mask"])  # [T], [T]
+    logits = target.model(input_ids=ids[None].to(target.device)).logits[0].float().cpu()  # [T, V]
+    return figures(logits, ids, judged)
+
+
+def check_labels(reader, target: Target, *, greedy: bool | None = None, reference: bool | None = None,
+                 num_sequences: int = SAMPLE_SEQUENCES) -> LabelCheck:
+    """The label check on a shard reader (``ShardDataset``) with ``target``'s head.
+
+    ``reference``: run the target for its own rate (default: when its layers hold weights); the
+    expectation then, whatever the data. Else ``greedy``: the data are the target's own greedy replies
+    (default: from the manifest's source). Else the head's calibration.
+    """
+    source = reader.manifest.get("source") or {}
+    greedy = is_self_written_greedy(source) if greedy is None else greedy
+    reference = can_run(target) if reference is None else reference
+    L = reader.contract.num_layers
+    picked = sample_indices(len(reader), num_sequences)
+    per_seq, budget = [], SAMPLE_POSITIONS
+    for i in picked:
+        if budget <= 0:
+            break
+        f = _stored_figures(reader, i, target, budget)
+        per_seq.append((i, f))
+        budget -= f.positions
+    stored = sum((f for _, f in per_seq), Figures())
+    rule = "reference" if reference else "greedy" if greedy else "calibration"
+    if stored.positions < MIN_POSITIONS:
+        return LabelCheck("skip", f"only {stored.positions} reply positions to judge in {len(per_seq)} sequences "
+                          f"(at least {MIN_POSITIONS} needed): not checked", rule, stored, len(per_seq))
+    what = f"the target's final norm + lm_head on the stored last state: {stored.describe()}"
+    cause = BOUNDARIES_CAUSE.format(L=L)
+    if rule == "greedy":
+        ok = stored.agreement >= GREEDY_MIN_AGREEMENT
+        expect = (f"on the target's own greedy replies (prepare --regenerate, temperature 0) at least "
+                  f"{GREEDY_MIN_AGREEMENT} is expected (an honest capture measures ~0.997)")
+        return LabelCheck("ok" if ok else "fail", f"{what}; {expect}" + ("" if ok else f". {cause}"), rule, stored,
+                          len(per_seq))
+    if rule == "reference":
+        ref_ids = [i for i, f in per_seq if f.positions][:REFERENCE_SEQUENCES]
+        ref = sum((_reference_figures(reader, i, target) for i in ref_ids), Figures())
+        mine = sum((f for i, f in per_seq if i in ref_ids), Figures())
+        p = ref.agreement
+        floor = REFERENCE_MIN_RATIO * p - REFERENCE_NOISE_SIGMAS * math.sqrt(p * (1 - p) / max(mine.positions, 1))
+        ok = mine.agreement >= floor
+        expect = (f"on {len(ref_ids)} of these sequences the stored states agree at {mine.agreement:.3f}, the "
+                  f"target's own forward at {p:.3f} (at least {max(floor, 0):.3f} expected: "
+                  f"{REFERENCE_MIN_RATIO} x its rate less binomial noise)")
+        return LabelCheck("ok" if ok else "fail", f"{what}; {expect}" + ("" if ok else f". {cause}"), rule, stored,
+                          len(per_seq), reference=ref, stored_on_reference=mine)
+    ok = stored.gap <= CALIBRATION_MAX_GAP
+    expect = (f"the head's cross-entropy on the stored next tokens should be close to its own entropy (at most "
+              f"{CALIBRATION_MAX_GAP} nats above; a state from another layer leaves the head confident but wrong)")
+    return LabelCheck("ok" if ok else "fail",
+                      f"{what}; {expect}" + ("" if ok else f". {cause}; {SKIP_HINT}"), rule, stored, len(per_seq))
+
+
+def require_labels(reader, target: Target, *, where: str, **kwargs) -> LabelCheck:
+    """``check_labels``, raising ``LabelCheckError`` on a fail; logs the figures either way."""
+    check = check_labels(reader, target, **kwargs)
+    log.info("label check (%s, %s): %s", where, check.rule, check.message)
+    if check.verdict == "fail":
+        raise LabelCheckError(check, where)
+    return check
