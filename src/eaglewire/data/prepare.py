@@ -22,7 +22,7 @@ from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries,
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
-from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
+from eaglewire.data.shards import Storage, ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.sources import pad_right
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.core.distributed import dist_rank_world
@@ -55,6 +55,8 @@ class PrepareConfig:
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file to render conversations with (instead of the tokenizer's; for base models)"})
     template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})
     overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
+    state_dtype: str | None = field(default=None, metadata={"help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary, half the bytes), or bf16/fp16 (default: --storage-dtype)"})
+    labels: str = field(default="hidden", metadata={"help": "the target's signal on disk: hidden (the last hidden state) or topk:K (the target's K most likely tokens and log-probabilities at reply positions, e.g. topk:32)"})
 
     def __post_init__(self) -> None:
         if self.num_conversations is not None and self.num_conversations < 1:
@@ -72,6 +74,7 @@ class PrepareConfig:
             raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {self.template!r}")
         if self.template == "plain" and self.chat_template is not None:
             raise ValueError("give --chat-template FILE or --template plain, not both")
+        Storage(dtype=self.storage_dtype, state_dtype=self.state_dtype, labels=self.labels)  # names the bad flag
 
 
 TEMPLATES = ("chat", "plain")
@@ -284,7 +287,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     conversations = shard_work(conversations, rank, world)
 
     writer = ShardWriter(out, contract, source=source, dtype=config.storage_dtype,
-                         shard_tokens=config.shard_tokens, rank=rank, world_size=world)
+                         shard_tokens=config.shard_tokens, rank=rank, world_size=world,
+                         state_dtype=config.state_dtype, labels=config.labels, labels_head=target.head)
     # Written before any work: an interrupted run leaves data that says it is incomplete.
     writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict())
     if config.regenerate:
