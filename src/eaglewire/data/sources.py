@@ -76,8 +76,8 @@ class ShardSource:
         items = [self.dataset[i] for i in indices]
         T = max(len(it["input_ids"]) for it in items)
         # last_hidden, or topk_logprobs and topk_ids: whichever the shards store
-        return Batch(**{"last_hidden": None}, **{name: pad_right([it[name] for it in items], T).to(device)
-                                                 for name in items[0]})
+        return Batch(**{"last_hidden": None, **{name: pad_right([it[name] for it in items], T).to(device)
+                                                for name in items[0]}})
 
 
 def adopt_template(target: Target, source: dict, contract: HiddenStateContract) -> None:
