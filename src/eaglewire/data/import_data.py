@@ -64,7 +64,7 @@ class ImportDataConfig:
     no_last: bool = field(default=False, metadata={
         "help": "the capture holds no boundary-L state: store zeros in its place (for doctor --stored --labels "
                 "tokens; train refuses such shards)"})
-    state_dtype: str | None = field(default=None, metadata={
+    state_dtype: str | None = field(default=None, metadata={"choices": ("bf16", "fp16", "fp8"), 
         "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary) or bf16/fp16 (default: --dtype)"})
     labels: str = field(default="hidden", metadata={
         "help": "the target's signal on disk: hidden (the boundary-L state) or topk:K (the target head's K most "
