@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from eaglewire.model.ttt import signal_positions
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 LABEL_MODES = ("hidden", "topk")
@@ -46,9 +48,7 @@ def parse_labels(spec: str, *, vocab_size: int | None = None) -> tuple[str, int 
 def label_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     """loss_mask [T] -> [T] bool: position q is labelled when token q+1 is under the loss mask
     (the target's distribution at q judges the prediction of x_{q+1}; ttt.signal_positions)."""
-    out = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
-    out[:-1] = loss_mask[1:].bool()
-    return out
+    return signal_positions(loss_mask[None])[0]  # the one statement of the alignment rule
 
 
 def quantise_fp8(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
