@@ -31,7 +31,8 @@ import torch
 from eaglewire.core.contract import HiddenStateContract, TargetFingerprint, validate_boundaries
 from eaglewire.data.foreign import (LAYOUTS, ForeignDataError, Sample, Skip, read_rows, read_specforge,
                                     read_speculators, read_vllm)
-from eaglewire.data.shards import DTYPES, ShardError, ShardWriter, Storage
+from eaglewire.data.shards import DTYPES, ShardError, ShardWriter
+from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.core.fileio import replace_dir
 from eaglewire.core.locks import directory_lock
 from eaglewire.model.target import Target
@@ -64,7 +65,7 @@ class ImportDataConfig:
     no_last: bool = field(default=False, metadata={
         "help": "the capture holds no boundary-L state: store zeros in its place (for doctor --stored --labels "
                 "tokens; train refuses such shards)"})
-    state_dtype: str | None = field(default=None, metadata={"choices": ("bf16", "fp16", "fp8"), 
+    state_dtype: str | None = field(default=None, metadata={"choices": STATE_DTYPES, 
         "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary) or bf16/fp16 (default: --dtype)"})
     labels: str = field(default="hidden", metadata={
         "help": "the target's signal on disk: hidden (the boundary-L state) or topk:K (the target head's K most "

@@ -22,7 +22,8 @@ from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries,
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
-from eaglewire.data.shards import Storage, ShardWriter, read_sources, shard_work, source_differences
+from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
+from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.data.sources import pad_right
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.core.distributed import dist_rank_world
@@ -55,7 +56,7 @@ class PrepareConfig:
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file to render conversations with (instead of the tokenizer's; for base models)"})
     template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})
     overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
-    state_dtype: str | None = field(default=None, metadata={"choices": ("bf16", "fp16", "fp8"), "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary, half the bytes), or bf16/fp16 (default: --storage-dtype)"})
+    state_dtype: str | None = field(default=None, metadata={"choices": STATE_DTYPES, "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary, half the bytes), or bf16/fp16 (default: --storage-dtype)"})
     labels: str = field(default="hidden", metadata={"help": "the target's signal on disk: hidden (the last hidden state) or topk:K (the target's K most likely tokens and log-probabilities at reply positions, e.g. topk:32)"})
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Compact stored states: fp8 aux states and top-K labels (pure tensor functions).
+"""Compact stored states: fp8 aux states and top-K labels (pure tensor functions), and
+``Storage``, what a shard store keeps (its dtypes, labels and tensor layout).
 
 Shapes: T tokens of a sequence, k aux boundaries, H hidden size, V target vocab, K the stored
 top-K, n labelled positions (those whose next token is under the loss mask).
@@ -18,12 +19,20 @@ softmax of the head's logits over the draft vocabulary that the last state would
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from eaglewire.core.contract import HiddenStateContract
 from eaglewire.model.ttt import signal_positions
 
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}  # 16-bit storage
+STATE_DTYPES = (*DTYPES, "fp8")  # the aux states' storage (fp8: e4m3 with a scale per token and boundary)
+_ST_HIDDEN = {"bf16": "BF16", "fp16": "F16", "fp8": "F8_E4M3"}  # safetensors' names for the stored dtypes
+_BYTES = {"BF16": 2, "F16": 2, "F8_E4M3": 1, "F32": 4, "I32": 4, "U16": 2, "U8": 1, "I64": 8}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 LABEL_MODES = ("hidden", "topk")
@@ -80,3 +89,81 @@ def id_dtype(vocab_size: int) -> torch.dtype:
     """Stored top-K ids: uint16 while every id fits (V <= 65536), else int32 (2 bytes a value
     less per label: at H 576 with K = 32 that is 64 of ~1,900 bytes a token)."""
     return torch.uint16 if vocab_size <= 1 << 16 else torch.int32
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a store keeps its states: ``dtype`` (bf16/fp16: the last hidden state, and the aux states
+    unless fp8), ``state_dtype`` (the aux states: bf16, fp16 or fp8), ``labels`` (hidden or topk:K)."""
+
+    dtype: str = "bf16"
+    state_dtype: str | None = None  # None: as dtype
+    labels: str = "hidden"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not a shard dtype; choose one of {', '.join(DTYPES)}")
+        state = self.state_dtype or self.dtype
+        if state not in (self.dtype, "fp8"):
+            raise ValueError(f"state dtype {state!r} with storage dtype {self.dtype!r}: the aux states are "
+                             f"stored like the last state ({self.dtype}) or as fp8; pass --state-dtype "
+                             f"{self.dtype} or fp8")
+        object.__setattr__(self, "state_dtype", state)
+        parse_labels(self.labels)
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any]) -> Storage:
+        """A manifest's (or part's) storage; keys absent in older manifests read as the defaults."""
+        return cls(dtype=manifest["dtype"], state_dtype=manifest.get("state_dtype"),
+                   labels=manifest.get("labels", "hidden"))
+
+    @property
+    def labels_mode(self) -> str:
+        """``hidden`` (the last hidden state is stored) or ``topk`` (the target's top-K log-probabilities)."""
+        return parse_labels(self.labels)[0]
+
+    @property
+    def topk(self) -> int | None:
+        """K of ``topk:K`` labels, None for hidden labels."""
+        return parse_labels(self.labels)[1]
+
+    def record(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "state_dtype": self.state_dtype, "labels": self.labels}
+
+    def describe(self) -> str:
+        """``bf16``, or ``bf16, aux fp8, labels topk:32`` when not the defaults."""
+        extra = ([f"aux {self.state_dtype}"] if self.state_dtype != self.dtype else []) + (
+            [f"labels {self.labels}"] if self.labels != "hidden" else [])
+        return ", ".join([self.dtype, *extra])
+
+    def refusal(self, other: Storage, what: str) -> str | None:
+        """Why ``other`` cannot add to (or be read as one with) a store kept as ``self``, or None."""
+        if self == other:
+            return None
+        flags = {"dtype": "--dtype", "state_dtype": "--state-dtype", "labels": "--labels"}
+        mine = self.record()
+        fix = " ".join(f"{flag} {mine[k]}" for k, flag in flags.items() if mine[k] != other.record()[k]
+                       and not (k == "state_dtype" and "fp8" not in (self.state_dtype, other.state_dtype)))
+        return (f"{what} are stored as {self.describe()} but {other.describe()} is asked; pass {fix} "
+                "or use another --out")
+
+    def layout(self, contract: HiddenStateContract, n: int, s: int, m: int) -> dict[str, tuple[str, list[int]]]:
+        """Tensor name -> (safetensors dtype, shape) of a shard of n tokens, s sequences and m
+        labelled positions."""
+        k, h = contract.num_aux, contract.target.hidden_size
+        out = {"input_ids": ("I32", [n]), "loss_mask": ("U8", [n]), "offsets": ("I64", [s + 1]),
+               "aux_hidden": (_ST_HIDDEN[self.state_dtype], [n, k * h])}
+        if self.state_dtype == "fp8":
+            out["aux_scale"] = ("F32", [n, k])
+        if self.labels_mode == "hidden":
+            out["last_hidden"] = (_ST_HIDDEN[self.dtype], [n, h])
+        else:
+            ids = "U16" if id_dtype(contract.target.vocab_size) == torch.uint16 else "I32"
+            out["topk_logprobs"] = ("F16", [m, self.topk])
+            out["topk_ids"] = (ids, [m, self.topk])
+        return out
+
+    def token_bytes(self, contract: HiddenStateContract) -> int:
+        """Bytes a token takes with every position labelled (an upper bound: sizing shards)."""
+        return sum(_BYTES[st] * math.prod(shape[1:]) for st, shape in self.layout(contract, 1, 1, 1).values()
+                   if shape[0] == 1)
