@@ -38,8 +38,8 @@ def setup(tmp_path_factory):
 
 
 def doctor_config(root, target_dir, **kw) -> DoctorConfig:
-    return DoctorConfig(draft=str(root / "draft"), target=str(target_dir), data=str(root / "data"),
-                        include_training=True, engine_prompts=0, min_tokens=200, skip_label_check=True, **kw)
+    return DoctorConfig(**{"draft": str(root / "draft"), "target": str(target_dir), "data": str(root / "data"),
+                           "include_training": True, "engine_prompts": 0, "min_tokens": 200, "skip_label_check": True, **kw})
 
 
 def test_stored_doctor_matches_the_full_doctor(setup):
@@ -130,3 +130,56 @@ def test_drift_between_two_stored_captures(setup, tmp_path):
     assert same.verdict == "ok" and "24 sequences captured twice" in same.summary
     assert noisy.verdict == "fail" and any(e.startswith("boundary 4: cosine 0.8") for e in noisy.evidence)
     assert any(e.startswith("boundary 2: cosine 1.0") for e in noisy.evidence)
+
+
+def rewrite(ds, out, target, **storage) -> None:
+    """The stored sequences of ``ds`` written again with other storage (the target's head gives top-K labels)."""
+    with ShardWriter(out, ds.contract, source={"test": "rewritten"}, dtype="fp16",
+                     labels_head=lambda h: target.head(h.float()), **storage) as w:
+        for sid, item in zip(ds.sequence_ids, ds):
+            w.add(sid, item["input_ids"], item["loss_mask"], item["aux_hidden"], item["last_hidden"])
+
+
+def test_stored_doctor_on_topk_labels_judges_against_their_top_1(setup, tmp_path):
+    from eaglewire.data.shards import ShardDataset
+
+    root, target_dir, target = setup
+    ds = ShardDataset(root / "data")
+    rewrite(ds, tmp_path / "topk_all", target, labels="topk:256")  # K = V: the top-1 is the head's argmax
+    rewrite(ds, tmp_path / "compact", target, state_dtype="fp8", labels="topk:8")
+    hidden = run_doctor(doctor_config(root, target_dir, stored=True))
+    reports = {name: run_doctor(doctor_config(root, target_dir, stored=True, data=str(tmp_path / name)))
+               for name in ("topk_all", "compact")}
+    for name, report in reports.items():
+        labels = next(c for c in report.checks if c.name == "labels")
+        assert "top-1 of the stored target labels" in labels.summary and "topk:" in labels.summary
+        assert report.exit_code == 0, report.render()
+    # the same aux states and the same argmax (the head on the same fp16 state): the same count
+    assert reports["topk_all"].accuracy["acc@0"] == hidden.accuracy["acc@0"]
+    assert reports["topk_all"].facts["judged tokens"] == hidden.facts["judged tokens"]
+    # fp8 aux states move each value by at most 2^-4 of its token's amax: the draft still agrees
+    assert abs(reports["compact"].accuracy["acc@0"] - hidden.accuracy["acc@0"]) <= 0.05
+    drift = run_doctor(doctor_config(root, target_dir, stored=True, compare_data=str(tmp_path / "compact")))
+    check = next(c for c in drift.checks if c.name == "capture drift")
+    assert [e.split(":")[0] for e in check.evidence[:3]] == ["boundary 2", "boundary 4", "boundary 5"]
+    assert not any(e.startswith("boundary 8") for e in check.evidence)  # no last state to compare
+
+
+def test_capture_drift_against_topk_shards_compares_the_aux_states_only(setup, tmp_path):
+    """What the full doctor does with held-out shards (doctor/run.py): their stored states beside a
+    fresh capture; top-K shards hold no last state, so boundary L is not compared."""
+    from eaglewire.data.shards import ShardDataset
+    from eaglewire.doctor.measure import Sequence, capture_batches, capture_drift
+    from eaglewire.model.checkpoint import load_draft
+
+    root, target_dir, target = setup
+    rewrite(ShardDataset(root / "data"), tmp_path / "compact", target, state_dtype="fp8", labels="topk:8")
+    ds = ShardDataset(tmp_path / "compact")
+    seqs = [Sequence(ds.sequence_ids[i], ds[i]["input_ids"], ds[i]["loss_mask"], ds[i]["aux_hidden"],
+                     ds[i].get("last_hidden")) for i in range(4)]
+    draft, _, _ = load_draft(root / "draft", target=target)
+    batches = capture_batches(target, draft, seqs, list(AUX))
+    assert batches[0].stored_aux is not None and batches[0].stored_last is None
+    drifts = capture_drift(batches, list(AUX), target.num_layers)
+    assert [d.boundary for d in drifts] == list(AUX)
+    assert all(d.cosine > 0.99 for d in drifts)  # fp8 moves each value by at most 2^-4 of its token's amax

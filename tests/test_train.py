@@ -248,3 +248,56 @@ def test_incomplete_shards_are_refused_unless_allowed(tmp_path, conversations_fi
     result = train(TrainConfig(out=str(tmp_path / "d2"), allow_incomplete_data=True, **base),
                    target=chat_tiny_target, progress=False)
     assert result.steps == 1 and "INCOMPLETE DATA" in caplog.text
+
+
+# ---------------------------------------------------------------- compact shards (fp8 aux, top-K labels)
+
+@pytest.fixture(scope="module")
+def stored_three_ways(tmp_path_factory, conversations_file, chat_tiny_target):
+    """The same conversations prepared as bf16 + last state, bf16 + top-V labels, fp8 + top-32 labels."""
+    root = tmp_path_factory.mktemp("compact")
+    V = len(chat_tiny_target.tokenizer)
+    out = {}
+    for name, kw in (("hidden", {}), ("topk_all", dict(labels=f"topk:{V}")),
+                     ("compact", dict(state_dtype="fp8", labels="topk:32"))):
+        prepare(PrepareConfig(out=str(root / name), data=str(conversations_file), max_length=64, batch_tokens=256,
+                              **kw), target=chat_tiny_target, progress=False)
+        out[name] = root / name
+    return out
+
+
+def offline(out, data, **kw):
+    base = dict(out=str(out), data=str(data), device="cpu", ttt_steps=2, draft_vocab_size=64, val_sequences=4,
+                batch_tokens=256, eval_interval=1000, save_interval=2, log_interval=1, lr=3e-3, warmup_steps=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_topk_labels_of_the_whole_vocab_train_as_the_last_state_does(tmp_path, stored_three_ways, chat_tiny_target):
+    """With K = V the stored top-K is the target's whole distribution, so the loss is the hidden path's.
+    Not bit-equal: the hidden path rounds the last state to bf16 before the head, the top-K path the
+    log-probabilities to fp16 after it, and the runs' updates then differ by that much (measured:
+    3e-6 relative over 4 steps), hence a tolerance of 1e-4."""
+    V = len(chat_tiny_target.tokenizer)  # the whole vocabulary: every target argmax counts in both runs
+    for name in ("hidden", "topk_all"):
+        train(offline(tmp_path / name, stored_three_ways[name], max_steps=4, draft_vocab_size=V),
+              target=chat_tiny_target, progress=False)
+    hidden, topk = (losses(tmp_path / name / "metrics.jsonl") for name in ("hidden", "topk_all"))
+    assert len(hidden) == 4 and topk == pytest.approx(hidden, rel=1e-4)
+    assert topk != hidden  # the two paths did run (rounding differs)
+
+
+def test_fp8_topk_shards_train_resume_exactly_and_keep_the_vocabulary(tmp_path, stored_three_ways,
+                                                                      chat_tiny_target):
+    data = stored_three_ways["compact"]
+    full = train(offline(tmp_path / "a", data, max_steps=5), target=chat_tiny_target, progress=False)
+    part = train(offline(tmp_path / "b", data, max_steps=5, stop_at_step=2), target=chat_tiny_target,
+                 progress=False)
+    rest = train(offline(tmp_path / "b", data, max_steps=5, resume=True), target=chat_tiny_target, progress=False)
+    assert (full.finished, part.steps, rest.steps, rest.finished) == (True, 2, 5, True)
+    assert losses(tmp_path / "b" / "metrics.jsonl") == pytest.approx(losses(tmp_path / "a" / "metrics.jsonl"),
+                                                                     rel=1e-6)
+    # the draft vocabulary comes from the stored tokens, which top-K shards keep as they are
+    train(offline(tmp_path / "h", stored_three_ways["hidden"], max_steps=1), target=chat_tiny_target, progress=False)
+    compact, _, _ = load_draft(tmp_path / "a", target=chat_tiny_target)
+    hidden, _, _ = load_draft(tmp_path / "h", target=chat_tiny_target)
+    assert torch.equal(compact.d2t, hidden.d2t) and int(compact.t2d.sum()) == 64

@@ -143,3 +143,37 @@ def test_parts_normalised_by_the_whole_batch_add_up_to_the_whole_batch():
     torch.testing.assert_close(total, whole.detach())
     for a, b in zip(whole_draft.parameters(), parts_draft.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_topk_signal_with_the_whole_vocab_equals_the_heads_signal():
+    """Stored top-V log-probabilities carry the full distribution: renormalised over the draft vocab
+    they are the softmax of the logits there (log-softmax only shifts logits by a constant)."""
+    from eaglewire.model.ttt import topk_signal
+
+    torch.manual_seed(0)
+    Vt, B = 40, 2
+    logits = torch.randn(B, T, Vt) * 3  # [B, T, V]
+    t2d = torch.zeros(Vt, dtype=torch.bool)
+    t2d[torch.randperm(Vt)[:12]] = True
+    draft_ids = t2d.nonzero().squeeze(1)
+    needed = torch.rand(B, T) > 0.3
+    ref = target_signal(lambda h: h, logits, draft_ids, t2d, needed)
+    values, ids = torch.log_softmax(logits, -1).topk(Vt, -1)  # [B, T, V] each
+    got = topk_signal(values, ids, draft_ids, t2d, needed)
+    assert torch.allclose(got.probs, ref.probs, atol=1e-6)  # fp32 softmax of shifted logits
+    assert torch.equal(got.argmax[needed], ref.argmax[needed]) and torch.equal(got.in_vocab, ref.in_vocab)
+    assert 0 < int(got.in_vocab.sum()) < int(needed.sum())  # some top-1 ids fall outside the draft vocab
+
+
+def test_topk_signal_renormalises_the_stored_ids_inside_the_draft_vocab():
+    from eaglewire.model.ttt import topk_signal
+
+    t2d = torch.tensor([True, False, True, True, False])  # draft ids 0, 1, 2 = target ids 0, 2, 3
+    draft_ids = t2d.nonzero().squeeze(1)
+    ids = torch.tensor([[[3, 1, 0], [1, 2, 4]]])  # [1, 2, 3]
+    logprobs = torch.log(torch.tensor([[[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]]]))
+    got = topk_signal(logprobs, ids, draft_ids, t2d, torch.ones(1, 2, dtype=torch.bool))
+    # position 0: ids 3 and 0 are inside, 1 is not: 0.5 and 0.1 renormalised
+    assert torch.allclose(got.probs[0, 0], torch.tensor([0.1 / 0.6, 0.0, 0.5 / 0.6]))
+    assert got.argmax[0].tolist() == [3, 1] and got.in_vocab[0].tolist() == [True, False]  # top-1 id 1 is outside
+    assert torch.allclose(got.probs[0, 1], torch.tensor([0.0, 1.0, 0.0]))  # only id 2 inside

@@ -275,3 +275,38 @@ def test_a_capture_without_boundary_L_is_for_token_labels_only(shards, target_di
     report = run_doctor(DoctorConfig(draft=str(tmp_path / "draft"), target=str(target_dir), data=str(tmp_path / "out"),
                                      stored=True, labels="tokens", include_training=True))
     assert report.facts["judged tokens"] > 0 and "acc@0" in report.accuracy
+
+
+def test_import_writes_fp8_states_and_topk_labels(shards, target_dir, target, tmp_path):
+    """--state-dtype fp8 --labels topk:K: the aux states within e4m3 rounding, the head's top-K at labelled positions."""
+    from eaglewire.data.state_codec import label_positions
+
+    ds = ShardDataset(shards)
+    src, rows = write_speculators(ds, tmp_path / "src")
+    run_import("speculators", src, tmp_path / "out", target_dir, boundaries=[*AUX, L], tokens=str(rows),
+               state_dtype="fp8", labels="topk:4")
+    back = ShardDataset(tmp_path / "out")
+    assert (back.state_dtype, back.labels_mode, back.storage.topk) == ("fp8", "topk", 4)
+    for a, b in zip(ds, back):
+        T, aux = a["aux_hidden"].shape[0], a["aux_hidden"].float()
+        amax = aux.reshape(T, len(AUX), H).abs().amax(-1, keepdim=True)  # [T, k, 1]
+        err = (b["aux_hidden"].float() - aux).reshape(T, len(AUX), H).abs()
+        assert (err <= (2 ** -4 + 2 ** -9) * amax).all()  # e4m3 rounding + the bf16 read-back
+        where = label_positions(a["loss_mask"])
+        with torch.no_grad():
+            top = torch.log_softmax(target.head(a["last_hidden"].float()[where]), -1).topk(4, -1)
+        assert torch.equal(b["topk_ids"][where], top.indices) and "last_hidden" not in b
+        assert torch.allclose(b["topk_logprobs"][where], top.values, atol=1e-2)  # fp16 of values down to ~-10
+    with pytest.raises(ValueError, match="--labels topk:4 .* --no-last"):
+        ImportDataConfig(src="s", layout="vllm", out="o", target="t", labels="topk:4", no_last=True)
+    with pytest.raises(ValueError, match="--state-dtype"):
+        ImportDataConfig(src="s", layout="vllm", out="o", target="t", state_dtype="fp4")
+
+
+def test_topk_labels_need_the_targets_weights(shards, target_dir, tmp_path):
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((target_dir / "config.json").read_text())
+    src = write_vllm(ShardDataset(shards), tmp_path / "src")
+    with pytest.raises(ForeignDataError, match="--labels topk:4 .* must hold the weights"):
+        run_import("vllm", src, tmp_path / "out", config_only, boundaries=[*AUX, L], labels="topk:4")

@@ -177,3 +177,13 @@ def test_plain_and_chat_template_together_are_refused():
         PrepareConfig(out="x", template="plain", chat_template="t.jinja")
     with pytest.raises(ValueError, match="template must be one of chat, plain"):
         PrepareConfig(out="x", template="raw")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(labels="topk"), r"--labels 'topk' is not a labels mode"),
+    (dict(state_dtype="fp16"), r"--state-dtype bf16 or fp8"),
+    (dict(storage_dtype="fp16", state_dtype="bf16"), r"--state-dtype fp16 or fp8"),
+])
+def test_compact_storage_flags_are_checked_before_any_work(kw, message):
+    with pytest.raises(ValueError, match=message):
+        PrepareConfig(out="o", **kw)

@@ -46,9 +46,9 @@ def make_sequences(n: int, seed: int = 0) -> list[dict]:
 
 
 def write(out: Path, seqs: list[dict], *, dtype: str = "bf16", shard_tokens: int = 100,
-          rank: int = 0, world_size: int = 1, c: HiddenStateContract | None = None) -> dict:
+          rank: int = 0, world_size: int = 1, c: HiddenStateContract | None = None, **storage) -> dict:
     with ShardWriter(out, c or contract(), source=SOURCE, dtype=dtype, shard_tokens=shard_tokens,
-                     rank=rank, world_size=world_size) as w:
+                     rank=rank, world_size=world_size, **storage) as w:
         for s in seqs:
             w.add(**s)
     return w.close()
@@ -400,3 +400,112 @@ def test_status_is_recorded_and_read_back(tmp_path):
     assert incomplete_reason(ShardDataset(tmp_path).manifest) is None
     write(tmp_path / "plain", make_sequences(2))  # no status (another writer): taken as complete
     assert incomplete_reason(ShardDataset(tmp_path / "plain").manifest) is None
+
+
+# ---------------------------------------------------------------- compact states: fp8 aux, top-K labels
+
+TOPK = 5
+HEAD = torch.nn.Linear(H, V, bias=False)  # a stand-in for the target head: [n, H] -> [n, V]
+
+
+def compact(**kw) -> dict:
+    return dict(state_dtype="fp8", labels=f"topk:{TOPK}", labels_head=HEAD, **kw)
+
+
+def test_fp8_aux_and_topk_labels_read_back(tmp_path):
+    seqs = make_sequences(30)
+    seqs[0]["loss_mask"][:] = True  # the first token under the mask labels nothing (no token before it)
+    write(tmp_path, seqs, **compact())
+    assert len(shard_files(tmp_path)) > 2
+    ds = ShardDataset(tmp_path, expect=contract())
+    assert (ds.state_dtype, ds.labels_mode, ds.storage.topk) == ("fp8", "topk", TOPK)
+    got = by_id(ds)
+    for s in seqs:
+        item = got[s["seq_id"]]
+        assert "last_hidden" not in item and item["aux_hidden"].dtype == torch.bfloat16
+        T = len(s["input_ids"])
+        amax = s["aux_hidden"].reshape(T, K, H).abs().amax(-1, keepdim=True)  # [T, K, 1]
+        err = (item["aux_hidden"].float() - s["aux_hidden"]).reshape(T, K, H).abs()
+        # e4m3 rounding (2^-4 of amax, see test_state_codec) plus the bf16 read-back (2^-9 of the value)
+        assert (err <= (2 ** -4 + 2 ** -9) * amax).all()
+        rows = torch.zeros(T, dtype=torch.bool)
+        rows[:-1] = s["loss_mask"][1:]
+        with torch.no_grad():
+            want = torch.log_softmax(HEAD(s["last_hidden"][rows]), -1).topk(TOPK, -1)
+        assert item["topk_ids"].shape == item["topk_logprobs"].shape == (T, TOPK)
+        assert torch.equal(item["topk_ids"][rows], want.indices)
+        assert torch.equal(item["topk_logprobs"][rows], want.values.half().float())  # stored in fp16
+        assert not item["topk_ids"][~rows].any() and not item["topk_logprobs"][~rows].any()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert (manifest["state_dtype"], manifest["labels"], manifest["dtype"]) == ("fp8", f"topk:{TOPK}", "bf16")
+    assert sum(e["num_label_rows"] for e in manifest["shards"]) == sum(int(s["loss_mask"][1:].sum()) for s in seqs)
+    tensors = load_file(shard_files(tmp_path)[0])
+    assert set(tensors) == {"input_ids", "loss_mask", "offsets", "aux_hidden", "aux_scale", "topk_logprobs",
+                            "topk_ids"}
+    assert tensors["topk_ids"].dtype == torch.uint16  # V = 100 fits two bytes
+
+
+def test_compact_bytes_per_token(tmp_path):
+    """fp8 aux (1 byte + 4 bytes of scale per boundary) and K labels of 2 + 2 bytes at labelled positions."""
+    seqs = make_sequences(20)
+    totals = write(tmp_path, seqs, shard_tokens=10_000, **compact())
+    tokens = sum(len(s["input_ids"]) for s in seqs)
+    labelled = sum(int(s["loss_mask"][1:].sum()) for s in seqs)
+    payload = tokens * (5 + K * H + 4 * K) + labelled * TOPK * 4 + 8 * (len(seqs) + 1)
+    assert payload < totals["bytes"] < payload + 1000  # the rest is the safetensors header
+    assert ShardDataset(tmp_path).storage.token_bytes(contract()) == 5 + K * H + 4 * K + TOPK * 4
+
+
+def test_fp8_aux_with_hidden_labels_keeps_the_last_state(tmp_path):
+    seqs = make_sequences(6)
+    write(tmp_path, seqs, state_dtype="fp8")
+    ds = ShardDataset(tmp_path)
+    assert (ds.state_dtype, ds.labels_mode) == ("fp8", "hidden")
+    for s, (sid, item) in zip(seqs, sorted(by_id(ds).items(), key=lambda kv: int(kv[0].split("-")[1]))):
+        assert torch.equal(item["last_hidden"], s["last_hidden"].to(torch.bfloat16))
+
+
+def test_manifest_without_storage_keys_reads_as_hidden_labels(tmp_path):
+    """Shards written before --state-dtype / --labels existed."""
+    write(tmp_path, make_sequences(5))
+    path = tmp_path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["state_dtype"], manifest["labels"]
+    path.write_text(json.dumps(manifest))
+    ds = ShardDataset(tmp_path)
+    assert (ds.state_dtype, ds.labels_mode) == ("bf16", "hidden") and "last_hidden" in ds[0]
+
+
+@pytest.mark.parametrize("first, then, message", [
+    (dict(), compact(), r"stored as bf16 but bf16, aux fp8, labels topk:5 is asked; pass --state-dtype bf16 "
+                        r"--labels hidden"),
+    (compact(), dict(state_dtype="fp8"), "pass --labels topk:5"),
+])
+def test_resume_with_other_storage_is_refused(tmp_path, first, then, message):
+    write(tmp_path, make_sequences(5), **first)
+    with pytest.raises(ShardError, match=message):
+        ShardWriter(tmp_path, contract(), source=SOURCE, **then)
+
+
+def test_topk_labels_need_the_head_and_a_valid_k(tmp_path):
+    with pytest.raises(ValueError, match="needs the target's head"):
+        ShardWriter(tmp_path, contract(), source=SOURCE, labels="topk:4")
+    with pytest.raises(ValueError, match=f"exceeds the target vocabulary \\({V}\\)"):
+        ShardWriter(tmp_path, contract(), source=SOURCE, labels=f"topk:{V + 1}", labels_head=HEAD)
+    with pytest.raises(ValueError, match="--state-dtype bf16 or fp8"):
+        ShardWriter(tmp_path, contract(), source=SOURCE, state_dtype="fp16")
+
+
+def test_label_rows_that_disagree_with_the_loss_mask_are_caught(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    write(tmp_path, make_sequences(5), shard_tokens=10_000, **compact())
+    path = shard_files(tmp_path)[0]
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(path)
+    tensors["loss_mask"][1:] = 1 - tensors["loss_mask"][1:]  # same shapes and size, other labelled positions
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ShardError, match="loss mask labels .* positions but the manifest records .* label rows"):
+        ShardDataset(tmp_path, verify=False)[0]

@@ -33,6 +33,7 @@ from eaglewire.data.foreign import (LAYOUTS, ForeignDataError, Sample, Skip, rea
                                     read_speculators, read_vllm)
 from eaglewire.data.label_check import LabelCheckError, check_labels
 from eaglewire.data.shards import DTYPES, ShardDataset, ShardError, ShardWriter
+from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.core.fileio import replace_dir
 from eaglewire.core.locks import directory_lock
 from eaglewire.model.target import Target
@@ -40,7 +41,6 @@ from eaglewire.model.target_head import config_fingerprint, load_target_head, un
 
 log = logging.getLogger(__name__)
 
-_BYTES = {"bf16": 2, "fp16": 2}
 # manifest source.last_hidden of shards without a boundary-L state (train and the head refuse them)
 ABSENT_LAST = "absent (zeros)"
 BOUNDARY_HELP = ("eaglewire boundary b = input of layer b (0 = embedding output, L = last layer before the "
@@ -71,6 +71,11 @@ class ImportDataConfig:
         "help": "import without the label check (the target's head on the stored last state against the stored "
                 "next tokens); only for a target that is not a language model of this text, e.g. a random test "
                 "target", "record": False})
+    state_dtype: str | None = field(default=None, metadata={"choices": STATE_DTYPES, 
+        "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary) or bf16/fp16 (default: --dtype)"})
+    labels: str = field(default="hidden", metadata={
+        "help": "the target's signal on disk: hidden (the boundary-L state) or topk:K (the target head's K most "
+                "likely tokens at reply positions; needs the weights in --target)"})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -79,6 +84,10 @@ class ImportDataConfig:
             raise ValueError(f"--dtype {self.dtype!r} is not a shard dtype; choose one of {', '.join(DTYPES)}")
         if self.shard_mb < 1:
             raise ValueError(f"--shard-mb must be >= 1, got {self.shard_mb}")
+        storage = Storage(dtype=self.dtype, state_dtype=self.state_dtype, labels=self.labels)  # names the bad flag
+        if storage.labels_mode == "topk" and self.no_last:
+            raise ValueError(f"--labels {self.labels} computes the target's top-K from the boundary-L state, which "
+                             "--no-last says the capture lacks; import with --labels hidden")
 
 
 @dataclass
@@ -231,7 +240,11 @@ def import_data(config: ImportDataConfig) -> ImportSummary:
 
 
 def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> ImportSummary:
-    fingerprint, scale, unknown, head = _target(config.target)
+    fingerprint, scale, unknown, head_target = _target(config.target)
+    if config.labels != "hidden" and head_target is None:
+        raise ForeignDataError(f"--labels {config.labels} stores the target's top-K, computed by its head: --target "
+                               f"{config.target} must hold the weights (only the embedding, final norm and lm_head "
+                               "are read), or import with --labels hidden")
     samples = _read(config, src)
     skipped: Counter[str] = Counter()
     writer: ShardWriter | None = None
@@ -246,7 +259,7 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
                 log.warning("skipping %s: %s (%s)", rows.seq_id, rows.reason, rows.detail)
                 continue
             if writer is None:
-                writer = _writer(config, partial, plan, fingerprint, src, unknown)
+                writer = _writer(config, partial, plan, fingerprint, src, unknown, head_target)
             try:
                 writer.add(item.seq_id, *rows)
                 added += 1
@@ -263,7 +276,7 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
         if writer is not None and partial.exists():
             writer.__exit__(Exception, None, None)  # keep the finished shards: a rerun resumes
         raise
-    label_note = _check_labels(config, partial, out, head, plan)
+    label_note = _check_labels(config, partial, out, head_target, plan)
     replace_dir(partial, out)
     notes = [f"fingerprint fields {unknown} are unknown (no weights/tokenizer in --target): train or doctor "
              f"with --allow-target-mismatch {','.join(unknown)}"] if unknown else []
@@ -278,18 +291,21 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
 
 
 def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: TargetFingerprint,
-            src: Path, unknown: list[str]) -> ShardWriter:
+            src: Path, unknown: list[str], head_target: Target | None = None) -> ShardWriter:
     contract = HiddenStateContract(aux_boundaries=tuple(plan.stored[i] for i in plan.aux_index),
                                    target=fingerprint)
-    row_bytes = (len(plan.aux_index) + 1) * fingerprint.hidden_size * _BYTES[config.dtype]
+    storage = Storage(dtype=config.dtype, state_dtype=config.state_dtype, labels=config.labels)
+    row_bytes = storage.token_bytes(contract)
     source: dict[str, Any] = {
         "imported_from": str(src.resolve()), "layout": config.layout, "stored_boundaries": plan.stored,
         "last_hidden": (ABSENT_LAST if plan.absent else f"stored boundary {fingerprint.num_layers}"
                         if plan.last_index is not None else
                         "specforge post-norm state / norm(1) (head-equivalent to boundary L)"),
         "target": config.target, "tokens": config.tokens, "fingerprint_unknown": unknown}
+    head = None if head_target is None else (lambda h: head_target.head(h.to(head_target.dtype)))  # [n, H] -> [n, V]
     return ShardWriter(partial, contract, source=source, dtype=config.dtype,
-                       shard_tokens=max(1, config.shard_mb * 2**20 // row_bytes))
+                       shard_tokens=max(1, config.shard_mb * 2**20 // row_bytes),
+                       state_dtype=config.state_dtype, labels=config.labels, labels_head=head)
 
 
 

@@ -24,6 +24,7 @@ from eaglewire.data.conversations import (
 from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.remote_regenerate import RemoteConfig, read_meta
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
+from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.data.sources import pad_right
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.core.distributed import dist_rank_world
@@ -57,6 +58,8 @@ class PrepareConfig:
     template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})
     overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # --regenerate through servers: its flags
+    state_dtype: str | None = field(default=None, metadata={"choices": STATE_DTYPES, "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary, half the bytes), or bf16/fp16 (default: --storage-dtype)"})
+    labels: str = field(default="hidden", metadata={"help": "the target's signal on disk: hidden (the last hidden state) or topk:K (the target's K most likely tokens and log-probabilities at reply positions, e.g. topk:32)"})
 
     def __post_init__(self) -> None:
         if self.num_conversations is not None and self.num_conversations < 1:
@@ -77,6 +80,7 @@ class PrepareConfig:
         if self.remote.remote and not self.regenerate:
             raise ValueError("--server / --llamacpp-gguf give the server to regenerate replies through: add "
                              "--regenerate (or drop them to keep the data's own replies)")
+        Storage(dtype=self.storage_dtype, state_dtype=self.state_dtype, labels=self.labels)  # names the bad flag
 
 
 TEMPLATES = ("chat", "plain")
@@ -298,7 +302,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     conversations = shard_work(conversations, rank, world)
 
     writer = ShardWriter(out, contract, source=source, dtype=config.storage_dtype,
-                         shard_tokens=config.shard_tokens, rank=rank, world_size=world)
+                         shard_tokens=config.shard_tokens, rank=rank, world_size=world,
+                         state_dtype=config.state_dtype, labels=config.labels, labels_head=target.head)
     # Written before any work: an interrupted run leaves data that says it is incomplete.
     writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict())
     if config.regenerate:

@@ -10,8 +10,18 @@ A shard is one safetensors file holding S sequences concatenated along tokens, u
 | input_ids   | [N]      | int32                                                   |
 | loss_mask   | [N]      | uint8                                                   |
 | aux_hidden  | [N, k*H] | bf16 or fp16, boundaries concatenated in contract order |
-| last_hidden | [N, H]   | bf16 or fp16                                            |
+|             |          | (or fp8 e4m3 with ``--state-dtype fp8``)                |
+| aux_scale   | [N, k]   | fp32, only with fp8: token n, boundary i is aux * scale |
+| last_hidden | [N, H]   | bf16 or fp16 (``--labels hidden``, the default)         |
+| topk_logprobs | [M, K] | fp16 (``--labels topk:K``, instead of last_hidden)      |
+| topk_ids    | [M, K]   | uint16 (vocab <= 65536) or int32                        |
 | offsets     | [S+1]    | int64; sequence s is tokens offsets[s]:offsets[s+1]     |
+
+M counts the labelled positions: q is labelled when token q+1 of its sequence is under the loss
+mask (where training reads the target's distribution), in token order; the reader derives each
+sequence's rows from its loss mask (``state_codec.label_positions``). The manifest records
+``state_dtype`` and ``labels`` (``hidden`` or ``topk:K``); manifests without them are bf16/fp16
+aux states with the last hidden state.
 
 ``manifest.json`` (under torchrun one ``manifest.rank{r}-of-{w}.json`` per rank) lists the
 finished shards with their sha256, the ``source`` the data came from (the input's identity and
@@ -29,7 +39,7 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -38,14 +48,15 @@ from safetensors.torch import save_file
 from eaglewire.core.contract import ContractError, HiddenStateContract, TargetFingerprint
 from eaglewire.core.distributed import check_rank
 from eaglewire.core.fileio import atomic_path, atomic_write_json
+from eaglewire.data.state_codec import (DTYPES, FP8, Storage, dequantise_fp8, id_dtype, label_positions,
+                                        parse_labels, quantise_fp8, topk_labels)
 
 log = logging.getLogger(__name__)
 
 SHARD_FORMAT_VERSION = 1
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_ST_HIDDEN = {"bf16": "BF16", "fp16": "F16"}  # safetensors' names for the stored hidden dtype
-# safetensors dtype -> numpy dtype of the raw bytes; bf16 is read as int16, then viewed as bf16
-_NP_DTYPES = {"I64": np.int64, "I32": np.int32, "U8": np.uint8, "BF16": np.int16, "F16": np.float16}
+# safetensors dtype -> numpy dtype of the raw bytes; bf16 is read as int16 and fp8 as uint8, then viewed
+_NP_DTYPES = {"I64": np.int64, "I32": np.int32, "U16": np.uint16, "U8": np.uint8, "BF16": np.int16,
+              "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8}
 _MANIFEST_RE = re.compile(r"manifest(\.rank\d+-of-\d+)?\.json")
 _MANIFEST_KEYS = ("format_version", "contract", "source", "dtype", "shards")
 _MAX_OPEN = 512  # memory-mapped shards a dataset keeps open (each holds a file descriptor)
@@ -182,9 +193,17 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir: str | Path, contract: HiddenStateContract, *, source: dict[str, Any],
-                 dtype: str = "bf16", shard_tokens: int = 65536, rank: int = 0, world_size: int = 1):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not a shard dtype; choose one of {', '.join(DTYPES)}")
+                 dtype: str = "bf16", shard_tokens: int = 65536, rank: int = 0, world_size: int = 1,
+                 state_dtype: str | None = None, labels: str = "hidden",
+                 labels_head: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``labels_head`` maps last states [n, H] to the target's logits [n, V]; ``topk:K`` labels
+        need it (the last state is reduced to its top-K at ``add`` and not stored)."""
+        self.storage = Storage(dtype=dtype, state_dtype=state_dtype, labels=labels)
+        parse_labels(labels, vocab_size=contract.target.vocab_size)
+        if self.storage.labels_mode == "topk" and labels_head is None:
+            raise ValueError(f"--labels {labels} stores the target's top-K log-probabilities: the writer needs "
+                             "the target's head (final norm + lm_head) to compute them")
+        self.labels_head = labels_head
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be a positive number of tokens, got {shard_tokens}")
         check_rank(rank, world_size)
@@ -198,7 +217,7 @@ class ShardWriter:
         self._manifest_path = self.out_dir / name
         self._prefix = "shard-" if world_size == 1 else f"shard-r{rank}-"
         self._shards: list[dict[str, Any]] = []
-        self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._buffer: list[tuple[str, dict[str, torch.Tensor]]] = []  # (id, stored tensors)
         self._buffer_ids: set[str] = set()
         self._buffer_tokens = 0
         self._closed = False
@@ -212,9 +231,8 @@ class ShardWriter:
         for name, part in _read_parts(self.out_dir):
             what = f"existing shards in {self.out_dir} ({name})"
             _check_contract(self.contract, HiddenStateContract.from_dict(part["contract"]), what)
-            if part["dtype"] != self.dtype:
-                raise ShardError(f"{what} are stored as {part['dtype']} but this writer stores "
-                                 f"{self.dtype}; pass --dtype {part['dtype']} or use another --out")
+            if why := Storage.of(part).refusal(self.storage, what):
+                raise ShardError(why)
             if part["source"] != self.source:
                 raise ShardError(f"{what} were prepared from other input or with other settings "
                                  f"({source_differences(part['source'], self.source)}); adding to them "
@@ -273,12 +291,12 @@ class ShardWriter:
         seq = self._validate(seq_id, input_ids, loss_mask, aux_hidden, last_hidden)
         self._buffer.append(seq)
         self._buffer_ids.add(seq_id)
-        self._buffer_tokens += seq[1].shape[0]
+        self._buffer_tokens += seq[1]["input_ids"].shape[0]
         if self._buffer_tokens >= self.shard_tokens:
             self._flush()
 
     def _validate(self, seq_id: str, input_ids: Any, loss_mask: Any, aux_hidden: Any,
-                  last_hidden: Any) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  last_hidden: Any) -> tuple[str, dict[str, torch.Tensor]]:
         """Check one sequence against the contract; return it as CPU tensors in stored dtypes."""
         t = {name: torch.as_tensor(x).detach() for name, x in (
             ("input_ids", input_ids), ("loss_mask", loss_mask),
@@ -298,48 +316,65 @@ class ShardWriter:
                              f"{int(ids.max())}): token ids must be integers in [0, {vocab})")
         if mask.is_floating_point() or not ((mask == 0) | (mask == 1)).all():
             raise ValueError(f"loss_mask of sequence {seq_id!r} ({mask.dtype}) must hold only 0/1")
-        hidden = []
-        for name, x in (("aux_hidden", t["aux_hidden"]), ("last_hidden", t["last_hidden"])):
+        for name in ("aux_hidden", "last_hidden"):
+            x = t[name]
             if not x.is_floating_point():
                 raise ValueError(f"{name} of sequence {seq_id!r} has dtype {x.dtype}; expected floats")
-            stored = x.to(DTYPES[self.dtype])  # cast on the capture device: half the transfer
-            if not torch.isfinite(stored).all():
-                if not torch.isfinite(x).all():
-                    raise ShardError(f"sequence {seq_id!r}: {name} holds {int((~torch.isfinite(x)).sum())} "
-                                     "NaN/inf values; the target produced non-finite states (an fp16 "
-                                     "overflow?). Capture in bf16/fp32 or drop this sequence")
-                raise ShardError(f"sequence {seq_id!r}: {name} reaches |x| = {float(x.abs().max()):.4g}, "
-                                 f"beyond the {self.dtype} range; store shards as bf16 (--dtype bf16)")
-            # copy=True: a row of a captured batch must not keep the whole batch alive in the buffer
-            hidden.append(stored.to("cpu", copy=True).contiguous())
-        return (seq_id, ids.to("cpu", torch.int32, copy=True), mask.to("cpu", torch.uint8, copy=True),
-                hidden[0], hidden[1])
+            if not torch.isfinite(x).all():
+                raise ShardError(f"sequence {seq_id!r}: {name} holds {int((~torch.isfinite(x)).sum())} "
+                                 "NaN/inf values; the target produced non-finite states (an fp16 "
+                                 "overflow?). Capture in bf16/fp32 or drop this sequence")
+        stored: dict[str, torch.Tensor] = {}
+        if self.storage.state_dtype == "fp8":
+            stored["aux_hidden"], stored["aux_scale"] = quantise_fp8(t["aux_hidden"], k)  # [T, k*H], [T, k]
+        else:
+            stored["aux_hidden"] = self._half(seq_id, "aux_hidden", t["aux_hidden"])
+        if self.storage.labels_mode == "hidden":
+            stored["last_hidden"] = self._half(seq_id, "last_hidden", t["last_hidden"])
+        else:
+            last = t["last_hidden"]
+            rows = label_positions(mask.to(last.device))  # [T] bool
+            logits = self.labels_head(last[rows]) if bool(rows.any()) else last.new_zeros(0, vocab)  # [m, V]
+            values, top = topk_labels(logits, self.storage.topk)  # [m, K] each
+            stored["topk_logprobs"] = values.half()  # log-probabilities: within fp16's range, 11 bits
+            stored["topk_ids"] = top.to("cpu").to(id_dtype(vocab))
+        # copy=True: a row of a captured batch must not keep the whole batch alive in the buffer
+        stored = {name: x.to("cpu", copy=True).contiguous() for name, x in stored.items()}
+        return seq_id, {"input_ids": ids.to("cpu", torch.int32, copy=True),
+                        "loss_mask": mask.to("cpu", torch.uint8, copy=True), **stored}
+
+    def _half(self, seq_id: str, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (finite) in the 16-bit storage dtype, cast on the capture device: half the transfer."""
+        stored = x.to(DTYPES[self.dtype])
+        if not torch.isfinite(stored).all():
+            raise ShardError(f"sequence {seq_id!r}: {name} reaches |x| = {float(x.abs().max()):.4g}, "
+                             f"beyond the {self.dtype} range; store shards as bf16 (--dtype bf16)")
+        return stored
 
     def _flush(self) -> None:
         """Write the buffered sequences as the next shard (atomically), then the manifest."""
         if not self._buffer:
             return
-        ids = [s[0] for s in self._buffer]
-        lengths = [s[1].shape[0] for s in self._buffer]
+        ids = [seq_id for seq_id, _ in self._buffer]
+        lengths = [seq["input_ids"].shape[0] for _, seq in self._buffer]
         offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)  # [S+1]
-        tensors = {
-            "input_ids": torch.cat([s[1] for s in self._buffer]),  # [N] int32
-            "loss_mask": torch.cat([s[2] for s in self._buffer]),  # [N] uint8
-            "aux_hidden": torch.cat([s[3] for s in self._buffer]),  # [N, k*H]
-            "last_hidden": torch.cat([s[4] for s in self._buffer]),  # [N, H]
-            "offsets": offsets,  # [S+1]
-        }
+        # input_ids [N] int32, loss_mask [N] uint8, aux_hidden [N, k*H] (+ aux_scale [N, k]),
+        # last_hidden [N, H] or topk_logprobs / topk_ids [M, K]
+        tensors = {name: torch.cat([seq[name] for _, seq in self._buffer]) for name in self._buffer[0][1]}
+        tensors["offsets"] = offsets  # [S+1]
         name = f"{self._prefix}{self._next_index:05d}.safetensors"
         path = self.out_dir / name
         with atomic_path(path, fsync=True) as tmp:  # durable before it replaces anything
             save_file(tensors, str(tmp), metadata={"format_version": str(SHARD_FORMAT_VERSION),
                                                    "contract": json.dumps(self.contract.to_dict()),
-                                                   "dtype": self.dtype})
+                                                   **self.storage.record()})
             entry = {"file": name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
                      "num_sequences": len(ids), "num_tokens": int(offsets[-1]),
                      "num_loss_tokens": int(tensors["loss_mask"].sum()), "sequence_ids": ids,
                      "sequence_lengths": lengths}
+            if "topk_ids" in tensors:
+                entry["num_label_rows"] = int(tensors["topk_ids"].shape[0])
         self._shards.append(entry)
         self._next_index += 1
         self.done_ids.update(ids)
@@ -354,7 +389,7 @@ class ShardWriter:
 
     def _write_manifest(self) -> None:
         manifest = {"format_version": SHARD_FORMAT_VERSION, "contract": self.contract.to_dict(),
-                    "source": self.source, "dtype": self.dtype, "rank": self.rank,
+                    "source": self.source, **self.storage.record(), "rank": self.rank,
                     "world_size": self.world_size, "shards": self._shards, "totals": _totals(self._shards)}
         if self.status is not None:
             manifest["status"] = self.status
@@ -384,7 +419,7 @@ class ShardWriter:
 # ---------------------------------------------------------------- reading
 
 def _merge_parts(data_dir: Path) -> dict[str, Any]:
-    """One manifest from every part in ``data_dir``; parts must agree on contract and dtype."""
+    """One manifest from every part in ``data_dir``; parts must agree on contract and storage."""
     hint = f"run `eaglewire prepare --out {data_dir}` to capture shards there"
     if not data_dir.is_dir():
         raise ShardError(f"{data_dir} does not exist; {hint}")
@@ -398,9 +433,10 @@ def _merge_parts(data_dir: Path) -> dict[str, Any]:
     for name, part in parts:
         _check_contract(contract, HiddenStateContract.from_dict(part["contract"]),
                       f"manifest part {name} in {data_dir}")
-        if part["dtype"] != first["dtype"]:
-            raise ShardError(f"manifest part {name} in {data_dir} stores {part['dtype']} but "
-                             f"{first_name} stores {first['dtype']}; capture every rank with one --dtype")
+        if Storage.of(part) != Storage.of(first):
+            raise ShardError(f"manifest part {name} in {data_dir} stores {Storage.of(part).describe()} but "
+                             f"{first_name} stores {Storage.of(first).describe()}; capture every rank with one "
+                             "--dtype, --state-dtype and --labels")
         for s in part["shards"]:
             if len(s["sequence_ids"]) != s["num_sequences"]:
                 raise ShardError(f"{data_dir / name} is inconsistent: {s['file']} lists "
@@ -416,7 +452,7 @@ def _merge_parts(data_dir: Path) -> dict[str, Any]:
     statuses = [part.get("status") and {**part["status"], "world_size": part.get("world_size", 1)}
                 for _, part in parts]
     return {"format_version": SHARD_FORMAT_VERSION, "contract": first["contract"],
-            "source": first["source"], "dtype": first["dtype"], "parts": [n for n, _ in parts],
+            "source": first["source"], **Storage.of(first).record(), "parts": [n for n, _ in parts],
             "statuses": statuses, "shards": shards, "totals": _totals(shards)}
 
 
@@ -435,17 +471,15 @@ def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
             raise ShardError(f"{path} has a corrupted header ({e})." + _redo(path)) from e
 
 
-def _map_shard(path: Path, contract: HiddenStateContract, dtype: str,
+def _map_shard(path: Path, contract: HiddenStateContract, storage: Storage,
                entry: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Memory-map one shard: tensor name -> numpy view of its bytes; nothing is read but the header."""
+    """Memory-map one shard: tensor name -> numpy view of its bytes; nothing is read but the header
+    (and, for top-K labels, the loss mask, giving each sequence's label rows as ``label_offsets``)."""
     start, header = _read_header(path)
     meta = header.pop("__metadata__", None) or {}
     if "contract" in meta:
         _check_contract(contract, HiddenStateContract.from_json(meta["contract"]), f"shard {path}")
-    k_h, h = contract.num_aux * contract.target.hidden_size, contract.target.hidden_size
-    n, s = entry["num_tokens"], entry["num_sequences"]
-    layout = {"input_ids": ("I32", [n]), "loss_mask": ("U8", [n]), "offsets": ("I64", [s + 1]),
-              "aux_hidden": (_ST_HIDDEN[dtype], [n, k_h]), "last_hidden": (_ST_HIDDEN[dtype], [n, h])}
+    layout = storage.layout(contract, entry["num_tokens"], entry["num_sequences"], entry.get("num_label_rows", 0))
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     views = {}
     for name, (st_dtype, shape) in layout.items():
@@ -457,10 +491,23 @@ def _map_shard(path: Path, contract: HiddenStateContract, dtype: str,
             raise ShardError(f"{path}: tensor {name} is {got[0]} {got[1]} but the manifest implies "
                              f"{st_dtype} {shape}." + _redo(path))
         views[name] = raw[start + begin:start + end].view(_NP_DTYPES[st_dtype]).reshape(shape)
-    offsets = views["offsets"]
+    offsets, n = views["offsets"], entry["num_tokens"]
     if offsets[0] != 0 or offsets[-1] != n or (np.diff(offsets) < 0).any():
         raise ShardError(f"{path}: offsets do not partition its {n} tokens." + _redo(path))
+    if storage.labels_mode == "topk":
+        views["label_offsets"] = _label_offsets(views["loss_mask"], offsets)
+        if views["label_offsets"][-1] != entry["num_label_rows"]:
+            raise ShardError(f"{path}: its loss mask labels {views['label_offsets'][-1]} positions but the "
+                             f"manifest records {entry['num_label_rows']} label rows." + _redo(path))
     return views
+
+
+def _label_offsets(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """[S+1] int64: sequence s's label rows are label_offsets[s]:label_offsets[s+1]. A sequence's
+    labelled positions are its tokens but the first under the loss mask, moved one back."""
+    csum = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])  # [N+1]
+    counts = csum[offsets[1:]] - csum[offsets[:-1]] - loss_mask[offsets[:-1]].astype(np.int64)  # [S]
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
 class ShardDataset(torch.utils.data.Dataset):
@@ -477,7 +524,10 @@ class ShardDataset(torch.utils.data.Dataset):
         self.data_dir, self.verify = Path(data_dir), verify
         self.manifest = _merge_parts(self.data_dir)
         self.contract = HiddenStateContract.from_dict(self.manifest["contract"])
-        self.dtype: str = self.manifest["dtype"]
+        self.storage = Storage.of(self.manifest)
+        self.dtype: str = self.storage.dtype
+        self.state_dtype: str = self.storage.state_dtype
+        self.labels_mode: str = self.storage.labels_mode  # "hidden" (last_hidden) or "topk" (topk_*)
         what = f"shards in {self.data_dir}"
         warnings = (_check_contract(expect, self.contract, what, allow=allow, strict=False)
                     if expect is not None else [])
@@ -517,11 +567,13 @@ class ShardDataset(torch.utils.data.Dataset):
             self._verified.add(j)
         if len(self._open) >= _MAX_OPEN:
             self._open.pop(next(iter(self._open)))  # the oldest
-        views = self._open[j] = _map_shard(path, self.contract, self.dtype, entry)
+        views = self._open[j] = _map_shard(path, self.contract, self.storage, entry)
         return views
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        """Sequence i: input_ids [T] long, loss_mask [T] bool, aux_hidden [T, k*H], last_hidden [T, H]."""
+        """Sequence i: input_ids [T] long, loss_mask [T] bool, aux_hidden [T, k*H] (fp8 is read back
+        as bf16), and last_hidden [T, H] or, with top-K labels, topk_logprobs [T, K] fp32 and
+        topk_ids [T, K] long (zero where a position is not labelled)."""
         i = int(i)
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence {i} is out of range for {len(self)} sequences")
@@ -531,10 +583,23 @@ class ShardDataset(torch.utils.data.Dataset):
         a, b = (int(x) for x in views["offsets"][local:local + 2])
         input_ids, loss_mask = self.tokens(i)
         item = {"input_ids": input_ids, "loss_mask": loss_mask}
-        for name in ("aux_hidden", "last_hidden"):
+        names = (["aux_hidden"] if self.state_dtype != "fp8" else []) + (
+            ["last_hidden"] if self.labels_mode == "hidden" else [])
+        for name in names:
             item[name] = torch.from_numpy(np.array(views[name][a:b]))  # a copy of only these rows
             if self.dtype == "bf16":
                 item[name] = item[name].view(torch.bfloat16)  # int16 bits -> bf16
+        if self.state_dtype == "fp8":
+            q = torch.from_numpy(np.array(views["aux_hidden"][a:b])).view(FP8)  # [T, k*H]
+            item["aux_hidden"] = dequantise_fp8(q, torch.from_numpy(np.array(views["aux_scale"][a:b])))
+        if self.labels_mode == "topk":
+            la, lb = (int(x) for x in views["label_offsets"][local:local + 2])
+            rows = label_positions(loss_mask)  # [T] bool, lb - la of them
+            K = views["topk_ids"].shape[1]
+            item["topk_logprobs"] = torch.zeros(b - a, K)  # [T, K]
+            item["topk_logprobs"][rows] = torch.from_numpy(views["topk_logprobs"][la:lb].astype(np.float32))
+            item["topk_ids"] = torch.zeros(b - a, K, dtype=torch.long)  # [T, K]
+            item["topk_ids"][rows] = torch.from_numpy(views["topk_ids"][la:lb].astype(np.int64))
         return item
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

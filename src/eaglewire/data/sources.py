@@ -1,6 +1,6 @@
 """Training batches from stored shards (offline) or from the live target (online).
 
-Shapes: B batch, T tokens (longest in the batch), H target hidden, k aux boundaries.
+Shapes: B batch, T tokens (longest in the batch), H target hidden, k aux boundaries, K stored top-K.
 Both sources produce the same batch; online mode captures the states through the
 very same ``capture`` function that wrote the shards.
 """
@@ -27,7 +27,9 @@ class Batch:
     input_ids: torch.Tensor  # [B, T] long, right-padded with 0
     loss_mask: torch.Tensor  # [B, T] bool, False on padding
     aux_hidden: torch.Tensor  # [B, T, k*H]
-    last_hidden: torch.Tensor  # [B, T, H] boundary L, pre-norm
+    last_hidden: torch.Tensor | None  # [B, T, H] boundary L, pre-norm; None with top-K labels
+    topk_logprobs: torch.Tensor | None = None  # [B, T, K] the target's stored top-K (shards with topk:K labels)
+    topk_ids: torch.Tensor | None = None  # [B, T, K] their target ids
 
 
 class Source(Protocol):
@@ -73,8 +75,9 @@ class ShardSource:
     def batch(self, indices: list[int], device: torch.device) -> Batch:
         items = [self.dataset[i] for i in indices]
         T = max(len(it["input_ids"]) for it in items)
-        return Batch(**{name: pad_right([it[name] for it in items], T).to(device)
-                        for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")})
+        # last_hidden, or topk_logprobs and topk_ids: whichever the shards store
+        return Batch(**{"last_hidden": None, **{name: pad_right([it[name] for it in items], T).to(device)
+                                                for name in items[0]}})
 
 
 def adopt_template(target: Target, source: dict, contract: HiddenStateContract) -> None:

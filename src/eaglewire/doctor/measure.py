@@ -69,7 +69,8 @@ def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence
         out.append(EvalBatch(
             input_ids=ids, loss_mask=pad_right([s.loss_mask for s in batch], T), states=states, emb=emb, signal=signal,
             stored_aux=pad_right([x.float() for x in stored], T) if stored[0] is not None else None,
-            stored_last=pad_right([s.stored_last.float() for s in batch], T) if stored[0] is not None else None,
+            stored_last=(pad_right([s.stored_last.float() for s in batch], T)
+                         if stored[0] is not None and batch[0].stored_last is not None else None),  # top-K shards: none
             lengths=[len(s.input_ids) for s in batch]))
     return out
 
@@ -143,7 +144,8 @@ class Drift:
 def capture_drift(batches: list[EvalBatch], layout: list[int], last_boundary: int) -> list[Drift]:
     """Stored (training-time) states against states captured now, per boundary."""
     out = []
-    for i, boundary in enumerate(layout + [last_boundary]):
+    with_last = all(b.stored_last is not None for b in batches)  # shards with top-K labels keep no last state
+    for i, boundary in enumerate(layout + ([last_boundary] if with_last else [])):
         cos_sum, n, diff2, ref2 = 0.0, 0, 0.0, 0.0
         for b in batches:
             if b.stored_aux is None:

@@ -257,9 +257,9 @@ def _from_shards(data: str, contract: HiddenStateContract, heldout: list[str], c
     out = []
     for i in picked:
         item = ds[i]
-        n = config.max_length
+        n, last = config.max_length, item.get("last_hidden")  # no last state in shards with top-K labels
         out.append(Sequence(ds.sequence_ids[i], item["input_ids"][:n].long(), item["loss_mask"][:n].bool(),
-                            item["aux_hidden"][:n] if same else None, item["last_hidden"][:n] if same else None))
+                            item["aux_hidden"][:n] if same else None, last[:n] if same and last is not None else None))
     return [s for s in out if bool(s.loss_mask[2:].any())]
 
 

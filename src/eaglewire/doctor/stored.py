@@ -4,7 +4,8 @@ At a 1T-parameter target's scale the target cannot be loaded here, but its captu
 shards (``prepare`` or ``import-data``) holding every stored boundary. The draft is fed those
 states exactly as in training; the target's signal comes from its head applied to the stored
 boundary-L state (``--labels head``: only the embedding, final norm and lm_head are read, see
-``target_head.py``) or from the stored next tokens (``--labels tokens``). Every ordered choice
+``target_head.py``; shards stored with top-K labels give their top-1 instead) or from the stored
+next tokens (``--labels tokens``). Every ordered choice
 of k stored boundaries is a candidate layout, so a draft trained on the first three of four
 stored states and served the last three is named as such, with both fixes. Checks that need
 the target to run (measured acceptance, capture drift against a fresh capture) are skipped,
@@ -39,7 +40,7 @@ from eaglewire.doctor.serving import config_fix
 from eaglewire.engines.foreign_draft import load_any_draft
 from eaglewire.model.target import Target
 from eaglewire.model.target_head import load_target_head
-from eaglewire.model.ttt import TargetSignal, signal_positions, target_signal
+from eaglewire.model.ttt import TargetSignal, signal_positions, target_signal, topk_signal
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +66,38 @@ def token_signal(input_ids: torch.Tensor, needed: torch.Tensor, draft_ids: torch
 
 def stored_batches(ds: ShardDataset, indices: list[int], target: Target, draft, *, labels: str,
                    max_length: int, batch_tokens: int = 2048) -> list[EvalBatch]:
-    """EvalBatches whose states are the stored ones: boundary b -> [B, T, H] for every stored b."""
+    """EvalBatches whose states are the stored ones: boundary b -> [B, T, H] for every stored b
+    (boundary L too when the shards store the last state; top-K shards give their top-K as the
+    signal of ``labels`` head)."""
     H, bounds, L = ds.contract.target.hidden_size, list(ds.contract.aux_boundaries), ds.contract.num_layers
-    seqs = []
+    seqs, topk = [], {}
     for i in indices:
         item = ds[i]
+        last = item["last_hidden"][:max_length] if "last_hidden" in item else None
         seqs.append(Sequence(ds.sequence_ids[i], item["input_ids"][:max_length], item["loss_mask"][:max_length],
-                             item["aux_hidden"][:max_length], item["last_hidden"][:max_length]))
+                             item["aux_hidden"][:max_length], last))
+        if "topk_ids" in item:
+            topk[ds.sequence_ids[i]] = (item["topk_logprobs"][:max_length], item["topk_ids"][:max_length])
     out = []
     for batch in batches_by_tokens(seqs, batch_tokens):
         T = max(len(s.input_ids) for s in batch)
         ids, mask = pad_right([s.input_ids for s in batch], T), pad_right([s.loss_mask for s in batch], T)  # [B, T]
         aux = pad_right([s.stored_aux.float() for s in batch], T)  # [B, T, k*H]
-        last = pad_right([s.stored_last.float() for s in batch], T)  # [B, T, H]
         states = dict(zip(bounds, aux.split(H, dim=-1)))  # boundary -> [B, T, H]
-        states[L] = last
+        last = None
+        if batch[0].stored_last is not None:
+            last = states[L] = pad_right([s.stored_last.float() for s in batch], T)  # [B, T, H]
         needed = signal_positions(mask)
         with torch.no_grad():
             emb = target.embed_tokens(ids.to(target.device)).float()  # [B, T, H]
-            signal = (target_signal(target.head, last.to(target.dtype), draft.draft_to_target, draft.t2d, needed)
-                      if labels == "head" else token_signal(ids, needed, draft.draft_to_target, draft.t2d))
+            if labels == "tokens":
+                signal = token_signal(ids, needed, draft.draft_to_target, draft.t2d)
+            elif last is None:  # the stored top-K: acc@0 against its top-1
+                lp = pad_right([topk[s.id][0] for s in batch], T)  # [B, T, K]
+                top = pad_right([topk[s.id][1] for s in batch], T)  # [B, T, K]
+                signal = topk_signal(lp, top, draft.draft_to_target, draft.t2d, needed)
+            else:
+                signal = target_signal(target.head, last.to(target.dtype), draft.draft_to_target, draft.t2d, needed)
         out.append(EvalBatch(input_ids=ids, loss_mask=mask, states=states, emb=emb, signal=signal,
                              stored_aux=aux, stored_last=last, lengths=[len(s.input_ids) for s in batch]))
     return out
@@ -116,7 +129,8 @@ def stored_drift(a: ShardDataset, b: ShardDataset, seq_ids: list[str]) -> tuple[
     """Per boundary both captures hold: cosine and relative error of ``b``'s states against
     ``a``'s over the sequences both hold with the same tokens; (drifts, sequences compared)."""
     L = a.contract.num_layers
-    common = [x for x in a.contract.aux_boundaries if x in b.contract.aux_boundaries] + [L]
+    both_last = a.labels_mode == b.labels_mode == "hidden"  # top-K shards keep no last state
+    common = [x for x in a.contract.aux_boundaries if x in b.contract.aux_boundaries] + ([L] if both_last else [])
     index_b = {sid: i for i, sid in enumerate(b.sequence_ids)}
     index_a = {sid: i for i, sid in enumerate(a.sequence_ids)}
     sums = {x: [0.0, 0, 0.0, 0.0] for x in common}  # cosine sum, tokens, |diff|^2, |ref|^2
@@ -211,7 +225,10 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     inside, counted = coverage(batches)
     if config.labels == "tokens":
         report.add(Check("labels", "ok", "judged against the stored next tokens (no lm_head used)"))
-    if missing := [b for b in declared if b not in stored + [L]]:
+    elif ds.labels_mode == "topk":
+        report.add(Check("labels", "ok", f"judged against the top-1 of the stored target labels ({ds.storage.labels}; "
+                         "no lm_head used)"))
+    if missing := [b for b in declared if b not in stored + ([L] if ds.labels_mode == "hidden" else [])]:
         report.add(Check("accuracy in isolation", "fail", f"the draft reads boundaries {declared}; {missing} "
                          f"are not among the stored {stored}", fix="import the data with every stored state "
                          "(`eaglewire import-data --aux-boundaries ...`)"))

@@ -84,6 +84,33 @@ def target_signal(head, last_hidden: torch.Tensor, draft_ids: torch.Tensor, t2d:
     return TargetSignal(probs=probs.view(B, T, -1), argmax=argmax.view(B, T), in_vocab=in_vocab.view(B, T))
 
 
+@torch.no_grad()
+def topk_signal(logprobs: torch.Tensor, ids: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                needed: torch.Tensor) -> TargetSignal:
+    """The target's signal from its stored top-K: log-probabilities and target ids, [B, T, K] each.
+
+    As ``target_signal`` does with the full distribution: ``probs`` is the top-K renormalised
+    over the ids inside the draft vocabulary (the mass outside it dropped), ``argmax`` is the
+    top-1 id and ``in_vocab`` whether it lies in the draft vocabulary, so a position whose top-1 is
+    outside is not counted. With K = V this equals ``target_signal`` on the state the top-K came
+    from. Only ``needed`` [B, T] positions are read; elsewhere probs are zero and in_vocab False.
+    """
+    B, T, K = ids.shape
+    rows = needed.reshape(B * T).nonzero().squeeze(1)  # [n] indices into B*T
+    lp = logprobs.reshape(B * T, K)[rows].float()  # [n, K]
+    top = ids.reshape(B * T, K)[rows].long()  # [n, K] target ids
+    argmax = torch.zeros(B * T, dtype=torch.long, device=ids.device)  # [B*T]
+    argmax[rows] = top.gather(1, lp.argmax(-1, keepdim=True)).squeeze(1)
+    inside = t2d[top]  # [n, K]
+    p = torch.softmax(lp.masked_fill(~inside, float("-inf")), dim=-1)  # [n, K]
+    p = torch.where(inside, p, torch.zeros_like(p))  # a row with no id inside: all zero (and not counted)
+    to_draft = (torch.cumsum(t2d.long(), 0) - 1).clamp(min=0)  # [V] draft id of an id inside
+    probs = torch.zeros(B * T, len(draft_ids), dtype=torch.float32, device=ids.device)  # [B*T, Vd]
+    probs[rows] = probs.new_zeros(len(rows), len(draft_ids)).scatter_add_(1, to_draft[top], p)
+    in_vocab = t2d[argmax] & needed.reshape(B * T)  # [B*T]
+    return TargetSignal(probs=probs.view(B, T, -1), argmax=argmax.view(B, T), in_vocab=in_vocab.view(B, T))
+
+
 @dataclass
 class StepCounts:
     """Sums over a batch for one TTT step (add them across batches, divide at the end)."""

@@ -32,7 +32,7 @@ from eaglewire.core.locks import directory_lock
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.target import Target, load_target, resolve_device
 from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll,
-                           vocab_coverage)
+                           topk_signal, vocab_coverage)
 from eaglewire.model.vocab import build_draft_vocab, count_tokens, frequency_coverage
 
 log = logging.getLogger(__name__)
@@ -310,8 +310,12 @@ class Trainer:
     def _signal(self, draft, batch: Batch) -> TargetSignal:
         """The target's distribution where the TTT steps read it (timed as target head)."""
         t0 = time.perf_counter()
-        signal = target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
-                               draft.draft_to_target, draft.t2d, signal_positions(batch.loss_mask))
+        needed = signal_positions(batch.loss_mask)
+        if batch.topk_ids is not None:  # shards with --labels topk:K: the stored top-K is the target's signal
+            signal = topk_signal(batch.topk_logprobs, batch.topk_ids, draft.draft_to_target, draft.t2d, needed)
+        else:
+            signal = target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
+                                   draft.draft_to_target, draft.t2d, needed)
         self.timers["target_head"] += time.perf_counter() - t0
         return signal
 
