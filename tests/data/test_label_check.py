@@ -250,3 +250,21 @@ def load_target_head_cached():
     from eaglewire.model.target_head import load_target_head
 
     return load_target_head("smollm2-135m")
+
+
+@pytest.mark.parametrize("last,verdict", [(L, "ok"), (L - 2, "fail")])
+def test_topk_labels_are_checked_like_the_state_they_came_from(tiny, tmp_path, last, verdict):
+    """--labels topk:K stores the head's top K instead of the state: a lower-layer state gives a wrong
+    top-1 there too, and the check reads it from the stored labels (no head applied at check time)."""
+    _, target = tiny
+    seqs = greedy_sequences(target, 6)
+    contract = HiddenStateContract(aux_boundaries=AUX, target=target.fingerprint)
+    with ShardWriter(tmp_path / "topk", contract, source=GREEDY_SOURCE, labels="topk:8",
+                     labels_head=lambda h: target.head(h.to(target.dtype))) as w:
+        for i, (ids, mask) in enumerate(seqs):
+            s = states(target, ids, [*AUX, last])
+            w.add(f"s{i}", ids, mask, torch.cat([s[b] for b in AUX], dim=-1), s[last])
+    ds = ShardDataset(tmp_path / "topk")
+    assert ds.labels_mode == "topk"
+    check = check_labels(ds, target, reference=False)
+    assert check.rule == "greedy" and check.verdict == verdict, check.message

@@ -177,10 +177,27 @@ def _stored_figures(reader, index: int, target: Target, budget: int) -> Figures:
         judged &= torch.cumsum(judged.long(), 0) <= budget
     if not judged.any():
         return Figures()
+    if "topk_ids" in item:  # --labels topk:K: the head was applied when the shards were written
+        return topk_figures(item["topk_logprobs"], item["topk_ids"], ids, judged)
     last = item["last_hidden"][judged].to(target.device, target.dtype)  # [n, H]
     logits = torch.zeros(len(ids), target.vocab_size)
     logits[judged] = target.head(last).float().cpu()  # [n, V] into [T, V]
     return figures(logits, ids, judged)
+
+
+def topk_figures(logprobs: torch.Tensor, topk_ids: torch.Tensor, input_ids: torch.Tensor,
+                 judged: torch.Tensor) -> Figures:
+    """Figures from stored top-K labels: logprobs / topk_ids [T, K] (descending), input_ids [T],
+    judged [T] bool. The agreement is exact (the top-1 is the head's argmax). The tail beyond K is
+    not stored, so both sums are lower bounds: a next token outside the top K costs the K-th
+    log-probability (its own is at most that), and the entropy sums the K stored terms only."""
+    nxt = torch.zeros_like(input_ids)
+    nxt[:-1] = input_ids[1:]  # [T] the next token
+    lp, top, want = logprobs[judged].float(), topk_ids[judged].long(), nxt[judged].long()  # [n, K] [n, K] [n]
+    hit = top == want[:, None]  # [n, K]
+    target_lp = torch.where(hit.any(-1), (lp * hit).sum(-1), lp[:, -1])  # [n]
+    return Figures(positions=int(judged.sum()), agree=int((top[:, 0] == want).sum()),
+                   entropy=float(-(lp.exp() * lp).sum()), cross_entropy=float(-target_lp.sum()))
 
 
 @torch.no_grad()
