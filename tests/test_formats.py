@@ -78,11 +78,11 @@ def test_sglang_round_trip_is_identity(tmp_path, chat_tiny_target):
 
 @pytest.mark.parametrize("to", ["speculators", "vllm"])
 def test_speculators_round_trip_is_identity(tmp_path, chat_tiny_target, to):
-    native = make_native(tmp_path / "native", chat_tiny_target, [0, 4, 8])  # embedding and last state
+    native = make_native(tmp_path / "native", chat_tiny_target, [0, 4, 7])  # the embedding and the last layer's input
     report = export_draft(native, to, tmp_path / "sp", target=chat_tiny_target, verifier_name="org/tiny")
     config = json.loads((tmp_path / "sp" / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
-    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 4, 8] == report.engine_ids
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 4, 7] == report.engine_ids
     assert (config["norm_before_residual"], config["norm_output"]) == (False, False)
     assert config["transformer_layer_config"]["vocab_size"] == chat_tiny_target.vocab_size
     assert config["transformer_layer_config"]["num_aux_hidden_states"] == 3 and config["torch_dtype"] == "float32"
@@ -93,7 +93,7 @@ def test_speculators_round_trip_is_identity(tmp_path, chat_tiny_target, to):
     assert "layers.0.self_attn.q_proj.weight" in tensors and not any(k.startswith("midlayer.") for k in tensors)
     assert torch.equal(tensors["embed_tokens.weight"], chat_tiny_target.embed_tokens.weight)
     back = import_draft(tmp_path / "sp", to, chat_tiny_target, tmp_path / "back")
-    assert back.aux_boundaries == [0, 4, 8] and back.notes == []
+    assert back.aux_boundaries == [0, 4, 7] and back.notes == []
     assert_same_draft(native, tmp_path / "back")
 
 
@@ -139,8 +139,8 @@ def test_sglang_export_expresses_boundary_zero_on_llama_files(tmp_path, chat_tin
     assert export_draft(native, "sglang", tmp_path / "sg").engine_ids == [-1, 2, 6]
     back = import_draft(tmp_path / "sg", "sglang", chat_tiny_target, tmp_path / "back")
     assert back.aux_boundaries == [0, 3, 7]  # import agrees with export about boundary 0
-    with pytest.raises(EngineConventionError, match="boundary 8"):
-        export_draft(make_native(tmp_path / "n8", chat_tiny_target, [2, 4, 8]), "sglang", tmp_path / "x")
+    with pytest.raises(ContractError, match="must be below L"):  # boundary 8 = L never reaches an engine
+        make_native(tmp_path / "n8", chat_tiny_target, [2, 4, 8])
     with pytest.raises(EngineConventionError, match="without the residual"):
         export_draft(native, "sglang", tmp_path / "gemma", target_arch="gemma3")
     assert not (tmp_path / "x").exists() and not (tmp_path / "gemma").exists()
@@ -510,7 +510,7 @@ def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
     if reason:
         pytest.skip(reason)
     target, steps = chat_tiny_target, 3
-    native = make_native(tmp_path / "native", target, [0, 4, 8])
+    native = make_native(tmp_path / "native", target, [0, 4, 7])
     target.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier from disk
     export_draft(native, "speculators", tmp_path / "sp", target=target, verifier_name=str(tmp_path / "verifier"))
     g = torch.Generator().manual_seed(3)
@@ -535,7 +535,7 @@ def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
     config.pop("eaglewire", None)
     (created / "config.json").write_text(json.dumps(config))
     report = import_draft(created, "speculators", target, tmp_path / "imported")
-    assert report.aux_boundaries == [0, 4, 8]
+    assert report.aux_boundaries == [0, 4, 7]
     imported, _, _ = load_draft(tmp_path / "imported", target=target)
     for j, ours in enumerate(our_ttt_logits(imported, target, inputs, steps)):
         assert (ours - peer[f"created_step{j}"]).abs().max() <= 1e-4, j

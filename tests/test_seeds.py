@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from eaglewire.data.import_data import ImportDataConfig, import_data
 from eaglewire.doctor import DoctorConfig, run_doctor
+from eaglewire.engines.registry import export_draft
 from eaglewire.model.target_head import load_target_head
 from eaglewire.train.loop import TrainConfig, train
 from tiny import save_tiny_dir
@@ -43,12 +44,15 @@ def write_speculators_capture(src: Path, rows: Path, *, n: int = 24, T: int = 32
             f.write(json.dumps({"id": f"conv-{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * (T - 4)}) + "\n")
 
 
-def sglang_config(path: Path, ids: list[int]) -> Path:
-    # Written by hand: SGLang's deepseek_v2.py adds +1 to every id only when the first id is 1,
-    # otherwise takes the ids verbatim, and its layer-i capture is the input of layer i = boundary i.
-    path.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}))
-    return path
+def sglang_config(draft: Path, path: Path, ids: list[int]) -> Path:
+    """The draft exported for SGLang (every field as the export writes it), with the served ids written
+    by hand: SGLang's deepseek_v2.py adds +1 to every id only when the first id is 1, otherwise takes
+    the ids verbatim, and its layer-i capture is the input of layer i = boundary i."""
+    export_draft(draft, "sglang", path)
+    config = json.loads((path / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    (path / "config.json").write_text(json.dumps(config))
+    return path / "config.json"
 
 
 def doctor(draft: Path, data: Path, target: Path, engine_config: Path):
@@ -79,13 +83,13 @@ def test_seeds_first_three_trained_last_three_served(tmp_path, monkeypatch):
                       skip_label_check=True),
           progress=False)
 
-    served = doctor(tmp_path / "draft", tmp_path / "stored", target, sglang_config(tmp_path / "sg.json", LAST3))
+    served = doctor(tmp_path / "draft", tmp_path / "stored", target, sglang_config(tmp_path / "draft", tmp_path / "sg", LAST3))
     assert served.exit_code != 0
     check = next(c for c in served.checks if c.name == "trained vs served")
     assert check.verdict == "fail" and f"trained on {FIRST3}" in check.summary and f"will feed {LAST3}" in check.summary
     assert check.fix.startswith("either ") and "--aux-boundaries 2,4,6" in check.fix and "retrain" in check.fix
     assert "[0, 2, 4]" in check.fix  # deepseek_v2.py takes ids verbatim unless the first is 1: the embedding is id 0
 
-    fixed = doctor(tmp_path / "draft", tmp_path / "stored", target, sglang_config(tmp_path / "ok.json", FIRST3))
+    fixed = doctor(tmp_path / "draft", tmp_path / "stored", target, sglang_config(tmp_path / "draft", tmp_path / "ok", FIRST3))
     assert [c.name for c in fixed.checks if c.verdict == "fail"] == [], fixed.render()
     assert fixed.exit_code == 0

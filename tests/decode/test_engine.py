@@ -111,7 +111,7 @@ def test_speculative_sampling_matches_the_target_distribution(min_prob):
     (also when the least path probability prunes the tree)."""
     V = 6
     target = tiny_target("llama", initializer_range=0.3, vocab_size=V, num_layers=2, hidden_size=32)
-    draft, contract = random_draft(target, bounds=(1, 2))
+    draft, contract = random_draft(target, bounds=(0, 1))  # aux below L = 2
     params = SamplingParams(temperature=0.8)
     prompt = [1, 4, 2]
     with torch.no_grad():

@@ -113,7 +113,7 @@ def check(plain_decoder, spec_decoder, prompt, tokenizer, cut_counts, long_round
 def test_oracle_blocks_cut_exactly_where_plain_stops(spec):
     target = tiny_target("llama", initializer_range=0.2, num_layers=2, hidden_size=32)
     tokenizer = PieceTokenizer(target.vocab_size, seed=1)
-    draft, contract = random_draft(target, bounds=(1, 2))
+    draft, contract = random_draft(target, bounds=(0, 1))  # aux below L = 2
     cut_counts, long_rounds = {"length": 0, "stop id": 0, "stop string": 0}, [0]
     for seed in range(2):
         prompt = torch.randint(0, 256, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -130,7 +130,7 @@ def test_real_draft_blocks_cut_exactly_where_plain_stops():
     often right); fewer limits, as the real draft is slower than the oracle."""
     target = tiny_target("llama", initializer_range=0.2, vocab_size=6, num_layers=2, hidden_size=32)
     tokenizer = PieceTokenizer(target.vocab_size, seed=2)
-    draft, contract = random_draft(target, bounds=(1, 2))
+    draft, contract = random_draft(target, bounds=(0, 1))  # aux below L = 2
     spec = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8, min_prob=0.2)
     cut_counts, long_rounds = {"length": 0, "stop id": 0, "stop string": 0}, [0]
     check(SpecDecoder(target), SpecDecoder(target, draft, contract, spec), [1, 4, 2, 0, 5], tokenizer,
