@@ -107,6 +107,15 @@ def test_llava_goes_through_prepare_train_and_the_doctor(tmp_path):
     assert report.accuracy, report.render()
     assert not [c for c in report.checks if c.name == "identity" and c.verdict == "fail"]
 
+    from eaglewire.core.contract import EngineConventionError
+    from eaglewire.engines.registry import export_draft
+    # vLLM serves Llava from llava.py, which hands the ids to its language model (a Llama here)
+    exported = export_draft(tmp_path / "draft", "vllm", tmp_path / "vllm", target=load_target(str(path)),
+                            verifier_name="org/llava", allow={"chat_template_sha256"})
+    assert exported.engine_ids == [2, 4, 6]
+    with pytest.raises(EngineConventionError, match="llava.py"):  # SGLang's llava.py captures no aux states
+        export_draft(tmp_path / "draft", "sglang", tmp_path / "sglang")
+
 
 def test_a_config_with_no_text_model_is_refused_in_eaglewires_words():
     config = transformers.CLIPVisionConfig(**VISION)
