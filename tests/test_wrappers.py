@@ -122,3 +122,15 @@ def test_a_config_with_no_text_model_is_refused_in_eaglewires_words():
     with pytest.raises(TargetModelError, match=r"not a decoder-only text model.*Llava, Mistral 3") as e:
         target_from_config(config)
     assert "Unrecognized configuration class" not in str(e.value) and len(str(e.value)) < 600
+
+
+@pytest.mark.parametrize("arch,family", [("LlavaForConditionalGeneration", "llama"),
+                                         ("Mistral3ForConditionalGeneration", "mistral"),
+                                         ("Qwen2VLForConditionalGeneration", "qwen2"),
+                                         ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
+                                         ("Gemma3ForConditionalGeneration", "gemma3")])
+def test_a_wrapper_names_its_text_models_family(arch, family):
+    """What `--target-arch` would otherwise have to say (the doctor's and the contract command's readings)."""
+    from eaglewire.core.contract import target_arch
+
+    assert target_arch(arch) == family
