@@ -42,7 +42,7 @@ from eaglewire.core.presets import DATA_PRESETS, DEFAULT_TARGET, TARGET_PRESETS,
 from eaglewire.data.conversations import Conversation, load_conversations
 from eaglewire.data.regenerate import RegenerateConfig, regenerate
 from eaglewire.data.remote_regenerate import RemoteConfig, regenerate_remote
-from eaglewire.engines.llamacpp import (LlamaServer, find_tree, plain_server_config, require_server,
+from eaglewire.engines.llamacpp import (LlamaServer, find_tree, metrics, plain_server_config, require_server,
                                         target_architecture, target_gguf)
 from eaglewire.model.target import load_target, resolve_target_path
 
@@ -122,6 +122,7 @@ def main() -> None:
 
     server = require_server(args.llamacpp_dir)
     files, notes = ggufs(args, server)
+    breakdown = []
     ctx = config.max_prompt_tokens + config.max_new_tokens
     for name, gguf in files.items():
         for slots in args.slots:
@@ -133,9 +134,11 @@ def main() -> None:
                 launch = plain_server_config(gguf, slots=slots, threads=args.threads, ctx_per_slot=ctx,
                                              extra=["-ub", str(ub), "-b", str(max(ub, 2048))])
                 with LlamaServer(server, launch) as running:
+                    before = metrics(running.url) or {}  # the tokenizer probe's requests come before the run
                     report = regenerate_remote(conversations, path, tokenizer=tok, config=config,
                                                remote=RemoteConfig(concurrency=slots), urls=[running.url],
                                                target=DEFAULT_TARGET)
+                    breakdown.append((name, slots, ub, report.seconds, counter_deltas(before, metrics(running.url) or {})))
                 texts = replies(path)
                 rows.append((f"llama-server {name}", f"-np {slots} -ub {ub}", reply_tokens(tok, texts),
                              report.seconds, sum(texts.get(k) == v for k, v in reference.items())))
@@ -150,8 +153,21 @@ def main() -> None:
         rate = tokens / seconds
         print(f"| {label} | {setting} | {tokens:,} | {seconds:.1f} | {rate:.1f} | {rate / best:.2f}x | "
               f"{same}/{len(reference)} |")
+    print("\nWhere llama-server's time goes (its own counters over the run; prompt seconds are summed over "
+          "the prompts, which run one batch at a time beside the slots' decoding):\n")
+    print("| GGUF | settings | prompt tokens | prompt tok/s | prompt seconds / wall | reply tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, slots, ub, wall, d in breakdown:
+        prompt, seconds = d.get("prompt_tokens_total", 0), d.get("prompt_seconds_total", 0)
+        print(f"| {name} | -np {slots} -ub {ub} | {prompt:,.0f} | {prompt / max(seconds, 1e-9):.0f} | "
+              f"{seconds / wall:.2f} | {d.get('tokens_predicted_total', 0):,.0f} |")
     for note in notes:
         print(f"\n{note}")
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """llama-server's counters over one run (after - before)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 if __name__ == "__main__":
