@@ -33,6 +33,23 @@ def chat_tiny_target(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def lively_target(chat_tiny_target):
+    """The tiny chat target with its weights (norms aside) scaled by 10, so that greedy replies depend
+    on the prompt: at its own scale every prompt gets the same reply, and "batched == unbatched" or
+    "through a server == in process" would pass vacuously."""
+    import copy
+
+    from eaglewire.model.target import Target
+
+    model = copy.deepcopy(chat_tiny_target.model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(10)
+    return Target(model=model, tokenizer=chat_tiny_target.tokenizer, spec="lively-tiny")
+
+
+@pytest.fixture(scope="session")
 def target_dir(tmp_path_factory, chat_tiny_target):
     """The tiny chat target saved as a transformers directory (a --target for the CLI)."""
     path = tmp_path_factory.mktemp("target")

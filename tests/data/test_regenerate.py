@@ -8,7 +8,6 @@ random model never does: stop tokens, empty replies.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from pathlib import Path
@@ -39,16 +38,6 @@ CONVERSATIONS = [  # 1-3 turns, prompts of different lengths: batches shrink tur
     _conv("d", "What is a fox?", "An animal.", "trailing user turn"),
     _conv("e", "Name a prime number larger than ten", "Eleven."),
 ]
-
-
-@pytest.fixture(scope="module")
-def lively_target(chat_tiny_target) -> Target:
-    model = copy.deepcopy(chat_tiny_target.model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.mul_(10)
-    return Target(model=model, tokenizer=chat_tiny_target.tokenizer, spec="lively-tiny")
 
 
 def _run(target, conversations, path: Path, **config):

@@ -10,7 +10,6 @@ reasoning fields, a wrong tokenizer).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket
@@ -23,14 +22,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import torch
 import uvicorn
 
 from eaglewire.core.locks import DirectoryLocked
 from eaglewire.data.conversations import Conversation, load_conversations
 from eaglewire.data.openai_client import ServerUnavailable
 from eaglewire.data.regenerate import RegenerateConfig, regenerate
-from eaglewire.data.remote_regenerate import (RemoteConfig, TokenizerMismatch, meta_path, prompt_ids, read_meta,
+from eaglewire.data.remote_regenerate import (RemoteConfig, TokenizerMismatch, prompt_ids, read_meta,
                                               regenerate_remote, reply_text)
 from eaglewire.engines.llamacpp.server import ServerConfig, plain_server_config, server_args
 from eaglewire.model.target import Target
@@ -280,17 +278,6 @@ def test_enable_thinking_is_sent_and_recorded(tmp_path, smollm2_tokenizer):
 
 
 # -- through eaglewire's own server ----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def lively_target(chat_tiny_target) -> Target:
-    """Weights scaled by 10 so replies depend on the prompt (test_regenerate.py says why)."""
-    model = copy.deepcopy(chat_tiny_target.model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.mul_(10)
-    return Target(model=model, tokenizer=chat_tiny_target.tokenizer, spec="lively-tiny")
-
 
 @contextmanager
 def eaglewire_server(target: Target):

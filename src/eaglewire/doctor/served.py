@@ -23,7 +23,7 @@ from eaglewire.acceptance.replay import accepted_after
 from eaglewire.doctor.evidence import wilson_bounds
 from eaglewire.doctor.measure import Sequence, capture_batches, step_rightness
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.engines.served_counts import ServedCounts, ServedError
+from eaglewire.engines.served_counts import AcceptanceRates, ServedCounts, ServedError, add_lists
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ SERVED_TAU_TOLERANCE = 0.05
 
 
 @dataclass
-class Replayed:
+class Replayed(AcceptanceRates):
     """The greedy chain replayed on the training-time unroll of a text, round by round."""
 
     drafts: int = 0  # rounds that drafted
@@ -51,24 +51,9 @@ class Replayed:
         self.drafts += other.drafts
         self.draft_tokens += other.draft_tokens
         self.accepted += other.accepted
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        self.accepted_per_pos = [(self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else 0) +
-                                 (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
-                                 for i in range(n)]
+        self.accepted_per_pos = add_lists(self.accepted_per_pos, other.accepted_per_pos)
         self.judged += other.judged
         self.agreeing += other.agreeing
-
-    @property
-    def tau(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def per_position(self) -> list[float]:
-        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
 
     @property
     def text_agreement(self) -> float:

@@ -25,18 +25,14 @@ class ServedError(RuntimeError):
     """A server that does not answer, or answers something eaglewire cannot read."""
 
 
-@dataclass
-class ServedCounts:
-    """One engine's own account of the doctor's requests."""
+class AcceptanceRates:
+    """The rates of a count of drafts (``drafts``, ``draft_tokens``, ``accepted``, ``accepted_per_pos``),
+    the same for a server's own account and for the doctor's replay of it."""
 
-    engine: str
-    drafts: int = 0  # verify steps that checked a draft (vLLM's num_drafts, llama.cpp's verify steps)
-    draft_tokens: int = 0  # drafted tokens proposed
-    accepted: int = 0  # drafted tokens accepted (the bonus token not counted)
-    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose position i (0 first) was accepted
-    outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt ([] when not returned)
-    source: str = "counters"  # per-request | counters | mixed
-    notes: list[str] = field(default_factory=list)
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_pos: list[int]
 
     @property
     def tau(self) -> float:
@@ -53,6 +49,21 @@ class ServedCounts:
         return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
 
 
+@dataclass
+class ServedCounts(AcceptanceRates):
+    """One engine's own account of the doctor's requests."""
+
+    engine: str
+    drafts: int = 0  # verify steps that checked a draft (vLLM's num_drafts, llama.cpp's verify steps)
+    draft_tokens: int = 0  # drafted tokens proposed
+    accepted: int = 0  # drafted tokens accepted (the bonus token not counted)
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose position i (0 first) was accepted
+    outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt ([] when not returned)
+    source: str = "counters"  # per-request | counters | mixed
+    notes: list[str] = field(default_factory=list)
+
+
+
 def per_pos_from_histogram(histogram: list[int]) -> list[int]:
     """Dense histogram [j] = verify steps that accepted exactly j drafted tokens -> [i] = steps
     that accepted position i (those with j > i)."""
@@ -64,18 +75,19 @@ def add_lists(a: list[int], b: list[int]) -> list[int]:
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
-def post_json(url: str, body: dict, *, timeout: float, who: str) -> dict:
-    """POST ``body`` as JSON; the JSON answer, or ServedError naming ``who`` answers at ``url``."""
+def post_json(url: str, body: dict, *, timeout: float, who: str, error: type[Exception] = ServedError,
+              hint: str = "; pass the server's base URL as --engine-url") -> dict:
+    """POST ``body`` as JSON; the JSON answer, or ``error`` naming ``who`` answers at ``url``."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise ServedError(f"{who} at {url} answered {e.code}: {e.read()[:500]!r}") from e
+        raise error(f"{who} at {url} answered {e.code}: {e.read()[:500]!r}") from e
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        raise ServedError(f"no {who} answers at {url}: {e}; pass the server's base URL as --engine-url") from e
+        raise error(f"no {who} answers at {url}: {e}{hint}") from e
     except json.JSONDecodeError as e:
-        raise ServedError(f"{who} at {url} answered something that is not JSON ({e})") from e
+        raise error(f"{who} at {url} answered something that is not JSON ({e})") from e
 
 
 def get_text(url: str, *, timeout: float, who: str) -> str | None:

@@ -5,7 +5,6 @@ to any running llama-server (its Prometheus counters read with ``prometheus_clie
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -20,6 +19,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from eaglewire.engines.llamacpp.installation import LlamaCppError
+from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +155,7 @@ class LlamaServer:
 # ------------------------------------------------------------------ talking to it
 
 def _post(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise LlamaCppError(f"llama-server at {url} answered {e.code}: {e.read()[:500]!r}") from e
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        raise LlamaCppError(f"no llama-server answers at {url}: {e}") from e
+    return post_json(url, body, timeout=timeout, who="llama-server", error=LlamaCppError, hint="")
 
 
 def complete(url: str, prompt_ids: list[int], *, n_predict: int, temperature: float = 0.0, seed: int = 0,
@@ -239,7 +232,6 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
     accepted: drafted and accepted tokens from each answer's timings, verify steps and
     per-position acceptance from the counters' difference (--metrics)."""
     from eaglewire.engines.llamacpp.readings import NAME
-    from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError
 
     try:
         before = metrics(url)
