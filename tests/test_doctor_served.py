@@ -10,7 +10,6 @@ import dataclasses
 import json
 import socket
 import threading
-import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,6 +19,7 @@ import torch
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.served import (Replayed, candidate_causes, chain_length, replay_chain, served_check)
 from eaglewire.engines.served_counts import ServedCounts, ServedError
+from servers import live_server
 
 # ------------------------------------------------------------------ pure pieces
 
@@ -214,26 +214,12 @@ def reference(smollm2_target, tmp_path_factory):
 
 @contextmanager
 def eaglewire_server(target, draft, contract, **kw):
-    import uvicorn
-
     from eaglewire.decode.engine import SpecConfig, SpecDecoder
-    from eaglewire.serve.app import Server, create_app
+    from eaglewire.serve.app import create_app
 
     app = create_app(SpecDecoder(target, draft, contract, SpecConfig.chain(3)), model_name="m", **kw)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    with live_server(app) as (url, _):
+        yield url
 
 
 def _served_doctor(target, chats, url):

@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import openai
 import pytest
@@ -34,6 +33,7 @@ from eaglewire.decode.text import StopStrings, encode_prompt
 from eaglewire.core.tokens import stop_token_ids
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.serve.app import ServeConfig, Server, add_serve_args, create_app, exit_status, serve_app
+from servers import live_server, loopback_server, wait_started
 
 MODEL = "tiny-chat"
 MAX_TOKENS = 12
@@ -47,36 +47,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def loopback_server(app, graceful: float = 5.0) -> tuple[Server, socket.socket, str]:
-    """A uvicorn server for ``app``, a socket bound to a free loopback port for it, and its base url."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
-    return server, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-def wait_started(server: uvicorn.Server, running=lambda: True) -> None:
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and running(), "the server did not start"
-        time.sleep(0.02)
-
-
-@contextmanager
-def live_server(app, graceful: float = 5.0):
-    """Run ``app`` on a free loopback port in a background thread; yield (base url, uvicorn server)."""
-    server, sock, url = loopback_server(app, graceful)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_started(server, thread.is_alive)
-    try:
-        yield url, server
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        assert not thread.is_alive(), "the server did not stop"
 
 
 def random_draft(target, bounds=(2, 4, 5)):

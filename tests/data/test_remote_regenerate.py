@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from eaglewire.core.locks import DirectoryLocked
 from eaglewire.data.conversations import Conversation, load_conversations
@@ -32,6 +29,7 @@ from eaglewire.data.remote_regenerate import (RemoteConfig, TokenizerMismatch, p
                                               regenerate_remote, reply_text)
 from eaglewire.engines.llamacpp.server import ServerConfig, plain_server_config, server_args
 from eaglewire.model.target import Target
+from servers import live_server
 
 MODEL = "fake-model"
 NEW = 8
@@ -282,22 +280,10 @@ def test_enable_thinking_is_sent_and_recorded(tmp_path, smollm2_tokenizer):
 @contextmanager
 def eaglewire_server(target: Target):
     from eaglewire.decode.engine import SpecDecoder
-    from eaglewire.serve.app import Server, create_app
+    from eaglewire.serve.app import create_app
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = Server(uvicorn.Config(create_app(SpecDecoder(target), model_name="tiny-chat"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    with live_server(create_app(SpecDecoder(target), model_name="tiny-chat")) as (url, _):
+        yield url
 
 
 def test_through_eaglewire_serve_equals_in_process_greedy(tmp_path, lively_target):
