@@ -68,20 +68,18 @@ def test_exported_draft_loads_unedited_with_the_contracts_layers(exported, draft
 
 def test_greedy_outputs_are_identical_and_tau_is_llamacpps(exported, server_binary, drafted_server, prompt_ids,
                                                            tmp_path):
-    from eaglewire.doctor.llamacpp import measure_served
-
     out, _ = exported
     plain = engine.ServerConfig(model=out / "target-f32.gguf")
     with engine.LlamaServer(server_binary, plain, log_path=tmp_path / "plain.log") as server:
         expected = [engine.complete(server.url, ids, n_predict=NEW_TOKENS)["tokens"] for ids in prompt_ids]
-    served = measure_served(drafted_server.url, prompt_ids, max_new_tokens=NEW_TOKENS, num_steps=3)
+    served = engine.measure_served(drafted_server.url, prompt_ids, max_new_tokens=NEW_TOKENS)
     assert served.outputs == expected  # speculation is lossless
     assert all(len(o) > 0 for o in expected)
-    assert served.counted_exactly and served.drafted > 0 and served.verify_steps > 0
-    assert served.tau == pytest.approx(1 + served.accepted / served.verify_steps)
+    assert served.draft_tokens > 0 and served.drafts > 0  # verify steps counted from /metrics
+    assert served.tau == pytest.approx(1 + served.accepted / served.drafts)
     assert 1.0 < served.tau <= 4.0  # a chain of 3 accepts between none and all
-    print(json.dumps({"tau": served.tau, "drafted": served.drafted, "accepted": served.accepted,
-                      "verify_steps": served.verify_steps}))
+    print(json.dumps({"tau": served.tau, "drafted": served.draft_tokens, "accepted": served.accepted,
+                      "verify_steps": served.drafts}))
 
 
 def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):

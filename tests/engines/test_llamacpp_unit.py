@@ -207,8 +207,6 @@ def test_tau_comes_from_llamacpp_counters():
     assert tau_pooled([llamacpp_stats(answer(22, 30, 12), None, 3)]) == pytest.approx(2.2)
     plain = llamacpp_stats(answer(32), None, 0)
     assert tau_pooled([plain]) == 1.0 and plain.total_seconds == pytest.approx(0.25)
-    assert doctor.served_tau([{"draft_n": 30, "draft_n_accepted": 12}], 10, 3)[0] == pytest.approx(2.2)
-    assert doctor.served_tau([{"draft_n": 30, "draft_n_accepted": 12}], None, 3) == (pytest.approx(2.2), 10, False)
 
 
 def test_llamacpp_rows_compare_with_llamacpps_own_plain_row():
@@ -220,16 +218,6 @@ def test_llamacpp_rows_compare_with_llamacpps_own_plain_row():
     rows = [ours_plain, theirs_plain, theirs]
     assert same_output_as_plain(theirs, rows) == 1  # llama.cpp's plain output, not eaglewire's
     assert speedup(theirs, rows) == pytest.approx(1.0)
-
-
-def test_served_tau_below_eaglewires_is_a_serving_fault():
-    served = doctor.ServedTau(tau=1.2, drafted=30, accepted=2, verify_steps=10, counted_exactly=True, outputs=[])
-    check = doctor.served_check(served, eaglewire_tau=1.6, predicted=1.7, num_steps=3)
-    assert check.verdict == "fail" and "serving-side fault" in check.fix
-    ok = doctor.served_check(doctor.ServedTau(1.58, 30, 6, 10, True, []), eaglewire_tau=1.6, predicted=1.7, num_steps=3)
-    assert ok.verdict == "ok"
-    none = doctor.served_check(doctor.ServedTau(1.0, 0, 0, 0, False, []), eaglewire_tau=None, predicted=1.7, num_steps=3)
-    assert none.verdict == "fail" and "drafted nothing" in none.summary
 
 
 def test_prometheus_counters_parse():
