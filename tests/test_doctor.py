@@ -177,19 +177,11 @@ def test_too_little_evidence_is_inconclusive_and_says_where_more_comes_from():
 def test_doctor_never_passes_a_draft_that_predicts_nothing(tmp_path, chat_tiny_target):
     """A random draft on a few conversations: the old doctor said OK to its acc@0 0.000 and called
     the declared layout the best of candidates that all scored 0."""
-    import torch
-
-    from eaglewire.model.checkpoint import save_draft
-    from eaglewire.core.contract import HiddenStateContract
     from eaglewire.doctor import run_doctor
-    from eaglewire.model.draft import DraftConfig, Eagle3Draft
+    from tiny import save_random_draft
 
     target = chat_tiny_target
-    V = target.vocab_size
-    torch.manual_seed(0)
-    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=3, draft_vocab_size=V, vocab_size=V))
-    draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-    save_draft(tmp_path / "d", draft, HiddenStateContract(aux_boundaries=(2, 4, 5), target=target.fingerprint))
+    save_random_draft(tmp_path / "d", target)
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
         {"role": "user", "content": p}, {"role": "assistant", "content": f"Here is my answer to: {p} " * 3}]}) + "\n"

@@ -81,20 +81,12 @@ def test_traffic_within_noise_is_no_drift_and_no_evidence_is_inconclusive():
 
 def test_doctor_measures_traffic_beside_the_held_out_prompts(tmp_path, chat_tiny_target):
     """The whole path on a tiny target: replies written, slices measured, the report and JSON carry them."""
-    import torch
-
-    from eaglewire.core.contract import HiddenStateContract
     from eaglewire.doctor import run_doctor
     from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.model.checkpoint import save_draft
-    from eaglewire.model.draft import DraftConfig, Eagle3Draft
+    from tiny import save_random_draft
 
     target = chat_tiny_target
-    V = target.vocab_size
-    torch.manual_seed(0)
-    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=3, draft_vocab_size=V, vocab_size=V))
-    draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-    save_draft(tmp_path / "d", draft, HiddenStateContract(aux_boundaries=(2, 4, 5), target=target.fingerprint))
+    save_random_draft(tmp_path / "d", target)
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
         {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "an answer " * 4}]}) + "\n"

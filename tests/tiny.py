@@ -50,3 +50,20 @@ def save_tiny_dir(path, arch: str = "llama", *, num_layers: int = 8, hidden_size
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
     tok.save_pretrained(path)
     return path
+
+
+def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int = 0):
+    """A random EAGLE-3 draft over the target's whole vocabulary, saved as a native draft directory."""
+    import torch
+
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.checkpoint import save_draft
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
+
+    V = target.vocab_size
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=len(aux_boundaries),
+                                                draft_vocab_size=V, vocab_size=V))
+    draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint))
+    return path
