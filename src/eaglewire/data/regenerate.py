@@ -267,11 +267,11 @@ def _batches(items: Iterable[Conversation], size: int) -> Iterator[list[Conversa
         yield batch
 
 
-def _admit(batch: list[Conversation], resumed: set[str], started: set[str],
-           report: RegenerateReport) -> list[_Pending]:
-    """The conversations of ``batch`` still to do, validated; their ids join ``started``."""
-    pending = []
-    for conv in batch:
+def admit(conversations: Iterable[Conversation], resumed: set[str], started: set[str],
+          report: RegenerateReport) -> Iterator[tuple[int, Conversation]]:
+    """(index, conversation) of those still to do, validated; their ids join ``started``. A repeated id
+    and one already written (``resumed``) are counted in ``report`` and skipped."""
+    for index, conv in enumerate(conversations):
         if conv.id in started:
             log.warning("conversation id %r appears again in the input; skipping the repeat",
                         conv.id)
@@ -281,8 +281,13 @@ def _admit(batch: list[Conversation], resumed: set[str], started: set[str],
         else:
             _check_messages(conv)
             started.add(conv.id)
-            pending.append(_Pending(conv))
-    return pending
+            yield index, conv
+
+
+def _admit(batch: list[Conversation], resumed: set[str], started: set[str],
+           report: RegenerateReport) -> list[_Pending]:
+    """The conversations of ``batch`` still to do, validated; their ids join ``started``."""
+    return [_Pending(conv) for _, conv in admit(batch, resumed, started, report)]
 
 
 def _check_messages(conv: Conversation) -> None:
@@ -325,7 +330,7 @@ def _next_prompts(tokenizer: Any, pending: list[_Pending], config: RegenerateCon
         if prompt is None:
             p.done = True
             continue
-        ids = _encode(tokenizer, prompt)
+        ids = prompt_ids(tokenizer, prompt)
         if len(ids) > config.max_prompt_tokens:
             log.debug("conversation %r: turn %d prompt has %d > max_prompt_tokens %d tokens; "
                       "cut there", p.conv.id, p.turns, len(ids), config.max_prompt_tokens)
@@ -335,10 +340,16 @@ def _next_prompts(tokenizer: Any, pending: list[_Pending], config: RegenerateCon
     return active
 
 
-def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt token ids: the chat template with the assistant's generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def prompt_text(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template with the assistant's generation prompt (``template_kwargs``: e.g. enable_thinking)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+               ) -> list[int]:
+    """Prompt token ids as the target renders them: the chat template with the generation prompt."""
+    return list(tokenizer(prompt_text(tokenizer, messages, template_kwargs), add_special_tokens=False)["input_ids"])
 
 
 def _generate(target: Any, prompt_ids: list[list[int]], gen_config: Any, stop_ids: list[int],

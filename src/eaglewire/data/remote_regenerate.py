@@ -46,7 +46,7 @@ from eaglewire.core.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
 from eaglewire.data.conversations import Conversation, load_conversations
 from eaglewire.data.openai_client import (Client, RequestRefused, RetryPolicy, ServerUnavailable, call_once,
                                           with_retries)
-from eaglewire.data.regenerate import (RegenerateConfig, RegenerateReport, _check_messages, _Pending,
+from eaglewire.data.regenerate import (RegenerateConfig, RegenerateReport, _Pending, admit, prompt_ids, prompt_text,
                                        read_done_ids)
 
 log = logging.getLogger(__name__)
@@ -178,17 +178,6 @@ def served_model(clients: Sequence[Client], wanted: str | None) -> str:
             raise ValueError(f"--server {client.url} serves {ids}, not {chosen!r}: give --server-model with one "
                              "they all serve, or servers of one model")
     return chosen
-
-
-def prompt_text(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **(template_kwargs or {}))
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Prompt token ids as the target renders them: the chat template with the generation prompt."""
-    text = prompt_text(tokenizer, messages, template_kwargs)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _server_tokens(client: Client, model: str, messages: list[dict[str, str]], text: str,
@@ -366,17 +355,7 @@ class _Run:
         if resumed:
             log.info("%s already holds %d conversation(s); skipping them", out_path, len(resumed))
         start = time.perf_counter()
-        todo = []
-        for index, conv in enumerate(conversations):
-            if conv.id in started:
-                log.warning("conversation id %r appears again in the input; skipping the repeat", conv.id)
-                self.report.conversations_skipped_duplicate += 1
-            elif conv.id in resumed:
-                self.report.conversations_skipped_resumed += 1
-            else:
-                _check_messages(conv)
-                started.add(conv.id)
-                todo.append((index, conv))
+        todo = list(admit(conversations, resumed, started, self.report))
         bar = tqdm(total=len(conversations), desc="regenerate", unit="conv", disable=not progress,
                    initial=len(conversations) - len(todo))
         with open(out_path, "a", encoding="utf-8") as out, bar, \
