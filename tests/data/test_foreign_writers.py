@@ -418,8 +418,13 @@ def test_specforge_files_import(compress, wheels, target_dir, tmp_path):
         assert torch.equal(item["input_ids"].long(), s["input_ids"]) and torch.equal(item["loss_mask"].long(),
                                                                                      s["loss_mask"])
         # the post-norm state comes back through the final norm: the head's argmax is the target's
-        want, got = target.head(s["pre_norm"]), target.head(item["last_hidden"].float())
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        want, got = target.head(s["pre_norm"]), target.head(item["last_hidden"].float())  # [T, V] each
+        # the state took another path (norm, bf16, un-norm, norm again), so compare argmaxes where the
+        # target's top two logits are not a near-tie that a rounding on another CPU's kernels could flip
+        top2 = want.topk(2, -1).values  # [T, 2]
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # [T]
+        assert clear.float().mean() > 0.9
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 # ---------------------------------------------------------------- shared
