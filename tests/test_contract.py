@@ -194,3 +194,18 @@ def test_llamacpp_takes_boundaries_verbatim_three_and_below_L():
         to_engine([2, 15], 30, "llamacpp")
     with pytest.raises(EngineConventionError, match="boundary 30"):
         to_engine([2, 15, 30], 30, "llamacpp")
+
+
+def test_family_is_recorded_for_drafts_and_compared_between_drafts():
+    """A draft's contract records its family and reads it back; data (family None) matches a draft of
+    either family, while two drafts of different families do not wire alike."""
+    data = HiddenStateContract(aux_boundaries=(1, 3), target=FP)
+    assert "family" not in data.to_dict()
+    dflash = data.for_family("dflash")
+    assert HiddenStateContract.from_dict(dflash.to_dict()).family == "dflash"
+    dflash.check_same(data)
+    data.check_same(dflash)
+    with pytest.raises(ContractError, match="dflash draft but a eagle3 one"):
+        data.for_family("eagle3").check_same(dflash)
+    with pytest.raises(ContractError, match="family 'medusa'"):
+        data.for_family("medusa")

@@ -34,6 +34,11 @@ class EngineConventionError(ContractError):
     """A boundary layout that an engine's convention cannot express."""
 
 
+# Draft families: how a draft reads the fused states (and how each engine numbers its ids).
+# EAGLE-3 drafts one token per pass from the fused state; DFlash drafts a block per pass.
+FAMILIES: tuple[str, ...] = ("eagle3", "dflash")
+
+
 def default_aux_boundaries(num_layers: int) -> list[int]:
     """``[2, L//2, L-3]``: what every engine falls back to when a config has no ids."""
     if num_layers < 7:
@@ -104,11 +109,13 @@ class TargetFingerprint:
 
 @dataclass(frozen=True, kw_only=True)
 class HiddenStateContract:
-    """Ordered aux boundaries (concatenation order) plus the target they belong to."""
+    """Ordered aux boundaries (concatenation order) plus the target they belong to, and, for a
+    draft, its family (``None`` for data: the same shards train either family)."""
 
     aux_boundaries: tuple[int, ...]
     target: TargetFingerprint
     version: int = CONTRACT_VERSION
+    family: str | None = None
 
     def __post_init__(self) -> None:
         if self.version != CONTRACT_VERSION:
@@ -116,6 +123,14 @@ class HiddenStateContract:
                                 f"(this eaglewire reads version {CONTRACT_VERSION})")
         bounds = validate_aux_boundaries(list(self.aux_boundaries), self.target.num_layers)
         object.__setattr__(self, "aux_boundaries", tuple(bounds))
+        if self.family is not None and self.family not in FAMILIES:
+            raise ContractError(f"draft family {self.family!r} is not one eaglewire knows ({', '.join(FAMILIES)})")
+
+    def for_family(self, family: str) -> HiddenStateContract:
+        """This contract as a draft of ``family`` records it."""
+        from dataclasses import replace
+
+        return replace(self, family=family)
 
     @property
     def num_aux(self) -> int:
@@ -126,15 +141,18 @@ class HiddenStateContract:
         return self.target.num_layers
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "aux_boundaries": list(self.aux_boundaries),
-                "target": asdict(self.target)}
+        out = {"version": self.version, "aux_boundaries": list(self.aux_boundaries),
+               "target": asdict(self.target)}
+        if self.family is not None:
+            out["family"] = self.family
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HiddenStateContract:
         try:
             target = TargetFingerprint(**d["target"])
             return cls(aux_boundaries=tuple(d["aux_boundaries"]), target=target,
-                       version=int(d.get("version", CONTRACT_VERSION)))
+                       version=int(d.get("version", CONTRACT_VERSION)), family=d.get("family"))
         except (KeyError, TypeError) as e:
             raise ContractError(f"malformed hidden-state contract {json.dumps(d)[:200]}: {e}") from e
 
@@ -165,7 +183,11 @@ class HiddenStateContract:
 
     def check_same(self, other: HiddenStateContract, *, what: str = "data",
                    allow: frozenset[str] | set[str] = frozenset()) -> list[str]:
-        """Raise ContractError unless ``other`` wires the same states of the same target."""
+        """Raise ContractError unless ``other`` wires the same states of the same target (and, when
+        both are drafts, is of the same family)."""
+        if self.family and other.family and self.family != other.family:
+            raise ContractError(f"{what} is a {other.family} draft but a {self.family} one is expected; "
+                                f"pass a {self.family} draft (or train with --family {other.family})")
         if self.aux_boundaries != other.aux_boundaries:
             raise ContractError(
                 f"{what} holds aux boundaries {list(other.aux_boundaries)} but "
