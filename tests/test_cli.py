@@ -39,7 +39,8 @@ def test_prepare_then_train(tmp_path, target_dir, chats, capsys):
                  "--ttt-steps", "2", "--draft-vocab-size", "128", "--max-steps", "2", "--batch-tokens", "256",
                  "--val-sequences", "2", "--device", "cpu", "--no-progress"]) == 0
     assert "acc 0 (held-out)" in capsys.readouterr().out
-    assert read_draft_config(draft)["contract"] == manifest["contract"]  # the draft's config.json, untouched
+    # the draft's config.json: the data's contract, untouched, with the draft's family
+    assert read_draft_config(draft)["contract"] == {**manifest["contract"], "family": "eagle3"}
 
     # Both run directories record their resolved config, and the record reproduces the run.
     prepared = json.loads((shards / "resolved_config.json").read_text())
@@ -112,7 +113,7 @@ def test_checkpoint_round_trip_and_foreign_target(tmp_path, chat_tiny_target):
     contract = HiddenStateContract(aux_boundaries=(1, 4, 7), target=chat_tiny_target.fingerprint)
     save_draft(tmp_path / "d", draft, contract, {"note": "x"})
     loaded, loaded_contract, meta = load_draft(tmp_path / "d", target=chat_tiny_target)
-    assert loaded_contract == contract and meta["training"] == {"note": "x"}
+    assert loaded_contract == contract.for_family("eagle3") and meta["training"] == {"note": "x"}
     for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
         assert a.dtype == b.dtype and (a == b).all(), name
     other = tiny_target("llama", seed=3, vocab_size=chat_tiny_target.vocab_size, tokenizer=chat_tiny_target.tokenizer)

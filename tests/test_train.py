@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import eaglewire.train.loop as train_mod
+import eaglewire.train.objectives as objectives_mod
 from eaglewire.model.checkpoint import load_draft
 from eaglewire.core.contract import ContractError
 from eaglewire.data.prepare import PrepareConfig, prepare
@@ -69,7 +70,7 @@ def test_interrupted_and_resumed_run_reproduces_losses(tmp_path, conversations_f
     train(full, target=chat_tiny_target, progress=False)
     reference = losses(tmp_path / "a" / "draft" / "metrics.jsonl")
 
-    real_unroll, calls = train_mod.ttt_unroll, {"n": 0}
+    real_unroll, calls = objectives_mod.ttt_unroll, {"n": 0}
 
     def crash_at_step_5(*args, **kwargs):
         calls["n"] += 1
@@ -77,10 +78,10 @@ def test_interrupted_and_resumed_run_reproduces_losses(tmp_path, conversations_f
             raise KeyboardInterrupt  # killed after the checkpoint of step 3, before step 5 finished
         return real_unroll(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "ttt_unroll", crash_at_step_5)
+    monkeypatch.setattr(objectives_mod, "ttt_unroll", crash_at_step_5)
     with pytest.raises(KeyboardInterrupt):
         train(config(tmp_path / "b", conversations_file, epochs=3), target=chat_tiny_target, progress=False)
-    monkeypatch.setattr(train_mod, "ttt_unroll", real_unroll)
+    monkeypatch.setattr(objectives_mod, "ttt_unroll", real_unroll)
     with pytest.raises(TrainingError, match="--resume"):
         train(config(tmp_path / "b", conversations_file, epochs=3), target=chat_tiny_target, progress=False)
     train(config(tmp_path / "b", conversations_file, epochs=3, resume=True), target=chat_tiny_target, progress=False)
@@ -152,7 +153,7 @@ def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_p
     train(config(tmp_path / "a", conversations_file, max_steps=3), target=chat_tiny_target, progress=False)
     start, _, _ = load_draft(tmp_path / "a" / "draft")
     seen = {}
-    real_unroll = train_mod.ttt_unroll
+    real_unroll = objectives_mod.ttt_unroll
 
     def first_weights(draft, *args, **kwargs):
         seen.setdefault("fc", draft.fc.weight.detach().clone())
@@ -160,7 +161,7 @@ def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_p
 
     cont = config(tmp_path / "b", conversations_file, max_steps=2, init_draft=str(tmp_path / "a" / "draft"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_mod, "ttt_unroll", first_weights)
+        mp.setattr(objectives_mod, "ttt_unroll", first_weights)
         train(cont, target=chat_tiny_target, progress=False)
     assert torch.equal(seen["fc"], start.fc.weight)  # the first step ran on the stored weights
     lineage = load_draft(tmp_path / "b" / "draft")[2]["training"]["init_draft"]
@@ -175,14 +176,14 @@ def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_p
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, conversations_file, chat_tiny_target,
                                                                  monkeypatch):
-    real_unroll, calls = train_mod.ttt_unroll, {"n": 0}
+    real_unroll, calls = objectives_mod.ttt_unroll, {"n": 0}
 
     def nan_at_step_4(*args, **kwargs):
         calls["n"] += 1
         loss, counts = real_unroll(*args, **kwargs)
         return (loss * float("nan") if calls["n"] == 4 else loss), counts
 
-    monkeypatch.setattr(train_mod, "ttt_unroll", nan_at_step_4)
+    monkeypatch.setattr(objectives_mod, "ttt_unroll", nan_at_step_4)
     with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*sequences \["):
         train(config(tmp_path, conversations_file, epochs=3), target=chat_tiny_target, progress=False)
     load_draft(tmp_path / "draft", target=chat_tiny_target)  # the step-3 checkpoint is intact
@@ -301,3 +302,43 @@ def test_fp8_topk_shards_train_resume_exactly_and_keep_the_vocabulary(tmp_path, 
     compact, _, _ = load_draft(tmp_path / "a", target=chat_tiny_target)
     hidden, _, _ = load_draft(tmp_path / "h", target=chat_tiny_target)
     assert torch.equal(compact.d2t, hidden.d2t) and int(compact.t2d.sum()) == 64
+
+
+def test_dflash_training_learns_resumes_exactly_and_records_its_family(tmp_path, conversations_file, confident_target,
+                                                                       monkeypatch):
+    """`--family dflash` trains through the same loop: it learns, its checkpoint records the family and
+    loads as a DFlash draft, and an interrupted run resumes to the same losses (anchors drawn from the
+    saved generator)."""
+    from eaglewire.model.dflash import DFlashDraft
+
+    kw = dict(family="dflash", block_size=4, draft_layers=1, anchors_per_sequence=8, epochs=4)
+    result = train(config(tmp_path / "a", conversations_file, **kw), target=confident_target, progress=False)
+    reference = losses(tmp_path / "a" / "draft" / "metrics.jsonl")
+    assert sum(reference[-3:]) < 0.8 * sum(reference[:3])
+    assert {"val_acc_0", "val_acc_1", "val_acc_2"} <= set(result.final_eval) and "val_acc_3" not in result.final_eval
+    draft, contract, meta = load_draft(tmp_path / "a" / "draft", target=confident_target)
+    assert isinstance(draft, DFlashDraft) and contract.family == "dflash" and draft.config.block_size == 4
+    assert meta["architectures"] == ["DFlashDraft"]
+
+    real, calls = objectives_mod.block_loss, {"n": 0}
+
+    def crash_at_step_5(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objectives_mod, "block_loss", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "b", conversations_file, **kw), target=confident_target, progress=False)
+    monkeypatch.setattr(objectives_mod, "block_loss", real)
+    train(config(tmp_path / "b", conversations_file, resume=True, **kw), target=confident_target, progress=False)
+    assert losses(tmp_path / "b" / "draft" / "metrics.jsonl") == pytest.approx(reference, rel=1e-6)
+
+
+def test_a_mask_token_that_occurs_in_the_data_is_refused(tmp_path, conversations_file, confident_target):
+    tok = confident_target.tokenizer
+    used = tok(" alpha", add_special_tokens=False)["input_ids"][0]
+    with pytest.raises(ValueError, match="mask token .* occurs"):
+        train(config(tmp_path, conversations_file, family="dflash", mask_token_id=used), target=confident_target,
+              progress=False)

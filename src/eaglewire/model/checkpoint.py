@@ -1,5 +1,6 @@
 """Native draft checkpoints: ``config.json`` (draft architecture, contract, training
 summary) + ``model.safetensors`` (draft tensors incl. d2t/t2d; never the embeddings).
+The contract's family says which draft it is (EAGLE-3 when a contract predates families).
 
 Every write goes to a temporary file first and is renamed into place, so a crash never
 leaves a half-written checkpoint behind.
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from eaglewire.core.contract import ContractError, HiddenStateContract
+from eaglewire.model.dflash import DFlashConfig, DFlashDraft
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.core.errors import reading
 from eaglewire.core.fileio import atomic_save_safetensors, atomic_write_json
@@ -24,8 +26,20 @@ from eaglewire.core.presets import resolve_draft
 CHECKPOINT_FORMAT = "eaglewire-eagle3"
 CHECKPOINT_VERSION = 1
 
+# family -> (module class, its config class)
+FAMILY_CLASSES = {"eagle3": (Eagle3Draft, DraftConfig), "dflash": (DFlashDraft, DFlashConfig)}
 
-def save_draft(out_dir: str | Path, draft: Eagle3Draft, contract: HiddenStateContract,
+
+def draft_family(draft) -> str:
+    return getattr(draft, "family", "eagle3")
+
+
+def family_of(contract: HiddenStateContract) -> str:
+    """A draft contract's family; one written before families existed is EAGLE-3."""
+    return contract.family or "eagle3"
+
+
+def save_draft(out_dir: str | Path, draft: Eagle3Draft | DFlashDraft, contract: HiddenStateContract,
                training: dict[str, Any] | None = None, *, dtype: torch.dtype | None = None) -> Path:
     """Write a draft directory; ``dtype`` casts floating tensors (e.g. fp16 for shipping)."""
     out = Path(out_dir)
@@ -34,8 +48,9 @@ def save_draft(out_dir: str | Path, draft: Eagle3Draft, contract: HiddenStateCon
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     atomic_save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
+    contract = contract.for_family(draft_family(draft))
     config = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION,
-              "architectures": ["Eagle3Draft"], "draft": draft.config.to_dict(),
+              "architectures": [type(draft).__name__], "draft": draft.config.to_dict(),
               "contract": contract.to_dict(), "training": training or {}}
     atomic_write_json(out / "config.json", config)
     return out
@@ -65,7 +80,11 @@ class DraftFiles:
     path: Path
     config: dict[str, Any]
     contract: HiddenStateContract
-    draft_config: DraftConfig
+    draft_config: DraftConfig | DFlashConfig
+
+    @property
+    def family(self) -> str:
+        return family_of(self.contract)
 
     @property
     def target_spec(self) -> str | None:
@@ -85,7 +104,7 @@ def read_draft(path: str | Path) -> DraftFiles:
     path = resolve_draft(path)
     config = read_draft_config(path)
     contract = HiddenStateContract.from_dict(config["contract"])
-    draft_config = DraftConfig.from_dict(config["draft"])
+    draft_config = FAMILY_CLASSES[family_of(contract)][1].from_dict(config["draft"])
     if draft_config.num_aux != contract.num_aux:
         raise ContractError(f"draft {path} fuses {draft_config.num_aux} states but its contract "
                             f"lists {contract.num_aux} boundaries")
@@ -103,7 +122,7 @@ def load_draft(path: str | Path, *, target=None, allow: set[str] | frozenset[str
     files = read_draft(path)
     if target is not None:
         files.contract.check_target(target.fingerprint, what=f"draft {files.path}", allow=allow)
-    draft = Eagle3Draft(files.draft_config)
+    draft = FAMILY_CLASSES[files.family][0](files.draft_config)
     missing, unexpected = draft.load_state_dict(files.state(), strict=False)
     if missing or unexpected:
         raise ValueError(f"draft {files.path}: tensors missing {missing}, unexpected {unexpected}")

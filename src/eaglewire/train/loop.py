@@ -1,4 +1,5 @@
-"""The TTT training loop: data split, draft vocabulary, optimisation, evaluation,
+"""The training loop of both draft families (EAGLE-3's TTT unroll, DFlash's parallel blocks:
+``train/objectives.py``): data split, draft vocabulary, optimisation, evaluation,
 checkpoints and exact resume. Runs alone or under ``torchrun`` (data parallel: each rank
 takes every world-th batch, each step's loss is normalised over all ranks and gradients summed;
 gloo on CPU, NCCL on GPU).
@@ -26,14 +27,14 @@ from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries
 from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
 from eaglewire.core.distributed import dist_rank_world
-from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.core.contract import FAMILIES
 from eaglewire.core.fileio import atomic_torch_save, atomic_write_text
 from eaglewire.core.locks import directory_lock
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.target import Target, load_target, resolve_device
-from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal, ttt_unroll,
-                           topk_signal, vocab_coverage)
-from eaglewire.model.vocab import build_draft_vocab, count_tokens, frequency_coverage
+from eaglewire.model.ttt import StepCounts
+from eaglewire.model.vocab import count_tokens, frequency_coverage
+from eaglewire.train.objectives import DFlashObjective, Eagle3Objective, Objective, default_gamma, summary_loss
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,12 @@ class TrainConfig:
     head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
     allow_incomplete_data: bool = field(default=False, metadata={"help": "train on --data whose `prepare` did not finish (refused otherwise; a warning says how much it covers)"})
     skip_label_check: bool = field(default=False, metadata={"help": "train without the label check at start (the target's head on the stored last state against the stored next tokens); only for a target that is not a language model of this text, e.g. a random test target"})
+    family: str = field(default="eagle3", metadata={"help": "draft family: eagle3 (one token per draft pass, TTT) or dflash (a block per pass)", "choices": list(FAMILIES)})
+    block_size: int = field(default=8, metadata={"help": "dflash: positions per block (the anchor + block_size - 1 drafted tokens)"})
+    draft_layers: int = field(default=2, metadata={"help": "dflash: decoder layers of the draft (an EAGLE-3 draft has one)"})
+    anchors_per_sequence: int = field(default=32, metadata={"help": "dflash: blocks sampled per sequence and step (anchors on supervised tokens)"})
+    block_loss_gamma: float | None = field(default=None, metadata={"help": "dflash: drafted position j weighs exp(-(j-1)/gamma) in the loss (default by block size: 7 for 16, 5 for 10, 4 for 8)"})
+    mask_token_id: int | None = field(default=None, metadata={"help": "dflash: the token filling the drafted positions (default: a padded embedding row, the tokenizer's mask token or an unused special token)"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
@@ -92,6 +99,15 @@ class TrainConfig:
             raise ValueError(f"loss_decay must be in (0, 1], got {self.loss_decay}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        for name in ("draft_layers", "anchors_per_sequence"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (the anchor and one drafted token), got {self.block_size}")
+        if self.block_loss_gamma is not None and self.block_loss_gamma <= 0:
+            raise ValueError(f"block_loss_gamma must be > 0, got {self.block_loss_gamma}")
 
     # Fields that may change between an interrupted run and its resume.
     RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
@@ -164,8 +180,10 @@ def lr_lambda(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def summarize(counts: list[StepCounts], *, decay: float, prefix: str = "") -> dict[str, float]:
-    out: dict[str, float] = {f"{prefix}loss": sum(decay ** j * c.loss for j, c in enumerate(counts))}
+def summarize(counts: list[StepCounts], *, weights: list[float], prefix: str = "") -> dict[str, float]:
+    """Loss (weighted as the objective weighs its positions) and accuracy per predicted position:
+    ``acc_j`` is TTT step j (EAGLE-3) or drafted block position j + 1 (DFlash)."""
+    out: dict[str, float] = {f"{prefix}loss": summary_loss(counts, weights)}
     for j, c in enumerate(counts):
         out[f"{prefix}acc_{j}"] = round(c.acc, 4)
         if j:
@@ -205,7 +223,7 @@ class History:
 @dataclass(kw_only=True)
 class RunState:
     """What one ``Trainer.run`` carries from step to step."""
-    draft: Eagle3Draft
+    draft: torch.nn.Module  # Eagle3Draft or DFlashDraft
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     plans: list[list[list[int]]]  # per epoch: batches of sequence indices
@@ -253,7 +271,9 @@ class Trainer:
                 from eaglewire.data.label_check import require_labels
 
                 require_labels(self.source.dataset, self.target, where=f"train --data {config.data}")
-        self.contract: HiddenStateContract = self.source.contract
+        self.contract: HiddenStateContract = self.source.contract.for_family(config.family)
+        self.objective: Objective = self._objective()
+        self.positions = self.objective.positions
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
         self.timers = {"target_head": 0.0, "draft_forward": 0.0, "backward": 0.0, "data": 0.0}
@@ -269,23 +289,29 @@ class Trainer:
 
     # -- model and optimiser -------------------------------------------------
 
-    def build_draft(self) -> tuple[Eagle3Draft, float]:
+    def _objective(self) -> Objective:
+        cfg = self.config
+        if cfg.family == "dflash":
+            return DFlashObjective(self.target, block_size=cfg.block_size, layers=cfg.draft_layers,
+                                   anchors=cfg.anchors_per_sequence,
+                                   gamma=cfg.block_loss_gamma or default_gamma(cfg.block_size),
+                                   mask_token_id=cfg.mask_token_id, seed=cfg.seed)
+        return Eagle3Objective(self.target, ttt_steps=cfg.ttt_steps, loss_decay=cfg.loss_decay,
+                               draft_vocab_size=cfg.draft_vocab_size)
+
+    def build_draft(self) -> tuple[torch.nn.Module, float]:
         cfg, target = self.config, self.target
-        if cfg.draft_vocab_size > target.vocab_size:
+        if cfg.family == "eagle3" and cfg.draft_vocab_size > target.vocab_size:
             raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary "
                              f"({target.vocab_size}); pick at most {target.vocab_size}")
         torch.manual_seed(cfg.seed)
-        dcfg = DraftConfig.from_target(target.text_config, num_aux=self.contract.num_aux,
-                                       draft_vocab_size=cfg.draft_vocab_size, vocab_size=target.vocab_size)
         counts = count_tokens((self.source.tokens(i) for i in self.train_idx), target.vocab_size)
+        draft = self.objective.build(target, self.contract.num_aux, counts)
         if cfg.init_draft:
-            draft = self._initial_draft(dcfg)
-        else:
-            draft = Eagle3Draft(dcfg)
-            draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
+            draft = self._initial_draft(draft.config)
         return draft.to(self.device), frequency_coverage(counts, draft.t2d)
 
-    def _initial_draft(self, dcfg: DraftConfig) -> Eagle3Draft:
+    def _initial_draft(self, dcfg) -> torch.nn.Module:
         """The --init-draft weights, checked to fit this run: same contract and architecture, and
         none of its held-out sequences in this run's training split."""
         from eaglewire.engines.foreign_draft import load_any_draft
@@ -307,35 +333,28 @@ class Trainer:
                                 "); keep --seed and --val-sequences as in that run so validation stays held out")
         return draft.float().train()
 
-    def _signal(self, draft, batch: Batch) -> TargetSignal:
-        """The target's distribution where the TTT steps read it (timed as target head)."""
+    def _signal(self, draft, batch: Batch, *, evaluation: bool = False):
+        """The target's signal where the objective reads it (timed as target head)."""
         t0 = time.perf_counter()
-        needed = signal_positions(batch.loss_mask)
-        if batch.topk_ids is not None:  # shards with --labels topk:K: the stored top-K is the target's signal
-            signal = topk_signal(batch.topk_logprobs, batch.topk_ids, draft.draft_to_target, draft.t2d, needed)
-        else:
-            signal = target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
-                                   draft.draft_to_target, draft.t2d, needed)
+        signal = self.objective.signal(draft, batch, evaluation=evaluation)
         self.timers["target_head"] += time.perf_counter() - t0
         return signal
 
-    def _unroll(self, draft, batch: Batch, signal: TargetSignal,
+    def _unroll(self, draft, batch: Batch, signal,
                 normalizers: list[int] | None = None) -> tuple[torch.Tensor, list[StepCounts]]:
         t0 = time.perf_counter()
-        with torch.no_grad():
-            emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with autocast:
-            out = ttt_unroll(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal,
-                             ttt_steps=self.config.ttt_steps, decay=self.config.loss_decay, normalizers=normalizers)
+            out = self.objective.loss(draft, batch, signal, normalizers)
         self.timers["draft_forward"] += time.perf_counter() - t0
         return out
 
-    def _forward(self, draft, batch: Batch) -> tuple[torch.Tensor, list[StepCounts], tuple[int, int]]:
-        """(weighted loss, per-step counts, draft-vocab coverage counts) of one batch on its own."""
-        signal = self._signal(draft, batch)
+    def _forward(self, draft, batch: Batch, *, evaluation: bool = False
+                 ) -> tuple[torch.Tensor, list[StepCounts], tuple[int, int]]:
+        """(weighted loss, per-position counts, draft-vocab coverage counts) of one batch on its own."""
+        signal = self._signal(draft, batch, evaluation=evaluation)
         loss, counts = self._unroll(draft, batch, signal)
-        return loss, counts, vocab_coverage(signal.in_vocab, batch.loss_mask)
+        return loss, counts, self.objective.coverage(batch, signal)
 
     def _all_sum(self, values: list[float]) -> list[float]:
         """Sum a few numbers over ranks (identity when alone)."""
@@ -355,11 +374,10 @@ class Trainer:
         batches = [self.source.batch(idx, self.device) for idx in idxs]
         self.timers["data"] += time.perf_counter() - t0
         signals = [self._signal(draft, b) for b in batches]
-        local = [sum(n) for n in zip(*(counted_per_step(b.loss_mask, s.in_vocab, cfg.ttt_steps)
-                                       for b, s in zip(batches, signals)))]
+        local = [sum(n) for n in zip(*(self.objective.counted(b, s) for b, s in zip(batches, signals)))]
         normalizers = [int(n) for n in self._all_sum(local)]
         optimizer.zero_grad(set_to_none=True)
-        step_counts = [StepCounts() for _ in range(cfg.ttt_steps)]
+        step_counts = [StepCounts() for _ in range(self.positions)]
         bad = None  # (loss, micro-batch) of the first non-finite loss on this rank
         for idx, batch, signal in zip(idxs, batches, signals):
             loss, counts = self._unroll(draft, batch, signal, normalizers)
@@ -386,26 +404,27 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         optimizer.step()
         self.timers["backward"] += time.perf_counter() - t1
-        per_step = summed[2:]  # [ttt_steps x StepCounts fields]
-        width = len(per_step) // cfg.ttt_steps
-        return [StepCounts.from_floats(per_step[j * width:(j + 1) * width]) for j in range(cfg.ttt_steps)], int(summed[1])
+        per_step = summed[2:]  # [positions x StepCounts fields]
+        width = len(per_step) // self.positions
+        return [StepCounts.from_floats(per_step[j * width:(j + 1) * width]) for j in range(self.positions)], int(summed[1])
 
     @torch.no_grad()
     def evaluate(self, draft) -> dict[str, float]:
         draft.eval()
-        total = [StepCounts() for _ in range(self.config.ttt_steps)]
+        total = [StepCounts() for _ in range(self.positions)]
         inside = counted = 0
         for idx in batch_plan(self.val_idx, self.source.lengths, self.config.batch_tokens, seed=0):
-            _, counts, (n_in, n) = self._forward(draft, self.source.batch(idx, self.device))
+            _, counts, (n_in, n) = self._forward(draft, self.source.batch(idx, self.device), evaluation=True)
             for t, c in zip(total, counts):
                 t.add(c)
             inside, counted = inside + n_in, counted + n
         draft.train()
-        return {**summarize(total, prefix="val_", decay=self.config.loss_decay), "val_vocab_coverage": round(inside / max(counted, 1), 4)}
+        return {**summarize(total, prefix="val_", weights=self.objective.weights),
+                "val_vocab_coverage": round(inside / max(counted, 1), 4)}
 
     # -- checkpointing -------------------------------------------------------
 
-    def _save(self, draft: Eagle3Draft, optimizer, scheduler, position: dict[str, int], history: dict,
+    def _save(self, draft: torch.nn.Module, optimizer, scheduler, position: dict[str, int], history: dict,
               training_summary: dict) -> None:
         if self.rank != 0:
             return
@@ -489,7 +508,7 @@ class Trainer:
         return RunState(
             draft=draft, optimizer=optimizer, scheduler=scheduler, plans=plans, per_epoch=per_epoch,
             total_steps=total_steps, coverage=coverage, start=start, position=position, history=history,
-            window=[StepCounts() for _ in range(cfg.ttt_steps)],
+            window=[StepCounts() for _ in range(self.positions)],
             metrics_file=open(self.out / METRICS_FILE, "a") if self.rank == 0 else None,
             bar=tqdm(total=total_steps, initial=position.step, desc="train", unit="step",
                      disable=not progress or self.rank != 0))
@@ -532,15 +551,15 @@ class Trainer:
             self._save_run(run, self._summary(run))
 
     def _log_window(self, run: RunState) -> None:
-        cfg, position = self.config, run.position
+        position = run.position
         row = {"step": position.step, "epoch": position.epoch, "lr": run.scheduler.get_last_lr()[0],
-               "tokens": position.tokens, **summarize(run.window, decay=cfg.loss_decay)}
+               "tokens": position.tokens, **summarize(run.window, weights=self.objective.weights)}
         run.bar.set_postfix(loss=f"{row['loss']:.3f}", **{f"acc{j}": f"{row[f'acc_{j}']:.2f}"
-                                                       for j in range(min(3, cfg.ttt_steps))})
+                                                       for j in range(min(3, self.positions))})
         if run.metrics_file:
             run.metrics_file.write(json.dumps(row) + "\n")
             run.metrics_file.flush()
-        run.window = [StepCounts() for _ in range(cfg.ttt_steps)]
+        run.window = [StepCounts() for _ in range(self.positions)]
 
     def _finish_run(self, run: RunState) -> None:
         """A last evaluation (unless the last step had one) and the final checkpoint."""
@@ -583,7 +602,7 @@ class Trainer:
                            final_eval=run.history.evals[-1], finished=not run.stopped_early,
                            timers={k: round(v, 2) for k, v in self.timers.items()})
 
-    def _sync_grads(self, draft: Eagle3Draft) -> None:
+    def _sync_grads(self, draft: torch.nn.Module) -> None:
         """Data parallel: sum gradients over ranks (each rank's loss is already its share of the
         step's loss; the draft is one layer: plain all-reduce is as fast as DDP's buckets and keeps
         the step code identical)."""

@@ -1,0 +1,124 @@
+"""What the training loop asks of a draft family: build the draft, read the target's signal for a
+batch, count what each predicted position divides by, and the loss with its counts.
+
+Both families report per predicted position (EAGLE-3: TTT step j; DFlash: drafted block position
+j + 1) the same ``StepCounts``, so the loop's steps, data parallel sums, logging, evaluation and
+resume are one code path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from eaglewire.data.sources import Batch
+from eaglewire.model.dflash import DFlashConfig, DFlashDraft, default_mask_token_id
+from eaglewire.model.dflash_objective import BlockSignal, block_loss, block_signal, position_weights
+from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from eaglewire.model.target import Target
+from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal,
+                                 topk_signal, ttt_unroll, vocab_coverage)
+from eaglewire.model.vocab import build_draft_vocab
+
+
+class Objective(Protocol):
+    positions: int  # predicted positions per row position (TTT steps, or drafted block positions)
+    weights: list[float]  # each position's weight in the loss
+
+    def build(self, target: Target, num_aux: int, counts: torch.Tensor) -> torch.nn.Module: ...
+    def signal(self, draft, batch: Batch, *, evaluation: bool = False): ...
+    def counted(self, batch: Batch, signal) -> list[int]: ...
+    def loss(self, draft, batch: Batch, signal, normalizers: list[int] | None) -> tuple[torch.Tensor, list[StepCounts]]: ...
+    def coverage(self, batch: Batch, signal) -> tuple[int, int]: ...
+
+
+class Eagle3Objective:
+    """The TTT unroll over whole sequences (model/ttt.py)."""
+
+    def __init__(self, target: Target, *, ttt_steps: int, loss_decay: float, draft_vocab_size: int) -> None:
+        self.target, self.positions, self.decay, self.vocab = target, ttt_steps, loss_decay, draft_vocab_size
+        self.weights = [loss_decay ** j for j in range(ttt_steps)]
+
+    def build(self, target: Target, num_aux: int, counts: torch.Tensor) -> Eagle3Draft:
+        cfg = DraftConfig.from_target(target.text_config, num_aux=num_aux, draft_vocab_size=self.vocab,
+                                      vocab_size=target.vocab_size)
+        draft = Eagle3Draft(cfg)
+        draft.set_vocab(*build_draft_vocab(counts, self.vocab))
+        return draft
+
+    def signal(self, draft, batch: Batch, *, evaluation: bool = False) -> TargetSignal:
+        needed = signal_positions(batch.loss_mask)
+        if batch.topk_ids is not None:  # shards with --labels topk:K: the stored top-K is the target's signal
+            return topk_signal(batch.topk_logprobs, batch.topk_ids, draft.draft_to_target, draft.t2d, needed)
+        return target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
+                             draft.draft_to_target, draft.t2d, needed)
+
+    def counted(self, batch: Batch, signal: TargetSignal) -> list[int]:
+        return counted_per_step(batch.loss_mask, signal.in_vocab, self.positions)
+
+    def loss(self, draft, batch: Batch, signal: TargetSignal, normalizers):
+        with torch.no_grad():
+            emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
+        return ttt_unroll(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal,
+                          ttt_steps=self.positions, decay=self.decay, normalizers=normalizers)
+
+    def coverage(self, batch: Batch, signal: TargetSignal) -> tuple[int, int]:
+        return vocab_coverage(signal.in_vocab, batch.loss_mask)
+
+
+class DFlashObjective:
+    """Parallel blocks at sampled anchors (model/dflash_objective.py), the target's embedding and head."""
+
+    def __init__(self, target: Target, *, block_size: int, layers: int, anchors: int, gamma: float,
+                 mask_token_id: int | None, seed: int) -> None:
+        self.target, self.block_size, self.layers, self.anchors, self.gamma = target, block_size, layers, anchors, gamma
+        self.mask_token_id, self.seed = mask_token_id, seed
+        self.positions = block_size - 1
+        self.weights = position_weights(block_size, gamma)
+        self.lm_head = target.model.get_output_embeddings()
+
+    def build(self, target: Target, num_aux: int, counts: torch.Tensor) -> DFlashDraft:
+        mask = self.mask_token_id
+        if mask is None:  # a random test target has no tokenizer: its last id
+            mask = (default_mask_token_id(target.tokenizer, target.vocab_size) if target.tokenizer is not None
+                    else target.vocab_size - 1)
+        if int(counts[mask]) > 0:
+            raise ValueError(f"mask token {mask} occurs {int(counts[mask])} times in the training replies; a block "
+                             "would not tell a drafted position from that token: pass --mask-token-id with an unused id")
+        return DFlashDraft(DFlashConfig.from_target(target.text_config, num_aux=num_aux, vocab_size=target.vocab_size,
+                                                    num_layers=self.layers, block_size=self.block_size,
+                                                    mask_token_id=mask))
+
+    def signal(self, draft, batch: Batch, *, evaluation: bool = False) -> BlockSignal:
+        # Evaluation samples the same anchors every time (a fixed generator); training draws from
+        # torch's generator, which the checkpoint saves, so a resumed run draws what it would have.
+        generator = torch.Generator().manual_seed(self.seed) if evaluation else None
+        topk = (batch.topk_logprobs, batch.topk_ids) if batch.topk_ids is not None else None
+        last = None if topk is not None else batch.last_hidden.to(self.target.dtype)
+        return block_signal(batch.loss_mask, anchors_per_row=self.anchors, block_size=self.block_size,
+                            head=self.target.head, last_hidden=last, topk=topk, vocab_size=self.target.vocab_size,
+                            generator=generator)
+
+    def counted(self, batch: Batch, signal: BlockSignal) -> list[int]:
+        return signal.per_position()
+
+    def loss(self, draft, batch: Batch, signal: BlockSignal, normalizers):
+        embed = self.target.embed_tokens
+        return block_loss(draft, lambda ids: embed(ids).float(), lambda h: self.lm_head(h.to(self.lm_head.weight.dtype)),
+                          batch.input_ids, batch.aux_hidden.float(), signal, gamma=self.gamma,
+                          normalizers=normalizers)
+
+    def coverage(self, batch: Batch, signal: BlockSignal) -> tuple[int, int]:
+        n = int(signal.counted.sum())
+        return n, n  # the whole target vocabulary
+
+
+def summary_loss(counts: list[StepCounts], weights: list[float]) -> float:
+    return sum(w * c.loss for w, c in zip(weights, counts))
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's decay constant by block size (the paper: 7 for 16, 5 for 10, 4 for 8)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, math.floor(block_size / 2)))
