@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.model.dflash import DFlashDraft, block_attention_mask
-from eaglewire.model.ttt import StepCounts, target_signal, topk_signal
+from eaglewire.model.ttt import StepCounts, target_signal
 
 # Block positions scored per chunk of the head and loss: a chunk's [n, V] logits, log-softmax and
 # target probabilities are what a DFlash step holds in memory (V is the whole target vocabulary).
@@ -92,8 +92,18 @@ class BlockSignal:
     anchors: torch.Tensor  # [B, N]
     keep: torch.Tensor  # [B, N] bool
     counted: torch.Tensor  # [B, N, J] bool
-    probs: torch.Tensor  # [P, V] the target's distribution at each counted pair (row-major order)
+    probs: torch.Tensor  # [P, V] the target's distribution at each counted pair (row-major order), or [P, K]
     argmax: torch.Tensor  # [P] its argmax (target ids)
+    label_ids: torch.Tensor | None = None  # [P, K] target ids of ``probs``' columns (stored top-K); None: dense
+
+    def cross_entropy(self, start: int, logits: torch.Tensor) -> torch.Tensor:
+        """-sum_v p_target log q_draft at pairs start .. start + n of the draft's ``logits`` [n, V] -> [n]."""
+        n = logits.shape[0]
+        logq = F.log_softmax(logits, dim=-1)  # [n, V]
+        p = self.probs[start:start + n]
+        if self.label_ids is not None:  # a top-K: K columns instead of V, most of them zero anyway
+            logq = logq.gather(1, self.label_ids[start:start + n])  # [n, K]
+        return -(p * logq).sum(-1)
 
     def per_position(self) -> list[int]:
         """Counted pairs per drafted position (what the loss of each position divides by)."""
@@ -112,13 +122,14 @@ def block_signal(loss_mask: torch.Tensor, *, anchors_per_row: int, block_size: i
     index, counted = label_indices(anchors, keep, loss_mask, block_size)
     rows = torch.arange(loss_mask.shape[0], device=loss_mask.device)[:, None, None].expand_as(index)[counted]  # [P]
     cols = index[counted]  # [P]
+    if topk is not None:  # the renormalised top-K over the whole vocabulary, kept as K columns
+        lp, ids = topk[0][rows, cols].float(), topk[1][rows, cols].long()  # [P, K]
+        argmax = ids.gather(1, lp.argmax(-1, keepdim=True)).squeeze(1)  # [P]
+        return BlockSignal(anchors=anchors, keep=keep, counted=counted, probs=torch.softmax(lp, dim=-1),
+                           argmax=argmax, label_ids=ids)
     everything = torch.arange(vocab_size, device=loss_mask.device)
     all_in = torch.ones(vocab_size, dtype=torch.bool, device=loss_mask.device)
-    if topk is not None:
-        lp, ids = topk[0][rows, cols][None], topk[1][rows, cols][None]  # [1, P, K]
-        sig = topk_signal(lp, ids, everything, all_in, torch.ones(lp.shape[:2], dtype=torch.bool, device=lp.device))
-    else:
-        sig = target_signal(head, last_hidden[rows, cols][None], everything, all_in)  # [1, P, V]
+    sig = target_signal(head, last_hidden[rows, cols][None], everything, all_in)  # [1, P, V]
     return BlockSignal(anchors=anchors, keep=keep, counted=counted, probs=sig.probs[0], argmax=sig.argmax[0])
 
 
@@ -157,9 +168,8 @@ def block_loss(draft: DFlashDraft, embed: Callable[[torch.Tensor], torch.Tensor]
     total = ctx.new_zeros(())
     ce_all, right_all = [], []
     for s in range(0, hidden.shape[0], HEAD_CHUNK):
-        h, p = hidden[s:s + HEAD_CHUNK], signal.probs[s:s + HEAD_CHUNK]
-        logits = lm_head(h).float()  # [n, V]
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [n]
+        logits = lm_head(hidden[s:s + HEAD_CHUNK]).float()  # [n, V]
+        ce = signal.cross_entropy(s, logits)  # [n]
         total = total + (ce * scale[position[s:s + HEAD_CHUNK]]).sum()
         ce_all.append(ce.detach())
         right_all.append(logits.detach().argmax(-1) == signal.argmax[s:s + HEAD_CHUNK])

@@ -12,6 +12,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from eaglewire.data.sources import Batch
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft, default_mask_token_id
@@ -106,7 +107,11 @@ class DFlashObjective:
 
     def loss(self, draft, batch: Batch, signal: BlockSignal, normalizers):
         embed = self.target.embed_tokens
-        return block_loss(draft, lambda ids: embed(ids).float(), lambda h: self.lm_head(h.to(self.lm_head.weight.dtype)),
+        # the target's head is frozen: no gradient for its [V, H] weight
+        weight = self.lm_head.weight.detach()
+        bias = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
+        return block_loss(draft, lambda ids: embed(ids).float(),
+                          lambda h: F.linear(h, weight.to(h.dtype), None if bias is None else bias.to(h.dtype)),
                           batch.input_ids, batch.aux_hidden.float(), signal, gamma=self.gamma,
                           normalizers=normalizers)
 
