@@ -1,0 +1,107 @@
+"""EAGLE-3 and DFlash drafts trained from the same shards with the same wall-clock budget, side by side.
+
+    # train both at once, one thread each, for the same minutes (resumable: rerun the same command)
+    python benchmarks/families.py train --data runs/data --out runs/families --minutes 60
+    # held-out τ in eaglewire's engine (greedy, 256 tokens, MT-bench and HumanEval), outputs vs plain
+    python benchmarks/families.py measure --out runs/families --num-prompts 10
+
+Both trainings run *concurrently*, each with one thread: whatever else the machine runs slows
+both alike, so the same wall-clock budget buys each family what its own step costs (a sequential
+pair on a shared 2-core machine would hand one of them a quieter half). The recipes are each
+family's defaults at the reference's settings (lr 1e-3, 2,048 tokens per batch): EAGLE-3 with 4 TTT
+steps and an 8,192-token draft vocabulary, DFlash with blocks of 8, two layers and 32 anchors per
+sequence. `measure` runs `eaglewire bench` on each draft with a chain of 7 drafted tokens (the
+longest a block of 8 proposes) and plain decoding, and writes `families.json` with τ, tokens/s and
+whether every output equals plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RECIPES = {
+    "eagle3": ["--family", "eagle3", "--ttt-steps", "4", "--draft-vocab-size", "8192"],
+    "dflash": ["--family", "dflash", "--block-size", "8", "--draft-layers", "2", "--anchors-per-sequence", "32"],
+}
+COMMON = ["--lr", "1e-3", "--batch-tokens", "2048", "--epochs", "20", "--eval-interval", "100",
+          "--save-interval", "50", "--val-sequences", "32", "--no-progress"]
+DATASETS = ("mt-bench", "humaneval")
+CHAIN = "1,0,0,0;1,7,1,8"  # plain; a chain of 7 drafted tokens
+
+
+def eaglewire() -> list[str]:
+    return [sys.executable, "-m", "eaglewire.cli"]
+
+
+def train(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_each), "MKL_NUM_THREADS": str(args.threads_each)}
+    procs = {}
+    for family, recipe in RECIPES.items():
+        draft = out / family
+        resume = ["--resume"] if (draft / "train_state.pt").exists() else []
+        cmd = [*eaglewire(), "train", "--target", args.target, "--data", args.data, "--out", str(draft),
+               "--minutes", str(args.minutes), *COMMON, *recipe, *resume, *args.extra]
+        log = open(out / f"{family}.log", "a")
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        procs[family] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    start = time.time()
+    for family, (proc, log) in procs.items():
+        rc = proc.wait()
+        log.close()
+        print(f"{family}: exit {rc} after {time.time() - start:.0f} s (log {out / (family + '.log')})")
+
+
+def measure(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    report = {"machine": subprocess.run([sys.executable, "-m", "eaglewire.core.machine"], capture_output=True,
+                                        text=True).stdout.strip(), "drafts": {}}
+    for family in RECIPES:
+        draft = out / family
+        trained = json.loads((draft / "config.json").read_text())["training"]
+        row = {"steps": trained["steps"], "train_tokens": trained["train_tokens"], "seconds": trained["seconds"],
+               "final_eval": trained["final_eval"], "datasets": {}}
+        for dataset in DATASETS:
+            bench_out = out / "bench" / family / dataset
+            cmd = [*eaglewire(), "bench", "--target", args.target, "--draft", str(draft), "--dataset", dataset,
+                   "--configs", CHAIN, "--max-new-tokens", str(args.max_new_tokens),
+                   "--num-prompts", str(args.num_prompts), "--out", str(bench_out), "--no-progress"]
+            subprocess.run(cmd, env=env, check=True)
+            row["datasets"][dataset] = json.loads((bench_out / "bench.json").read_text())
+        report["drafts"][family] = row
+    (out / "families.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({f: {d: r["datasets"][d]["rows"] for d in DATASETS}
+                      for f, r in report["drafts"].items()}, indent=2)[:4000])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="stage", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--data", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--target", default="smollm2-135m")
+    t.add_argument("--minutes", type=float, default=60)
+    t.add_argument("--threads-each", type=int, default=1)
+    t.add_argument("extra", nargs="*", help="more train flags for both, after --")
+    m = sub.add_parser("measure")
+    m.add_argument("--out", required=True)
+    m.add_argument("--target", default="smollm2-135m")
+    m.add_argument("--num-prompts", type=int, default=10)
+    m.add_argument("--max-new-tokens", type=int, default=256)
+    m.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    train(args) if args.stage == "train" else measure(args)
+
+
+if __name__ == "__main__":
+    main()
