@@ -19,6 +19,7 @@ from eaglewire.model.dflash import DFlashConfig, DFlashDraft, default_mask_token
 from eaglewire.model.dflash_objective import BlockSignal, block_loss, block_signal, position_weights
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.model.target import Target
+from eaglewire.model.target_head import HeadOnlyError, unnorm_weight
 from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal,
                                  topk_signal, ttt_unroll, vocab_coverage)
 from eaglewire.model.vocab import build_draft_vocab
@@ -88,9 +89,17 @@ class DFlashObjective:
         if int(counts[mask]) > 0:
             raise ValueError(f"mask token {mask} occurs {int(counts[mask])} times in the training replies; a block "
                              "would not tell a drafted position from that token: pass --mask-token-id with an unused id")
-        return DFlashDraft(DFlashConfig.from_target(target.text_config, num_aux=num_aux, vocab_size=target.vocab_size,
-                                                    num_layers=self.layers, block_size=self.block_size,
-                                                    mask_token_id=mask))
+        draft = DFlashDraft(DFlashConfig.from_target(target.text_config, num_aux=num_aux, vocab_size=target.vocab_size,
+                                                     num_layers=self.layers, block_size=self.block_size,
+                                                     mask_token_id=mask))
+        # The target's head reads states through the target's final norm: starting the draft's own final
+        # norm at the same per-channel scale makes its first logits the head's reading of a normed state.
+        with torch.no_grad():
+            try:
+                draft.norm.weight.copy_(unnorm_weight(target).to(draft.norm.weight.dtype))
+            except HeadOnlyError:  # a norm with a bias: start from ones
+                pass
+        return draft
 
     def signal(self, draft, batch: Batch, *, evaluation: bool = False) -> BlockSignal:
         # Evaluation samples the same anchors every time (a fixed generator); training draws from
