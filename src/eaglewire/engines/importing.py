@@ -169,12 +169,13 @@ def is_dflash_dir(src_dir: str | Path) -> bool:
 
 
 def import_dflash(src_dir: str | Path, fmt: str, engine, target: Target, out_dir: str | Path, *,
-                  target_arch: str | None = None, allow: frozenset[str] | set[str] = frozenset()) -> ImportReport:
+                  from_engine: Callable[..., list[int]], target_arch: str | None = None,
+                  allow: frozenset[str] | set[str] = frozenset()) -> ImportReport:
     """A DFlash directory (z-lab's layout ``--from zlab``/``specforge``, speculators' ``--from speculators``)
     as a native DFlash draft for ``target``: the ids read with ``fmt``'s own reading (``parse_dflash_config``,
-    then ``engines.from_engine(..., family="dflash")``), an eaglewire export's recorded contract winning."""
+    then ``from_engine``: ``engines.from_engine``, with ``family="dflash"``), an eaglewire export's recorded
+    contract winning."""
     import eaglewire.engines.dflash_format as dflash
-    from eaglewire.engines.registry import from_engine
 
     src, out = Path(src_dir), Path(out_dir)
     if out.resolve() == src.resolve():

@@ -241,6 +241,7 @@ def import_draft(src_dir: str | Path, from_: str, target, out_dir: str | Path, *
     (``engines.importing.import_checkpoint``)."""
     engine = get(from_, "import", param="import format")
     if is_dflash_dir(src_dir):
-        return import_dflash(src_dir, from_, engine, target, out_dir, target_arch=target_arch, allow=allow)
+        return import_dflash(src_dir, from_, engine, target, out_dir, target_arch=target_arch, allow=allow,
+                             from_engine=from_engine)
     return import_checkpoint(src_dir, from_, engine, target, out_dir, target_arch=target_arch, allow=allow,
                              infer=infer_boundaries)
