@@ -67,3 +67,26 @@ def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int 
     draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
     save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint))
     return path
+
+
+def save_random_dflash_draft(path, target: Target, aux_boundaries=(2, 4, 6), seed: int = 0, *, num_layers: int = 1,
+                             block_size: int = 4, mask_token_id: int | None = None):
+    """A random DFlash draft for ``target``, saved as a native draft directory."""
+    import torch
+
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.checkpoint import save_draft
+    from eaglewire.model.dflash import DFlashConfig, DFlashDraft
+
+    V = target.vocab_size
+    torch.manual_seed(seed)
+    draft = DFlashDraft(DFlashConfig.from_target(target.text_config, num_aux=len(aux_boundaries), vocab_size=V,
+                                                 num_layers=num_layers, block_size=block_size,
+                                                 mask_token_id=V - 1 if mask_token_id is None else mask_token_id))
+    with torch.no_grad():  # norms off ones, so a wrong tensor mapping shows
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint),
+               {"target": target.spec})
+    return path

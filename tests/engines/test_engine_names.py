@@ -65,7 +65,7 @@ def test_allowed_files_exist_and_are_few():
 def test_registry_names_resolve_aliases():
     assert engines.get("speculators") is engines.get("vllm")
     assert engines.canonical("speculators") == "vllm"
-    assert engines.names("export") == ("sglang", "vllm", "speculators", "llamacpp")
+    assert engines.names("export") == ("sglang", "vllm", "speculators", "specforge", "zlab", "llamacpp")
     assert "speculators" not in engines.names("export", aliases=False)
     try:
         engines.get("tensorrt")

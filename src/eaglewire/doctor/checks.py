@@ -13,7 +13,8 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
 from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
-from eaglewire.doctor.serving import config_fix, lint_flags, read_engine_config
+from eaglewire.doctor.serving import (config_fix, dflash_config_fix, lint_flags, read_dflash_engine_config,
+                                     read_engine_config)
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.ttt import StepCounts
 
@@ -45,13 +46,13 @@ class Measured:
         return [c.cond_acc for c in self.counts[1:]]
 
 
-def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str
-                  ) -> tuple[dict[str, list[int]], int]:
+def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,
+                  family: str = "eagle3") -> tuple[dict[str, list[int]], int]:
     """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
     the chain length it drafts, SGLang's default 5 when the flags do not say). Its readings go
     into ``Measured.serving``, so it runs before the draft is measured and takes its inputs bare."""
     steps = 5
-    if config.engine_flags:
+    if config.engine_flags and family == "eagle3":  # the launch-flag lints read EAGLE-3 flags
         flags = lint_flags(config.engine, config.engine_flags, declared, L, arch)
         worst = "fail" if any(v == "fail" for v, _, _ in flags.problems) else (
             "warn" if flags.problems else "ok")
@@ -67,14 +68,19 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
                          f"{config.engine} will capture", fix="pass the config.json the engine will load"))
         return {}, steps
     cfg = json.loads(Path(config.engine_config).read_text())
-    reading = read_engine_config(config.engine, cfg, L, declared, arch)
+    if family == "dflash":
+        reading = read_dflash_engine_config(config.engine, cfg, L, declared, arch)
+        fix = dflash_config_fix(config.engine, declared, L, arch, cfg)
+    else:
+        reading = read_engine_config(config.engine, cfg, L, declared, arch)
+        fix = config_fix(config.engine, declared, L, arch)
     wrong = {label: b for label, b in reading.readings.items() if b != declared}
     evidence = ([f"{label} captures boundaries {b}" for label, b in reading.readings.items()] + reading.notes
                 + reading.problems)
     if wrong or reading.problems:
         report.add(Check("engine wiring", "fail",
                          f"{config.engine} will feed the draft boundaries other than the {declared} it was trained on",
-                         evidence, fix=config_fix(config.engine, declared, L, arch)))
+                         evidence, fix=fix))
     else:
         report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
     return reading.readings, steps

@@ -38,14 +38,14 @@ def architecture_check(architecture: str) -> Check:
                      f"src/models/ file for {arch} records t_layer_inp")
 
 
-def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str
-            ) -> tuple[dict[str, list[int]], int]:
+def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str,
+            family: str = "eagle3") -> tuple[dict[str, list[int]], int]:
     """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, chain length)."""
     steps = DEFAULT_N_MAX
     if config.target.endswith(".gguf"):
         architecture = str(engine.read_gguf_metadata(config.target).get("general.architecture", architecture))
     report.add(architecture_check(architecture))
-    if config.engine_flags:
+    if config.engine_flags and family == "eagle3":  # llama.cpp's DFlash flags are not linted yet
         flags = lint_flags(config.engine_flags)
         worst = ("fail" if any(v == "fail" for v, _, _ in flags.problems) else "warn" if flags.problems else "ok")
         report.add(Check("serving flags", worst, "llama.cpp flags: " + (
@@ -58,13 +58,16 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
         return {}, steps
     meta = engine.read_gguf_metadata(config.engine_config)
     layers = engine.draft_layers(meta)
-    problem = engine.layout_problem(meta, declared, num_layers, where=config.engine_config)
+    problem = engine.layout_problem(meta, declared, num_layers, where=config.engine_config, family=family)
     evidence = [f"general.architecture {meta.get('general.architecture')!r}, extract_layers {layers}"]
     if problem:
         report.add(Check("engine wiring", "fail", "llama.cpp will not feed the draft the boundaries it was trained on",
                          evidence, fix=problem))
     else:
         report.add(Check("engine wiring", "ok", f"llama.cpp captures {declared}, as trained", evidence))
+    if family == "dflash":
+        return ({LLAMACPP: [int(x) for x in layers]} if layers and all(0 <= x <= num_layers for x in layers) else {},
+                steps)
     readings = {LLAMACPP: [int(x) for x in layers]} if layers and len(layers) == 3 and \
         all(0 <= x <= num_layers for x in layers) and len(set(layers)) == 3 else {}
     return readings, steps

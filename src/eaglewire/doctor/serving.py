@@ -208,3 +208,34 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
                               what, fix, measurable=measurable))
     out.d2t = (mapped - torch.arange(vd)) if measurable else None
     return out
+
+
+def read_dflash_engine_config(engine: str, config: dict[str, Any], num_layers: int, declared: list[int],
+                              arch: str | None = None) -> EngineReading:
+    """``read_engine_config`` for a DFlash draft: the boundaries ``engine`` captures for its DFlash ids
+    (``engines.read_ids(..., family="dflash")``), each reading's problem naming the key, the value written
+    and the value to write (the engine module's ``dflash_config_fix``)."""
+    if engine == "eaglewire":
+        return EngineReading(engine, None, {"eaglewire": list(declared)})
+    e = engines.get(engine)
+    found, notes = engines.read_ids(engine, config, family="dflash")
+    out = EngineReading(engine, next(iter(found.values())), {}, notes)
+    arch = _known_arch(arch, out.notes)
+    for label, ids in found.items():
+        if ids is None:
+            out.problems.append(f"{label}: no ids where {engine} looks, so it falls back to a default of its own: "
+                                + e.module.dflash_config_fix(declared, num_layers, arch, config))
+            continue
+        try:
+            out.readings[label] = engines.from_engine(ids, num_layers, engine, target_arch=arch, family="dflash")
+        except (EngineConventionError, ContractError) as err:
+            out.problems.append(f"{label}: {err}")
+    return out
+
+
+def dflash_config_fix(engine: str, declared: list[int], num_layers: int, arch: str | None,
+                      config: dict[str, Any]) -> str:
+    module = engines.get(engine).module
+    if not hasattr(module, "dflash_config_fix"):
+        return f"serve with boundaries {declared}"
+    return module.dflash_config_fix(declared, num_layers, _known_arch(arch, []), config)

@@ -153,3 +153,68 @@ def import_checkpoint(src_dir: str | Path, fmt: str, engine, target: Target, out
     for note in notes:
         log.warning("%s", note)
     return ImportReport(format=fmt, src_dir=src, out_dir=out, engine_ids=ids, aux_boundaries=bounds, notes=notes)
+
+
+# ---------------------------------------------------------------- DFlash
+
+def is_dflash_dir(src_dir: str | Path) -> bool:
+    """A directory whose config.json is a DFlash draft's (z-lab's or speculators' layout)."""
+    from eaglewire.engines.dflash_format import is_dflash_config
+
+    path = Path(src_dir) / "config.json"
+    try:
+        return path.is_file() and is_dflash_config(json.loads(path.read_text()))
+    except json.JSONDecodeError:
+        return False  # read_checkpoint names the broken file
+
+
+def import_dflash(src_dir: str | Path, fmt: str, engine, target: Target, out_dir: str | Path, *,
+                  from_engine: Callable[..., list[int]], target_arch: str | None = None,
+                  allow: frozenset[str] | set[str] = frozenset()) -> ImportReport:
+    """A DFlash directory (z-lab's layout ``--from zlab``/``specforge``, speculators' ``--from speculators``)
+    as a native DFlash draft for ``target``: the ids read with ``fmt``'s own reading (``parse_dflash_config``,
+    then ``from_engine``: ``engines.from_engine``, with ``family="dflash"``), an eaglewire export's recorded
+    contract winning."""
+    import eaglewire.engines.dflash_format as dflash
+
+    src, out = Path(src_dir), Path(out_dir)
+    if out.resolve() == src.resolve():
+        raise ValueError(f"the output directory {out} is the checkpoint being imported; choose another")
+    parse = getattr(engine.module, "parse_dflash_config", None)
+    if parse is None:
+        raise FormatError(f"{src} holds a DFlash draft, which --from {fmt} does not read; import it with --from zlab "
+                          "(z-lab / SpecForge layout) or --from speculators")
+    config, state = read_checkpoint(src)
+    where = str(src / "config.json")
+    fields, ids, notes = parse(config, where=where)
+    tensors, foreign = dflash.split_state(state)
+    if fields["hidden_size"] != target.hidden_size:
+        raise ContractError(f"{where}: hidden_size is {fields['hidden_size']} but target {target.spec} has "
+                            f"{target.hidden_size}: the draft was made for another target")
+    if "lm_head.weight" in foreign and tuple(foreign["lm_head.weight"].shape) != (target.vocab_size, target.hidden_size):
+        raise FormatError(f"{where}: lm_head.weight is {tuple(foreign['lm_head.weight'].shape)}: a reduced draft "
+                          "vocabulary, which an eaglewire DFlash draft (the target's head) cannot hold")
+    draft = dflash.build_draft(fields, tensors, vocab_size=target.vocab_size, where=where)
+    if ids is None:
+        raise ContractError(f"{where}: the config names no target layers, so {fmt} would use its default; write "
+                            "the ids the draft was trained on before importing")
+    bounds = from_engine(ids, target.num_layers, engine.name, family="dflash",
+                         target_arch=default_target_arch(target_arch, target.fingerprint.architecture)
+                         if engine.needs_target_arch else target_arch)
+    record = (config.get(RECORD_KEY) or {}).get("contract")
+    if record is not None:
+        bounds, more = _recorded_boundaries(record, bounds, target, allow)
+        notes += more
+    notes += _check_embedding(foreign.get("embed_tokens.weight"), target, allow)
+    if len(bounds) != draft.config.num_aux:
+        raise ContractError(f"{where}: the draft fuses {draft.config.num_aux} target states (fc.weight is "
+                            f"{tuple(tensors['fc.weight'].shape)}) but the config names {len(bounds)} layers "
+                            f"({ids}); fix the ids")
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    keep = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    contract = HiddenStateContract(aux_boundaries=tuple(bounds), target=target.fingerprint, family="dflash")
+    save_draft(out, draft, contract, {"imported_from": str(src), "format": fmt, "engine_ids": ids,
+                                      "target": target.spec, "notes": notes}, dtype=keep)
+    for note in notes:
+        log.warning("%s", note)
+    return ImportReport(format=fmt, src_dir=src, out_dir=out, engine_ids=ids, aux_boundaries=bounds, notes=notes)

@@ -20,7 +20,8 @@ from types import ModuleType
 from typing import Any
 
 from eaglewire.model.checkpoint import read_draft
-from eaglewire.core.contract import ContractError, EngineConventionError, default_aux_boundaries, validate_boundaries
+from eaglewire.core.contract import (FAMILIES, ContractError, EngineConventionError, default_aux_boundaries,
+                                     validate_boundaries)
 import eaglewire.engines.eagle as eagle
 import eaglewire.engines.eaglewire as eaglewire
 import eaglewire.engines.llamacpp as llamacpp
@@ -28,7 +29,8 @@ import eaglewire.engines.sglang as sglang
 import eaglewire.engines.specforge as specforge
 import eaglewire.engines.vllm as vllm
 from eaglewire.engines.export import ExportConfig, ExportReport
-from eaglewire.engines.importing import ImportReport, import_checkpoint
+from eaglewire.engines.importing import ImportReport, import_checkpoint, import_dflash, is_dflash_dir
+from eaglewire.engines.shared import FormatError
 
 CAPABILITIES = frozenset({"export", "import", "lint", "run_here", "measure", "stated_costs"})
 
@@ -70,7 +72,7 @@ ENGINES: tuple[Engine, ...] = (
     Engine(eaglewire, frozenset({"lint", "run_here", "measure"})),
     Engine(sglang, frozenset({"export", "import", "lint", "stated_costs", "measure"})),
     Engine(vllm, frozenset({"export", "import", "lint", "stated_costs", "measure"}), aliases=(vllm.FORMAT_NAME,)),
-    Engine(specforge, frozenset({"import"})),
+    Engine(specforge, frozenset({"import", "export"}), aliases=specforge.ALIASES),
     Engine(llamacpp, frozenset({"export", "lint", "run_here", "measure"})),
     Engine(eagle, frozenset({"import"})),
 )
@@ -109,22 +111,47 @@ def _engine(name: str) -> Engine:
     return engine
 
 
-def to_engine(boundaries: list[int], num_layers: int, engine: str, *, target_arch: str | None = None) -> list[int]:
+def _family_fn(e: Engine, family: str, eagle3: str, dflash: str):
+    """The engine module's function for ``family``: EngineConventionError where it serves none."""
+    if family not in FAMILIES:
+        raise ContractError(f"draft family {family!r} is not one of {', '.join(FAMILIES)}")
+    fn = getattr(e.module, eagle3 if family == "eagle3" else dflash, None)
+    if fn is None:
+        raise EngineConventionError(f"{e.name} serves no {family} draft (eaglewire knows no reading of its {family} "
+                                    f"ids); engines that do: {', '.join(family_engines(family))}")
+    return fn
+
+
+def family_engines(family: str) -> tuple[str, ...]:
+    """Engines with a reading of ``family``'s ids."""
+    fn = "to_ids" if family == "eagle3" else "dflash_to_ids"
+    return tuple(e.name for e in ENGINES if hasattr(e.module, fn))
+
+
+def to_engine(boundaries: list[int], num_layers: int, engine: str, *, target_arch: str | None = None,
+              family: str = "eagle3") -> list[int]:
     """Layer ids that make ``engine`` capture exactly ``boundaries`` on a target of architecture
-    ``target_arch`` (required for SGLang); EngineConventionError if it cannot."""
+    ``target_arch`` (required for SGLang) for a ``family`` draft; EngineConventionError if it cannot."""
     e = _engine(engine)
+    fn = _family_fn(e, family, "to_ids", "dflash_to_ids")
     boundaries = validate_boundaries(list(boundaries), num_layers)
-    return e.module.to_ids(boundaries, num_layers, target_arch if e.per_model_file else None)
+    return fn(boundaries, num_layers, target_arch if e.per_model_file else None)
 
 
-def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_arch: str | None = None) -> list[int]:
-    """Boundaries that ``engine`` captures for config ``ids`` (None: the engine's default) on a
-    target of architecture ``target_arch`` (required for SGLang), in the order it feeds them."""
+def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_arch: str | None = None,
+                family: str = "eagle3") -> list[int]:
+    """Boundaries that ``engine`` captures for config ``ids`` (None: the engine's default; a DFlash
+    default depends on the draft, so None is refused there) on a target of architecture ``target_arch``
+    (required for SGLang), in the order it feeds them."""
     e = _engine(engine)
+    fn = _family_fn(e, family, "to_boundaries", "dflash_to_boundaries")
     if ids is None:
+        if family != "eagle3":
+            raise ContractError(f"{e.name}: a {family} config without ids means a default that depends on the draft's "
+                                "layer count; read it with the engine module's read_dflash_ids")
         # Every engine falls back to [2, L//2, L-3] when the config carries no ids.
         return default_aux_boundaries(num_layers)
-    bounds = e.module.to_boundaries([int(i) for i in ids], num_layers, target_arch if e.per_model_file else None)
+    bounds = fn([int(i) for i in ids], num_layers, target_arch if e.per_model_file else None)
     return validate_boundaries(bounds, num_layers)
 
 
@@ -134,14 +161,16 @@ def refusal(engine: str, arch: str | None) -> str | None:
     return e.module.refusal(arch) if e.per_model_file else None
 
 
-def read_ids(engine: str, config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
-    """Where ``engine`` finds its aux ids in ``config``: (label -> ids, None for its default;
-    notes). The one reader of each engine's keys: import and the doctor both use it."""
+def read_ids(engine: str, config: dict[str, Any], *, family: str = "eagle3"
+             ) -> tuple[dict[str, list[int] | None], list[str]]:
+    """Where ``engine`` finds its aux ids in ``config`` for a ``family`` draft: (label -> ids, None for
+    its default; notes). The one reader of each engine's keys: import and the doctor both use it."""
+    fn = "read_ids" if family == "eagle3" else "read_dflash_ids"
     e = _BY_NAME.get(engine)
-    if e is None or not hasattr(e.module, "read_ids"):
-        valid = [n for n in names() if hasattr(_BY_NAME[n].module, "read_ids")]
+    if e is None or not hasattr(e.module, fn):
+        valid = [n for n in names() if hasattr(_BY_NAME[n].module, fn)]
         raise ValueError(f"engine {engine!r} is not one of {', '.join(valid)}")
-    return e.module.read_ids(config)
+    return getattr(e.module, fn)(config)
 
 
 def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
@@ -197,6 +226,12 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target=
     draft, out = read_draft(draft_dir), Path(out_dir)
     if out.resolve() == draft.path.resolve():
         raise ValueError(f"the output directory {out} is the draft being exported; choose another")
+    if draft.family == "dflash":
+        fn = getattr(engine.module, "export_dflash", None)
+        if fn is None:
+            raise FormatError(f"{engine.name} has no DFlash export; DFlash drafts export to "
+                              f"{', '.join(n for n in names('export') if hasattr(get(n).module, 'export_dflash'))}")
+        return fn(draft, to, out, config, target=target, allow=allow, others=other_readings)
     return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)
 
 
@@ -205,5 +240,8 @@ def import_draft(src_dir: str | Path, from_: str, target, out_dir: str | Path, *
     """Convert a ``from_`` checkpoint directory into a native draft for ``target`` in ``out_dir``
     (``engines.importing.import_checkpoint``)."""
     engine = get(from_, "import", param="import format")
+    if is_dflash_dir(src_dir):
+        return import_dflash(src_dir, from_, engine, target, out_dir, target_arch=target_arch, allow=allow,
+                             from_engine=from_engine)
     return import_checkpoint(src_dir, from_, engine, target, out_dir, target_arch=target_arch, allow=allow,
                              infer=infer_boundaries)

@@ -568,3 +568,128 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
     else:
         out.notes.append("no /metrics (SGLang without --enable-metrics): read from meta_info alone")
     return out
+
+
+# ---------------------------------------------------------------- DFlash (--speculative-algorithm DFLASH)
+# SGLang 0.5.23 loads z-lab's layout (models/dflash.py DFlashDraftModel). Its ids:
+# speculative/dflash_utils.py parse_dflash_draft_config reads ``dflash_config.target_layer_ids`` (else a top-level
+# ``target_layer_ids``; neither: build_target_layer_ids(L, draft layers)); DFlashDraftConfig.resolve_target_layer_ids
+# refuses an id outside [0, L). model_runner_components/attention_backend_setup.py configure_aux_hidden_state_capture
+# hands them to the target model file's set_dflash_layers_to_capture (a file without one raises), which sets
+# ``layers_to_capture = [val + 1 for val in layer_ids]`` ("captures before layer i"): boundary = id + 1, boundary
+# L only where the forward captures after the last layer (gpt_oss.py). tests/engines re-reads every cited body.
+DFLASH_FUNCTION = "set_dflash_layers_to_capture"
+_NO_DFLASH = ("SGLang {v}'s {path} has no set_dflash_layers_to_capture, so SGLang refuses a DFlash draft for this "
+              "target (attention_backend_setup.py configure_aux_hidden_state_capture raises); serve it with vLLM or "
+              "eaglewire")
+
+
+def _dflash_file(arch: str, *, supported: bool = True) -> ModelFile:
+    f = FILES[arch]
+    return ModelFile(engine="sglang", path=f.path, ids="plus_one", captures_last=f.captures_last,
+                     function=f.function.replace("set_eagle3_layers_to_capture", DFLASH_FUNCTION),
+                     unsupported=None if supported else _NO_DFLASH.format(v=VERSION, path=f.path))
+
+
+DFLASH_FILES: dict[str, ModelFile] = {
+    arch: _dflash_file(arch, supported=arch not in ("qwen2", "gemma3")) for arch in FILES}
+
+
+def dflash_file_for(arch: str | None) -> ModelFile:
+    if arch is None:
+        raise ContractError(f"SGLang {VERSION} reads DFlash ids per target model file; give the target's "
+                            f"architecture (target_arch / --target-arch: {', '.join(TARGET_ARCHS)})")
+    if model_file.wrapper_key(arch):
+        raise EngineConventionError(f"eaglewire has not read SGLang {VERSION}'s DFlash capture for the wrapped "
+                                    f"target {arch}; serve it with vLLM or eaglewire")
+    return DFLASH_FILES[target_arch(arch)]
+
+
+def dflash_to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """``dflash_config.target_layer_ids`` that make SGLang's model file for ``arch`` capture ``boundaries``."""
+    f = dflash_file_for(arch)
+    if f.unsupported:
+        raise EngineConventionError(f.unsupported)
+    where = f"SGLang {VERSION}'s {f.path} ({f.function})"
+    if 0 in boundaries:
+        raise EngineConventionError(f"{where} captures boundary id + 1, so boundary 0 needs id -1, which "
+                                    "DFlashDraftConfig.resolve_target_layer_ids refuses. Retrain without boundary 0, "
+                                    "or serve with vLLM or eaglewire")
+    if num_layers in boundaries and not f.captures_last:
+        raise EngineConventionError(f"{where} cannot capture boundary {num_layers}: its forward captures layer "
+                                    "inputs only. Retrain without it, or serve with vLLM or eaglewire")
+    return [b - 1 for b in boundaries]
+
+
+def dflash_to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """Boundaries SGLang's model file for ``arch`` captures for DFlash ``ids``, in the order fed."""
+    f = dflash_file_for(arch)
+    if f.unsupported:
+        raise EngineConventionError(f.unsupported)
+    bad = [i for i in ids if i < 0 or i >= num_layers]
+    if bad:
+        raise EngineConventionError(f"SGLang {VERSION} refuses DFlash target_layer_ids {bad} outside [0, {num_layers}) "
+                                    "(dflash_utils.py resolve_target_layer_ids)")
+    return model_file.read_every(ids, num_layers, f, f"SGLang {VERSION}")
+
+
+def read_dflash_ids(config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
+    """Where SGLang finds DFlash ids: ``dflash_config.target_layer_ids``, else the top-level ``target_layer_ids``
+    (None: its build_target_layer_ids default)."""
+    nested = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    if nested.get("target_layer_ids") is not None:
+        return {f"sglang {VERSION} dflash_config.target_layer_ids": list(nested["target_layer_ids"])}, []
+    if config.get("target_layer_ids") is not None:
+        return {f"sglang {VERSION} target_layer_ids": list(config["target_layer_ids"])}, []
+    notes = []
+    if config.get("speculators_model_type") == "dflash":
+        notes.append(f"a speculators DFlash config: SGLang {VERSION} has no DFlashSpeculator model and cannot load it")
+    return {f"sglang {VERSION} dflash_config.target_layer_ids": None}, notes
+
+
+def dflash_config_fix(declared: list[int], num_layers: int, arch: str | None, config: dict[str, Any]) -> str:
+    written = ((config.get("dflash_config") or {}).get("target_layer_ids")
+               if isinstance(config.get("dflash_config"), dict) else None)
+    try:
+        want = dflash_to_ids(declared, num_layers, arch)
+    except (EngineConventionError, ContractError) as e:
+        return str(e)
+    return (f"dflash_config.target_layer_ids is {json.dumps(written)}; write \"dflash_config\": "
+            f'{{"target_layer_ids": {json.dumps(want)}}} (the rule of {dflash_file_for(arch).path}: boundary = id + 1), '
+            "or re-export with `eaglewire export --to sglang`")
+
+
+def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
+                  allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
+    """Write a DFlash ``draft`` in z-lab's layout with the ids of the target's SGLang model file."""
+    from eaglewire.engines.dflash_format import zlab_config
+
+    contract = draft.contract
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    arch = default_target_arch(config.target_arch, contract.target.architecture)
+    ids = dflash_to_ids(bounds, L, arch)
+    notes: list[str] = []
+    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
+    engine_config = {**zlab_config(draft.draft_config, ids, num_target_layers=L, dtype=dtype),
+                     **record(draft, arch, f"sglang {VERSION}")}
+    bs = draft.draft_config.block_size
+    target_name = verifier(config, draft) or "<the target's path or id>"
+    serving = "\n".join([
+        "# Serving this DFlash draft with SGLang", "",
+        f"z-lab's DFlash layout, for SGLang {VERSION}. The draft reads target boundaries {bounds}; SGLang's "
+        f"{dflash_file_for(arch).path} ({DFLASH_FUNCTION}) captures boundary id + 1, so "
+        f"`dflash_config.target_layer_ids` are {json.dumps(ids)} (z-lab's own convention too).", "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target_name} \\",
+        f"    --speculative-algorithm DFLASH --speculative-draft-model-path {out.resolve()} \\",
+        f"    --speculative-dflash-block-size {bs}",
+        "```", "",
+        "One draft pass drafts a block of block_size - 1 tokens. The draft uses the target's embedding and "
+        "lm_head (none are stored).", "",
+        "## Other engines loading this directory", "",
+        "- vLLM loads this layout too (`method: dflash`) and captures dflash_config.target_layer_ids + 1: "
+        "the same boundaries.",
+        "- llama.cpp's converter reads it (`eaglewire export --to llamacpp` runs it and checks the GGUF).", ""])
+    files = write_export(out, engine_config, draft.state(), serving)
+    return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+                               notes=notes))

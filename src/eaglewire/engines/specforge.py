@@ -10,10 +10,12 @@ its default ``[1, L//2-1, L-4]`` is boundaries ``[2, L//2, L-3]``.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from eaglewire.core.contract import EngineConventionError
 import eaglewire.engines.sglang as sglang
+from eaglewire.engines.shared import FormatError
 
 NAME = "specforge"
 
@@ -57,3 +59,113 @@ def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_laye
     return ["- SpecForge (and `eaglewire import --from specforge`) reads the nested ids as \"output of layer "
             "i\" (boundary i + 1) on every target: right only where SGLang adds 1 too. Import it with "
             "`eaglewire import --from sglang`, which applies this target's rule."]
+
+
+# ---------------------------------------------------------------- DFlash (z-lab's layout, alias zlab)
+# SpecForge 0.2.0 trains DFlash drafts with z-lab's own class (specforge/modeling/draft/dflash.py
+# DFlashDraftModel.__init__: ``dflash_config.get("target_layer_ids", build_target_layer_ids(num_target_layers,
+# num_hidden_layers))``; extract_context_feature reads ``hidden_states[layer_id + 1]``, the OUTPUT of layer id)
+# and saves it with save_pretrained: z-lab's layout (engines/dflash_format.py). id = boundary - 1.
+ALIASES = ("zlab",)
+DFLASH_CITED = "specforge/modeling/draft/dflash.py DFlashDraftModel.__init__ + extract_context_feature (offset 1)"
+
+
+def dflash_to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """z-lab's ``dflash_config.target_layer_ids`` for ``boundaries``: boundary - 1."""
+    for b in boundaries:
+        if b == 0:
+            raise EngineConventionError(
+                "z-lab's format cannot express boundary 0 (the embedding output): its id would be -1, and every "
+                "reader of dflash_config.target_layer_ids refuses negative ids (SGLang's "
+                "DFlashDraftConfig.resolve_target_layer_ids raises). Retrain without boundary 0, or serve with vLLM "
+                "(speculators format, `--to vllm`) or eaglewire")
+        if b == num_layers:
+            raise EngineConventionError(
+                f"z-lab's format cannot express boundary {num_layers}: its id {num_layers - 1} reads HF "
+                f"hidden_states[{num_layers}], which is after the final norm, while SGLang, vLLM and llama.cpp read the "
+                "pre-norm state there. Retrain without it, or serve with vLLM (`--to vllm`) or eaglewire")
+    return [b - 1 for b in boundaries]
+
+
+def dflash_to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
+    if any(i < 0 or i >= num_layers for i in ids):
+        raise EngineConventionError(f"z-lab target_layer_ids {ids} leave [0, {num_layers}): no such layer output "
+                                    f"on a {num_layers}-layer target")
+    return [i + 1 for i in ids]
+
+
+def dflash_default_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's (and SGLang's) build_target_layer_ids: the ids a config without target_layer_ids means."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def read_dflash_ids(config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
+    """Where z-lab's code finds the ids: ``dflash_config.target_layer_ids`` (None: its default)."""
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)):
+        raise FormatError(f"dflash_config.target_layer_ids is {ids!r}; expected a list of integers")
+    return {"zlab dflash_config.target_layer_ids": ids}, []
+
+
+def dflash_config_fix(declared: list[int], num_layers: int, arch: str | None, config: dict[str, Any]) -> str:
+    """The exact key and value that make z-lab's readers take ``declared``."""
+    written = (config.get("dflash_config") or {}).get("target_layer_ids")
+    try:
+        want = dflash_to_ids(declared, num_layers, arch)
+    except EngineConventionError as e:
+        return str(e)
+    return (f'dflash_config.target_layer_ids is {json.dumps(written)}; write "dflash_config": {{"target_layer_ids": '
+            f"{json.dumps(want)}}} (z-lab ids are layer outputs: boundary - 1), or re-export with "
+            "`eaglewire export --to zlab`")
+
+
+def parse_dflash_config(d: dict[str, Any], *, where: str = "config.json"
+                        ) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+    """(DFlashConfig fields but num_aux / vocab_size, z-lab ids or None, notes) of a z-lab directory."""
+    from eaglewire.engines.dflash_format import is_speculators, parse
+
+    if is_speculators(d):
+        raise FormatError(f"{where} is a speculators DFlash config; import it with --from speculators")
+    fields, _ = parse(d, where=where)
+    found, notes = read_dflash_ids(d)
+    ids = next(iter(found.values()))
+    if ids is None:
+        L = d.get("num_target_layers")
+        if L is None:
+            raise FormatError(f"{where}: no dflash_config.target_layer_ids and no num_target_layers: the layers "
+                              "the draft reads are unknown")
+        ids = dflash_default_ids(int(L), fields["num_hidden_layers"])
+        notes.append(f"no dflash_config.target_layer_ids: z-lab's build_target_layer_ids({L}, "
+                     f"{fields['num_hidden_layers']}) = {ids}")
+    return fields, ids, notes
+
+
+def export_dflash(draft, fmt: str, out, config, *, target=None, allow=frozenset(), others=None):
+    """Write a DFlash ``draft`` in z-lab's layout (what SGLang, vLLM and llama.cpp's converter load)."""
+    from eaglewire.engines.export import ExportReport, finish, record, serving_dtype, write_export
+    from eaglewire.engines.dflash_format import zlab_config
+
+    contract = draft.contract
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    ids = dflash_to_ids(bounds, L, None)
+    notes: list[str] = []
+    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
+    engine_config = {**zlab_config(draft.draft_config, ids, num_target_layers=L, dtype=dtype),
+                     **record(draft, None, "zlab")}
+    serving = "\n".join([
+        "# This DFlash draft in z-lab's layout", "",
+        f"It reads target boundaries {bounds}; z-lab's `dflash_config.target_layer_ids` are layer outputs "
+        f"(HF hidden_states[i + 1]), so they are {json.dumps(ids)}. SGLang, vLLM and llama.cpp's converter load "
+        "this layout; `eaglewire export --to sglang | vllm | llamacpp` writes each one's own launch command.", ""])
+    files = write_export(out, engine_config, draft.state(), serving)
+    return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+                               notes=notes))
+
+
+def export(draft, fmt, out, config, *, target=None, allow=frozenset(), others=None):
+    """SpecForge's (z-lab's) layout holds DFlash drafts; an EAGLE-3 draft for SpecForge is SGLang's layout."""
+    raise FormatError("an EAGLE-3 draft has no z-lab export: SpecForge reads SGLang's EAGLE-3 layout, so export "
+                      "it with --to sglang (z-lab's layout is for DFlash drafts)")

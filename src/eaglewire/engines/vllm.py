@@ -589,3 +589,127 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
                             for i, e in enumerate(end["per_pos"])]
     out.notes.append(f"{served.OTHER_TRAFFIC}: start the server with {PER_REQUEST_FLAG}")
     return out
+
+
+# ---------------------------------------------------------------- DFlash (method "dflash")
+# vLLM 0.33.0 captures a DFlash draft's states exactly as an EAGLE-3 draft's: requires_aux_hidden_states
+# (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) is true for "dflash", and set_eagle3_aux_hidden_state_layers
+# hands get_eagle3_aux_layers_from_config's ids to the target's SupportsEagle3.set_aux_hidden_state_layers
+# (boundaries verbatim, sorted; a model without SupportsEagle3 raises). Those ids: the top-level
+# ``eagle_aux_hidden_state_layer_ids``, else ``dflash_config.target_layer_ids`` + 1 ("Add 1 to convert DFlash's
+# aux layer id semantics"), else (V2 runner) dspark ids, else ``dflash_config.layer_ids``. A speculators config
+# (speculators_model_type "dflash") is rewritten first by transformers_utils/configs/speculators/algos.py
+# update_dflash: eagle_aux_hidden_state_layer_ids := aux_hidden_state_layer_ids (required), dflash_config :=
+# {target_layer_ids: aux - 1, mask_token_id, causal: not sliding_window_non_causal (default true)}.
+# models/qwen3_dflash.py sizes fc for len(those ids) (else the draft's num_hidden_layers).
+DFLASH_CITED = ("vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config; "
+                "vllm/transformers_utils/configs/speculators/algos.py update_dflash")
+
+
+def dflash_to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """The ids vLLM's runner hands the target for ``boundaries`` (speculators' ``aux_hidden_state_layer_ids``,
+    which update_dflash copies verbatim): the boundaries; refused where the model file has no SupportsEagle3."""
+    why = refusal(arch)
+    if why:
+        raise EngineConventionError(why.replace("an EAGLE-3 draft", "a DFlash draft (its aux capture is EAGLE-3's)"))
+    return list(boundaries)
+
+
+def dflash_to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
+    """Boundaries vLLM captures for the runner's ids (sorted, the order it feeds them)."""
+    return model_file.read_every(ids, num_layers, file_for(arch), f"vLLM {VERSION}")
+
+
+def read_dflash_ids(d: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
+    """The ids vLLM 0.33.0's runner takes from a DFlash config, as get_eagle3_aux_layers_from_config computes
+    them (after update_dflash for a speculators config): label (naming the key read) -> ids, None: none found
+    (its fc is then sized for the draft's num_hidden_layers and the target's default layers are captured)."""
+    notes: list[str] = []
+    if d.get("speculators_model_type") == "dflash":
+        aux = d.get("aux_hidden_state_layer_ids")
+        if aux is None:
+            notes.append("aux_hidden_state_layer_ids is missing: vLLM's update_dflash requires it (KeyError at load)")
+        return {f"vllm {VERSION} aux_hidden_state_layer_ids": aux}, notes
+    top = d.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        return {f"vllm {VERSION} eagle_aux_hidden_state_layer_ids": list(top)}, notes
+    nested = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    zlab = nested.get("target_layer_ids")
+    if zlab:
+        return {f"vllm {VERSION} dflash_config.target_layer_ids + 1": [int(i) + 1 for i in zlab]}, notes
+    return {f"vllm {VERSION} dflash_config.layer_ids": nested.get("layer_ids") or None}, notes
+
+
+def dflash_config_fix(declared: list[int], num_layers: int, arch: str | None, config: dict[str, Any]) -> str:
+    """The exact key and value that make vLLM capture ``declared`` for this DFlash config."""
+    why = refusal(arch)
+    if why:
+        return why
+    if config.get("speculators_model_type") == "dflash":
+        return (f"aux_hidden_state_layer_ids is {json.dumps(config.get('aux_hidden_state_layer_ids'))}; write "
+                f'"aux_hidden_state_layer_ids": {json.dumps(declared)} (speculators ids are boundaries), or '
+                "re-export with `eaglewire export --to vllm`")
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        return (f"eagle_aux_hidden_state_layer_ids is {json.dumps(config['eagle_aux_hidden_state_layer_ids'])}; "
+                f'write "eagle_aux_hidden_state_layer_ids": {json.dumps(declared)} (vLLM reads it first, verbatim)')
+    written = (config.get("dflash_config") or {}).get("target_layer_ids")
+    return (f"dflash_config.target_layer_ids is {json.dumps(written)}; write \"dflash_config\": "
+            f'{{"target_layer_ids": {json.dumps([b - 1 for b in declared])}}} (vLLM adds 1), or re-export with '
+            "`eaglewire export --to vllm`")
+
+
+def parse_dflash_config(d: dict[str, Any], *, where: str = "config.json"
+                        ) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+    """(DFlashConfig fields but num_aux / vocab_size, ids or None, notes) of a speculators DFlash directory."""
+    from eaglewire.engines.dflash_format import is_speculators, parse
+
+    if not is_speculators(d):
+        raise FormatError(f"{where} is not a speculators DFlash config (no speculators_model_type \"dflash\"); "
+                          "a z-lab / SpecForge directory imports with --from zlab")
+    fields, vocab = parse(d, where=where)
+    layers = d["transformer_layer_config"]
+    if vocab is not None and layers.get("vocab_size") is not None and int(vocab) != int(layers["vocab_size"]):
+        raise FormatError(f"{where}: draft_vocab_size {vocab} is not the target's {layers['vocab_size']}; an "
+                          "eaglewire DFlash draft predicts over the target's whole vocabulary")
+    found, notes = read_dflash_ids(d)
+    return fields, next(iter(found.values())), notes
+
+
+def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
+                  allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
+    """Write a DFlash ``draft`` in speculators' layout (vLLM loads it; ids = boundaries)."""
+    from eaglewire.engines.dflash_format import speculators_config
+
+    contract, cfg = draft.contract, draft.draft_config
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    try:
+        arch = default_target_arch(config.target_arch, contract.target.architecture)
+    except ContractError:
+        if config.target_arch:
+            raise
+        arch = None
+    ids = dflash_to_ids(bounds, L, arch)
+    name = verifier(config, draft)
+    notes = verifier_notes(name, is_local_path=bool(name) and Path(name).expanduser().exists())
+    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
+    engine_config = {**speculators_config(cfg, ids, verifier_name=name, dtype=dtype,
+                                          verifier_architecture=contract.target.architecture),
+                     **record(draft, arch, f"vllm {VERSION}")}
+    spec = json.dumps({"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": cfg.block_size - 1})
+    serving = "\n".join([
+        "# Serving this DFlash draft with vLLM", "",
+        f"speculators DFlash format, for vLLM {VERSION}. The draft reads target boundaries {bounds}; vLLM's "
+        f"update_dflash copies `aux_hidden_state_layer_ids` {json.dumps(ids)} to the ids its runner captures "
+        "verbatim (0 = embedding output, L = last layer before the final norm), and sets "
+        "`dflash_config.causal = not sliding_window_non_causal` (written true: the block is bidirectional, as "
+        "trained).", "",
+        "```bash", f"vllm serve {name or '<the target>'} \\", f"    --speculative-config '{spec}'", "```", "",
+        f"`num_speculative_tokens` is at most block_size - 1 = {cfg.block_size - 1}: one draft pass per block. "
+        "The draft uses the target's embedding and lm_head (none are stored).", "",
+        "## Other engines loading this directory", "",
+        "- SGLang cannot load the speculators layout (no DFlashSpeculator model): use "
+        "`eaglewire export --to sglang`.",
+        "- llama.cpp's converter has no DFlashSpeculator either: use `eaglewire export --to llamacpp`.", ""])
+    files = write_export(out, engine_config, draft.state(), serving)
+    return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+                               notes=notes))

@@ -9,7 +9,8 @@
 | lint.py      | llama-server's speculative launch flags                                   |
 """
 
-from eaglewire.engines.llamacpp.gguf import (converter_target_dir, draft_layers, export, layout_problem,
+from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout_problem, draft_layers, export,
+                                             export_dflash, layout_problem,
                                              read_gguf_metadata, run_converter, serving_md, target_architecture,
                                              target_gguf)
 from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_HINT, SDIST, SERVER, Installation,
@@ -17,9 +18,10 @@ from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_H
                                                 find_server, find_tree, install, require_server, require_tree,
                                                 server_build, source_dir, unpack_tree)
 from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, LlamaFlags, lint_flags
-from eaglewire.engines.llamacpp.readings import (NAME, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
+from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
                                                  NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
-                                                 reads_export, to_boundaries, to_ids)
+                                                 dflash_to_boundaries, dflash_to_ids, reads_export, to_boundaries,
+                                                 to_ids)
 from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_config, complete, free_port, metrics,
                                                parse_metrics, plain_server_config, server_args, spec_flags)
 from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-url (engines/served_counts.py)
@@ -29,7 +31,8 @@ __all__ = [
     "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",
     "INSTALL_HINT", "NAME", "NUM_AUX", "SDIST", "SERVER", "TARGET_OUTTYPES", "Installation", "LlamaCppError", "LlamaFlags",
     "LlamaServer", "ServerConfig", "build_server", "built_server", "chain_config", "complete", "converter_target_dir",
-    "download_sdist", "draft_layers", "export", "find_server", "find_tree", "free_port", "install",
+    "DFLASH_GGUF_ARCH", "dflash_layout_problem", "dflash_to_boundaries", "dflash_to_ids", "download_sdist",
+    "draft_layers", "export", "export_dflash", "find_server", "find_tree", "free_port", "install",
     "layer_input_archs", "layout_problem", "lint_flags", "llamacpp_arch", "metrics", "parse_metrics",
     "plain_server_config", "read_gguf_metadata", "reads_export", "require_server", "require_tree", "run_converter", "server_args",
     "server_build", "serving_md", "source_dir", "spec_flags", "target_architecture", "target_gguf", "to_boundaries",

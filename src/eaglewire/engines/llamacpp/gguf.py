@@ -27,7 +27,8 @@ from eaglewire.model.checkpoint import DraftFiles
 import eaglewire.engines.vllm as vllm
 from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice
 import eaglewire.engines.llamacpp.installation as engine
-from eaglewire.engines.llamacpp.readings import DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES, to_ids
+from eaglewire.engines.llamacpp.readings import (DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES,
+                                                 dflash_to_ids, to_ids)
 from eaglewire.engines.shared import FormatError
 from eaglewire.core.fileio import atomic_path, atomic_write_text
 from eaglewire.core.presets import cache_dir
@@ -69,9 +70,12 @@ def draft_layers(meta: dict[str, Any]) -> list[int] | None:
 
 
 def layout_problem(meta: dict[str, Any], boundaries: list[int], num_layers: int, *,
-                   target_hidden_size: int | None = None, where: str = "the GGUF") -> str | None:
+                   target_hidden_size: int | None = None, where: str = "the GGUF", family: str = "eagle3") -> str | None:
     """What is wrong with a GGUF draft for a contract on ``boundaries`` of an
-    ``num_layers``-layer target, with the exact fix; None when llama.cpp will feed it as trained."""
+    ``num_layers``-layer target, with the exact fix; None when llama.cpp will feed it as trained.
+    ``family``: the draft's (a DFlash draft's GGUF is ``dflash_layout_problem``'s)."""
+    if family == "dflash":
+        return dflash_layout_problem(meta, boundaries, num_layers, where=where)
     arch = meta.get("general.architecture")
     if arch != GGUF_ARCH:
         return (f"{where} has architecture {arch!r}, not {GGUF_ARCH!r}: llama.cpp will not run it as an EAGLE-3 "
@@ -256,3 +260,90 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
     files += ["SERVING.md", "eaglewire-export.json"]
     return ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
                         notes=spec_report.notes)
+
+
+# ------------------------------------------------------------------ DFlash
+
+def dflash_layout_problem(meta: dict[str, Any], boundaries: list[int], num_layers: int, *,
+                          where: str = "the GGUF") -> str | None:
+    """What is wrong with a GGUF DFlash draft for a contract on ``boundaries``, naming the key, the value
+    written and the value to write; None when llama.cpp will feed it as trained."""
+    arch = meta.get("general.architecture")
+    if arch != DFLASH_GGUF_ARCH:
+        return (f"{where} has general.architecture {arch!r}, not {DFLASH_GGUF_ARCH!r}: llama.cpp will not run it as a "
+                "DFlash draft (--spec-type draft-dflash). Convert z-lab's layout with llama.cpp's converter "
+                "(`eaglewire export --to llamacpp`)")
+    want = dflash_to_ids(boundaries, num_layers)
+    have = draft_layers(meta)
+    if have != want:
+        shown = "no dflash.target_layers (llama.cpp refuses to load it)" if have is None else \
+            f"dflash.target_layers {have}"
+        return (f"{where} has {shown}, but the draft was trained on boundaries {boundaries}: llama.cpp reads the input "
+                f"of layer i for each target layer, so dflash.target_layers must be {want}. Fix: re-export with "
+                "`eaglewire export --to llamacpp`, or write \"dflash_config\": {\"target_layer_ids\": "
+                f"{json.dumps([b - 1 for b in want])}}} in the z-lab config.json (the converter adds 1) and convert again")
+    return None
+
+
+def dflash_serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], block_size: int,
+                      threads: int) -> str:
+    t, n = str(threads), block_size - 1
+    return "\n".join([
+        "# Serving this DFlash draft with llama.cpp", "",
+        f"GGUF DFlash draft (llama.cpp build {engine.BUILD}). It reads target boundaries {boundaries}; llama.cpp reads "
+        f"the input of layer i for each of `dflash.target_layers` {boundaries} (verified after conversion).", "",
+        "```bash", f"llama-server -m {target_gguf} \\", f"    -md {draft_gguf} \\",
+        f"    --spec-type draft-dflash --spec-draft-n-max {n} --spec-draft-n-min 0 --spec-draft-p-min 0 \\",
+        f"    -t {t} -tb {t} -td {t} -tbd {t}", "```", "",
+        f"One draft pass fills a block of {block_size} positions (the anchor and {n} masks): llama.cpp clamps "
+        f"`--spec-draft-n-max` to block_size - 1 = {n} (common_speculative_impl_draft_dflash). Pin the threads "
+        "(`-t/-tb/-td/-tbd`).", ""])
+
+
+def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
+                  allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
+    """A DFlash ``draft`` as GGUF: z-lab's layout in ``out/zlab`` converted by llama.cpp's own converter into
+    ``draft-<outtype>.gguf``, read back and refused unless it is a ``dflash`` GGUF with target_layers = the
+    contract's boundaries; the target GGUF beside it (as for EAGLE-3) and SERVING.md."""
+    import eaglewire.engines.specforge as zlab
+    from eaglewire.model.target import resolve_target_path
+
+    check_choice(config.outtype, DRAFT_OUTTYPES, "--outtype")
+    check_choice(config.target_outtype, TARGET_OUTTYPES, "--target-outtype")
+    contract = draft.contract
+    bounds, L = list(contract.aux_boundaries), contract.num_layers
+    dflash_to_ids(bounds, L)
+    zlab.dflash_to_ids(bounds, L, None)  # the layout it converts from: refuses before any heavy work
+    tree = engine.require_tree(config.llamacpp_dir)
+    spec = str(config.target_path) if config.target_path is not None else draft.target_spec
+    if not spec:
+        raise FormatError(f"draft {draft.path} records no target; llama.cpp's converter needs the target's directory "
+                          "(pass target_path)")
+    target_dir = resolve_target_path(spec)
+    report = zlab.export_dflash(draft, "zlab", out / "zlab", config)
+    draft_file = out / f"draft-{config.outtype}.gguf"
+    with tempfile.TemporaryDirectory() as tmp:
+        conv_target = converter_target_dir(target_dir, contract.target.architecture, Path(tmp) / "target")
+        run_converter(tree, out / "zlab", draft_file, config.outtype, target_model_dir=conv_target)
+    problem = dflash_layout_problem(read_gguf_metadata(draft_file), bounds, L, where=str(draft_file))
+    if problem:
+        raise FormatError(f"the converter wrote a draft llama.cpp would miswire: {problem}")
+    files = ["zlab/", draft_file.name]
+    if config.target_outtype != "none":
+        cached = target_gguf(target_dir, contract.target.architecture, config.target_outtype, tree=tree)
+        link = out / f"target-{config.target_outtype}.gguf"
+        link.unlink(missing_ok=True)
+        link.symlink_to(cached)
+        files.append(link.name)
+        shown = str(link.absolute())
+    else:
+        shown = str(Path(spec).expanduser()) if str(spec).endswith(".gguf") else "<the target as GGUF>"
+    atomic_write_text(out / "SERVING.md", dflash_serving_md(target_gguf=shown, draft_gguf=str(draft_file.resolve()),
+                                                            boundaries=bounds, block_size=draft.draft_config.block_size,
+                                                            threads=config.threads))
+    atomic_write_text(out / "eaglewire-export.json", json.dumps(
+        {"contract": contract.to_dict(), "exported_from": str(draft.path), "target_layers": bounds,
+         "draft_gguf": draft_file.name, "outtype": config.outtype, "llamacpp_build": engine.BUILD}, indent=2))
+    files += ["SERVING.md", "eaglewire-export.json"]
+    return ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=bounds, files=files,
+                        notes=report.notes)

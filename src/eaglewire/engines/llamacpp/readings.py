@@ -125,3 +125,37 @@ def converter_reads(config: dict, *, num_layers: int) -> dict:
             "target_layers": list(ids) if ids else default_aux_boundaries(num_layers),
             "target_hidden_size": config.get("target_hidden_size"),
             "d2t": "offsets in, absolute target ids in the GGUF (d2t + arange)"}
+
+
+# ---------------------------------------------------------------- DFlash (--spec-type draft-dflash)
+# Build 11434: the converter (conversion/qwen.py DFlashModel.set_gguf_parameters) writes GGUF
+# ``dflash.target_layers = [i + 1 for i in dflash_config.target_layer_ids]`` for z-lab's layout (DSparkModel
+# first normalises speculators-style configs: target_layer_ids = [i - 1 for i in aux_hidden_state_layer_ids], so
+# their GGUF layers are aux_hidden_state_layer_ids), and the runtime (common/speculative.cpp
+# common_speculative_impl_draft_dflash: llama_set_embeddings_layer_inp(ctx_tgt, target_layer_ids[k])) reads the
+# INPUT of each of those layers: GGUF layers = boundaries, any number of them (src/models/dflash.cpp sizes fc for
+# target_layers.size()). llama.cpp registers no DFlashSpeculator architecture: a speculators DFlash directory
+# does not convert.
+DFLASH_GGUF_ARCH = "dflash"
+DFLASH_CONVERTER = "conversion/qwen.py DFlashModel.set_gguf_parameters"
+
+
+def dflash_to_ids(boundaries: list[int], num_layers: int, arch: str | None = None) -> list[int]:
+    """GGUF ``dflash.target_layers`` for ``boundaries``: the boundaries (inputs of those layers)."""
+    if num_layers in boundaries:
+        raise EngineConventionError(
+            f"llama.cpp's DFlash draft reads the input of layer i for target layer i, and a {num_layers}-layer target "
+            f"has no layer {num_layers}: boundary {num_layers} cannot be fed. Retrain without it, or serve with vLLM "
+            "or eaglewire")
+    return list(boundaries)
+
+
+def dflash_to_boundaries(ids: list[int], num_layers: int, arch: str | None = None) -> list[int]:
+    return dflash_to_ids(list(ids), num_layers)
+
+
+def converter_dflash_layers(config: dict) -> list[int] | None:
+    """The ``dflash.target_layers`` the converter writes for a z-lab config (None: it writes none and
+    llama.cpp refuses the GGUF: "DFlash model requires 'target_layers'")."""
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
+    return [int(i) + 1 for i in ids] if ids else None

@@ -37,6 +37,7 @@ class ServerConfig:
     ctx_size: int = 4096
     extra: list[str] = field(default_factory=list)
     slots: int = 1  # -np: requests decoded together (continuous batching, -cb, when more than one)
+    spec_type: str = "draft-eagle3"  # --spec-type: draft-eagle3, or draft-dflash for a DFlash GGUF
 
     def __post_init__(self) -> None:
         for name, low in (("threads", 1), ("n_max", 1), ("n_min", 0), ("ctx_size", 64), ("slots", 1)):
@@ -58,9 +59,10 @@ def chain_config(model: Path, draft: Path | None, *, threads: int, n_max: int, p
                         extra=list(extra or []))
 
 
-def spec_flags(n_max: int, n_min: int = 0, p_min: float = 0.0) -> list[str]:
-    """llama.cpp's EAGLE-3 flags for a greedy chain of ``n_max`` draft tokens."""
-    return ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(n_min),
+def spec_flags(n_max: int, n_min: int = 0, p_min: float = 0.0, spec_type: str = "draft-eagle3") -> list[str]:
+    """llama.cpp's flags for a greedy chain of ``n_max`` draft tokens (``spec_type`` draft-dflash: a block
+    of up to n_max, clamped to block_size - 1)."""
+    return ["--spec-type", spec_type, "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", str(n_min),
             "--spec-draft-p-min", f"{p_min:g}"]
 
 
@@ -72,7 +74,7 @@ def server_args(config: ServerConfig, *, port: int, host: str = "127.0.0.1") -> 
     if config.slots > 1:
         args.append("-cb")
     if config.draft is not None:
-        args += ["-md", str(config.draft), *spec_flags(config.n_max, config.n_min, config.p_min),
+        args += ["-md", str(config.draft), *spec_flags(config.n_max, config.n_min, config.p_min, config.spec_type),
                  "-td", t, "-tbd", t]
     return args + list(config.extra)
 
