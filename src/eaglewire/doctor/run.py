@@ -89,7 +89,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     check_layouts(report, m, layouts)
     _check_drift(report, m)
     check_alignment(report, m)
-    rounds = _check_acceptance(report, m, target, contract, sequences, serving_steps)
+    _check_acceptance(report, m, target, contract, sequences, serving_steps)
     if config.engine_url:  # the running server against the replay on its own text (doctor/served.py)
         check_served(report, config, target, draft, declared, sequences, serving_steps)
     if config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)

@@ -198,7 +198,7 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
         what = (f"d2t is written as absolute target ids (d2t[0..3] = {d2t[:3].tolist()}, "
                 f"{'climbing strictly, ' if looks_absolute(d2t) else ''}equal to the draft's target ids) where "
                 f"{served.engine} reads offsets ({served.cited.get('d2t / t2d', '')})" if absolute else
-                f"its d2t maps draft ids to other target ids than training used")
+                "its d2t maps draft ids to other target ids than training used")
         fix = ("rewrite d2t as d2t - arange(draft_vocab_size) (offsets), or re-export with `eaglewire export`"
                if absolute else "write the draft's own d2t (offsets), or re-export with `eaglewire export`")
     if mapped is not None and torch.equal(mapped, trained):

@@ -20,7 +20,6 @@ Two attention paths share the same weights and math:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
