@@ -301,3 +301,23 @@ def test_fp8_topk_shards_train_resume_exactly_and_keep_the_vocabulary(tmp_path, 
     compact, _, _ = load_draft(tmp_path / "a", target=chat_tiny_target)
     hidden, _, _ = load_draft(tmp_path / "h", target=chat_tiny_target)
     assert torch.equal(compact.d2t, hidden.d2t) and int(compact.t2d.sum()) == 64
+
+
+def test_a_draft_inherits_the_template_switch_its_data_was_rendered_with(tmp_path, conversations_file,
+                                                                          chat_tiny_target):
+    """Offline, the draft's contract records the data's chat_template_kwargs; online, the template's
+    defaults ({}) it renders with. A draft trained on another switch is refused as --init-draft."""
+    from eaglewire.data.remote_regenerate import RemoteConfig
+    from tiny import thinking_target
+
+    target = thinking_target(chat_tiny_target)
+    prepare(PrepareConfig(out=str(tmp_path / "shards"), data=str(conversations_file), max_length=64, batch_tokens=256,
+                          remote=RemoteConfig(enable_thinking=False)), target=target, progress=False)
+    offline = dict(data=str(tmp_path / "shards"), online_data=None, max_steps=1)
+    train(config(tmp_path / "off", conversations_file, **offline), target=target, progress=False)
+    assert load_draft(tmp_path / "off" / "draft")[1].chat_template_kwargs == {"enable_thinking": False}
+    train(config(tmp_path / "on", conversations_file, max_steps=1), target=target, progress=False)
+    assert load_draft(tmp_path / "on" / "draft")[1].chat_template_kwargs == {}
+    with pytest.raises(ContractError, match="--no-enable-thinking"):
+        train(config(tmp_path / "again", conversations_file, **offline, init_draft=str(tmp_path / "on" / "draft")),
+              target=target, progress=False)

@@ -67,3 +67,25 @@ def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int 
     draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
     save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint))
     return path
+
+
+# SmolLM2's chat template with Qwen3's thinking switch: enable_thinking false renders an empty
+# <think></think> block before each assistant reply and in the generation prompt (the template's
+# default, thinking on, renders none): the switch changes the text a draft is trained on.
+THINKING_TEMPLATE = (
+    "{% set off = enable_thinking is defined and enable_thinking is false %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' and off %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if off %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% endif %}{% endif %}"
+)
+
+
+def thinking_target(target: Target) -> Target:
+    """``target`` (weights shared) whose tokenizer renders with THINKING_TEMPLATE."""
+    import copy
+
+    tokenizer = copy.deepcopy(target.tokenizer)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    return Target(model=target.model, tokenizer=tokenizer, spec=f"{target.spec}-thinking")

@@ -349,7 +349,7 @@ class TokenizedConversation:
 
 def tokenize_conversation(
     conv: Conversation, tokenizer: Any, *, max_length: int | None = None,
-    chat_template: str | None = None,
+    chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
 ) -> TokenizedConversation:
     """Render ``conv`` with the chat template once, tokenize it and mark the assistant replies.
 
@@ -357,7 +357,7 @@ def tokenize_conversation(
     after it when that is a special/added token (the end-of-turn token, e.g. ``<|im_end|>``,
     ``<|eot_id|>``); template scaffolding is 0. Replies are located by rendering each prefix with
     ``add_generation_prompt=True``, so no template is hard-coded. ``chat_template`` overrides the
-    tokenizer's. Longer results are cut to ``max_length`` tokens; ``sum(loss_mask) == 0`` then
+    tokenizer's; ``template_kwargs`` are the template's switches (e.g. ``enable_thinking``). Longer results are cut to ``max_length`` tokens; ``sum(loss_mask) == 0`` then
     means nothing is left to learn.
     """
     if max_length is not None and max_length < 1:
@@ -365,7 +365,7 @@ def tokenize_conversation(
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenize_conversation needs a fast tokenizer (offset mapping); "
                          f"got {type(tokenizer).__name__}")
-    render = _renderer(tokenizer, chat_template)
+    render = _renderer(tokenizer, chat_template, template_kwargs)
     text = render(conv.messages, False)
     spans = _assistant_spans(conv, text, render)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
@@ -383,11 +383,11 @@ def tokenize_conversation(
     )
 
 
-def _renderer(tokenizer: Any, chat_template: str | None):
+def _renderer(tokenizer: Any, chat_template: str | None, template_kwargs: dict[str, Any] | None = None):
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
+            chat_template=chat_template, **(template_kwargs or {}),
         )
     return render
 

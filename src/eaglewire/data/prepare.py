@@ -12,17 +12,18 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from eaglewire.model.capture import capture
-from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries, validate_aux_boundaries
+from eaglewire.core.contract import (HiddenStateContract, default_aux_boundaries, describe_template_kwargs,
+                                     validate_aux_boundaries)
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
-from eaglewire.data.remote_regenerate import RemoteConfig, read_meta
+from eaglewire.data.remote_regenerate import RemoteConfig, meta_path, read_meta
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.data.sources import pad_right
@@ -183,7 +184,25 @@ def source_record(config: PrepareConfig, path: Path, template: tuple[str, str]) 
                                               "chat_template_kwargs": config.remote.template_kwargs()}
     if (meta := read_meta(path)) is not None:  # replies of `eaglewire regenerate`: how they were made
         record["regenerated_by"] = meta.get("settings")
+    if kwargs := data_template_kwargs(config, path):  # absent for the template's defaults: older resumes match
+        record["chat_template_kwargs"] = kwargs
     return record
+
+
+def data_template_kwargs(config: PrepareConfig, path: Path) -> dict[str, Any]:
+    """The chat-template switches the shards are rendered with, recorded in their contract: those of
+    ``--enable-thinking`` / ``--no-enable-thinking``, else those a conversations file's replies were
+    regenerated with (its ``OUT.meta.json``), else ``{}`` (the template's own defaults). Without
+    ``--regenerate``, a flag other than the file's is refused: the replies were written under the file's."""
+    flag = config.remote.template_kwargs()
+    meta = read_meta(path)
+    made = None if meta is None else ((meta.get("settings") or {}).get("chat_template_kwargs") or {})
+    if flag is not None and made is not None and flag != made and not config.regenerate:
+        raise ValueError(f"--data {config.data}: its replies were regenerated with {describe_template_kwargs(made)} "
+                         f"({meta_path(path)}), but --enable-thinking asks for {describe_template_kwargs(flag)}; "
+                         "drop the flag to render the shards as the replies were made, or add --regenerate to "
+                         "write new replies with it")
+    return dict(flag if flag is not None else made if made is not None else {})
 
 
 def check_resumable(out: Path, source: dict[str, object]) -> None:
@@ -297,7 +316,9 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
         target.tokenizer.chat_template = template[1]  # the fingerprint records what is used
         target._fingerprint = None
     boundaries = config.aux_boundaries or default_aux_boundaries(target.num_layers)
-    contract = HiddenStateContract(aux_boundaries=tuple(boundaries), target=target.fingerprint)
+    kwargs = data_template_kwargs(config, source_path)
+    contract = HiddenStateContract(aux_boundaries=tuple(boundaries), target=target.fingerprint,
+                                   chat_template_kwargs=kwargs)
     rank, world = dist_rank_world()
     conversations = shard_work(conversations, rank, world)
 
@@ -321,7 +342,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                 if conv.id in writer.done_ids:
                     bar.update(1)
                     continue
-                seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length)
+                seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length,
+                                            template_kwargs=kwargs or None)
                 truncated += seq.num_tokens_before_truncation > len(seq.input_ids)
                 if sum(seq.loss_mask) == 0:
                     dropped.append(conv.id)
@@ -368,7 +390,8 @@ def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: i
             regen = regenerate_remote(conversations, path, tokenizer=target.tokenizer, config=regen_config,
                                       remote=config.remote, urls=urls, target=config.target, progress=progress)
     else:
-        regen = regenerate(target, conversations, path, progress=progress, config=regen_config)
+        regen = regenerate(target, conversations, path, progress=progress, config=regen_config,
+                           template_kwargs=config.remote.template_kwargs())
     log.info("%s", regen.summary())
     done, _ = load_conversations(path)
     return done

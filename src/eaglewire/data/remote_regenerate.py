@@ -75,8 +75,9 @@ class RemoteConfig:
     reasoning: str = field(default="keep", metadata={
         "choices": REASONING_MODES, "help": "keep or strip the replies' <think>...</think> reasoning"})
     enable_thinking: bool | None = field(default=None, metadata={
-        "help": "send chat_template_kwargs {enable_thinking: ...} (the chat template's thinking switch; "
-                "default: not sent, the template's own default); recorded in the manifest"})
+        "help": "the chat template's thinking switch: chat_template_kwargs {enable_thinking: ...} sent to the "
+                "servers, or rendered with in this process (default: neither, the template's own default); "
+                "recorded in the shards' contract, which the doctor compares with serving"})
     retries: int = field(default=5, metadata={"help": "retries of a request on connection errors, 429 and 5xx"})
     retry_backoff: float = field(default=1.0, metadata={"help": "seconds before the first retry, doubled after each"})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds one request may take"})
@@ -551,9 +552,12 @@ def run_regenerate(config: RegenerateCommandConfig, *, progress: bool = True) ->
                                  **({"top_p": s.top_p, "seed": s.seed, "batch_size": s.batch_size}
                                     if s.temperature > 0 else {})},
                     "max_turns": s.max_turns, "max_prompt_tokens": s.max_prompt_tokens}
+        if (kwargs := config.remote.template_kwargs()) is not None:  # absent: the template's defaults, as before
+            settings["chat_template_kwargs"] = kwargs
         _check_meta(out, settings)
         meta = {"format": META_FORMAT, "version": 1, "settings": settings}
         atomic_write_json(meta_path(out), meta, fsync=True)
-        report = regenerate(target, conversations, out, config=s, progress=progress)
+        report = regenerate(target, conversations, out, config=s, progress=progress,
+                            template_kwargs=config.remote.template_kwargs())
         atomic_write_json(meta_path(out), {**meta, "report": asdict(report)}, fsync=True)
     return report
