@@ -568,3 +568,24 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
     else:
         out.notes.append("no /metrics (SGLang without --enable-metrics): read from meta_info alone")
     return out
+
+
+# ---------------------------------------------------------------- the chat template's switches at launch
+
+TEMPLATE_KWARGS_FLAG = "--default-chat-template-kwargs"  # sglang/srt/arg_groups/fields/serving.py
+
+
+def launch_template_kwargs(flags: str) -> dict[str, Any] | None:
+    """The chat-template kwargs SGLang 0.5.23 renders every chat request with by default
+    (``--default-chat-template-kwargs JSON``: sglang/srt/arg_groups/fields/serving.py, ``json.loads``; a
+    request's own ``chat_template_kwargs`` take precedence: sglang/srt/entrypoints/openai/serving_chat.py
+    ``setdefault``); None when the flags set none."""
+    from eaglewire.engines.flags import template_kwargs_value
+
+    value = parse_flags(flags).get(TEMPLATE_KWARGS_FLAG)
+    return None if value is None else template_kwargs_value(TEMPLATE_KWARGS_FLAG, value)
+
+
+def template_kwargs_fix(kwargs: dict[str, Any]) -> str:
+    """The launch flag that makes SGLang render as ``kwargs`` says."""
+    return f"{TEMPLATE_KWARGS_FLAG} '{json.dumps(kwargs, sort_keys=True)}'"
