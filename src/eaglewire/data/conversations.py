@@ -10,8 +10,8 @@ Terms:
                 and the end-of-turn token right after it; 0 on all template scaffolding
 
 The format is chosen by the file's bytes, never by its extension: a directory with
-``state.json`` is a ``datasets`` directory (save_to_disk), ``PAR1`` a parquet file, an Arrow
-stream or file its own magic (``data/tables.py`` reads them, with pyarrow alone); else the first
+``state.json`` is a ``datasets`` directory (save_to_disk), ``PAR1`` a parquet file, a directory
+of parquet files one table (in name order), an Arrow stream or file its own magic (``data/tables.py`` reads them, with pyarrow alone); else the first
 non-whitespace character ('[' JSON array, '{' JSONL). A JSON array is parsed record by record, so
 a file cut off mid-record (the shipped ShareGPT file is) still yields every complete record
 before the cut; an Arrow stream cut mid-batch yields every complete batch (a cut-off parquet file
@@ -151,8 +151,9 @@ def iter_conversations(path: str | Path, *, report: LoadReport) -> Iterator[Conv
     if table_kind(path) is not None:
         return _normalised(_iter_table(path, report), report)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory but not a datasets directory (no state.json); pass a "
-                         "conversation file, a parquet file, or a directory written by Dataset.save_to_disk")
+        raise ValueError(f"{path} is a directory but neither a datasets directory (no state.json) nor one holding "
+                         "parquet files; pass a conversation file, a parquet file or a directory of them, or a "
+                         "directory written by Dataset.save_to_disk")
     first = _first_char(path)
     if first is None:
         raise ValueError(f"{path} is empty; expected a ShareGPT JSON array or JSONL conversations")

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class PrepareConfig:
     out: str = field(metadata={"help": "output directory for shards and manifest.json"})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
-    data: str = field(default="sharegpt", metadata={"help": "data preset (sharegpt) or a ShareGPT .json / messages .jsonl file"})
+    data: str = field(default="sharegpt", metadata={"help": "data preset (sharegpt), a ShareGPT .json / messages .jsonl file, a parquet file or a directory of them, or a datasets directory"})
     num_conversations: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
     offset: int = field(default=0, metadata={"help": "skip this many conversations first (e.g. to hold some out)"})
     aux_boundaries: list[int] | None = field(default=None, metadata={"help": "boundaries to capture, e.g. 2,15,27 (default [2, L//2, L-3])"})
@@ -300,7 +300,7 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     if not source_path.exists():
         raise FileNotFoundError(f"--data {config.data}: {source_path} does not exist; pass a preset "
                                 f"({', '.join(DATA_PRESETS)}), a ShareGPT .json, a messages .jsonl, a parquet file "
-                                "or a datasets directory (save_to_disk)")
+                                "or a directory of them, or a datasets directory (save_to_disk)")
     # Everything that can be refused is checked before the target is loaded.
     template = resolve_template(config, target.tokenizer if target is not None else load_tokenizer(config.target))
     source = source_record(config, source_path, template)

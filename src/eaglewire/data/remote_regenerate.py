@@ -485,7 +485,8 @@ class RegenerateCommandConfig:
 
     out: str = field(metadata={"help": "the JSONL file to write (appended to: a rerun resumes)"})
     data: str = field(default="sharegpt", metadata={
-        "help": "data preset (sharegpt) or a ShareGPT .json / messages .jsonl file"})
+        "help": "data preset (sharegpt), a ShareGPT .json / messages .jsonl file, a parquet file or a directory of "
+                "them, or a datasets directory"})
     target: str = field(default=DEFAULT_TARGET, metadata={
         "help": "the target (preset, HF directory or .gguf): its tokenizer and chat template always, its "
                 "weights when regenerating in this process"})
@@ -529,9 +530,10 @@ def run_regenerate(config: RegenerateCommandConfig, *, progress: bool = True) ->
     from eaglewire.model.target import load_target, load_tokenizer
 
     path = data_path(config.data) if config.data in DATA_PRESETS else Path(config.data)
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {config.data}: {path} is not a file; pass a preset "
-                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json or a messages .jsonl file")
+    if not path.exists():
+        raise FileNotFoundError(f"--data {config.data}: {path} does not exist; pass a preset "
+                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json, a messages .jsonl, a parquet file or "
+                                "a directory of them, or a datasets directory (save_to_disk)")
     conversations, loaded = load_conversations(path, limit=config.num_conversations, offset=config.offset)
     log.info("%s", loaded.summary())
     if config.remote.remote:
