@@ -562,5 +562,5 @@ def test_a_parquet_directory_of_several_splits_or_with_a_cut_file_says_what_to_d
     second.write_bytes(second.read_bytes()[:-20])
     with pytest.raises(ValueError, match=r"train_sft-00001-of-00002-5a1b.parquet cannot be read as parquet"):
         load_conversations(parts)
-    with pytest.raises(ValueError, match="neither a datasets directory .* nor one holding parquet files"):
+    with pytest.raises(ValueError, match="not a datasets directory .* holds no parquet files"):
         load_conversations(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else None)

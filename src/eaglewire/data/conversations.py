@@ -151,7 +151,7 @@ def iter_conversations(path: str | Path, *, report: LoadReport) -> Iterator[Conv
     if table_kind(path) is not None:
         return _normalised(_iter_table(path, report), report)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory but neither a datasets directory (no state.json) nor one holding "
+        raise ValueError(f"{path} is a directory but not a datasets directory (no state.json), and it holds no "
                          "parquet files; pass a conversation file, a parquet file or a directory of them, or a "
                          "directory written by Dataset.save_to_disk")
     first = _first_char(path)
