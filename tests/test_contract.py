@@ -209,3 +209,39 @@ def test_family_is_recorded_for_drafts_and_compared_between_drafts():
         data.for_family("eagle3").check_same(dflash)
     with pytest.raises(ContractError, match="family 'medusa'"):
         data.for_family("medusa")
+
+
+def test_chat_template_kwargs_are_recorded_only_when_set_and_older_contracts_still_load():
+    """The chat-template switches the data was rendered with round-trip; a contract without them (every
+    manifest and checkpoint written before) loads with None, and {} (the template's defaults) is kept
+    apart from None (not recorded)."""
+    old = contract().to_dict()
+    assert "chat_template_kwargs" not in old
+    assert HiddenStateContract.from_dict(old).chat_template_kwargs is None
+    off = dataclasses.replace(contract(), chat_template_kwargs={"enable_thinking": False})
+    assert HiddenStateContract.from_json(off.to_json()) == off
+    assert off.to_dict()["chat_template_kwargs"] == {"enable_thinking": False}
+    defaults = dataclasses.replace(contract(), chat_template_kwargs={})
+    assert HiddenStateContract.from_dict(defaults.to_dict()).chat_template_kwargs == {}
+    with pytest.raises(ContractError, match="not a JSON object"):
+        dataclasses.replace(contract(), chat_template_kwargs=["enable_thinking"])
+    with pytest.raises(ContractError, match="scalar value"):
+        dataclasses.replace(contract(), chat_template_kwargs={"enable_thinking": [True]})
+
+
+def test_a_draft_and_data_rendered_with_other_template_switches_do_not_match():
+    """Both recorded and different: an error naming both and the flag that fixes it; either one unrecorded
+    (older data or drafts): nothing to compare; allowed explicitly: a warning."""
+    on = dataclasses.replace(contract(), chat_template_kwargs={"enable_thinking": True})
+    off = dataclasses.replace(contract(), chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(ContractError, match=r'rendered with chat_template_kwargs \{"enable_thinking": false\}, '
+                                            r'chat_template_kwargs \{"enable_thinking": true\} expected.*'
+                                            r"--enable-thinking"):
+        on.check_same(off, what="data")
+    assert off.check_same(contract()) == []  # the data records no switch
+    assert contract().check_same(on) == []
+    on.check_same(dataclasses.replace(off, chat_template_kwargs={"enable_thinking": True}))
+    [warning] = on.check_same(off, allow={"chat_template_kwargs"})
+    assert "enable_thinking" in warning
+    with pytest.raises(ContractError, match="--no-enable-thinking"):
+        off.check_same(on)

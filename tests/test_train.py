@@ -342,3 +342,23 @@ def test_a_mask_token_that_occurs_in_the_data_is_refused(tmp_path, conversations
     with pytest.raises(ValueError, match="mask token .* occurs"):
         train(config(tmp_path, conversations_file, family="dflash", mask_token_id=used), target=confident_target,
               progress=False)
+
+
+def test_a_draft_inherits_the_template_switch_its_data_was_rendered_with(tmp_path, conversations_file,
+                                                                          chat_tiny_target):
+    """Offline, the draft's contract records the data's chat_template_kwargs; online, the template's
+    defaults ({}) it renders with. A draft trained on another switch is refused as --init-draft."""
+    from eaglewire.data.remote_regenerate import RemoteConfig
+    from tiny import thinking_target
+
+    target = thinking_target(chat_tiny_target)
+    prepare(PrepareConfig(out=str(tmp_path / "shards"), data=str(conversations_file), max_length=64, batch_tokens=256,
+                          remote=RemoteConfig(enable_thinking=False)), target=target, progress=False)
+    offline = dict(data=str(tmp_path / "shards"), online_data=None, max_steps=1)
+    train(config(tmp_path / "off", conversations_file, **offline), target=target, progress=False)
+    assert load_draft(tmp_path / "off" / "draft")[1].chat_template_kwargs == {"enable_thinking": False}
+    train(config(tmp_path / "on", conversations_file, max_steps=1), target=target, progress=False)
+    assert load_draft(tmp_path / "on" / "draft")[1].chat_template_kwargs == {}
+    with pytest.raises(ContractError, match="--no-enable-thinking"):
+        train(config(tmp_path / "again", conversations_file, **offline, init_draft=str(tmp_path / "on" / "draft")),
+              target=target, progress=False)

@@ -52,8 +52,9 @@ def save_tiny_dir(path, arch: str = "llama", *, num_layers: int = 8, hidden_size
     return path
 
 
-def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int = 0):
-    """A random EAGLE-3 draft over the target's whole vocabulary, saved as a native draft directory."""
+def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int = 0, chat_template_kwargs=None):
+    """A random EAGLE-3 draft over the target's whole vocabulary, saved as a native draft directory
+    (``chat_template_kwargs``: the switches its contract says its data was rendered with)."""
     import torch
 
     from eaglewire.core.contract import HiddenStateContract
@@ -65,7 +66,8 @@ def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int 
     draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=len(aux_boundaries),
                                                 draft_vocab_size=V, vocab_size=V))
     draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-    save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint))
+    save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint,
+                                                chat_template_kwargs=chat_template_kwargs))
     return path
 
 
@@ -90,3 +92,25 @@ def save_random_dflash_draft(path, target: Target, aux_boundaries=(2, 4, 6), see
     save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint),
                {"target": target.spec})
     return path
+
+
+# SmolLM2's chat template with Qwen3's thinking switch: enable_thinking false renders an empty
+# <think></think> block before each assistant reply and in the generation prompt (the template's
+# default, thinking on, renders none): the switch changes the text a draft is trained on.
+THINKING_TEMPLATE = (
+    "{% set off = enable_thinking is defined and enable_thinking is false %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' and off %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if off %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% endif %}{% endif %}"
+)
+
+
+def thinking_target(target: Target) -> Target:
+    """``target`` (weights shared) whose tokenizer renders with THINKING_TEMPLATE."""
+    import copy
+
+    tokenizer = copy.deepcopy(target.tokenizer)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    return Target(model=target.model, tokenizer=tokenizer, spec=f"{target.spec}-thinking")

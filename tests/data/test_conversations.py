@@ -525,3 +525,42 @@ def test_prepare_reads_a_datasets_directory(tmp_path, chat_tiny_target):
     assert manifest["status"]["load_report"]["skipped"] == {"starts with assistant": 1}
     assert manifest["status"]["load_report"]["skipped_records"] == [{"id": "3", "row": 3,
                                                                      "reason": "starts with assistant"}]
+
+
+def test_a_directory_of_parquet_files_reads_as_one_table_in_name_order(tmp_path):
+    """The hub's data/train-0000k-of-00003.parquet: rows in file-name order (not the order written),
+    row indices running on across files (ids and the skip report), other files left out."""
+    import pyarrow.parquet as pq
+
+    records = CHATS + [openai(("user", f"question {i}"), ("assistant", f"answer {i}")) for i in range(5)]
+    parts = tmp_path / "data"
+    parts.mkdir()
+    for k in (2, 0, 1):  # written out of order
+        pq.write_table(ultrachat_table(records[3 * k:3 * k + 3]), parts / f"train-{k:05d}-of-00003.parquet")
+    (parts / "README.md").write_text("# not a table\n")
+    (parts / ".cache").write_bytes(b"PAR1 hidden")
+    convs, report = load_conversations(parts)
+    want, want_report = load_conversations(write_jsonl(tmp_path / "same.jsonl", records))
+    assert [(c.id, c.messages) for c in convs] == [(c.id, c.messages) for c in want]
+    assert report.skipped_records == [{"id": "2", "row": 2, "reason": "starts with assistant"}]
+    assert report.skipped == want_report.skipped and not report.truncated
+    assert [c.id for c in load_conversations(parts, offset=4, limit=2)[0]] == ["5", "6"]  # across a file boundary
+
+
+def test_a_parquet_directory_of_several_splits_or_with_a_cut_file_says_what_to_do(tmp_path):
+    import pyarrow.parquet as pq
+
+    parts = tmp_path / "data"
+    parts.mkdir()
+    pq.write_table(ultrachat_table(CHATS), parts / "train_sft-00000-of-00001-5a1b.parquet")
+    pq.write_table(ultrachat_table(CHATS), parts / "test_sft-00000-of-00001-9c0d.parquet")
+    with pytest.raises(ValueError, match=r"several splits \(test_sft, train_sft\); pass one split's files"):
+        load_conversations(parts)
+    (parts / "test_sft-00000-of-00001-9c0d.parquet").unlink()
+    second = parts / "train_sft-00001-of-00002-5a1b.parquet"
+    pq.write_table(ultrachat_table(CHATS), second)
+    second.write_bytes(second.read_bytes()[:-20])
+    with pytest.raises(ValueError, match=r"train_sft-00001-of-00002-5a1b.parquet cannot be read as parquet"):
+        load_conversations(parts)
+    with pytest.raises(ValueError, match="not a datasets directory .* holds no parquet files"):
+        load_conversations(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else None)

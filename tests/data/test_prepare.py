@@ -187,3 +187,74 @@ def test_plain_and_chat_template_together_are_refused():
 def test_compact_storage_flags_are_checked_before_any_work(kw, message):
     with pytest.raises(ValueError, match=message):
         PrepareConfig(out="o", **kw)
+
+
+# ---------------------------------------------------------------- the chat template's thinking switch
+
+@pytest.fixture(scope="module")
+def thinking(chat_tiny_target):
+    from tiny import thinking_target
+
+    return thinking_target(chat_tiny_target)
+
+
+def _think_tokens(tokenizer) -> list[int]:
+    return tokenizer("<think>", add_special_tokens=False)["input_ids"]
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_the_thinking_switch_renders_the_shards_and_goes_into_their_contract(tmp_path, thinking):
+    """--no-enable-thinking renders every sequence with it (the template's <think></think> block is in the
+    stored tokens) and the contract records it; without the flag the contract records the template's
+    defaults ({}), and the sequences hold no such block."""
+    from eaglewire.data.remote_regenerate import RemoteConfig
+    from eaglewire.data.shards import ShardDataset
+
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 3)
+    prepare(config(tmp_path, data, max_length=128, remote=RemoteConfig(enable_thinking=False)),
+            target=thinking, progress=False)
+    ds = ShardDataset(tmp_path / "shards")
+    assert ds.contract.chat_template_kwargs == {"enable_thinking": False}
+    assert manifest(tmp_path)["source"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert all(_holds(ds[i]["input_ids"].tolist(), _think_tokens(thinking.tokenizer)) for i in range(len(ds)))
+    prepare(config(tmp_path, data, max_length=128, out=str(tmp_path / "plain")), target=thinking, progress=False)
+    plain = ShardDataset(tmp_path / "plain")
+    assert plain.contract.chat_template_kwargs == {}
+    assert not _holds(plain[0]["input_ids"].tolist(), _think_tokens(thinking.tokenizer))
+
+
+def test_in_process_regeneration_renders_its_prompts_with_the_switch(tmp_path, thinking, monkeypatch):
+    from eaglewire.data import regenerate as regenerate_module
+    from eaglewire.data.remote_regenerate import RemoteConfig
+
+    seen = []
+    real = regenerate_module.prompt_ids
+    monkeypatch.setattr(regenerate_module, "prompt_ids", lambda tok, m, kw=None: seen.append(kw) or real(tok, m, kw))
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 2)
+    prepare(config(tmp_path, data, max_length=128, regenerate=True, max_new_tokens=4,
+                   remote=RemoteConfig(enable_thinking=False)), target=thinking, progress=False)
+    assert seen and all(kw == {"enable_thinking": False} for kw in seen)
+    assert manifest(tmp_path)["contract"]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_conversations_from_regenerate_carry_their_switch_and_another_flag_is_refused(tmp_path, thinking):
+    """--data OUT.jsonl of `eaglewire regenerate`: its OUT.meta.json says which switch the replies were made
+    with; the shards are rendered with it and record it. A flag saying otherwise without --regenerate is
+    refused naming both (the replies were written under the file's)."""
+    from eaglewire.data.remote_regenerate import META_FORMAT, RemoteConfig, meta_path
+
+    data = tmp_path / "replies.jsonl"
+    write_chats(data, 2)
+    meta_path(data).write_text(json.dumps({"format": META_FORMAT, "version": 1, "settings": {
+        "mode": "server", "model": "m", "chat_template_kwargs": {"enable_thinking": False}}}))
+    prepare(config(tmp_path, data, max_length=128), target=thinking, progress=False)
+    assert manifest(tmp_path)["contract"]["chat_template_kwargs"] == {"enable_thinking": False}
+    with pytest.raises(ValueError, match=r'regenerated with chat_template_kwargs \{"enable_thinking": false\}.*'
+                                         r"asks for chat_template_kwargs \{\"enable_thinking\": true\}"):
+        prepare(config(tmp_path, data, out=str(tmp_path / "other"), remote=RemoteConfig(enable_thinking=True)),
+                target=thinking, progress=False)

@@ -110,12 +110,17 @@ class TargetFingerprint:
 @dataclass(frozen=True, kw_only=True)
 class HiddenStateContract:
     """Ordered aux boundaries (concatenation order) plus the target they belong to, and, for a
-    draft, its family (``None`` for data: the same shards train either family)."""
+    draft, its family (``None`` for data: the same shards train either family).
+
+    ``chat_template_kwargs``: the chat-template switches the data was rendered with (e.g.
+    ``{"enable_thinking": False}``; ``{}`` = the template's own defaults), which a draft inherits
+    from its data; ``None`` = not recorded (older manifests and checkpoints, imported captures)."""
 
     aux_boundaries: tuple[int, ...]
     target: TargetFingerprint
     version: int = CONTRACT_VERSION
     family: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.version != CONTRACT_VERSION:
@@ -125,6 +130,8 @@ class HiddenStateContract:
         object.__setattr__(self, "aux_boundaries", tuple(bounds))
         if self.family is not None and self.family not in FAMILIES:
             raise ContractError(f"draft family {self.family!r} is not one eaglewire knows ({', '.join(FAMILIES)})")
+        if self.chat_template_kwargs is not None:
+            object.__setattr__(self, "chat_template_kwargs", template_kwargs(self.chat_template_kwargs))
 
     def for_family(self, family: str) -> HiddenStateContract:
         """This contract as a draft of ``family`` records it."""
@@ -145,6 +152,8 @@ class HiddenStateContract:
                "target": asdict(self.target)}
         if self.family is not None:
             out["family"] = self.family
+        if self.chat_template_kwargs is not None:
+            out["chat_template_kwargs"] = dict(self.chat_template_kwargs)
         return out
 
     @classmethod
@@ -152,7 +161,8 @@ class HiddenStateContract:
         try:
             target = TargetFingerprint(**d["target"])
             return cls(aux_boundaries=tuple(d["aux_boundaries"]), target=target,
-                       version=int(d.get("version", CONTRACT_VERSION)), family=d.get("family"))
+                       version=int(d.get("version", CONTRACT_VERSION)), family=d.get("family"),
+                       chat_template_kwargs=d.get("chat_template_kwargs"))
         except (KeyError, TypeError) as e:
             raise ContractError(f"malformed hidden-state contract {json.dumps(d)[:200]}: {e}") from e
 
@@ -193,7 +203,60 @@ class HiddenStateContract:
                 f"{what} holds aux boundaries {list(other.aux_boundaries)} but "
                 f"{list(self.aux_boundaries)} are expected; re-capture with "
                 f"--aux-boundaries {','.join(map(str, self.aux_boundaries))} or train on matching data")
-        return other.check_target(self.target, what=what, allow=allow)
+        warnings = self._check_template_kwargs(other, what=what, allow=allow)
+        return warnings + other.check_target(self.target, what=what, allow=allow)
+
+    def _check_template_kwargs(self, other: HiddenStateContract, *, what: str,
+                               allow: frozenset[str] | set[str]) -> list[str]:
+        """Both recorded and different: an error (``allow`` holding ``chat_template_kwargs``: a
+        warning); either unrecorded: nothing to compare."""
+        mine, theirs = self.chat_template_kwargs, other.chat_template_kwargs
+        if mine is None or theirs is None or mine == theirs:
+            return []
+        line = (f"chat_template_kwargs: {what} was rendered with {describe_template_kwargs(theirs)}, "
+                f"{describe_template_kwargs(mine)} expected")
+        if "chat_template_kwargs" in allow:
+            return [line]
+        raise ContractError(
+            f"{line}: a draft learns the text its data's template switch renders (e.g. a <think> block or "
+            f"none), so the two do not match. Render both alike (prepare with {template_kwargs_flags(mine)} to "
+            f"match what is expected, with {template_kwargs_flags(theirs)} to match {what}), or, if the "
+            "difference is deliberate, allow it with --allow-target-mismatch chat_template_kwargs")
+
+
+# ---------------------------------------------------------------- chat-template switches
+
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """``value`` checked as chat-template switches: a JSON object of scalars, keys sorted (a copy)."""
+    if not isinstance(value, dict):
+        raise ContractError(f"chat_template_kwargs {value!r} is not a JSON object; give e.g. "
+                            '{"enable_thinking": false}')
+    for key, v in value.items():
+        if not isinstance(key, str) or not isinstance(v, _JSON_SCALARS):
+            raise ContractError(f"chat_template_kwargs {json.dumps(value, default=str)[:200]}: {key!r} must be a "
+                                "string key with a scalar value (true/false, a number, a string or null)")
+    return dict(sorted(value.items()))
+
+
+def describe_template_kwargs(kwargs: dict[str, Any] | None) -> str:
+    """``{"enable_thinking": false}`` -> ``chat_template_kwargs {"enable_thinking": false}``; ``{}``:
+    the template's defaults; ``None``: not recorded."""
+    if kwargs is None:
+        return "no recorded chat_template_kwargs"
+    return f"chat_template_kwargs {json.dumps(kwargs, sort_keys=True)}" if kwargs else \
+        "the chat template's defaults (no chat_template_kwargs)"
+
+
+def template_kwargs_flags(kwargs: dict[str, Any]) -> str:
+    """The ``prepare`` / ``regenerate`` flags that render with ``kwargs`` (the thinking switch)."""
+    rest = {k: v for k, v in kwargs.items() if k != "enable_thinking"}
+    thinking = kwargs.get("enable_thinking")
+    flag = ("--enable-thinking" if thinking else "--no-enable-thinking") if isinstance(thinking, bool) else \
+        "neither --enable-thinking nor --no-enable-thinking"
+    return flag + (f" (and a template rendered with {json.dumps(rest, sort_keys=True)})" if rest else "")
 
 
 # ---------------------------------------------------------------- target architectures

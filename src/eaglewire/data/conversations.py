@@ -10,8 +10,8 @@ Terms:
                 and the end-of-turn token right after it; 0 on all template scaffolding
 
 The format is chosen by the file's bytes, never by its extension: a directory with
-``state.json`` is a ``datasets`` directory (save_to_disk), ``PAR1`` a parquet file, an Arrow
-stream or file its own magic (``data/tables.py`` reads them, with pyarrow alone); else the first
+``state.json`` is a ``datasets`` directory (save_to_disk), ``PAR1`` a parquet file, a directory
+of parquet files one table (in name order), an Arrow stream or file its own magic (``data/tables.py`` reads them, with pyarrow alone); else the first
 non-whitespace character ('[' JSON array, '{' JSONL). A JSON array is parsed record by record, so
 a file cut off mid-record (the shipped ShareGPT file is) still yields every complete record
 before the cut; an Arrow stream cut mid-batch yields every complete batch (a cut-off parquet file
@@ -151,8 +151,9 @@ def iter_conversations(path: str | Path, *, report: LoadReport) -> Iterator[Conv
     if table_kind(path) is not None:
         return _normalised(_iter_table(path, report), report)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory but not a datasets directory (no state.json); pass a "
-                         "conversation file, a parquet file, or a directory written by Dataset.save_to_disk")
+        raise ValueError(f"{path} is a directory but not a datasets directory (no state.json), and it holds no "
+                         "parquet files; pass a conversation file, a parquet file or a directory of them, or a "
+                         "directory written by Dataset.save_to_disk")
     first = _first_char(path)
     if first is None:
         raise ValueError(f"{path} is empty; expected a ShareGPT JSON array or JSONL conversations")
@@ -349,7 +350,7 @@ class TokenizedConversation:
 
 def tokenize_conversation(
     conv: Conversation, tokenizer: Any, *, max_length: int | None = None,
-    chat_template: str | None = None,
+    chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
 ) -> TokenizedConversation:
     """Render ``conv`` with the chat template once, tokenize it and mark the assistant replies.
 
@@ -357,7 +358,7 @@ def tokenize_conversation(
     after it when that is a special/added token (the end-of-turn token, e.g. ``<|im_end|>``,
     ``<|eot_id|>``); template scaffolding is 0. Replies are located by rendering each prefix with
     ``add_generation_prompt=True``, so no template is hard-coded. ``chat_template`` overrides the
-    tokenizer's. Longer results are cut to ``max_length`` tokens; ``sum(loss_mask) == 0`` then
+    tokenizer's; ``template_kwargs`` are the template's switches (e.g. ``enable_thinking``). Longer results are cut to ``max_length`` tokens; ``sum(loss_mask) == 0`` then
     means nothing is left to learn.
     """
     if max_length is not None and max_length < 1:
@@ -365,7 +366,7 @@ def tokenize_conversation(
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenize_conversation needs a fast tokenizer (offset mapping); "
                          f"got {type(tokenizer).__name__}")
-    render = _renderer(tokenizer, chat_template)
+    render = _renderer(tokenizer, chat_template, template_kwargs)
     text = render(conv.messages, False)
     spans = _assistant_spans(conv, text, render)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
@@ -383,11 +384,11 @@ def tokenize_conversation(
     )
 
 
-def _renderer(tokenizer: Any, chat_template: str | None):
+def _renderer(tokenizer: Any, chat_template: str | None, template_kwargs: dict[str, Any] | None = None):
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
+            chat_template=chat_template, **(template_kwargs or {}),
         )
     return render
 

@@ -12,17 +12,18 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from eaglewire.model.capture import capture
-from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries, validate_aux_boundaries
+from eaglewire.core.contract import (HiddenStateContract, default_aux_boundaries, describe_template_kwargs,
+                                     validate_aux_boundaries)
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
-from eaglewire.data.remote_regenerate import RemoteConfig, read_meta
+from eaglewire.data.remote_regenerate import RemoteConfig, meta_path, read_meta
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.data.sources import pad_right
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 class PrepareConfig:
     out: str = field(metadata={"help": "output directory for shards and manifest.json"})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
-    data: str = field(default="sharegpt", metadata={"help": "data preset (sharegpt) or a ShareGPT .json / messages .jsonl file"})
+    data: str = field(default="sharegpt", metadata={"help": "data preset (sharegpt), a ShareGPT .json / messages .jsonl file, a parquet file or a directory of them, or a datasets directory"})
     num_conversations: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
     offset: int = field(default=0, metadata={"help": "skip this many conversations first (e.g. to hold some out)"})
     aux_boundaries: list[int] | None = field(default=None, metadata={"help": "boundaries to capture, e.g. 2,15,27 (default [2, L//2, L-3])"})
@@ -183,7 +184,25 @@ def source_record(config: PrepareConfig, path: Path, template: tuple[str, str]) 
                                               "chat_template_kwargs": config.remote.template_kwargs()}
     if (meta := read_meta(path)) is not None:  # replies of `eaglewire regenerate`: how they were made
         record["regenerated_by"] = meta.get("settings")
+    if kwargs := data_template_kwargs(config, path):  # absent for the template's defaults: older resumes match
+        record["chat_template_kwargs"] = kwargs
     return record
+
+
+def data_template_kwargs(config: PrepareConfig, path: Path) -> dict[str, Any]:
+    """The chat-template switches the shards are rendered with, recorded in their contract: those of
+    ``--enable-thinking`` / ``--no-enable-thinking``, else those a conversations file's replies were
+    regenerated with (its ``OUT.meta.json``), else ``{}`` (the template's own defaults). Without
+    ``--regenerate``, a flag other than the file's is refused: the replies were written under the file's."""
+    flag = config.remote.template_kwargs()
+    meta = read_meta(path)
+    made = None if meta is None else ((meta.get("settings") or {}).get("chat_template_kwargs") or {})
+    if flag is not None and made is not None and flag != made and not config.regenerate:
+        raise ValueError(f"--data {config.data}: its replies were regenerated with {describe_template_kwargs(made)} "
+                         f"({meta_path(path)}), but --enable-thinking asks for {describe_template_kwargs(flag)}; "
+                         "drop the flag to render the shards as the replies were made, or add --regenerate to "
+                         "write new replies with it")
+    return dict(flag if flag is not None else made if made is not None else {})
 
 
 def check_resumable(out: Path, source: dict[str, object]) -> None:
@@ -281,7 +300,7 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     if not source_path.exists():
         raise FileNotFoundError(f"--data {config.data}: {source_path} does not exist; pass a preset "
                                 f"({', '.join(DATA_PRESETS)}), a ShareGPT .json, a messages .jsonl, a parquet file "
-                                "or a datasets directory (save_to_disk)")
+                                "or a directory of them, or a datasets directory (save_to_disk)")
     # Everything that can be refused is checked before the target is loaded.
     template = resolve_template(config, target.tokenizer if target is not None else load_tokenizer(config.target))
     source = source_record(config, source_path, template)
@@ -297,7 +316,9 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
         target.tokenizer.chat_template = template[1]  # the fingerprint records what is used
         target._fingerprint = None
     boundaries = config.aux_boundaries or default_aux_boundaries(target.num_layers)
-    contract = HiddenStateContract(aux_boundaries=tuple(boundaries), target=target.fingerprint)
+    kwargs = data_template_kwargs(config, source_path)
+    contract = HiddenStateContract(aux_boundaries=tuple(boundaries), target=target.fingerprint,
+                                   chat_template_kwargs=kwargs)
     rank, world = dist_rank_world()
     conversations = shard_work(conversations, rank, world)
 
@@ -321,7 +342,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                 if conv.id in writer.done_ids:
                     bar.update(1)
                     continue
-                seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length)
+                seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length,
+                                            template_kwargs=kwargs or None)
                 truncated += seq.num_tokens_before_truncation > len(seq.input_ids)
                 if sum(seq.loss_mask) == 0:
                     dropped.append(conv.id)
@@ -368,7 +390,8 @@ def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: i
             regen = regenerate_remote(conversations, path, tokenizer=target.tokenizer, config=regen_config,
                                       remote=config.remote, urls=urls, target=config.target, progress=progress)
     else:
-        regen = regenerate(target, conversations, path, progress=progress, config=regen_config)
+        regen = regenerate(target, conversations, path, progress=progress, config=regen_config,
+                           template_kwargs=config.remote.template_kwargs())
     log.info("%s", regen.summary())
     done, _ = load_conversations(path)
     return done

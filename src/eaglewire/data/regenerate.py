@@ -190,7 +190,8 @@ def _record_id(line: bytes, path: Path, number: int) -> str:
 
 
 def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str | Path, *,
-               config: RegenerateConfig, progress: bool = False) -> RegenerateReport:
+               config: RegenerateConfig, progress: bool = False,
+               template_kwargs: dict[str, Any] | None = None) -> RegenerateReport:
     """Replace every assistant reply of ``conversations`` by the target's own, turn by turn.
 
     Appends one JSONL line per finished conversation to ``out_path`` ({"id", "messages",
@@ -199,6 +200,8 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
     (and, with the same batch_size, seeded sampling) resumes to the same output. With max_turns,
     messages after the last regenerated reply are dropped. Raises ValueError for a target without
     tokenizer or chat template and for a message with an unknown role or non-string content.
+    ``template_kwargs``: the chat template's switches the prompts are rendered with (e.g.
+    ``{"enable_thinking": False}``; None: the template's defaults).
     """
     tokenizer = _check_tokenizer(target)
     out_path = Path(out_path)
@@ -222,7 +225,7 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
             pending = _admit(batch, resumed, started, report)
             if pending:
                 with _seeded(config.seed + index, target.device):
-                    _run_batch(target, pending, config, gen_config, stop_ids, report, decoder)
+                    _run_batch(target, pending, config, gen_config, stop_ids, report, decoder, template_kwargs)
                 _write(out, pending, report)
             bar.update(len(batch))
             report.seconds = time.perf_counter() - start
@@ -308,9 +311,10 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def _run_batch(target: Any, pending: list[_Pending], config: RegenerateConfig, gen_config: Any,
-               stop_ids: list[int], report: RegenerateReport, decoder: Any = None) -> None:
+               stop_ids: list[int], report: RegenerateReport, decoder: Any = None,
+               template_kwargs: dict[str, Any] | None = None) -> None:
     """Advance all conversations of one batch turn by turn until each is done."""
-    while active := _next_prompts(target.tokenizer, pending, config):
+    while active := _next_prompts(target.tokenizer, pending, config, template_kwargs):
         replies = _generate(target, [ids for _, _, ids in active], gen_config, stop_ids, decoder)
         for (p, prompt, _), (tokens, stopped) in zip(active, replies):
             report.new_tokens += len(tokens) + stopped
@@ -321,7 +325,8 @@ def _run_batch(target: Any, pending: list[_Pending], config: RegenerateConfig, g
                 p.add_reply(prompt, text, truncated=not stopped)
 
 
-def _next_prompts(tokenizer: Any, pending: list[_Pending], config: RegenerateConfig
+def _next_prompts(tokenizer: Any, pending: list[_Pending], config: RegenerateConfig,
+                  template_kwargs: dict[str, Any] | None = None
                   ) -> list[tuple[_Pending, list[dict[str, str]], list[int]]]:
     """(conversation, prompt messages, prompt ids) of every conversation with a turn to go."""
     active = []
@@ -330,7 +335,7 @@ def _next_prompts(tokenizer: Any, pending: list[_Pending], config: RegenerateCon
         if prompt is None:
             p.done = True
             continue
-        ids = prompt_ids(tokenizer, prompt)
+        ids = prompt_ids(tokenizer, prompt, template_kwargs)
         if len(ids) > config.max_prompt_tokens:
             log.debug("conversation %r: turn %d prompt has %d > max_prompt_tokens %d tokens; "
                       "cut there", p.conv.id, p.turns, len(ids), config.max_prompt_tokens)

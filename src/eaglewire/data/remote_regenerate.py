@@ -75,8 +75,9 @@ class RemoteConfig:
     reasoning: str = field(default="keep", metadata={
         "choices": REASONING_MODES, "help": "keep or strip the replies' <think>...</think> reasoning"})
     enable_thinking: bool | None = field(default=None, metadata={
-        "help": "send chat_template_kwargs {enable_thinking: ...} (the chat template's thinking switch; "
-                "default: not sent, the template's own default); recorded in the manifest"})
+        "help": "the chat template's thinking switch: chat_template_kwargs {enable_thinking: ...} sent to the "
+                "servers, or rendered with in this process (default: neither, the template's own default); "
+                "recorded in the shards' contract, which the doctor compares with serving"})
     retries: int = field(default=5, metadata={"help": "retries of a request on connection errors, 429 and 5xx"})
     retry_backoff: float = field(default=1.0, metadata={"help": "seconds before the first retry, doubled after each"})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds one request may take"})
@@ -484,7 +485,8 @@ class RegenerateCommandConfig:
 
     out: str = field(metadata={"help": "the JSONL file to write (appended to: a rerun resumes)"})
     data: str = field(default="sharegpt", metadata={
-        "help": "data preset (sharegpt) or a ShareGPT .json / messages .jsonl file"})
+        "help": "data preset (sharegpt), a ShareGPT .json / messages .jsonl file, a parquet file or a directory of "
+                "them, or a datasets directory"})
     target: str = field(default=DEFAULT_TARGET, metadata={
         "help": "the target (preset, HF directory or .gguf): its tokenizer and chat template always, its "
                 "weights when regenerating in this process"})
@@ -528,9 +530,10 @@ def run_regenerate(config: RegenerateCommandConfig, *, progress: bool = True) ->
     from eaglewire.model.target import load_target, load_tokenizer
 
     path = data_path(config.data) if config.data in DATA_PRESETS else Path(config.data)
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {config.data}: {path} is not a file; pass a preset "
-                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json or a messages .jsonl file")
+    if not path.exists():
+        raise FileNotFoundError(f"--data {config.data}: {path} does not exist; pass a preset "
+                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json, a messages .jsonl, a parquet file or "
+                                "a directory of them, or a datasets directory (save_to_disk)")
     conversations, loaded = load_conversations(path, limit=config.num_conversations, offset=config.offset)
     log.info("%s", loaded.summary())
     if config.remote.remote:
@@ -551,9 +554,12 @@ def run_regenerate(config: RegenerateCommandConfig, *, progress: bool = True) ->
                                  **({"top_p": s.top_p, "seed": s.seed, "batch_size": s.batch_size}
                                     if s.temperature > 0 else {})},
                     "max_turns": s.max_turns, "max_prompt_tokens": s.max_prompt_tokens}
+        if (kwargs := config.remote.template_kwargs()) is not None:  # absent: the template's defaults, as before
+            settings["chat_template_kwargs"] = kwargs
         _check_meta(out, settings)
         meta = {"format": META_FORMAT, "version": 1, "settings": settings}
         atomic_write_json(meta_path(out), meta, fsync=True)
-        report = regenerate(target, conversations, out, config=s, progress=progress)
+        report = regenerate(target, conversations, out, config=s, progress=progress,
+                            template_kwargs=config.remote.template_kwargs())
         atomic_write_json(meta_path(out), {**meta, "report": asdict(report)}, fsync=True)
     return report

@@ -6,6 +6,9 @@ rows are read with pyarrow alone, batch by batch, so ``datasets`` need not be in
 ``DatasetDict`` directory (``dataset_dict.json``) holds one such directory per split: the caller
 names the split.
 
+A directory of parquet files (a hub data set's ``data/`` with ``train-00000-of-00003.parquet`` ...)
+is one table: its files in name order, columns from the first.
+
 Formats are told by their bytes, never by the file name: parquet starts with ``PAR1``, an Arrow
 file with ``ARROW1``, an Arrow stream with the continuation marker ``0xFFFFFFFF``.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,9 +49,13 @@ class Cut:
 
 
 def table_kind(path: Path) -> str | None:
-    """'datasets', 'parquet', 'arrow-file', 'arrow-stream', or None when ``path`` is none of them."""
+    """'datasets', 'parquet-dir' (a directory of parquet files, e.g. a hub data set's
+    ``data/train-00000-of-00003.parquet`` ...), 'parquet', 'arrow-file', 'arrow-stream', or None when
+    ``path`` is none of them."""
     if path.is_dir():
-        return "datasets" if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file() else None
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return "datasets"
+        return "parquet-dir" if _parquet_children(path) else None
     with open(path, "rb") as f:
         head = f.read(8)
     if head.startswith(PARQUET_MAGIC):
@@ -73,6 +81,35 @@ def dataset_files(path: Path) -> list[Path]:
     return files
 
 
+def _parquet_children(path: Path) -> list[Path]:
+    """The parquet files directly in ``path`` (told by their bytes; hidden files left out), in name order."""
+    out = []
+    for child in sorted(path.iterdir(), key=lambda p: p.name):
+        if child.is_file() and not child.name.startswith("."):
+            with open(child, "rb") as f:
+                if f.read(4) == PARQUET_MAGIC:
+                    out.append(child)
+    return out
+
+
+# the hub's {split}-00000-of-00003.parquet (UltraChat's with a hash after it: train_sft-00000-of-00003-a1b2.parquet)
+_SPLIT_FILE = re.compile(r"(?P<split>.+?)-\d+-of-\d+(?:-[0-9a-f]+)?(?:\.parquet)?")
+
+
+def parquet_files(path: Path) -> list[Path]:
+    """The parquet files of a directory, in name order: read as one table. A directory holding several
+    splits by the hub's naming (``train-*``, ``test-*``) is refused naming them: mixing splits would
+    train on the test set."""
+    files = _parquet_children(path)
+    splits = sorted({m.group("split") for f in files if (m := _SPLIT_FILE.fullmatch(f.name))})
+    if len(splits) > 1:
+        first = splits[0]
+        raise TableError(f"{path} holds the parquet files of several splits ({', '.join(splits)}); pass one split's "
+                         f"files as their own directory (e.g. mkdir {path / first} && mv {path}/{first}-*.parquet "
+                         f"{path / first}/) or one file")
+    return files
+
+
 def table_columns(path: Path) -> list[str]:
     """The column names of a parquet or Arrow file or a ``datasets`` directory (its first file)."""
     import pyarrow as pa
@@ -81,12 +118,12 @@ def table_columns(path: Path) -> list[str]:
     kind = table_kind(path)
     if kind is None:
         raise TableError(f"{path} is not a parquet file, an Arrow file or a datasets directory")
-    files = dataset_files(path) if kind == "datasets" else [path]
+    files = dataset_files(path) if kind == "datasets" else parquet_files(path) if kind == "parquet-dir" else [path]
     if not files:
         return []
     try:
-        if kind == "parquet":
-            return pq.read_schema(path).names
+        if kind in ("parquet", "parquet-dir"):
+            return pq.read_schema(files[0]).names
         with pa.memory_map(str(files[0])) as source:
             opened = pa.ipc.open_file(source) if kind == "arrow-file" else pa.ipc.open_stream(source)
             return opened.schema.names
@@ -107,9 +144,9 @@ def iter_rows(path: Path, *, columns: list[str] | None = None, cuts: list[Cut] |
     if kind is None:
         raise TableError(f"{path} is not a parquet file, an Arrow file or a datasets directory "
                          "(Dataset.save_to_disk writes state.json beside its .arrow files)")
-    files = dataset_files(path) if kind == "datasets" else [path]
+    files = dataset_files(path) if kind == "datasets" else parquet_files(path) if kind == "parquet-dir" else [path]
     for file in files:
-        file_kind = "arrow-stream" if kind == "datasets" else kind
+        file_kind = {"datasets": "arrow-stream", "parquet-dir": "parquet"}.get(kind, kind)
         for batch in _batches(file, file_kind, columns, cuts):
             yield from batch.to_pylist()
 

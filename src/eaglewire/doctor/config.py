@@ -55,6 +55,10 @@ class DoctorConfig:
     allow_target_mismatch: list[str] | None = field(default=None, metadata={
         "help": "target fingerprint fields allowed to differ from the draft's and the data's (a warning, then "
                 "measured), e.g. weights_sha256 for a requantized target or one recorded as unknown"})
+    chat_template_kwargs: str | None = field(default=None, metadata={
+        "help": "the chat template kwargs serving renders with by default, as JSON (e.g. '{\"enable_thinking\": "
+                "false}'; default: read from --engine-flags, else unknown), compared with those the draft's data "
+                "was rendered with"})
 
     def __post_init__(self) -> None:
         if self.data and self.conversations:

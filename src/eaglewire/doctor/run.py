@@ -19,7 +19,8 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.llamacpp import serving as llamacpp_serving
 from eaglewire.doctor.served import check_served
-from eaglewire.doctor.traffic import check_traffic
+from eaglewire.doctor.template_switch import check_template_switch
+from eaglewire.doctor.traffic import check_traffic, load_traffic
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
                                       engine_agreement, stored_accuracy)
 from eaglewire.acceptance.replay import RoundAgreement
@@ -58,6 +59,8 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
         serving, serving_steps = llamacpp_serving(report, config, declared, L, arch, family)
     else:
         serving, serving_steps = check_serving(report, config, declared, L, arch, family)
+    check_template_switch(report, config, contract, target.tokenizer,
+                          load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
     if family != "eagle3":  # the measured checks (accuracy, sweep, acceptance) read EAGLE-3's unroll
         report.add(Check("measured checks", "skip", f"the doctor measures {family} drafts' accuracy, layout "
                          "sweep and acceptance not yet: only the engine's reading of the ids was checked",
@@ -237,7 +240,8 @@ def _load_sequences(config: DoctorConfig, target: Target, contract: HiddenStateC
         trained_on = summary.get("data")
         unseen = bool(trained_on) and Path(trained_on).resolve() != Path(data).resolve()
         return _from_shards(data, contract, heldout, config, report, unseen), f"shards {data}"
-    return _from_conversations(conversations, target, heldout, config), f"conversations {conversations}"
+    return (_from_conversations(conversations, target, heldout, config, contract.chat_template_kwargs),
+            f"conversations {conversations}")
 
 
 def _from_shards(data: str, contract: HiddenStateContract, heldout: list[str], config: DoctorConfig,
@@ -269,7 +273,9 @@ def _from_shards(data: str, contract: HiddenStateContract, heldout: list[str], c
     return [s for s in out if bool(s.loss_mask[2:].any())]
 
 
-def _from_conversations(name: str, target: Target, heldout: list[str], config: DoctorConfig) -> list[Sequence]:
+def _from_conversations(name: str, target: Target, heldout: list[str], config: DoctorConfig,
+                        template_kwargs: dict | None = None) -> list[Sequence]:
+    """Held-out conversations rendered as the draft's data was (``template_kwargs``: its switches)."""
     from eaglewire.data.conversations import load_conversations, tokenize_conversation
     from eaglewire.data.prepare import resolve_data
 
@@ -278,7 +284,8 @@ def _from_conversations(name: str, target: Target, heldout: list[str], config: D
     chosen = [c for c in convs if c.id in wanted] or convs[config.offset:]
     out = []
     for conv in chosen:
-        seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length)
+        seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length,
+                                    template_kwargs=template_kwargs or None)
         if sum(seq.loss_mask[2:]):
             out.append(Sequence(seq.id, torch.tensor(seq.input_ids), torch.tensor(seq.loss_mask, dtype=torch.bool)))
         if len(out) >= config.num_sequences:

@@ -37,6 +37,7 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import config_fix
+from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.engines.foreign_draft import load_any_draft
 from eaglewire.model.target import Target
 from eaglewire.model.target_head import load_target_head
@@ -218,6 +219,7 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     _check_labels(report, config, ds, target)
     arch = config.target_arch or contract.target.architecture
     serving, _ = check_serving(report, config, declared, L, arch)
+    check_template_switch(report, config, contract, getattr(target, "tokenizer", None))
     picked, warning = _pick(ds, summary, config)
     if warning:
         report.add(Check("data", "warn", warning))

@@ -43,6 +43,7 @@ CODE_PUNCTUATION = 0.06  # share of {}()[];=<> characters above which text reads
 class TrafficPrompt:
     messages: list[dict[str, str]] | None  # a chat request
     text: str | None  # a plain prompt
+    template_kwargs: dict[str, Any] | None = None  # the chat request's own chat_template_kwargs, where it sends them
 
     @property
     def has_system(self) -> bool:
@@ -75,7 +76,8 @@ def parse_prompt(item: Any, where: str) -> TrafficPrompt | None:
                      "content": _content(m.get("content"))} for m in item["messages"] if isinstance(m, dict)]
         while messages and messages[-1]["role"] == "assistant":  # a logged conversation: prompt its last turn
             messages.pop()
-        return TrafficPrompt(messages, None) if messages else None
+        kwargs = item.get("chat_template_kwargs")
+        return TrafficPrompt(messages, None, kwargs if isinstance(kwargs, dict) else None) if messages else None
     prompt = item.get("prompt")
     if isinstance(prompt, list):
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else None

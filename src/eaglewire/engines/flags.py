@@ -137,3 +137,13 @@ def resolve_abbreviation(flag: str, known: tuple[str, ...], aliases: dict[str, s
     hits = [k for k in (*known, *aliases) if k.startswith(flag)]
     hits = sorted({aliases.get(h, h) for h in hits})
     return hits[0] if len(hits) == 1 else (hits or flag)
+
+
+def template_kwargs_value(flag: str, value: Any) -> dict[str, Any]:
+    """A launch flag's chat-template kwargs (a JSON object, or the object dotted keys built) as a dict;
+    ValueError naming the flag when it is not one."""
+    parsed = _json_or_text(value) if isinstance(value, str) else value
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag} {value!r} is not a JSON object; the engine refuses it at launch (give e.g. "
+                         f"{flag} '{{\"enable_thinking\": false}}')")
+    return parsed

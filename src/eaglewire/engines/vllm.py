@@ -713,3 +713,25 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
     files = write_export(out, engine_config, draft.state(), serving)
     return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
                                notes=notes))
+
+
+# ---------------------------------------------------------------- the chat template's switches at launch
+
+TEMPLATE_KWARGS_FLAG = "--default-chat-template-kwargs"  # vllm/entrypoints/common/cli_args.py FrontendArgs
+
+
+def launch_template_kwargs(flags: str) -> dict[str, Any] | None:
+    """The chat-template kwargs vLLM 0.33.0 renders every chat request with by default
+    (``--default-chat-template-kwargs JSON``, read with ``json.loads``: vllm/entrypoints/common/cli_args.py;
+    a request's own ``chat_template_kwargs`` take precedence: vllm/renderers/params.py ``merge_kwargs``);
+    None when the flags set none."""
+    from eaglewire.engines.flags import template_kwargs_value
+
+    args, _ = parse_flexible(flags, FLAG_ALIASES)
+    value = args.get(TEMPLATE_KWARGS_FLAG)
+    return None if value is None else template_kwargs_value(TEMPLATE_KWARGS_FLAG, value)
+
+
+def template_kwargs_fix(kwargs: dict[str, Any]) -> str:
+    """The launch flag that makes vLLM render as ``kwargs`` says."""
+    return f"{TEMPLATE_KWARGS_FLAG} '{json.dumps(kwargs, sort_keys=True)}'"

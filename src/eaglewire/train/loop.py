@@ -283,7 +283,8 @@ class Trainer:
 
         cfg = self.config
         bounds = cfg.aux_boundaries or default_aux_boundaries(self.target.num_layers)
-        contract = HiddenStateContract(aux_boundaries=tuple(bounds), target=self.target.fingerprint)
+        contract = HiddenStateContract(aux_boundaries=tuple(bounds), target=self.target.fingerprint,
+                                       chat_template_kwargs={})  # rendered with the template's defaults
         return OnlineSource(resolve_data(cfg.online_data), self.target, contract, limit=cfg.num_conversations,
                             offset=cfg.offset, max_length=cfg.max_length)
 

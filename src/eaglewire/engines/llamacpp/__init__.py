@@ -17,7 +17,8 @@ from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_H
                                                 LlamaCppError, build_server, built_server, download_sdist,
                                                 find_server, find_tree, install, require_server, require_tree,
                                                 server_build, source_dir, unpack_tree)
-from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, LlamaFlags, lint_flags
+from eaglewire.engines.llamacpp.lint import (DEFAULT_N_MAX, TEMPLATE_KWARGS_FLAG, LlamaFlags, launch_template_kwargs,
+                                            lint_flags, template_kwargs_fix)
 from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
                                                  NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
                                                  dflash_to_boundaries, dflash_to_ids, reads_export, to_boundaries,
@@ -27,7 +28,7 @@ from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_
 from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-url (engines/served_counts.py)
 
 __all__ = [
-    "measure_served",
+    "measure_served", "launch_template_kwargs", "template_kwargs_fix", "TEMPLATE_KWARGS_FLAG",
     "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",
     "INSTALL_HINT", "NAME", "NUM_AUX", "SDIST", "SERVER", "TARGET_OUTTYPES", "Installation", "LlamaCppError", "LlamaFlags",
     "LlamaServer", "ServerConfig", "build_server", "built_server", "chain_config", "complete", "converter_target_dir",

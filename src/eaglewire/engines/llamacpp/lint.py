@@ -77,3 +77,39 @@ def _number(value: str | None, flag: str, out: LlamaFlags, kind: type = int):
         what, fix = ("an integer", 3) if kind is int else ("a number", 0)
         out.problems.append(("fail", f"{flag} {value!r} is not {what}: llama-server refuses it", f"{flag} {fix}"))
         return None
+
+
+# ---------------------------------------------------------------- the chat template's switches at launch
+
+TEMPLATE_KWARGS_FLAG = "--chat-template-kwargs"  # common/arg.cpp: params.default_template_kwargs
+REASONING_FLAGS = ("--reasoning", "-rea")  # common/arg.cpp: on/off set default_template_kwargs["enable_thinking"]
+_ON, _OFF = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")
+
+
+def launch_template_kwargs(flags: str) -> dict | None:
+    """The chat-template kwargs llama-server renders every chat request with by default: its
+    ``--chat-template-kwargs JSON``, and ``--reasoning on|off`` setting ``enable_thinking`` (common/arg.cpp
+    at this build; ``auto`` leaves the template's default); a request's own ``chat_template_kwargs``
+    override them (tools/server/server-common.cpp). None when the flags set none."""
+    from eaglewire.engines.flags import template_kwargs_value
+
+    args = parse_flags(flags)
+    out = None
+    if (value := args.get(TEMPLATE_KWARGS_FLAG)) is not None:
+        out = dict(template_kwargs_value(TEMPLATE_KWARGS_FLAG, value))
+    reasoning = next((args[f] for f in REASONING_FLAGS if f in args), None)
+    if reasoning is not None and reasoning.lower() in _ON + _OFF:
+        out = {**(out or {}), "enable_thinking": reasoning.lower() in _ON}
+    return out
+
+
+def template_kwargs_fix(kwargs: dict) -> str:
+    """The launch flags that make llama-server render as ``kwargs`` says."""
+    import json
+
+    thinking = kwargs.get("enable_thinking")
+    rest = {k: v for k, v in kwargs.items() if k != "enable_thinking"}
+    parts = [f"--reasoning {'on' if thinking else 'off'}"] if isinstance(thinking, bool) else []
+    if rest or not parts:
+        parts.append(f"{TEMPLATE_KWARGS_FLAG} '{json.dumps(rest if parts else kwargs, sort_keys=True)}'")
+    return " ".join(parts)
