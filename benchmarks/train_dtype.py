@@ -14,7 +14,8 @@ Two measurements:
    bf16 (``--dtype bf16``'s autocast), each with the flash and the dense TTT attention, alternating
    in every round so a shared machine's load falls on all variants alike.
 2. ``train``: `train` on the same shards (ShareGPT through the SmolLM2 target, captured once in
-   fp32) with one recipe and seed, so both runs see the same batches, the same tokens: tokens/s of
+   fp32; a rerun into the same ``--out`` reuses them, and `prepare` has checked their labels, so
+   `train` skips that check) with one recipe and seed, so both runs see the same batches, the same tokens: tokens/s of
    the training steps (the loop's timers: data, target head, draft forward, backward; not the
    evaluation or checkpoints) and held-out acc@0 (the TTT unroll's first step against the target
    head's argmax, fed the stored states of held-out conversations, as `doctor --stored` measures).
@@ -67,7 +68,7 @@ def args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--micro-tokens", type=int, default=512)
-    p.add_argument("--micro-repeats", type=int, default=2)
+    p.add_argument("--micro-repeats", type=int, default=2, help="0: skip the one-step measurement")
     return p.parse_args()
 
 
@@ -91,6 +92,16 @@ def step_times(a) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def print_steps(a, steps: dict[str, float]) -> None:
+    if not steps:
+        return
+    tokens, base = a.micro_batch * a.micro_tokens, steps["fp32 flash"]
+    print(f"\none TTT-{a.ttt_steps} step, {a.micro_batch} x {a.micro_tokens} tokens, {a.threads} threads, "
+          f"median of {a.micro_repeats}\n\n| dtype, TTT attention | s / step | tokens/s | vs fp32 flash |\n|---|---|---|---|")
+    for name, s in steps.items():
+        print(f"| {name} | {s:.2f} | {tokens / s:.0f} | {base / s:.2f}x |", flush=True)
+
+
 def heldout_acc0(draft_dir: Path, heldout: ShardDataset, target, max_length: int) -> float:
     draft, contract, _ = load_draft(draft_dir, target=target)
     batches = stored_batches(heldout, list(range(len(heldout))), target, draft, labels="head", max_length=max_length)
@@ -104,7 +115,8 @@ def main() -> int:
     start = time.perf_counter()
     info = machine.describe()
     print(machine.summary_line(info), flush=True)
-    steps = step_times(a)
+    steps = step_times(a) if a.micro_repeats else {}
+    print_steps(a, steps)
     target = load_target(a.target, device="cpu", dtype="fp32")  # one capture feeds both runs
     common = dict(target=a.target, data=a.data, max_length=a.max_length, batch_tokens=max(4096, a.max_length),
                   device="cpu", dtype="fp32")
@@ -122,7 +134,7 @@ def main() -> int:
                                    warmup_steps=min(20, max(1, a.steps // 10)),
                                    val_sequences=min(32, max(1, a.train_conversations // 8)),
                                    eval_interval=max(a.steps, 1), save_interval=max(a.steps, 1), device="cpu",
-                                   dtype=dtype), target=target, progress=False)
+                                   dtype=dtype, skip_label_check=True), target=target, progress=False)
         step_seconds = sum(result.timers.values())
         runs[dtype] = {"steps": result.steps, "train_tokens": result.train_tokens, "step_seconds": step_seconds,
                        "tokens_per_s": result.train_tokens / step_seconds, "timers": result.timers,
@@ -134,12 +146,6 @@ def main() -> int:
               "acc0_difference": runs["bf16"]["heldout_acc0"] - runs["fp32"]["heldout_acc0"],
               "heldout_tokens": heldout.num_tokens, "seconds": time.perf_counter() - start}
     (out / "train_dtype.json").write_text(json.dumps(report, indent=1))
-    tokens = a.micro_batch * a.micro_tokens
-    base = steps["fp32 flash"]
-    print(f"\none TTT-{a.ttt_steps} step, {a.micro_batch} x {a.micro_tokens} tokens, {a.threads} threads, "
-          f"median of {a.micro_repeats}\n\n| dtype, TTT attention | s / step | tokens/s | vs fp32 flash |\n|---|---|---|---|")
-    for name, s in steps.items():
-        print(f"| {name} | {s:.2f} | {tokens / s:.0f} | {base / s:.2f}x |")
     print(f"\ntrain: {a.steps} steps of {a.batch_tokens} padded tokens, ttt {a.ttt_steps}, same shards and seed\n\n"
           "| --dtype | train tokens | tokens/s (steps) | held-out acc@0 | final val loss |\n|---|---|---|---|---|")
     for dtype, r in runs.items():
