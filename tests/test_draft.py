@@ -115,3 +115,38 @@ def test_bad_config():
     with pytest.raises(ValueError, match="draft_vocab_size 300 must be in"):
         DraftConfig(hidden_size=8, target_hidden_size=8, num_aux=3, num_attention_heads=2, num_key_value_heads=2,
                     head_dim=4, intermediate_size=8, vocab_size=256, draft_vocab_size=300)
+
+
+def _autocast_unroll(draft, attention, monkeypatch, steps=3):
+    """The draft's TTT steps under CPU bf16 autocast with ``attention`` as its TTT attention:
+    (last step's pre-norm output, gradients of every weight)."""
+    import eaglewire.model.draft as draft_module
+
+    monkeypatch.setattr(draft_module, "ttt_attention", attention)
+    g = torch.Generator().manual_seed(3)
+    B, T = 2, 23
+    emb, aux = torch.randn(B, T + steps, 32, generator=g), torch.randn(B, T, 3 * 48, generator=g)
+    draft.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache, hidden = [], draft.fuse(aux)
+        for j in range(steps):
+            hidden = draft.forward_ttt(emb[:, j:j + T], hidden, torch.arange(T)[None] + j, cache)
+        loss = draft.logits(hidden).float().logsumexp(-1).mean()
+    loss.backward()
+    return hidden.float(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
+def test_flash_ttt_attention_agrees_with_dense_under_bf16_autocast(monkeypatch):
+    """Under CPU bf16 autocast q/k leave RoPE in fp32 and v its projection in bf16: the flash
+    kernel used to refuse the mix ("expected scalar type Float but found BFloat16")."""
+    draft = make_draft().train()
+    dense_out, dense_grads = _autocast_unroll(draft, ttt_attention_dense, monkeypatch)
+    flash_out, flash_grads = _autocast_unroll(draft, ttt_attention_flash, monkeypatch)
+    # The dense path's score and value matmuls run in bf16 (8-bit mantissa, ~0.4% per rounding),
+    # the flash path's in fp32: the two differ by bf16 rounding, not by a wrong mask or gradient
+    # (a wrong one differs by O(1), relative to values of O(1)).
+    torch.testing.assert_close(flash_out, dense_out, atol=3e-2, rtol=3e-2)
+    assert flash_grads.keys() == dense_grads.keys()
+    for name, want in dense_grads.items():
+        scale = want.abs().max()
+        torch.testing.assert_close(flash_grads[name] / scale, want / scale, atol=3e-2, rtol=0, msg=name)

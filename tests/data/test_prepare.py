@@ -258,3 +258,28 @@ def test_conversations_from_regenerate_carry_their_switch_and_another_flag_is_re
                                          r"asks for chat_template_kwargs \{\"enable_thinking\": true\}"):
         prepare(config(tmp_path, data, out=str(tmp_path / "other"), remote=RemoteConfig(enable_thinking=True)),
                 target=thinking, progress=False)
+
+@pytest.mark.parametrize("dtype, native, want", [("auto", True, "bf16"), ("auto", False, "fp32"),
+                                                 ("fp32", True, "fp32")])
+def test_capture_precision_follows_the_cpu_and_is_recorded(tmp_path, target_dir, monkeypatch, dtype, native, want):
+    """--dtype auto captures in bf16 where the CPU computes it natively; the manifest says which and why,
+    and the contract's fingerprint (dtype, a soft field) records the target's compute dtype."""
+    import eaglewire.core.machine as machine
+
+    monkeypatch.setattr(machine, "native_bf16", lambda flags=None: native)
+    data = tmp_path / "a.jsonl"
+    write_chats(data, 3)
+    prepare(config(tmp_path, data, target=str(target_dir), device="cpu", dtype=dtype), progress=False)
+    m = manifest(tmp_path)
+    recorded = m["status"]["capture_precision"]
+    assert (recorded["dtype"], recorded["requested"], recorded["device"]) == (want, dtype, "cpu")
+    assert ("no native bf16" in recorded["reason"]) == (dtype == "auto" and not native)
+    assert m["contract"]["target"]["dtype"] == {"bf16": "bfloat16", "fp32": "float32"}[want]
+
+
+def test_a_target_handed_to_prepare_records_its_own_dtype(tmp_path, chat_tiny_target):
+    data = tmp_path / "a.jsonl"
+    write_chats(data, 2)
+    prepare(config(tmp_path, data), target=chat_tiny_target, progress=False)
+    recorded = manifest(tmp_path)["status"]["capture_precision"]
+    assert recorded["dtype"] == "fp32" and "handed to prepare" in recorded["reason"]

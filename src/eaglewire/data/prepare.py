@@ -31,7 +31,8 @@ from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.core.distributed import dist_rank_world
 from eaglewire.core.locks import LOCK_NAME, directory_lock
 from eaglewire.core.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
-from eaglewire.model.target import Target, load_target, load_tokenizer
+from eaglewire.core.precision import Precision, log_precision, precision_of, resolve_precision
+from eaglewire.model.target import Target, load_target, load_tokenizer, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class PrepareConfig:
     batch_tokens: int = field(default=8192, metadata={"help": "tokens per capture batch (padded)"})
     shard_tokens: int = field(default=65536, metadata={"help": "tokens per shard file"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    dtype: str = field(default="auto", metadata={"help": "target compute dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16"})
+    dtype: str = field(default="auto", metadata={"help": "target compute dtype of the capture: auto (bf16 on CUDA and where the CPU computes bf16 natively, i.e. avx512_bf16 or AMX with oneDNN; fp32 elsewhere), fp32, bf16; recorded in the manifest (status.capture_precision)"})
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file to render conversations with (instead of the tokenizer's; for base models)"})
     template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})
     overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
@@ -311,7 +312,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     conversations, report = load_conversations(source_path, limit=config.num_conversations, offset=config.offset)
     log.info("%s", report.summary())
     out.mkdir(parents=True, exist_ok=True)
-    target = target or load_target(config.target, device=config.device, dtype=config.dtype)
+    precision = _capture_precision(config, target)
+    target = target or load_target(config.target, device=config.device, dtype=precision.dtype)
     if getattr(target.tokenizer, "chat_template", None) != template[1]:
         target.tokenizer.chat_template = template[1]  # the fingerprint records what is used
         target._fingerprint = None
@@ -326,7 +328,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                          shard_tokens=config.shard_tokens, rank=rank, world_size=world,
                          state_dtype=config.state_dtype, labels=config.labels, labels_head=target.head)
     # Written before any work: an interrupted run leaves data that says it is incomplete.
-    writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict())
+    writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict(),
+                      capture_precision=precision.record())
     if config.regenerate:
         conversations = _regenerate(target, conversations, out, config, rank, progress)
         if (meta := read_meta(out / f"regenerated.rank{rank}.jsonl")) is not None:
@@ -366,6 +369,17 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
         tokens=totals["tokens"], loss_tokens=totals["loss_tokens"], bytes_on_disk=totals["bytes"],
         truncated_sequences=truncated, dropped_no_loss_tokens=len(dropped), resumed_sequences=resumed,
         seconds=time.perf_counter() - start, skipped=dict(report.skipped))
+
+
+def _capture_precision(config: PrepareConfig, target: Target | None) -> Precision:
+    """What the target computes the states in (``--dtype``; a target handed in keeps its own), logged."""
+    if target is not None:
+        precision = precision_of(target.dtype, target.device, requested=config.dtype,
+                                 reason="the target handed to prepare keeps the dtype it was loaded in")
+    else:
+        precision = resolve_precision(config.dtype, resolve_device(config.device))
+    log_precision(precision, "prepare's capture")
+    return precision
 
 
 def _check_labels(out: Path, target: Target) -> None:

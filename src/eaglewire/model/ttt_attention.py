@@ -10,6 +10,11 @@ Two implementations with the same math:
   calls the kernel's backward with the *merged* output and log-sum-exp, which gives the
   causal block's exact share of the gradient (as ring attention does for each key block);
   the diagonal terms are [B, nH, T] vectors, differentiated by hand.
+
+Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the draft's q and k leave RoPE in fp32
+(the rotary tables are fp32) while v leaves its projection in bf16: the flash path runs its
+math in fp32 on whatever float inputs it gets (the CPU kernel takes one dtype for q, k and v)
+and hands each input its gradient in that input's own dtype.
 """
 
 from __future__ import annotations
@@ -62,6 +67,12 @@ def _merge(out0: torch.Tensor, lse0: torch.Tensor, diag_scores: list[torch.Tenso
 class _TTTFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale: float, q: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        ctx.dtypes = [t.dtype for t in (q, *kv)]
+        with torch.autocast("cpu", enabled=False):  # fp32 math whatever autocast is on around it
+            return _TTTFlash._forward(ctx, scale, q.float(), *(t.float() for t in kv))
+
+    @staticmethod
+    def _forward(ctx, scale: float, q: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         k0, v0 = kv[0], kv[1]
         out0, lse0 = _flash(q, k0, v0, 0.0, True, scale=scale)
         diag_k, diag_v = kv[2::2], kv[3::2]
@@ -73,6 +84,13 @@ class _TTTFlash(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        with torch.autocast("cpu", enabled=False):
+            dq, *grads = _TTTFlash._backward(ctx, grad_out.float())
+        return (None, *(g.to(dt) for g, dt in zip((dq, *grads), ctx.dtypes)))
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """Gradients (fp32) of q, then k0, v0, k1, v1, ..."""
         scale = ctx.scale
         q, out, lse, *rest = ctx.saved_tensors
         steps = (len(rest) + 1) // 3  # 2 tensors per step, 1 probability per diagonal step
@@ -85,4 +103,4 @@ class _TTTFlash(torch.autograd.Function):
             dS = p * ((grad_out * v).sum(-1) - D)  # [B, nH, T]
             dq = dq + (dS * scale)[..., None] * k
             grads += [(dS * scale)[..., None] * q, p[..., None] * grad_out]
-        return (None, dq, *grads)
+        return [dq, *grads]

@@ -30,11 +30,13 @@ from eaglewire.core.distributed import dist_rank_world
 from eaglewire.core.contract import FAMILIES
 from eaglewire.core.fileio import atomic_torch_save, atomic_write_text
 from eaglewire.core.locks import directory_lock
+from eaglewire.core.precision import DTYPE_CHOICES, log_precision, resolve_precision
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.target import Target, load_target, resolve_device
 from eaglewire.model.ttt import StepCounts
 from eaglewire.model.vocab import count_tokens, frequency_coverage
 from eaglewire.train.objectives import DFlashObjective, Eagle3Objective, Objective, default_gamma, summary_loss
+from eaglewire.train.curves import REPORT_TO, Curves, open_curves, require as require_curves
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class TrainConfig:
     anchors_per_sequence: int = field(default=32, metadata={"help": "dflash: blocks sampled per sequence and step (anchors on supervised tokens)"})
     block_loss_gamma: float | None = field(default=None, metadata={"help": "dflash: drafted position j weighs exp(-(j-1)/gamma) in the loss (default by block size: 7 for 16, 5 for 10, 4 for 8)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "dflash: the token filling the drafted positions (default: a padded embedding row, the tokenizer's mask token or an unused special token)"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": "the draft's compute precision: auto (bf16 where the CPU computes bf16 natively, i.e. avx512_bf16 or AMX with oneDNN, and on CUDA; fp32 elsewhere), fp32, bf16 (autocast; fp32 weights, loss and softmax)"})
+    report_to: str = field(default="none", metadata={"choices": REPORT_TO, "help": "where the training curves also go: none (metrics.jsonl and training.png only) or tensorboard (event files in --out/runs)"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
@@ -111,7 +115,7 @@ class TrainConfig:
 
     # Fields that may change between an interrupted run and its resume.
     RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
-                                   "head_only", "allow_incomplete_data", "skip_label_check"})
+                                   "head_only", "allow_incomplete_data", "skip_label_check", "dtype", "report_to"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -237,6 +241,9 @@ class RunState:
     metrics_file: IO[str] | None
     bar: Any  # tqdm
     stopped_early: bool = False
+    curves: Curves | None = None  # --report-to tensorboard (rank 0)
+    log_time: float = 0.0  # perf_counter and tokens at the last log row: the window's tokens/s
+    log_tokens: int = 0
 
 
 class Trainer:
@@ -250,6 +257,10 @@ class Trainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.precision = resolve_precision(config.dtype, self.device)
+        if self.rank == 0:
+            log_precision(self.precision, "train")
+            require_curves(config.report_to)  # before the target loads: name the missing package now
         if target is None and config.head_only:
             from eaglewire.model.target_head import load_target_head
 
@@ -344,8 +355,7 @@ class Trainer:
     def _unroll(self, draft, batch: Batch, signal,
                 normalizers: list[int] | None = None) -> tuple[torch.Tensor, list[StepCounts]]:
         t0 = time.perf_counter()
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with autocast:
+        with self.precision.autocast():  # the loss and softmax stay fp32 inside (the objectives cast)
             out = self.objective.loss(draft, batch, signal, normalizers)
         self.timers["draft_forward"] += time.perf_counter() - t0
         return out
@@ -470,6 +480,8 @@ class Trainer:
             run.bar.close()
             if run.metrics_file:
                 run.metrics_file.close()
+            if run.curves:
+                run.curves.close()
         if self.rank == 0:
             self._plot()
         return self._result(run)
@@ -511,6 +523,8 @@ class Trainer:
             total_steps=total_steps, coverage=coverage, start=start, position=position, history=history,
             window=[StepCounts() for _ in range(self.positions)],
             metrics_file=open(self.out / METRICS_FILE, "a") if self.rank == 0 else None,
+            curves=open_curves(cfg.report_to, self.out, resume_step=position.step) if self.rank == 0 else None,
+            log_time=time.perf_counter(), log_tokens=position.tokens,
             bar=tqdm(total=total_steps, initial=position.step, desc="train", unit="step",
                      disable=not progress or self.rank != 0))
 
@@ -544,29 +558,37 @@ class Trainer:
     def _after_step(self, run: RunState) -> None:
         """Log the window of steps, evaluate and save at their intervals."""
         cfg, step = self.config, run.position.step
-        if step % cfg.log_interval == 0 or step == run.total_steps:
+        logged = step % cfg.log_interval == 0 or step == run.total_steps
+        if logged:
             self._log_window(run)
         if step % cfg.eval_interval == 0:
-            self._record_eval(run.draft, step, run.history, run.metrics_file)
+            self._record_eval(run.draft, step, run.history, run.metrics_file, run.curves)
         if step % cfg.save_interval == 0:
             self._save_run(run, self._summary(run))
+        if logged:  # the next window's tokens/s counts training, not this step's evaluation and save
+            run.log_time = time.perf_counter()
 
     def _log_window(self, run: RunState) -> None:
         position = run.position
+        seconds = max(time.perf_counter() - run.log_time, 1e-9)
         row = {"step": position.step, "epoch": position.epoch, "lr": run.scheduler.get_last_lr()[0],
-               "tokens": position.tokens, **summarize(run.window, weights=self.objective.weights)}
+               "tokens": position.tokens, "tokens_per_s": round((position.tokens - run.log_tokens) / seconds, 1),
+               **summarize(run.window, weights=self.objective.weights)}
+        run.log_tokens = position.tokens
         run.bar.set_postfix(loss=f"{row['loss']:.3f}", **{f"acc{j}": f"{row[f'acc_{j}']:.2f}"
                                                        for j in range(min(3, self.positions))})
         if run.metrics_file:
             run.metrics_file.write(json.dumps(row) + "\n")
             run.metrics_file.flush()
+        if run.curves:
+            run.curves.add("train", position.step, row)
         run.window = [StepCounts() for _ in range(self.positions)]
 
     def _finish_run(self, run: RunState) -> None:
         """A last evaluation (unless the last step had one) and the final checkpoint."""
         evals = run.history.evals
         if not evals or evals[-1]["step"] != run.position.step:
-            self._record_eval(run.draft, run.position.step, run.history, run.metrics_file)
+            self._record_eval(run.draft, run.position.step, run.history, run.metrics_file, run.curves)
         run.history.seconds += time.perf_counter() - run.start
         run.start = time.perf_counter()
         self._save_run(run, self._summary(run, run.history.evals[-1]))
@@ -577,7 +599,7 @@ class Trainer:
         return {"target": cfg.target, "data": cfg.data or cfg.online_data, "steps": run.position.step,
                 "train_tokens": run.position.tokens, "draft_vocab_coverage": round(run.coverage, 4),
                 "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
-                "config": cfg.identity(), "init_draft": self.init_lineage,
+                "config": cfg.identity(), "init_draft": self.init_lineage, "precision": self.precision.record(),
                 "final_eval": final_eval or (history.evals[-1] if history.evals else {}),
                 "seconds": round(history.seconds + time.perf_counter() - run.start, 1),
                 **self._data_preset()}
@@ -613,8 +635,10 @@ class Trainer:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
 
-    def _record_eval(self, draft, step: int, history: History, metrics_file) -> None:
+    def _record_eval(self, draft, step: int, history: History, metrics_file, curves: Curves | None = None) -> None:
         row = {"step": step, **self.evaluate(draft)}
+        if curves:
+            curves.add("eval", step, row)
         history.evals.append(row)
         log.info("step %d: %s", step, " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "step"))
         if metrics_file:
