@@ -67,3 +67,30 @@ def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int 
     draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
     save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint))
     return path
+
+
+def random_dflash_draft(target: Target, aux_boundaries=(2, 4, 5), *, block_size: int = 4, num_layers: int = 1,
+                        mask_token_id: int | None = None, seed: int = 0):
+    """A random DFlash draft for ``target`` (its vocabulary; the mask token defaults to the last id)
+    and its contract -> (draft, contract)."""
+    import torch
+
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.dflash import DFlashConfig, DFlashDraft
+
+    V = target.vocab_size
+    torch.manual_seed(seed)
+    draft = DFlashDraft(DFlashConfig.from_target(
+        target.text_config, num_aux=len(aux_boundaries), vocab_size=V, num_layers=num_layers, block_size=block_size,
+        mask_token_id=V - 1 if mask_token_id is None else mask_token_id))
+    contract = HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint, family="dflash")
+    return draft.eval(), contract
+
+
+def save_random_dflash_draft(path, target: Target, aux_boundaries=(2, 4, 5), *, block_size: int = 4, seed: int = 0):
+    """``random_dflash_draft`` saved as a native draft directory."""
+    from eaglewire.model.checkpoint import save_draft
+
+    draft, contract = random_dflash_draft(target, aux_boundaries, block_size=block_size, seed=seed)
+    save_draft(path, draft, contract)
+    return path
