@@ -164,6 +164,7 @@ class SpecDecoder:
                                         num_draft_tokens=self.spec.num_draft_tokens, min_score=self.spec.min_score,
                                         steps_flag=spec_flag("num_steps"))
             self.draft, self.draft_dtype = self.dflash.draft, self.dflash.dtype
+            self.draft_to_target = self.draft.draft_to_target  # the identity: the target's own head
         elif draft is not None:
             self.draft_dtype = next(draft.parameters()).dtype
             self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
