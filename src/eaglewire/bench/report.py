@@ -115,7 +115,7 @@ def plot_acceptance(result: BenchResult, png: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for row in result.rows:
         acc = position_acceptance(row.stats)
-        if row.method == "eagle3" and acc:
+        if row.engine and row.method != "plain" and acc:
             ax.plot(range(1, len(acc) + 1), acc, "o-", label=row.name)
     ax.set(xlabel="draft position (depth)", ylabel="acceptance rate", ylim=(0, 1),
            title=f"per-position acceptance on {result.config.dataset}")

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglewire.core.configs import RESOLVED_KEY
-from eaglewire.model.checkpoint import load_draft, read_draft_config
+from eaglewire.model.checkpoint import FAMILY_CLASSES, load_draft, read_draft, read_draft_config
 from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
@@ -41,6 +41,7 @@ COMPARE_METHODS = ("hf", "hf-pld")
 ENGINES = engine_names("run_here")
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
 HELDOUT = "sharegpt-heldout"
+SPECULATIVE_METHODS = tuple(FAMILY_CLASSES)  # a speculative row's method is its draft's family
 RECOMMENDED = "recommended"
 
 
@@ -233,14 +234,14 @@ class Row:
     """One report line: an engine config (plain / eagle3) or an HF baseline, over all prompts."""
 
     name: str  # "1,5,1,6", "llamacpp 1,3,1,4", or "hf" / "hf-pld"
-    method: str  # plain | eagle3 | hf | hf-pld
+    method: str  # plain | eagle3 | dflash | hf | hf-pld
     stats: list[GenerationStats]  # one per prompt
     outputs: list[list[int]]  # new token ids per prompt
     engine_name: str = "eaglewire"  # who decoded: eaglewire (and the HF baselines) or llamacpp
 
     @property
     def engine(self) -> bool:
-        return self.method in ("plain", "eagle3")
+        return self.method in ("plain", *SPECULATIVE_METHODS)
 
     @property
     def new_tokens(self) -> int:
@@ -389,6 +390,7 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
 
 
 def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
+    check_draft_family(config)
     if config.configs == RECOMMENDED:
         if "eaglewire" in config.engine or config.compare:
             target = target or load_target(config.target, device=config.device)
@@ -417,7 +419,9 @@ def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
 def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: list[SpecConfig | None],
                    progress: bool) -> list[Row]:
     draft = contract = None
+    method = "eagle3"
     if any(r is not None for r in runs):
+        method = read_draft(config.draft).family
         draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
                                         device=target.device)
     tok = target.tokenizer
@@ -433,8 +437,11 @@ def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: 
 
     jobs = []  # (row name, method, generate(prompt index, ids, max new tokens) -> (tokens, stats))
     for run in runs:
-        decoder = SpecDecoder(target) if run is None else SpecDecoder(target, draft, contract, run)
-        jobs.append((config_label(run), "plain" if run is None else "eagle3", partial(engine, decoder)))
+        try:
+            decoder = SpecDecoder(target) if run is None else SpecDecoder(target, draft, contract, run)
+        except ValueError as e:  # a shape the draft cannot draft (a DFlash block's length)
+            raise ValueError(f"config {config_label(run)} ({CONFIG_FORMAT}): {e}") from None
+        jobs.append((config_label(run), "plain" if run is None else method, partial(engine, decoder)))
     for method in config.compare or ():
         jobs.append((method, method, partial(hf, method == "hf-pld")))
 
@@ -532,3 +539,20 @@ def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool)
         rows.append(Row(f"llamacpp {config_label(run)}", "plain" if run is None else "eagle3", stats, outputs,
                         engine_name=LLAMACPP))
     return rows
+
+
+def check_draft_family(config: BenchConfig) -> None:
+    """What a DFlash draft cannot do here yet is refused before anything runs, saying what to use:
+    llama-server is launched with EAGLE-3 drafts, and ``--configs recommended`` traces the draft
+    with the EAGLE-3 unroll."""
+    family = read_draft(config.draft).family if config.draft is not None else "eagle3"
+    if family == "eagle3":
+        return
+    if config.configs == RECOMMENDED:
+        raise ValueError(f"--configs {RECOMMENDED} ranks shapes with the EAGLE-3 draft's trace, and {config.draft} "
+                         f"is a {family} draft; give the shapes yourself, e.g. --configs '1,0,0,0;1,7,1,8' "
+                         f"(steps at most the block size - 1)")
+    if LLAMACPP in config.engine and any(r is not None for r in llamacpp_runs(config.runs)):
+        raise ValueError(f"--engine {LLAMACPP}: bench launches llama-server with EAGLE-3 drafts, and {config.draft} "
+                         f"is a {family} draft; bench it with --engine eaglewire (or keep only 1,0,0,0 for "
+                         f"llama.cpp's plain decoding)")

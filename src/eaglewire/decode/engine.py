@@ -8,6 +8,10 @@ produced, not yet in its cache) sits at position P and a tree node of depth d at
 The draft's context entry t pairs the target's fused state of token t with the embedding
 of token t+1 and sits at position t, so a draft node of depth d runs at position P - 1 + d.
 Without a draft the same loop verifies the root alone: plain decoding.
+
+A DFlash draft (decode/dflash_drafter.py) drafts one block per round instead of one pass per
+level: its context is the fused states of tokens 0..P-1 and its block, anchored at the root at P,
+predicts the tokens at P+1..P+n; the tree it proposes is verified exactly as an EAGLE-3 one.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.core.contract import HiddenStateContract
+from eaglewire.decode.dflash_drafter import DFlashDrafter
 from eaglewire.decode.gemm import pack_linears
 from eaglewire.decode.kv_cache import DraftCache
 from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams, logits_to_probs, sample
 from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
 from eaglewire.decode.verify import greedy_verify, sampling_verify
+from eaglewire.model.dflash import DFlashDraft
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
 
@@ -141,9 +147,9 @@ class GenerationStats:
 
 
 class SpecDecoder:
-    """Speculative decoding of one sequence with a target and an (optional) EAGLE-3 draft."""
+    """Speculative decoding of one sequence with a target and an (optional) EAGLE-3 or DFlash draft."""
 
-    def __init__(self, target: Target, draft: Eagle3Draft | None = None,
+    def __init__(self, target: Target, draft: Eagle3Draft | DFlashDraft | None = None,
                  contract: HiddenStateContract | None = None, spec: SpecConfig | None = None, *,
                  lean: bool | None = None) -> None:
         if draft is not None and contract is None:
@@ -152,7 +158,14 @@ class SpecDecoder:
         self.boundaries = list(contract.aux_boundaries) if draft is not None else [target.num_layers]
         self.lean = lean  # None: the lean forward where the architecture has one
         self._target_runner = None  # made at the first request
-        if draft is not None:
+        self.dflash: DFlashDrafter | None = None  # a DFlash draft's block drafting and context
+        if isinstance(draft, DFlashDraft):
+            self.dflash = DFlashDrafter(target, draft, num_steps=self.spec.num_steps, topk=self.spec.topk,
+                                        num_draft_tokens=self.spec.num_draft_tokens, min_score=self.spec.min_score,
+                                        steps_flag=spec_flag("num_steps"))
+            self.draft, self.draft_dtype = self.dflash.draft, self.dflash.dtype
+            self.draft_to_target = self.draft.draft_to_target  # the identity: the target's own head
+        elif draft is not None:
             self.draft_dtype = next(draft.parameters()).dtype
             self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
             self.draft_to_target = self.draft.draft_to_target
@@ -262,7 +275,9 @@ class SpecDecoder:
         runner.commit(list(range(P)))
         root = self._next_token(runner.head(last[-1:]), sampling, gen)
         dcache, root_out = DraftCache(), None
-        if self.draft is not None:
+        if self.dflash is not None:
+            self.dflash.start(aux)  # the context: prompt tokens 0..P-1
+        elif self.draft is not None:
             root_out = self._extend_context(dcache, aux, prompt_ids[1:] + [root], 0)
         stats.prefill_seconds = time.perf_counter() - start
         produced: list[int] = []
@@ -279,7 +294,12 @@ class SpecDecoder:
             if finish is not None:
                 return
             t0 = time.perf_counter()
-            tree = self._build_tree(root, root_out, dcache, P) if self.draft is not None else _root_only(root)
+            if self.dflash is not None:
+                tree = self.dflash.propose(root, P)
+            elif self.draft is not None:
+                tree = self._build_tree(root, root_out, dcache, P)
+            else:
+                tree = _root_only(root)
             t1 = time.perf_counter()
             mask = None  # one token: plain causal attention
             if len(tree) > 1:
@@ -294,8 +314,11 @@ class SpecDecoder:
             runner.commit(path)
             t2 = time.perf_counter()
             accepted = [int(tree.tokens[i]) for i in path[1:]]
-            if self.draft is not None:
+            if self.dflash is not None:
+                self.dflash.extend(aux[path], P)  # the root and the accepted drafts, at P..P+len(path)-1
+            elif self.draft is not None:
                 root_out = self._extend_context(dcache, aux[path], accepted + [bonus], P)
+            if self.draft is not None:
                 for d in range(len(accepted)):
                     stats.position_accepts[d] += 1
             stats.accept_lengths.append(len(path))

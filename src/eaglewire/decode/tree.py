@@ -94,3 +94,29 @@ def select_tree(root_token: int, candidates: list[Candidate], num_draft_tokens: 
 def max_tree_tokens(num_steps: int, topk: int) -> int:
     """The most nodes a tree of ``num_steps`` levels can offer, root included."""
     return 1 + topk + (num_steps - 1) * topk * topk
+
+
+def block_tree(root_token: int, logprobs: torch.Tensor, topk: int, num_draft_tokens: int,
+               min_score: float = -math.inf) -> Tree:
+    """A tree from one block draft's per-position log-probabilities, logprobs [n, V] (row d-1: the
+    token at depth d), grown and selected as EAGLE-2's: each level's ``topk`` best nodes get the
+    ``topk`` best tokens of the next position. A block does not see which token its earlier
+    positions took, so siblings' children are the same tokens; with topk 1 it is the chain of
+    each position's best token (cut where the path probability falls below ``min_score``)."""
+    n = logprobs.shape[0]
+    ids = torch.arange(logprobs.shape[1], device=logprobs.device)  # [V] the block predicts target ids
+    candidates: list[Candidate] = []
+    level = top_children(logprobs[:1], [0.0], [-1], 1, topk, ids)
+    for depth in range(1, n + 1):
+        base = len(candidates)
+        candidates += level
+        if depth == n:
+            break
+        ranked = sorted(range(len(level)), key=lambda i: -level[i].score)[:topk]
+        frontier = [base + i for i in ranked if level[i].score >= min_score]  # [F] candidate indices
+        if not frontier:  # deeper nodes score lower still: none could be verified
+            break
+        rows = logprobs[depth:depth + 1].expand(len(frontier), -1)  # [F, V]: one distribution per position
+        level = top_children(rows, [candidates[c].score for c in frontier], frontier, depth + 1, topk, ids)
+    tree, _ = select_tree(root_token, candidates, num_draft_tokens, min_score)
+    return tree
