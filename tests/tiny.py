@@ -67,3 +67,29 @@ def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int 
     draft.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
     save_draft(path, draft, HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint))
     return path
+
+
+def random_dflash_draft(target: Target, aux_boundaries=(2, 4, 5), *, block_size: int = 4, num_layers: int = 1,
+                        seed: int = 0, mask_token_id: int | None = None):
+    """A random DFlash draft for ``target`` (the mask token: its last id unless given) and its contract."""
+    import torch
+
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.model.dflash import DFlashConfig, DFlashDraft
+
+    V = target.vocab_size
+    torch.manual_seed(seed)
+    draft = DFlashDraft(DFlashConfig.from_target(target.text_config, num_aux=len(aux_boundaries), vocab_size=V,
+                                                 num_layers=num_layers, block_size=block_size,
+                                                 mask_token_id=V - 1 if mask_token_id is None else mask_token_id))
+    return draft.eval(), HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint,
+                                             family="dflash")
+
+
+def save_random_dflash_draft(path, target: Target, aux_boundaries=(2, 4, 5), **kwargs):
+    """``random_dflash_draft`` saved as a native draft directory."""
+    from eaglewire.model.checkpoint import save_draft
+
+    draft, contract = random_dflash_draft(target, aux_boundaries, **kwargs)
+    save_draft(path, draft, contract)
+    return path
