@@ -168,3 +168,32 @@ def test_block_shapes_and_a_plain_verdict_with_the_tau_needed():
     rec = recommend(ranked, "eaglewire")
     assert rec.choice.shape.plain and "round costs 3.00 plain steps" in rec.reason and "τ >=" in rec.reason
     assert {p.round_seconds for p in ranked if not p.shape.plain} == {3.0}  # one pass whatever n is
+
+
+@pytest.mark.parametrize("engine", ["sglang", "eaglewire"])
+def test_tune_ranks_a_dflash_drafts_block_shapes(tmp_path, target_dir, chat_tiny_target, engine):
+    """`tune` on a DFlash draft ranks n = 1 .. block_size - 1 drafted tokens, a round costing one pass; a
+    random draft is never recommended (plain, with the round's cost and the τ needed)."""
+    import json
+
+    from eaglewire.cli import main
+    from test_bench import write_prompts
+    from tiny import save_random_dflash_draft
+
+    draft = save_random_dflash_draft(tmp_path / "draft", chat_tiny_target, block_size=4)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
+    out = tmp_path / "tune.json"
+    torch.set_num_threads(1)
+    argv = ["tune", "--target", str(target_dir), "--draft", str(draft), "--dataset", str(prompts), "--offset", "0",
+            "--num-prompts", "2", "--max-new-tokens", "12", "--engine", engine, "--out", str(out)]
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(2)
+    report = json.loads(out.read_text())
+    shapes = [p["shape"] for p in report["ranked"]]
+    assert sorted(s["n_max"] for s in shapes) == [0, 1, 2, 3] and all(s["block"] for s in shapes if s["n_max"])
+    assert report["recommendation"]["shape"]["shape"]["n_max"] == 0
+    assert "DFlash" in " ".join(report["costs"]["notes"])
+    if engine == "eaglewire":  # verify(k) timed for every k a round can verify, one pass per round
+        assert sorted(int(k) for k in report["costs"]["verify"]) == [1, 2, 3, 4] and report["costs"]["draft_step"] > 0
