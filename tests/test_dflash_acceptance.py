@@ -24,6 +24,8 @@ def setup():
 
 def fused_prefix_states(target, layout, ids):
     """[1, p, k*H] the layout's states of a prefix, captured on the prefix alone (as a decoder has them)."""
+    if not ids:  # the block anchored at 0 has no context
+        return torch.zeros(1, 0, len([b for b in layout if b != target.num_layers]) * target.hidden_size)
     got = capture(target, torch.tensor([ids]), [b for b in layout if b != target.num_layers])
     return got.aux_hidden.float()
 
