@@ -18,8 +18,7 @@ import torch
 
 from eaglewire.model.capture import capture
 from eaglewire.model.dflash import DFlashDraft
-from eaglewire.model.dflash_blocks import (anchored_blocks, drafted_index, is_block_draft, mask_embedding,
-                                          target_lm_head)
+from eaglewire.model.dflash_blocks import anchored_blocks, drafted_index, mask_embedding, target_lm_head
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
 from eaglewire.model.ttt import shift_left
@@ -153,10 +152,3 @@ def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: li
                              block=True)
     return out
 
-
-def trace_any(target: Target, draft, layout: list[int], text: list[int], prompt_len: int, *, steps: int,
-              temperature: float = 0.0) -> DraftTrace:
-    """``trace_text`` for an EAGLE-3 draft, the trained block's ``trace_blocks`` for a DFlash one."""
-    if is_block_draft(draft):
-        return trace_blocks(target, draft, layout, text, prompt_len, temperature=temperature)[draft.config.block_size]
-    return trace_text(target, draft, layout, text, prompt_len, steps=steps, temperature=temperature)
