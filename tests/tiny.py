@@ -70,8 +70,10 @@ def save_random_draft(path, target: Target, aux_boundaries=(2, 4, 5), seed: int 
 
 
 def random_dflash_draft(target: Target, aux_boundaries=(2, 4, 5), *, block_size: int = 4, num_layers: int = 1,
-                        seed: int = 0, mask_token_id: int | None = None):
-    """A random DFlash draft for ``target`` (the mask token: its last id unless given) and its contract."""
+                        mask_token_id: int | None = None, seed: int = 0, perturb_norms: bool = False):
+    """A random DFlash draft for ``target`` (its vocabulary; the mask token defaults to the last id)
+    and its contract -> (draft, contract). ``perturb_norms``: norm weights off ones, so that a wrong
+    tensor mapping in a format shows."""
     import torch
 
     from eaglewire.core.contract import HiddenStateContract
@@ -79,17 +81,24 @@ def random_dflash_draft(target: Target, aux_boundaries=(2, 4, 5), *, block_size:
 
     V = target.vocab_size
     torch.manual_seed(seed)
-    draft = DFlashDraft(DFlashConfig.from_target(target.text_config, num_aux=len(aux_boundaries), vocab_size=V,
-                                                 num_layers=num_layers, block_size=block_size,
-                                                 mask_token_id=V - 1 if mask_token_id is None else mask_token_id))
-    return draft.eval(), HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint,
-                                             family="dflash")
+    draft = DFlashDraft(DFlashConfig.from_target(
+        target.text_config, num_aux=len(aux_boundaries), vocab_size=V, num_layers=num_layers, block_size=block_size,
+        mask_token_id=V - 1 if mask_token_id is None else mask_token_id))
+    if perturb_norms:
+        with torch.no_grad():
+            for name, p in draft.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    contract = HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint, family="dflash")
+    return draft.eval(), contract
 
 
-def save_random_dflash_draft(path, target: Target, aux_boundaries=(2, 4, 5), **kwargs):
-    """``random_dflash_draft`` saved as a native draft directory."""
+def save_random_dflash_draft(path, target: Target, aux_boundaries=(2, 4, 6), seed: int = 0, *, num_layers: int = 1,
+                             block_size: int = 4, mask_token_id: int | None = None):
+    """``random_dflash_draft`` (norms perturbed) saved as a native draft directory."""
     from eaglewire.model.checkpoint import save_draft
 
-    draft, contract = random_dflash_draft(target, aux_boundaries, **kwargs)
-    save_draft(path, draft, contract)
+    draft, contract = random_dflash_draft(target, aux_boundaries, block_size=block_size, num_layers=num_layers,
+                                          mask_token_id=mask_token_id, seed=seed, perturb_norms=True)
+    save_draft(path, draft, contract, {"target": target.spec})
     return path

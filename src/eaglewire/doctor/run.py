@@ -201,10 +201,10 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
 
 
 def decodes_blocks() -> bool:
-    """Whether eaglewire's engine decodes DFlash drafts (its ``SpecDecoder.FAMILIES`` names them)."""
-    from eaglewire.decode.engine import SpecDecoder
+    """Whether eaglewire's engine decodes DFlash drafts (it has their drafter, ``decode/dflash_drafter.py``)."""
+    import importlib.util
 
-    return "dflash" in getattr(SpecDecoder, "FAMILIES", ("eagle3",))
+    return importlib.util.find_spec("eaglewire.decode.dflash_drafter") is not None
 
 
 def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, draft, contract,
