@@ -8,6 +8,10 @@ on them, sampling and the engine's bookkeeping. It is measured per k from chains
 probability stop (every round then verifies n + 1 tokens), and ``draft_step`` from the draft
 time those runs report as the number of steps changes. Engines whose costs are not measured
 here (SGLang, vLLM on a GPU) take a stated model instead.
+
+A DFlash draft drafts a round's tokens in one pass: a round runs one "step" (``draft_step`` = one
+block pass), whatever it proposes. Where the pass's length follows the shape (llama.cpp runs
+n_max + 1 block tokens), ``draft_pass`` holds its seconds per n_max and ``round_seconds`` reads it.
 """
 
 from __future__ import annotations
@@ -56,17 +60,21 @@ class EngineCosts:
     draft_step: float  # seconds per draft forward
     source: str = "measured"
     notes: list[str] = field(default_factory=list)
+    draft_pass: dict[int, float] = field(default_factory=dict)  # n_max -> seconds of one block pass (DFlash)
 
     def verify_at(self, k: float) -> float:
         """verify(k), linear between measured k and beyond them (k may be an expected value)."""
         return linear_at(self.verify, k)
 
-    def round_seconds(self, verified: float, steps: float) -> float:
-        return self.verify_at(verified) + steps * self.draft_step
+    def round_seconds(self, verified: float, steps: float, n_max: int | None = None) -> float:
+        """``steps`` draft forwards, each a block pass of ``n_max`` where ``draft_pass`` is known."""
+        step = linear_at(self.draft_pass, n_max) if self.draft_pass and n_max is not None else self.draft_step
+        return self.verify_at(verified) + steps * step
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["verify"] = {str(k): v for k, v in sorted(self.verify.items())}
+        out["draft_pass"] = {str(k): v for k, v in sorted(self.draft_pass.items())}
         return out
 
 
@@ -119,3 +127,24 @@ def stated_costs(engine: str, *, verify_per_token: float, draft_step: float, max
     return EngineCosts(engine=engine, plain_step=1.0, verify=verify, draft_step=draft_step, source="stated",
                        notes=[f"stated model: verify(k) = 1 + {verify_per_token:g} (k - 1) plain steps, "
                               f"a draft step = {draft_step:g} plain steps; speeds are relative to plain"])
+
+
+def fit_block_costs(engine: str, plain: PlainProbe, chains: list[ChainProbe]) -> EngineCosts:
+    """Costs of a DFlash draft from a plain run and block runs of n_max = n (no probability stop, so
+    every round verifies n + 1 tokens and runs one block pass): the pass's seconds per n from the
+    draft time per round, verify(n + 1) the rest of the round; n not probed are read between them."""
+    if plain.tokens < 1 or plain.decode_seconds <= 0:
+        raise ValueError(f"the plain run produced {plain.tokens} tokens in {plain.decode_seconds:.3f} s: nothing to time")
+    usable = [c for c in chains if c.rounds > 0]
+    if not usable:
+        raise ValueError("no block run completed a round: nothing to time the draft and the verify by")
+    passes = {c.n: max(c.draft_seconds / c.rounds, 0.0) for c in usable}
+    verify = {c.n + 1: c.decode_seconds / c.rounds - passes[c.n] for c in usable}
+    plain_step = plain.decode_seconds / plain.tokens
+    notes = ["DFlash: one block pass per round, its seconds by n_max: "
+             + ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in sorted(passes.items()))]
+    if 1 not in verify:
+        verify[1] = min(max(linear_at(verify, 1), plain_step), verify[min(verify)])
+        notes.append("verify(1) extrapolated from the measured k (a round that drafts nothing)")
+    return EngineCosts(engine=engine, plain_step=plain_step, verify=verify, draft_step=passes[max(passes)],
+                       notes=notes, draft_pass=passes)

@@ -17,6 +17,7 @@ from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.acceptance.costs import ChainProbe, PlainProbe
 
+DFLASH_SPEC_TYPE = "draft-dflash"  # llama.cpp b11434's --spec-type of a DFlash draft
 WARMUP_TOKENS = 32  # the first request of a fresh llama-server runs several times slower
 
 Progress = Callable[[str], None]
@@ -65,13 +66,86 @@ def probe_eaglewire(target, draft, contract, prompts: list[list[int]], *, steps:
     return ProbeResult(PlainProbe(plain_tokens, plain_seconds), chains, outputs)
 
 
+# ------------------------------------------------------------------ DFlash in eaglewire's engine
+
+BLOCK_REPEATS = 5  # timings per round length; the median is kept
+
+
+@dataclass
+class BlockTimes:
+    """A DFlash round's parts timed at one context: verify(k) (the target over k tokens, its head,
+    the states to the draft's context) per k, and one block pass (the draft + the target's lm_head)."""
+
+    verify: dict[int, float]
+    draft_pass: float
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first run warms caches up and is dropped
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
+
+
+def time_block_round(target, draft, boundaries: list[int], context: list[int], *, repeats: int = BLOCK_REPEATS
+                     ) -> BlockTimes:
+    """Time a DFlash round's parts after ``context`` with the engine's own target runner and the draft's
+    own forward (``draft_block``): verify(k) for k = 1 .. block_size (a round verifies the root and up
+    to block_size - 1 drafted tokens) and one block pass."""
+    import torch
+
+    from eaglewire.decode.runner import make_runner
+    from eaglewire.model.dflash_blocks import mask_embedding, target_lm_head
+
+    bs, P = draft.config.block_size, len(context)
+    runner = make_runner(target, boundaries)
+    runner.reset()
+    ids = torch.tensor(context)
+    with torch.no_grad():
+        _, aux = runner.forward(ids, torch.arange(P), None)  # [P, k*H]
+        runner.commit(list(range(P)))
+        ctx_kv = draft.context_kv(draft.fuse(aux[None].float()), torch.arange(P)[None])
+        lm_head, mask_emb = target_lm_head(target), mask_embedding(draft, target.embed_tokens, target.device)
+        anchor = target.embed_tokens(ids[-1:].to(target.device)).float()  # [1, H]
+
+    def verify(k: int) -> None:
+        with torch.no_grad():
+            last, got = runner.forward(ids[-k:], torch.arange(P, P + k), None)  # [k, H], [k, k*H]
+            runner.head(last).argmax(-1)
+            draft.context_kv(draft.fuse(got[None].float()), torch.arange(P, P + k)[None])
+            runner.commit([])  # nothing kept: the next timing starts from the same context
+
+    def block_pass() -> None:
+        with torch.no_grad():
+            lm_head(draft.draft_block(anchor, mask_emb, P, ctx_kv)[0]).argmax(-1)
+
+    times = {k: _median_seconds(lambda: verify(k), repeats) for k in range(1, bs + 1)}
+    return BlockTimes(verify=times, draft_pass=_median_seconds(block_pass, repeats))
+
+
+def probe_eaglewire_blocks(target, draft, contract, prompts: list[list[int]], *, max_new_tokens: int,
+                           temperature: float = 0.0, seed: int = 0, stop_ids: set[int] | None = None,
+                           progress: Progress = _no_progress) -> tuple[ProbeResult, BlockTimes]:
+    """A DFlash draft in eaglewire's engine: the plain run (its outputs and plain step), and a round's
+    parts timed directly (``time_block_round``) halfway through the first prompt's output, the
+    context a round sees on average."""
+    plain = probe_eaglewire(target, None, None, prompts, steps=[], max_new_tokens=max_new_tokens,
+                            temperature=temperature, seed=seed, stop_ids=stop_ids, progress=progress)
+    progress("eaglewire: timing a DFlash round's verify and block pass")
+    first = prompts[0] + plain.outputs[0][:len(plain.outputs[0]) // 2]
+    return plain, time_block_round(target, draft, list(contract.aux_boundaries), first)
+
+
 # ------------------------------------------------------------------ llama.cpp
 
-_STATS = re.compile(r"draft-eagle3: #calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*?dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+_STATS = re.compile(r"draft-(?:eagle3|dflash): #calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*?dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
 
 
 def draft_stats(log_text: str) -> tuple[int, float] | None:
-    """llama-server's last cumulative EAGLE-3 statistics line (``-lv 4``) -> (draft calls, draft ms):
+    """llama-server's last cumulative EAGLE-3 or DFlash statistics line (``-lv 4``) -> (draft calls, draft ms):
     the time its ``common_speculative_draft`` spent drafting, one call per round."""
     found = _STATS.findall(log_text)
     if not found:
@@ -83,13 +157,16 @@ def draft_stats(log_text: str) -> tuple[int, float] | None:
 def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[list[int]], *, steps: list[int],
                    max_new_tokens: int, threads: int = 2, temperature: float = 0.0, seed: int = 0,
                    log_dir: Path | None = None, flags: list[str] | None = None,
-                   progress: Progress = _no_progress) -> ProbeResult:
+                   progress: Progress = _no_progress, block: bool = False) -> ProbeResult:
     """One llama-server per shape (plain, then n-max 1..N with n-min 0, p-min 0), each warmed up
-    with one request; the round count and draft time come from llama.cpp's own statistics."""
+    with one request; the round count and draft time come from llama.cpp's own statistics.
+    ``block``: ``draft`` is a DFlash GGUF, run with ``--spec-type draft-dflash`` (given after the
+    chain's own flags, so it is the one llama.cpp keeps): one draft pass per round."""
     from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, chain_config, complete
 
     def run(n: int) -> tuple[list[dict], tuple[int, float] | None]:
-        config = chain_config(model, draft, threads=threads, n_max=n, extra=[*(flags or []), "-lv", "4"])
+        spec_type = ["--spec-type", DFLASH_SPEC_TYPE] if block and n else []
+        config = chain_config(model, draft, threads=threads, n_max=n, extra=[*spec_type, *(flags or []), "-lv", "4"])
         log_path = None if log_dir is None else Path(log_dir) / f"llama-server-tune-{n}.log"
         answers = []
         with LlamaServer(server_bin, config, log_path=log_path) as server:
@@ -101,7 +178,7 @@ def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[lis
                                         seed=seed + i))
             after = wait_draft_stats(server, len(prompts) + 1) if n else None
         if n and (before is None or after is None):
-            raise LlamaCppError(f"llama-server printed no EAGLE-3 statistics with -lv 4 (n-max {n}); "
+            raise LlamaCppError(f"llama-server printed no {'DFlash' if block else 'EAGLE-3'} statistics with -lv 4 (n-max {n}); "
                                 f"see {log_path or 'its log'}")
         delta = None if not n else (after[0] - before[0], (after[1] - before[1]) / 1e3)
         return answers, delta
@@ -115,7 +192,7 @@ def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[lis
         answers, (calls, draft_seconds) = run(n)
         decode = sum(float(a["timings"]["predicted_ms"]) for a in answers) / 1e3
         chains.append(ChainProbe(n=n, rounds=calls, decode_seconds=decode, draft_seconds=draft_seconds,
-                                 steps_per_round=n))
+                                 steps_per_round=1 if block else n))
     return ProbeResult(PlainProbe(tokens, seconds), chains, outputs)
 
 

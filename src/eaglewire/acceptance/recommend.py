@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from eaglewire.acceptance.costs import EngineCosts
 from eaglewire.acceptance.simulate import Shape, rounds, tau
 from eaglewire.acceptance.trace import DraftTrace
+from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 
 DEFAULT_P_MINS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9)
 MARGIN = 0.03  # a shape must be predicted this much above plain to be worth serving
@@ -29,13 +30,22 @@ def shapes(max_steps: int, p_mins: tuple[float, ...] = DEFAULT_P_MINS) -> list[S
     return [Shape(0)] + [Shape(n, p) for n in range(1, max_steps + 1) for p in p_mins]
 
 
+def block_shapes(block_size: int, engine: str, p_mins: tuple[float, ...] = DEFAULT_P_MINS) -> list[Shape]:
+    """A DFlash draft's shapes: n = 1 .. block_size - 1 drafted tokens from one block (llama.cpp with its
+    p-min stops, eaglewire's chain of n without), and plain decoding."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    stops = p_mins if engine == LLAMACPP else (0.0,)
+    return [Shape(0)] + [Shape(n, p, block=True) for n in range(1, block_size) for p in stops]
+
+
 def predict(shape: Shape, traces: list[DraftTrace], costs: EngineCosts, *, sampled: bool) -> Prediction:
     if shape.plain:
         return Prediction(shape, 1.0, 0.0, costs.plain_step, 1.0 / costs.plain_step, 1.0, 1.0)
     rs = rounds(traces, shape, costs.engine, sampled=sampled)
     if not rs:
         raise ValueError("the traces hold no complete round: give longer outputs (--max-new-tokens)")
-    seconds = sum(costs.round_seconds(r.drafted + 1, r.steps) for r in rs) / len(rs)
+    seconds = sum(costs.round_seconds(r.drafted + 1, r.steps, shape.n_max) for r in rs) / len(rs)
     t = tau(rs)
     tps = t / seconds
     return Prediction(shape, t, sum(r.drafted for r in rs) / len(rs), seconds, tps, tps * costs.plain_step,

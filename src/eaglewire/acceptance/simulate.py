@@ -9,6 +9,17 @@ Engines stop a chain differently, and that sets both what a round costs and what
   of the draft's probabilities from the root is >= P; its first token comes with the previous
   round's context update, so a round of d drafted tokens runs min(d, N - 1) more draft steps.
 
+A DFlash draft (a block trace, ``trace.block``) drafts every token of a round in ONE pass, so a
+round runs one draft step whatever it proposes:
+
+- llama.cpp (``--spec-type draft-dflash``, ``common_speculative_impl_draft_dflash`` in b11434's
+  common/speculative.cpp): n_max is clamped to block_size - 1 and the block run is
+  [last token, mask x n_max] (n_max + 1 tokens, not the trained block: its trace is that block
+  length's); it keeps the block's tokens while their top-10 probability is >= P, the first one
+  below stops it, and a draft shorter than n_min is dropped; the pass was run all the same.
+- eaglewire: a chain of n drafted tokens, the first n of the trained block (the path-probability
+  stop as for EAGLE-3 where asked).
+
 Greedy rounds are walked exactly: each starts right after the last one's bonus token. Sampled
 rounds use expectations at every position: a drafted token survives with the target's
 probability of it (llama.cpp's rule; eaglewire's rejection sampling accepts at least as often).
@@ -37,6 +48,7 @@ class Shape:
     n_max: int
     p_min: float = 0.0
     n_min: int = 0
+    block: bool = False  # a DFlash block: the n_max tokens come from one draft pass
 
     @property
     def plain(self) -> bool:
@@ -46,9 +58,10 @@ class Shape:
         if self.plain:
             return "plain"
         if engine == LLAMACPP:
-            return (f"--spec-draft-n-max {self.n_max} --spec-draft-n-min {self.n_min} "
+            return (("--spec-type draft-dflash " if self.block else "") + f"--spec-draft-n-max {self.n_max} --spec-draft-n-min {self.n_min} "
                     f"--spec-draft-p-min {self.p_min:g}")
-        return f"chain of {self.n_max}" + (f", --draft-min-prob {self.p_min:g}" if self.p_min else "")
+        what = f"{self.n_max} drafted from one block" if self.block else f"chain of {self.n_max}"
+        return what + (f", --draft-min-prob {self.p_min:g}" if self.p_min else "")
 
     def bench_config(self) -> str:
         """The shape as bench's --configs writes it (min-prob = p-min)."""
@@ -77,14 +90,14 @@ def drafted_tokens(trace: DraftTrace, column: int, shape: Shape, engine: str) ->
         probs = trace.prob_top[:n, column]  # [n]
         below = (probs < shape.p_min).nonzero()
         d = int(below[0]) if len(below) else n
-        steps = min(d + 1, n)
+        steps = 1 if trace.block else min(d + 1, n)  # a block: one pass, however many it keeps
         if d < shape.n_min:
             d = 0
         return d, steps
     path = torch.cumprod(trace.prob[:n, column], dim=0)  # [n] path probability from the root
     below = (path < shape.p_min).nonzero()
     d = int(below[0]) if len(below) else n
-    return d, min(d, n - 1)
+    return d, 1 if trace.block else min(d, n - 1)
 
 
 def greedy_rounds(trace: DraftTrace, shape: Shape, engine: str) -> list[RoundShape]:

@@ -2,6 +2,12 @@
 draft traced along that text, every chain shape predicted and one recommended (plain decoding
 when none pays).
 
+A DFlash draft (``is_block_draft``) is ranked by block shapes instead: n = 1 .. block_size - 1
+tokens drafted from one pass, a round costing verify(n + 1) + one block pass (``costs.py``);
+``--max-steps`` bounds EAGLE-3 chains only. llama.cpp runs a block of n_max + 1 tokens, so each
+n is traced at its own block length and a few n are probed (``block_probe_sizes``), the others
+read between them.
+
 ``eaglewire tune`` reports it; the doctor's speed check and bench's ``--configs recommended`` call
 it for their own engine and prompts. ``SpeedQuery`` holds the defaults (``TuneConfig`` takes its
 own from it).
@@ -15,9 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from eaglewire.acceptance.costs import EngineCosts, fit_costs, stated_costs
-from eaglewire.acceptance.recommend import DEFAULT_P_MINS, Prediction, Recommendation, predict, rank, recommend, shapes
-from eaglewire.acceptance.trace import trace_text
+from eaglewire.acceptance.costs import EngineCosts, fit_block_costs, fit_costs, stated_costs
+from eaglewire.acceptance.recommend import (DEFAULT_P_MINS, Prediction, Recommendation, block_shapes, predict, rank,
+                                            recommend, shapes)
+from eaglewire.acceptance.trace import trace_blocks, trace_text
+from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.engines import names as engine_names
 from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
@@ -119,17 +127,43 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
     steps = list(range(1, query.max_steps + 1))
     common = dict(max_new_tokens=query.max_new_tokens, temperature=query.temperature, seed=query.seed,
                   progress=say)
+    block = is_block_draft(draft)
+    if block:
+        steps = block_probe_sizes(draft.config.block_size) if query.engine == LLAMACPP else []
     if query.engine == LLAMACPP:
         probe = probe_llamacpp(llamacpp.server, llamacpp.model, llamacpp.draft, prompts, steps=steps,
                                threads=llamacpp.threads, log_dir=llamacpp.log_dir, flags=list(llamacpp.flags),
-                               **common)
-        return fit_costs(LLAMACPP, probe.plain, probe.chains), probe.outputs
+                               block=block, **common)
+        return (fit_block_costs if block else fit_costs)(LLAMACPP, probe.plain, probe.chains), probe.outputs
+    if query.engine == EAGLEWIRE and block:
+        from eaglewire.acceptance.probe import probe_eaglewire_blocks
+
+        probe, times = probe_eaglewire_blocks(target, draft, contract, prompts, stop_ids=stops, **common)
+        plain_step = probe.plain.decode_seconds / max(probe.plain.tokens, 1)
+        return EngineCosts(engine=EAGLEWIRE, plain_step=plain_step, verify=times.verify, draft_step=times.draft_pass,
+                           notes=["DFlash: one block pass per round (the draft's forward and the target's lm_head "
+                                  "over the block), timed directly beside the target runner's verify(k); the "
+                                  "engine's own per-round bookkeeping is not in it"]), probe.outputs
     if query.engine == EAGLEWIRE:
         probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, stop_ids=stops, **common)
         return fit_costs(EAGLEWIRE, probe.plain, probe.chains), probe.outputs
     probe = probe_eaglewire(target, None, None, prompts, steps=[], stop_ids=stops, **common)
-    return stated_costs(query.rule, verify_per_token=query.verify_cost, draft_step=query.draft_cost,
-                        max_k=query.max_steps), probe.outputs
+    costs = stated_costs(query.rule, verify_per_token=query.verify_cost, draft_step=query.draft_cost,
+                         max_k=draft.config.block_size - 1 if block else query.max_steps)
+    if block:
+        costs.notes.append(f"DFlash: a round runs one draft pass (--draft-cost {query.draft_cost:g} plain steps) "
+                           "whatever it proposes")
+    return costs, probe.outputs
+
+
+def block_probe_sizes(block_size: int) -> list[int]:
+    """The n_max a DFlash draft is probed at in llama.cpp: 1, 2, 4, ... and block_size - 1 (a server
+    start each; verify and the pass are read between them for the others)."""
+    out, n = [], 1
+    while n < block_size - 1:
+        out.append(n)
+        n *= 2
+    return out + [block_size - 1]
 
 
 @dataclass
@@ -159,9 +193,29 @@ def rank_speed(query: SpeedQuery, target, draft, contract, prompts: list[list[in
     say = progress or (lambda msg: log.info("%s", msg))
     costs, outputs = measure(query, target, draft, contract, prompts, say, llamacpp)
     say("tracing the draft along the engine's outputs")
-    traces = [trace_text(target, draft, list(contract.aux_boundaries), ids + out, len(ids), steps=query.max_steps,
-                         temperature=query.temperature) for ids, out in zip(prompts, outputs)]
     sampled = query.temperature > 0
-    ranked = rank([predict(s, traces, costs, sampled=sampled) for s in shapes(query.max_steps, tuple(query.p_mins))])
+    layout = list(contract.aux_boundaries)
+    if is_block_draft(draft):
+        ranked = rank(_block_predictions(query, target, draft, layout, prompts, outputs, costs))
+    else:
+        traces = [trace_text(target, draft, layout, ids + out, len(ids), steps=query.max_steps,
+                             temperature=query.temperature) for ids, out in zip(prompts, outputs)]
+        ranked = rank([predict(s, traces, costs, sampled=sampled) for s in shapes(query.max_steps, tuple(query.p_mins))])
     return SpeedRanking(costs=costs, ranked=ranked, recommendation=recommend(ranked, query.rule), prompts=len(prompts),
                         traced_tokens=sum(len(o) for o in outputs), rule=query.rule)
+
+
+def _block_predictions(query: SpeedQuery, target, draft, layout: list[int], prompts: list[list[int]],
+                       outputs: list[list[int]], costs: EngineCosts) -> list[Prediction]:
+    """Every block shape of a DFlash draft predicted on traces of the block length its engine runs:
+    llama.cpp's n_max + 1, eaglewire's trained block."""
+    bs = draft.config.block_size
+    lens = list(range(2, bs + 1)) if query.rule == LLAMACPP else [bs]
+    by_len = [trace_blocks(target, draft, layout, ids + out, len(ids), temperature=query.temperature, block_lens=lens)
+              for ids, out in zip(prompts, outputs)]
+    out = []
+    for shape in block_shapes(bs, query.rule, tuple(query.p_mins)):
+        length = shape.n_max + 1 if query.rule == LLAMACPP else bs
+        out.append(predict(shape, [t[length] for t in by_len] if not shape.plain else [],
+                           costs, sampled=query.temperature > 0))
+    return out

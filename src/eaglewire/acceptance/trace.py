@@ -4,7 +4,8 @@ Decoding and the TTT unroll are one computation (replay.py): a chain whose last 
 position is t drafts, at step j, what the unroll says at position t, step j. So one unroll over
 an engine's own output tells, for every round that could start anywhere in it, which drafted
 tokens the target would accept and how sure the draft was of each. ``simulate`` then walks any
-chain shape over it without decoding again.
+chain shape over it without decoding again. A DFlash draft's trace (``trace_blocks``) has the same
+shape: the block anchored right after position t drafts, at its position j + 1, what step j says.
 
 Shapes: S draft steps, T tokens, Vd draft vocabulary, V target vocabulary.
 """
@@ -16,11 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from eaglewire.model.capture import capture
+from eaglewire.model.dflash import DFlashDraft
+from eaglewire.model.dflash_blocks import anchored_blocks, drafted_index, mask_embedding, target_lm_head
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
 from eaglewire.model.ttt import shift_left
 
-LLAMACPP_TOP_K = 10  # llama.cpp's EAGLE-3 draft sampler keeps the top 10 and renormalises
+LLAMACPP_TOP_K = 10  # llama.cpp's EAGLE-3 and DFlash draft samplers keep the top 10 and renormalise
+HEAD_ROWS = 512  # drafted rows through the target's lm_head at once ([n, V] logits)
 
 
 @dataclass
@@ -32,6 +36,7 @@ class DraftTrace:
     prob: torch.Tensor  # [S, T] the draft's top probability over its vocabulary
     prob_top: torch.Tensor  # [S, T] the same renormalised over its top LLAMACPP_TOP_K
     target_prob: torch.Tensor  # [S, T] the target's probability of the drafted token (at the temperature)
+    block: bool = False  # True: a DFlash block drafted every step in one pass (trace_blocks)
 
     @property
     def steps(self) -> int:
@@ -67,17 +72,8 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
     the text's own next tokens (so a quantized engine's choices are what the draft must match)."""
     ids = torch.tensor([text])  # [1, T]
     T = ids.shape[1]
-    aux_boundaries = [b for b in layout if b != target.num_layers]
-    got = capture(target, ids, aux_boundaries)
-    states = dict(zip(aux_boundaries, got.aux_hidden.float().split(target.hidden_size, dim=-1)))  # k x [1, T, H]
-    states[target.num_layers] = got.last_hidden.float()
-    aux = torch.cat([states[b] for b in layout], dim=-1)  # [1, T, k*H]
-    emb = target.embed_tokens(ids.to(target.device)).float()  # [1, T, H]
+    aux, emb, target_probs, target_argmax = _captured(target, layout, ids, temperature)
     d2t = draft.draft_to_target
-    target_logits = target.head(got.last_hidden[0].to(target.device)).float()  # [T, V]
-    # the target's probability of every token at every position, once: greedy is 1 at its argmax
-    target_probs = (torch.softmax(target_logits / temperature, dim=-1) if temperature > 0 else None)  # [T, V]
-    target_argmax = target_logits.argmax(-1)  # [T]
     right = torch.zeros(steps, T, dtype=torch.bool)
     prob = torch.zeros(steps, T)
     prob_top = torch.zeros(steps, T)
@@ -97,3 +93,62 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
         target_prob[j, :n] = (target_probs[1 + j:1 + j + n].gather(1, drafted[:, None])[:, 0] if target_probs is not None
                               else (target_argmax[1 + j:1 + j + n] == drafted).float()).cpu()
     return DraftTrace(prompt_len=prompt_len, right=right, prob=prob, prob_top=prob_top, target_prob=target_prob)
+
+
+def _captured(target: Target, layout: list[int], ids: torch.Tensor, temperature: float):
+    """One capture of ``ids`` [1, T]: (aux [1, T, k*H] of ``layout``, embeddings [1, T, H], the target's
+    probabilities [T, V] at the temperature (None when greedy), its argmax [T])."""
+    aux_boundaries = [b for b in layout if b != target.num_layers]
+    got = capture(target, ids, aux_boundaries)
+    states = dict(zip(aux_boundaries, got.aux_hidden.float().split(target.hidden_size, dim=-1)))  # k x [1, T, H]
+    states[target.num_layers] = got.last_hidden.float()
+    aux = torch.cat([states[b] for b in layout], dim=-1)  # [1, T, k*H]
+    emb = target.embed_tokens(ids.to(target.device)).float()  # [1, T, H]
+    target_logits = target.head(got.last_hidden[0].to(target.device)).float()  # [T, V]
+    # the target's probability of every token at every position, once: greedy is 1 at its argmax
+    target_probs = (torch.softmax(target_logits / temperature, dim=-1) if temperature > 0 else None)  # [T, V]
+    return aux, emb, target_probs, target_logits.argmax(-1)
+
+
+@torch.no_grad()
+def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: list[int], prompt_len: int, *,
+                 temperature: float = 0.0, block_lens: list[int] | None = None) -> dict[int, DraftTrace]:
+    """A DFlash draft along ``text``: block length -> its trace, from ONE capture of the text.
+
+    The block anchored at every position p (context: the fused states of the tokens before p)
+    drafts p+1 .. p+bs-1 in one pass; in the trace's terms it is the round whose last verified
+    position is t = p - 1, and its drafted position j is step j - 1 (so ``replay`` and ``simulate``
+    read it as they read the unroll). ``block_lens`` (default the trained block size): the block's
+    tokens, anchor included; llama.cpp runs n_max + 1 of them, and a block's positions attend to
+    each other, so a shorter block drafts other tokens.
+    """
+    ids = torch.tensor([text])  # [1, T]
+    T = ids.shape[1]
+    aux, emb, target_probs, target_argmax = _captured(target, layout, ids, temperature)
+    lm_head, mask_emb = target_lm_head(target), mask_embedding(draft, target.embed_tokens, emb.device)
+    text_ids = ids[0].to(emb.device)
+    out = {}
+    for bs in block_lens or [draft.config.block_size]:
+        J = bs - 1
+        right, prob, prob_top, target_prob = (torch.zeros(J, T, dtype=torch.bool), torch.zeros(J, T),
+                                              torch.zeros(J, T), torch.zeros(J, T))
+        for start, hidden in anchored_blocks(draft, emb, mask_emb, aux, block_len=bs):
+            n = hidden.shape[1]
+            token, inside = drafted_index(start, n, J, T, emb.device)  # [n, J] the predicted token's index
+            logits = torch.cat([lm_head(h) for h in hidden[0].reshape(n * J, -1).split(HEAD_ROWS)])  # [n*J, V]
+            drafted = logits.argmax(-1).view(n, J)  # [n, J] target ids (the draft predicts over the target's head)
+            full, top = (x.view(n, J) for x in top_probs(logits))  # [n, J] each
+            judged = token - 1  # [n, J] the target judges position j of anchor a at a + j - 1
+            tp = (target_probs[judged, drafted] if target_probs is not None
+                  else (target_argmax[judged] == drafted).float())  # [n, J]
+            ok = (drafted == text_ids[token]) & inside  # [n, J]
+            cols = torch.arange(start - 1, start - 1 + n)  # [n] column t = anchor - 1
+            first = int(start == 0)  # the block anchored at 0 has no column
+            cols, sl = cols[first:], slice(first, n)
+            right[:, cols] = ok[sl].T.cpu()
+            prob[:, cols], prob_top[:, cols] = full[sl].T.cpu(), top[sl].T.cpu()
+            target_prob[:, cols] = torch.where(inside[sl], tp[sl], torch.zeros_like(tp[sl])).T.cpu()
+        out[bs] = DraftTrace(prompt_len=prompt_len, right=right, prob=prob, prob_top=prob_top, target_prob=target_prob,
+                             block=True)
+    return out
+

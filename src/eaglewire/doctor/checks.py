@@ -15,6 +15,7 @@ from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import (config_fix, dflash_config_fix, lint_flags, read_dflash_engine_config,
                                      read_engine_config)
+from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.ttt import StepCounts
 
@@ -24,7 +25,7 @@ class Measured:
     """The draft measured on the batches every check reads, and the layouts it is judged by."""
 
     config: DoctorConfig
-    draft: Eagle3Draft
+    draft: Eagle3Draft  # or a DFlashDraft: ``counts`` are then per drafted position (acc@0 = the first)
     batches: list[EvalBatch]  # captured now (run.py) or built from stored states (stored.py)
     declared: list[int]  # the aux boundaries the draft's contract declares
     num_layers: int  # L, the target's last boundary
@@ -221,6 +222,8 @@ def vocab_map_fault(m: Measured) -> str | None:
 
     from eaglewire.engines.shared import looks_absolute
 
+    if is_block_draft(m.draft):  # a DFlash draft predicts over the target's own head: no d2t
+        return None
     d2t = m.draft.d2t.cpu().long()
     V = m.draft.config.vocab_size
     if not looks_absolute(d2t) or int(d2t.max()) >= V or int(d2t.min()) < 0:
@@ -249,8 +252,8 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     from eaglewire.engines.served_draft import as_served
 
     config = m.config
-    if not config.engine_config or config.engine not in field_readers():
-        return
+    if not config.engine_config or config.engine not in field_readers() or is_block_draft(m.draft):
+        return  # the engines' field readings are EAGLE-3's (a DFlash draft's wiring: the engine wiring check)
     path = Path(config.engine_config)
     cfg = json.loads(path.read_text())
     b = m.batches[0]

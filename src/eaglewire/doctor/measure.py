@@ -1,12 +1,17 @@
 """What the doctor measures: held-out sequences captured at every candidate boundary, and
 the draft's accuracy in isolation for any layout fed exactly as in training.
 
+Both families through one route (``_judged``): an EAGLE-3 draft's TTT unroll, a DFlash draft's
+block anchored at every position (``model/dflash_blocks.py``), whose drafted position j + 1 is
+"step j" here (acc@0 = the block's first drafted token).
+
 Shapes: B batch, T tokens, H target hidden size, k aux boundaries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -14,6 +19,7 @@ from eaglewire.model.capture import capture
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.sources import pad_right
 from eaglewire.acceptance.replay import RoundAgreement, compare_rounds
+from eaglewire.model.dflash_blocks import block_judgements, is_block_draft, mask_embedding, target_lm_head
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
 from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_positions, shift_left, target_signal, ttt_unroll,
@@ -47,6 +53,16 @@ class EvalBatch:
     stored_aux: torch.Tensor | None = None  # [B, T, k*H]
     stored_last: torch.Tensor | None = None  # [B, T, H]
     lengths: list[int] = field(default_factory=list)
+    mask_emb: torch.Tensor | None = None  # [H] a DFlash draft's mask token, the target's embedding of it
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # a DFlash draft's head: the target's lm_head
+
+
+def block_parts(target: Target, draft) -> dict:
+    """What a DFlash draft drafts with besides the states (the target's mask embedding and lm_head), as
+    EvalBatch fields; nothing for an EAGLE-3 draft."""
+    if not is_block_draft(draft):
+        return {}
+    return {"mask_emb": mask_embedding(draft, target.embed_tokens, target.device), "lm_head": target_lm_head(target)}
 
 
 def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence], boundaries: list[int],
@@ -71,7 +87,7 @@ def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence
             stored_aux=pad_right([x.float() for x in stored], T) if stored[0] is not None else None,
             stored_last=(pad_right([s.stored_last.float() for s in batch], T)
                          if stored[0] is not None and batch[0].stored_last is not None else None),  # top-K shards: none
-            lengths=[len(s.input_ids) for s in batch]))
+            lengths=[len(s.input_ids) for s in batch], **block_parts(target, draft)))
     return out
 
 
@@ -93,29 +109,50 @@ def stored_accuracy(draft: Eagle3Draft, batches: list[EvalBatch], *, steps: int)
 
 
 def _unrolled_counts(draft: Eagle3Draft, batches: list[EvalBatch], steps: int, aux_of) -> list[StepCounts]:
-    total = [StepCounts() for _ in range(steps)]
+    total = None
     for b in batches:
-        _, counts = ttt_unroll(draft, b.emb, aux_of(b), b.loss_mask, b.signal, ttt_steps=steps)
+        counts = _judged(draft, b, aux_of(b), steps)[0]
+        total = total or [StepCounts() for _ in counts]
         for t, c in zip(total, counts):
             t.add(c)
-    return total
+    return total or [StepCounts() for _ in range(steps)]
+
+
+def _judged(draft, batch: EvalBatch, aux: torch.Tensor, steps: int,
+            right: torch.Tensor | None = None) -> tuple[list[StepCounts], torch.Tensor | None]:
+    """The draft fed ``aux`` [B, T, k*H] at ``batch``'s tokens, judged against its target signal, by
+    family: (counts per step, for a DFlash draft per drafted position up to block_size - 1; right
+    [B, S, T] as ``step_rightness`` gives it, where ``right`` is asked for)."""
+    if is_block_draft(draft):
+        if batch.mask_emb is None or batch.lm_head is None:
+            raise ValueError("a DFlash draft is measured on batches built for it: pass the draft to "
+                             "capture_batches / stored_batches")
+        counts, by_anchor = block_judgements(draft, batch.lm_head, batch.emb, batch.mask_emb, aux, batch.loss_mask,
+                                             batch.signal, positions=steps)  # by_anchor [B, T, S]
+        if right is not None:  # the block anchored at t + 1 is step s's column t
+            right[:, :len(counts), :-1] = by_anchor[:, 1:].transpose(1, 2)
+        return counts, right
+
+    def observe(j, logits, right_sel, cond):
+        valid = counted_positions(batch.loss_mask, batch.signal.in_vocab, j)  # [B, n_pos]
+        right[:, j, :valid.shape[1]][valid.cpu()] = right_sel.cpu()
+
+    _, counts = ttt_unroll(draft, batch.emb, aux, batch.loss_mask, batch.signal, ttt_steps=steps,
+                           observe=None if right is None else observe)
+    return counts, right
 
 
 @torch.no_grad()
 def step_rightness(draft: Eagle3Draft, batch: EvalBatch, layout: list[int], *, steps: int) -> torch.Tensor:
     """[B, S, T] bool: step j at position t predicts the target's argmax, fed ``layout``'s states
     exactly as in training (False where the step does not count: prompt, padding, a token
-    outside the draft vocabulary)."""
+    outside the draft vocabulary). A DFlash draft: the block anchored at t + 1, its drafted
+    position j + 1 (S at most block_size - 1)."""
     aux = torch.cat([batch.states[x] for x in layout], dim=-1)  # [B, T, k*H]
     B, T = batch.loss_mask.shape
-    right = torch.zeros(B, steps, T, dtype=torch.bool)
-
-    def observe(j, logits, right_sel, cond):
-        valid = counted_positions(batch.loss_mask, batch.signal.in_vocab, j)  # [B, n_pos]
-        right[:, j, :valid.shape[1]][valid.cpu()] = right_sel.cpu()
-
-    ttt_unroll(draft, batch.emb, aux, batch.loss_mask, batch.signal, ttt_steps=steps, observe=observe)
-    return right
+    if is_block_draft(draft):
+        steps = min(steps, draft.config.block_size - 1)
+    return _judged(draft, batch, aux, steps, right=torch.zeros(B, steps, T, dtype=torch.bool))[1]
 
 
 def engine_agreement(decoder, draft: Eagle3Draft, layout: list[int], prompt: list[int], *, max_new_tokens: int,

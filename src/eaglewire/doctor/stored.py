@@ -34,7 +34,7 @@ from eaglewire.data.sources import pad_right
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving)
 from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, coverage, isolation_accuracy
+from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, block_parts, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import config_fix
 from eaglewire.doctor.template_switch import check_template_switch
@@ -100,7 +100,8 @@ def stored_batches(ds: ShardDataset, indices: list[int], target: Target, draft, 
             else:
                 signal = target_signal(target.head, last.to(target.dtype), draft.draft_to_target, draft.t2d, needed)
         out.append(EvalBatch(input_ids=ids, loss_mask=mask, states=states, emb=emb, signal=signal,
-                             stored_aux=aux, stored_last=last, lengths=[len(s.input_ids) for s in batch]))
+                             stored_aux=aux, stored_last=last, lengths=[len(s.input_ids) for s in batch],
+                             **block_parts(target, draft)))
     return out
 
 

@@ -27,14 +27,14 @@ class TuneConfig:
     offset: int = field(default=40, metadata={"help": "prompts skipped first (bench measures the first ones: keep them apart)"})
     num_prompts: int = field(default=DEFAULT_PROMPTS, metadata={"help": "prompts timed and traced (τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68)"})
     max_new_tokens: int = field(default=_QUERY.max_new_tokens, metadata={"help": "tokens per prompt"})
-    max_steps: int = field(default=_QUERY.max_steps, metadata={"help": "longest chain ranked (and probed)"})
+    max_steps: int = field(default=_QUERY.max_steps, metadata={"help": "longest chain ranked (and probed); a DFlash draft ranks 1 .. block_size - 1 drafted tokens"})
     p_mins: list[float] = field(default_factory=lambda: list(_QUERY.p_mins), metadata={"help": "probability stops ranked: llama.cpp's --spec-draft-p-min, eaglewire's --draft-min-prob"})
     temperature: float = field(default=_QUERY.temperature, metadata={"help": "0 = greedy; > 0: sampled rounds, expected acceptance"})
     seed: int = field(default=_QUERY.seed, metadata={"help": "sampling seed of prompt i is seed + i"})
     top: int = field(default=8, metadata={"help": "ranked shapes printed"})
     out: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
     llamacpp_target: str | None = field(default=None, metadata={"help": "llama.cpp: target GGUF (default: an f32 GGUF of eaglewire's weights)"})
-    llamacpp_draft: str | None = field(default=None, metadata={"help": "llama.cpp: draft GGUF (default: --draft exported, q8_0)"})
+    llamacpp_draft: str | None = field(default=None, metadata={"help": "llama.cpp: draft GGUF (default: --draft exported, q8_0); a DFlash draft's runs with --spec-type draft-dflash"})
     llamacpp_threads: int = field(default=2, metadata={"help": "llama.cpp: -t/-tb/-td/-tbd"})
     llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use"})
     llamacpp_flags: str | None = field(default=None, metadata={"help": "llama.cpp: more llama-server flags, quoted (e.g. '-fa off')"})
@@ -71,6 +71,11 @@ class TuneResult(SpeedRanking):
     def to_dict(self) -> dict:
         return self.report(config_record(self.config), key=RESOLVED_KEY)
 
+    @property
+    def blocks(self) -> bool:
+        """Whether the draft was ranked by DFlash block shapes (one draft pass per round)."""
+        return any(p.shape.block for p in self.ranked)
+
     def format(self) -> str:
         c, engine = self.costs, self.config.rule
         unit = "plain steps" if c.source == "stated" else "ms"
@@ -79,7 +84,9 @@ class TuneResult(SpeedRanking):
         lines = [f"tune: {self.config.engine}, {self.prompts} prompts x {self.config.max_new_tokens} tokens of "
                  f"{self.config.dataset} (from #{self.config.offset}), temperature {self.config.temperature:g}",
                  f"costs ({c.source}): plain step {c.plain_step * scale:.2f} {unit}; round besides draft steps, by "
-                 f"tokens verified: {verify} {unit}; draft step {c.draft_step * scale:.2f} {unit}"]
+                 f"tokens verified: {verify} {unit}; "
+                 + (f"one DFlash block pass per round {c.draft_step * scale:.2f} {unit}" if self.blocks else
+                    f"draft step {c.draft_step * scale:.2f} {unit}")]
         lines += [f"  note: {n}" for n in c.notes]
         lines += ["", f"{'shape':58} {'tau':>5} {'drafted':>7} {'round':>9} {'tok/s':>8} {'vs plain':>8} {'break-even tau':>14}"]
         plain_shown = False
