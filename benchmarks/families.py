@@ -1,7 +1,10 @@
 """EAGLE-3 and DFlash drafts trained from the same shards with the same wall-clock budget, side by side.
 
-    # train both at once, one thread each, for the same minutes (resumable: rerun the same command)
-    python benchmarks/families.py train --data runs/data --out runs/families --minutes 60
+    # train both at once, one thread each, for the same minutes (resumable: rerun the same command);
+    # --steps FAMILY=N sets each one's schedule (cosine to zero at N) to what its step rate fits in
+    # the minutes (a first minute of each run says its tokens/s in metrics.jsonl)
+    python benchmarks/families.py train --data runs/data --out runs/families --minutes 42 \
+        --steps eagle3=720 --steps dflash=1320
     # held-out τ in eaglewire's engine (greedy, 256 tokens, MT-bench and HumanEval), outputs vs plain
     python benchmarks/families.py measure --out runs/families --num-prompts 10
 
@@ -47,8 +50,10 @@ def train(args: argparse.Namespace) -> None:
     for family, recipe in RECIPES.items():
         draft = out / family
         resume = ["--resume"] if (draft / "train_state.pt").exists() else []
+        steps = dict(kv.split("=") for kv in args.steps).get(family)
         cmd = [*eaglewire(), "train", "--target", args.target, "--data", args.data, "--out", str(draft),
-               "--minutes", str(args.minutes), *COMMON, *recipe, *resume, *args.extra]
+               "--minutes", str(args.minutes), *COMMON, *recipe, *resume, *args.extra,
+               *(["--max-steps", steps] if steps else [])]
         log = open(out / f"{family}.log", "a")
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
@@ -92,6 +97,7 @@ def main() -> None:
     t.add_argument("--target", default="smollm2-135m")
     t.add_argument("--minutes", type=float, default=60)
     t.add_argument("--threads-each", type=int, default=1)
+    t.add_argument("--steps", action="append", default=[], help="FAMILY=N: that family's --max-steps")
     t.add_argument("extra", nargs="*", help="more train flags for both, after --")
     m = sub.add_parser("measure")
     m.add_argument("--out", required=True)

@@ -1,5 +1,6 @@
 """A DFlash draft directory through ``eaglewire generate``, ``serve`` and ``bench`` on a tiny target: the same
-text as plain decoding, the family in bench's rows, and what needs an EAGLE-3 draft refused in words."""
+text as plain decoding, the family in bench's rows, what needs an EAGLE-3 draft refused in words,
+and llama-server launched with a DFlash GGUF as draft-dflash."""
 
 import json
 
@@ -89,6 +90,21 @@ def test_bench_with_a_dflash_draft(tmp_path, target_dir, dflash_dir, capsys):
         assert main(common + ["--configs", configs, "--out", str(tmp_path / "r2")]) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words), err
-    assert main(common + ["--configs", "1,0,0,0;1,3,1,4", "--engine", "llamacpp", "--out", str(tmp_path / "r3")]) == 2
-    err = capsys.readouterr().err
-    assert "--engine llamacpp" in err and "dflash draft" in err and "--engine eaglewire" in err
+
+
+def test_bench_launches_llama_server_with_a_dflash_gguf_as_draft_dflash(tmp_path):
+    """bench --engine llamacpp on a DFlash draft: its chains run as llama.cpp's draft-dflash (a block of
+    n_max + 1), an EAGLE-3 draft's as draft-eagle3, plain without a draft."""
+    from eaglewire.bench.run import llamacpp_server_config, parse_config
+    from eaglewire.engines.llamacpp.server import server_args
+
+    def args(run, family):
+        cfg = llamacpp_server_config(run, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", threads=2,
+                                     family=family)
+        return server_args(cfg, port=1)
+
+    chain = args(parse_config("1,3,1,4"), "dflash")
+    assert chain[chain.index("--spec-type") + 1] == "draft-dflash" and chain[chain.index("--spec-draft-n-max") + 1] == "3"
+    eagle = args(parse_config("1,3,1,4"), "eagle3")
+    assert eagle[eagle.index("--spec-type") + 1] == "draft-eagle3"
+    assert "--spec-type" not in args(None, "dflash") and "-md" not in args(None, "dflash")

@@ -141,12 +141,14 @@ def llamacpp_runs(runs: list[SpecConfig | None]) -> list[SpecConfig | None]:
     return chains
 
 
-def llamacpp_server_config(run: SpecConfig | None, *, model, draft, threads: int, flags: str | None = None):
-    """The llama-server launch for ``run`` (None: plain, ``draft`` unused); ``flags`` are added to every launch."""
+def llamacpp_server_config(run: SpecConfig | None, *, model, draft, threads: int, flags: str | None = None,
+                           family: str = "eagle3"):
+    """The llama-server launch for ``run`` (None: plain, ``draft`` unused); ``flags`` are added to every launch;
+    ``family``: the draft's (a DFlash GGUF runs as llama.cpp's draft-dflash)."""
     from eaglewire.engines.llamacpp import chain_config
 
     return chain_config(model, draft, threads=threads, n_max=0 if run is None else run.num_steps,
-                        p_min=0.0 if run is None else run.min_prob, extra=shlex.split(flags or ""))
+                        p_min=0.0 if run is None else run.min_prob, extra=shlex.split(flags or ""), family=family)
 
 
 def parse_config(part: str) -> SpecConfig | None:
@@ -516,10 +518,11 @@ def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool)
 
     server_bin = require_server(config.llamacpp_dir)
     model, draft = _llamacpp_files(config)
+    family = read_draft(config.draft).family if config.draft is not None else "eagle3"
     rows = []
     for run in llamacpp_runs(config.runs):
         server_config = llamacpp_server_config(run, model=model, draft=draft, threads=config.llamacpp_threads,
-                                               flags=config.llamacpp_flags)
+                                               flags=config.llamacpp_flags, family=family)
         log_path = config.out_dir / f"llama-server-{config_label(run).replace(',', '_')}.log"
         config.out_dir.mkdir(parents=True, exist_ok=True)
         stats, outputs = [], []
@@ -536,15 +539,14 @@ def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool)
                 steps = int(after[key] - before[key]) if before and after and key in before else None
                 stats.append(llamacpp_stats(answer, steps, 0 if run is None else run.num_steps))
                 outputs.append(list(answer.get("tokens") or []))
-        rows.append(Row(f"llamacpp {config_label(run)}", "plain" if run is None else "eagle3", stats, outputs,
+        rows.append(Row(f"llamacpp {config_label(run)}", "plain" if run is None else family, stats, outputs,
                         engine_name=LLAMACPP))
     return rows
 
 
 def check_draft_family(config: BenchConfig) -> None:
     """What a DFlash draft cannot do here yet is refused before anything runs, saying what to use:
-    llama-server is launched with EAGLE-3 drafts, and ``--configs recommended`` traces the draft
-    with the EAGLE-3 unroll."""
+    ``--configs recommended`` traces the draft with the EAGLE-3 unroll."""
     family = read_draft(config.draft).family if config.draft is not None else "eagle3"
     if family == "eagle3":
         return
@@ -552,7 +554,3 @@ def check_draft_family(config: BenchConfig) -> None:
         raise ValueError(f"--configs {RECOMMENDED} ranks shapes with the EAGLE-3 draft's trace, and {config.draft} "
                          f"is a {family} draft; give the shapes yourself, e.g. --configs '1,0,0,0;1,7,1,8' "
                          f"(steps at most the block size - 1)")
-    if LLAMACPP in config.engine and any(r is not None for r in llamacpp_runs(config.runs)):
-        raise ValueError(f"--engine {LLAMACPP}: bench launches llama-server with EAGLE-3 drafts, and {config.draft} "
-                         f"is a {family} draft; bench it with --engine eaglewire (or keep only 1,0,0,0 for "
-                         f"llama.cpp's plain decoding)")

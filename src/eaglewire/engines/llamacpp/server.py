@@ -50,13 +50,18 @@ class ServerConfig:
 
 
 def chain_config(model: Path, draft: Path | None, *, threads: int, n_max: int, p_min: float = 0.0,
-                 extra: list[str] | None = None) -> ServerConfig:
+                 extra: list[str] | None = None, family: str = "eagle3") -> ServerConfig:
     """The launch of a greedy chain of ``n_max`` draft tokens (n-min 0, stopped below ``p_min``);
-    ``n_max`` 0: plain decoding, ``draft`` unused. ``extra`` flags go to every launch."""
+    ``n_max`` 0: plain decoding, ``draft`` unused. ``extra`` flags go to every launch. ``family``
+    dflash: the draft is a DFlash GGUF (``--spec-type draft-dflash``: one block of n_max + 1)."""
     if n_max == 0:
         return ServerConfig(model=model, threads=threads, extra=list(extra or []))
     return ServerConfig(model=model, draft=draft, threads=threads, n_max=n_max, n_min=0, p_min=p_min,
-                        extra=list(extra or []))
+                        extra=list(extra or []), spec_type=SPEC_TYPES[family])
+
+
+# llama-server's --spec-type of each draft family's GGUF (common/speculative.cpp's names)
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
 
 
 def spec_flags(n_max: int, n_min: int = 0, p_min: float = 0.0, spec_type: str = "draft-eagle3") -> list[str]:
