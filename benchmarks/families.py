@@ -7,6 +7,8 @@
         --steps eagle3=720 --steps dflash=1320
     # held-out τ in eaglewire's engine (greedy, 256 tokens, MT-bench and HumanEval), outputs vs plain
     python benchmarks/families.py measure --out runs/families --num-prompts 10
+    # both in llama-server (draft-eagle3 / draft-dflash) against its plain decoding, per target GGUF
+    python benchmarks/families.py llamacpp --out runs/families --gguf q4_0=Q4_0.gguf --gguf f16=F16.gguf
 
 Both trainings run *concurrently*, each with one thread: whatever else the machine runs slows
 both alike, so the same wall-clock budget buys each family what its own step costs (a sequential
@@ -36,6 +38,7 @@ COMMON = ["--lr", "1e-3", "--batch-tokens", "2048", "--epochs", "20", "--eval-in
           "--save-interval", "50", "--val-sequences", "32", "--no-progress"]
 DATASETS = ("mt-bench", "humaneval")
 CHAIN = "1,0,0,0;1,7,1,8"  # plain; a chain of 7 drafted tokens
+LLAMACPP_CHAINS = (1, 2, 3, 5, 7)  # drafted tokens per round in llama-server
 
 
 def eaglewire() -> list[str]:
@@ -88,6 +91,27 @@ def measure(args: argparse.Namespace) -> None:
                       for f, r in report["drafts"].items()}, indent=2)[:4000])
 
 
+def llamacpp(args: argparse.Namespace) -> None:
+    """`eaglewire bench --engine llamacpp` for each draft on each target GGUF: plain and chains of
+    LLAMACPP_CHAINS drafted tokens (a DFlash draft's as draft-dflash: one block of n + 1)."""
+    out = Path(args.out)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    report = {}
+    for name, gguf in (kv.split("=", 1) for kv in args.gguf):
+        for family in RECIPES:
+            bench_out = out / "llamacpp" / name / family
+            configs = ";".join(["1,0,0,0"] + [f"1,{n},1,{n + 1}" for n in LLAMACPP_CHAINS])
+            cmd = [*eaglewire(), "bench", "--target", args.target, "--draft", str(out / family), "--engine", "llamacpp",
+                   "--llamacpp-target", gguf, "--llamacpp-threads", str(args.threads), "--dataset", args.dataset,
+                   "--configs", configs, "--max-new-tokens", str(args.max_new_tokens),
+                   "--num-prompts", str(args.num_prompts), "--out", str(bench_out), "--no-progress"]
+            subprocess.run(cmd, env=env, check=True)
+            report[f"{name}/{family}"] = json.loads((bench_out / "bench.json").read_text())["rows"]
+    (out / "families-llamacpp.json").write_text(json.dumps(report, indent=2))
+    for key, rows in report.items():
+        print(key, [(r["name"], r["tokens_per_second"], r["tau_pooled"], r["speedup"]) for r in rows])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="stage", required=True)
@@ -105,8 +129,16 @@ def main() -> None:
     m.add_argument("--num-prompts", type=int, default=10)
     m.add_argument("--max-new-tokens", type=int, default=256)
     m.add_argument("--threads", type=int, default=2)
+    c = sub.add_parser("llamacpp")
+    c.add_argument("--out", required=True)
+    c.add_argument("--target", default="smollm2-135m")
+    c.add_argument("--gguf", action="append", required=True, help="NAME=PATH of a target GGUF (repeatable)")
+    c.add_argument("--dataset", default="mt-bench")
+    c.add_argument("--num-prompts", type=int, default=4)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    train(args) if args.stage == "train" else measure(args)
+    {"train": train, "measure": measure, "llamacpp": llamacpp}[args.stage](args)
 
 
 if __name__ == "__main__":
