@@ -9,6 +9,19 @@ import torch
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fp32_where_auto():
+    """``--dtype auto`` computes in bf16 on a CPU with native bf16 and in fp32 elsewhere, so a test that
+    trains or captures with the default would do other arithmetic on another machine of this project's
+    kind: the suite pins auto's fp32 side everywhere (session-wide, before any module fixture trains).
+    The tests of bf16 ask for it (``dtype="bf16"``) or patch ``native_bf16`` themselves."""
+    import eaglewire.core.machine as machine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(machine, "native_bf16", lambda flags=None: False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from eaglewire.model.target import load_tokenizer

@@ -147,7 +147,8 @@ def test_the_doctor_passes_a_dflash_draft_on_its_layout_and_stored_agrees(traine
     assert list(full.accuracy) == ["acc@0", "cond acc@1", "cond acc@2"]  # block_size 4: three drafted positions
     assert checks["layout sweep"].verdict == "ok" and checks["alignment"].verdict == "ok", full.render()
     assert checks["capture drift"].verdict == "ok"  # fp16 shards against fp32 states now
-    assert checks["acceptance"].verdict in ("skip", "ok")
+    # the engine's rounds against the replay: ok, or inconclusive when this briefly trained draft accepts nothing
+    assert checks["acceptance"].verdict in ("ok", "inconclusive"), checks["acceptance"]
     assert "drafted from one block" in " ".join(checks["speed"].evidence)  # tune's ranking of block shapes
     stored = run_doctor(doctor_config(root, target_dir, stored=True))
     assert abs(stored.accuracy["acc@0"] - full.accuracy["acc@0"]) <= 0.005  # fp16 stored states vs fp32 now

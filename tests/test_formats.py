@@ -233,7 +233,10 @@ def test_speculators_export_warns_about_an_unloadable_verifier_name(tmp_path, ch
 
 def test_bad_export_arguments(tmp_path, chat_tiny_target):
     native = make_native(tmp_path / "native", chat_tiny_target, [2, 4, 6])
-    with pytest.raises(ValueError, match="export format 'specforge' is not one of sglang, vllm, speculators"):
+    with pytest.raises(ValueError, match="export format 'medusa' is not one of sglang, vllm, speculators"):
+        export_draft(native, "medusa", tmp_path / "x")
+    # SpecForge (alias zlab) writes DFlash drafts; an EAGLE-3 draft is told where SpecForge reads it from
+    with pytest.raises(ValueError, match="SpecForge reads SGLang's EAGLE-3 layout, so export it with --to sglang"):
         export_draft(native, "specforge", tmp_path / "x")
     with pytest.raises(ValueError, match="num_steps 0"):
         export_draft(native, "sglang", tmp_path / "x", num_steps=0)

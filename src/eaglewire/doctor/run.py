@@ -62,11 +62,6 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
         serving, serving_steps = check_serving(report, config, declared, L, arch, family)
     check_template_switch(report, config, contract, target.tokenizer,
                           load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
-    if family != "eagle3":  # the measured checks (accuracy, sweep, acceptance) read EAGLE-3's unroll
-        report.add(Check("measured checks", "skip", f"the doctor measures {family} drafts' accuracy, layout "
-                         "sweep and acceptance not yet: only the engine's reading of the ids was checked",
-                         fix="measure it with `eaglewire bench` in eaglewire's engine"))
-        return report
     sequences, source = _load_sequences(config, target, contract, summary, report)
     if not sequences:
         report.add(Check("data", "fail", "no held-out sequence with reply tokens to measure on",
@@ -170,11 +165,6 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
     if is_block_draft(draft):
         steps = min(steps, draft.config.block_size - 1)  # a chain of n from one block
     predicted = predicted_tau(m.acc0, m.cond, steps)
-    if is_block_draft(draft) and not decodes_blocks():
-        report.add(Check("acceptance", "skip", f"predicted τ {predicted:.2f} for {steps} drafted from one block; "
-                         "eaglewire's engine does not decode DFlash drafts in this version, so the round-by-round "
-                         "comparison with the replay is not run"))
-        return None
     if config.engine_prompts < 1:
         report.add(Check("acceptance", "skip", f"predicted τ {predicted:.2f} for a chain of {steps}; "
                          "measurement skipped (--engine-prompts 0)"))
@@ -207,13 +197,6 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
         report.add(Check("acceptance", "ok", f"measured τ {measured:.2f}; the engine accepts what training "
                      f"predicts in {rounds.agree} of {rounds.rounds} rounds", evidence))
     return rounds
-
-
-def decodes_blocks() -> bool:
-    """Whether eaglewire's engine decodes DFlash drafts (it has their drafter, ``decode/dflash_drafter.py``)."""
-    import importlib.util
-
-    return importlib.util.find_spec("eaglewire.decode.dflash_drafter") is not None
 
 
 def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, draft, contract,
@@ -255,7 +238,8 @@ def _load_sequences(config: DoctorConfig, target: Target, contract: HiddenStateC
         trained_on = summary.get("data")
         unseen = bool(trained_on) and Path(trained_on).resolve() != Path(data).resolve()
         return _from_shards(data, contract, heldout, config, report, unseen), f"shards {data}"
-    return (_from_conversations(conversations, target, heldout, config, contract.chat_template_kwargs),
+    return (_from_conversations(conversations, target, heldout, config,
+                                contract.chat_template_kwargs if contract is not None else None),
             f"conversations {conversations}")
 
 
