@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft, block_attention_mask, default_mask_token_id
-from eaglewire.model.dflash_objective import (BlockSignal, block_loss, block_signal, block_tokens, label_indices,
+from eaglewire.model.dflash_objective import (block_loss, block_signal, block_tokens, label_indices,
                                               position_weights, sample_anchors)
 
 V, H, T = 32, 16, 12

@@ -4,11 +4,9 @@ drafts block by block, and the doctor's counts and round replay read it with dec
 import pytest
 import torch
 
-from eaglewire.acceptance.replay import compare_rounds
 from eaglewire.acceptance.trace import top_probs, trace_blocks
 from eaglewire.model.capture import capture
-from eaglewire.model.dflash_blocks import block_judgements, mask_embedding, target_lm_head
-from eaglewire.model.ttt import target_signal
+from eaglewire.model.dflash_blocks import mask_embedding, target_lm_head
 from tiny import random_dflash_draft, tiny_target
 
 V = 6
