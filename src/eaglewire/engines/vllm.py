@@ -326,6 +326,17 @@ def serving_md(*, draft_path: str, target_name: str, boundaries: list[int], num_
     ])
 
 
+def export_arch(config, contract) -> str | None:
+    """The target architecture an export reads ids for: ``--target-arch``, else the contract's; None when the
+    recorded one has no reading (vLLM reads ids verbatim on every model file that serves these drafts)."""
+    try:
+        return default_target_arch(config.target_arch, contract.target.architecture)
+    except ContractError:
+        if config.target_arch:
+            raise
+        return None
+
+
 def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
            allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings) -> ExportReport:
     """Write ``draft`` in the speculators format into ``out``. Needs the target's embedding
@@ -333,12 +344,7 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
     ``allow`` as in ``HiddenStateContract.check_target``); ``torch_dtype`` is the target's stored dtype."""
     contract, cfg = draft.contract, draft.draft_config
     bounds, L = list(contract.aux_boundaries), contract.num_layers
-    try:
-        arch = default_target_arch(config.target_arch, contract.target.architecture)
-    except ContractError:
-        if config.target_arch:
-            raise
-        arch = None  # vLLM reads ids verbatim on every model file that serves EAGLE-3
+    arch = export_arch(config, contract)
     ids = to_ids(bounds, L, arch)
     name = verifier(config, draft)
     target = target if target is not None else load_export_target(draft)
@@ -682,12 +688,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
 
     contract, cfg = draft.contract, draft.draft_config
     bounds, L = list(contract.aux_boundaries), contract.num_layers
-    try:
-        arch = default_target_arch(config.target_arch, contract.target.architecture)
-    except ContractError:
-        if config.target_arch:
-            raise
-        arch = None
+    arch = export_arch(config, contract)
     ids = dflash_to_ids(bounds, L, arch)
     name = verifier(config, draft)
     notes = verifier_notes(name, is_local_path=bool(name) and Path(name).expanduser().exists())
