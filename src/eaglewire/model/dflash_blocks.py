@@ -37,7 +37,10 @@ def target_lm_head(target) -> Callable[[torch.Tensor], torch.Tensor]:
     """The target's lm_head alone, as a DFlash draft reads its normed output: [N, H] -> [N, V] fp32
     (not ``Target.head``, which would apply the target's final norm again)."""
     lm_head = target.model.get_output_embeddings()
-    return lambda h: lm_head(h.to(lm_head.weight.dtype)).float()
+    # frozen: training computes no gradient for the target's [V, H] weight
+    weight = lm_head.weight.detach()
+    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
+    return lambda h: F.linear(h.to(weight.dtype), weight, bias).float()
 
 
 def mask_embedding(draft: DFlashDraft, embed: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:

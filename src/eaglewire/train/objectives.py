@@ -12,10 +12,10 @@ import math
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from eaglewire.data.sources import Batch
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft, default_mask_token_id
+from eaglewire.model.dflash_blocks import target_lm_head
 from eaglewire.model.dflash_objective import BlockSignal, block_loss, block_signal, position_weights
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.model.target import Target
@@ -79,7 +79,7 @@ class DFlashObjective:
         self.mask_token_id, self.seed = mask_token_id, seed
         self.positions = block_size - 1
         self.weights = position_weights(block_size, gamma)
-        self.lm_head = target.model.get_output_embeddings()
+        self.lm_head = target_lm_head(target)  # the target's head, frozen, on the draft's normed output
 
     def build(self, target: Target, num_aux: int, counts: torch.Tensor) -> DFlashDraft:
         mask = self.mask_token_id
@@ -116,11 +116,7 @@ class DFlashObjective:
 
     def loss(self, draft, batch: Batch, signal: BlockSignal, normalizers):
         embed = self.target.embed_tokens
-        # the target's head is frozen: no gradient for its [V, H] weight
-        weight = self.lm_head.weight.detach()
-        bias = None if getattr(self.lm_head, "bias", None) is None else self.lm_head.bias.detach()
-        return block_loss(draft, lambda ids: embed(ids).float(),
-                          lambda h: F.linear(h, weight.to(h.dtype), None if bias is None else bias.to(h.dtype)),
+        return block_loss(draft, lambda ids: embed(ids).float(), self.lm_head,
                           batch.input_ids, batch.aux_hidden.float(), signal, gamma=self.gamma,
                           normalizers=normalizers)
 
