@@ -47,20 +47,25 @@ class Measured:
         return [c.cond_acc for c in self.counts[1:]]
 
 
+def flags_check(engine: str, problems: list[tuple[str, str, str]]) -> Check:
+    """The "serving flags" check of a lint's (verdict, what, fix) problems."""
+    worst = "fail" if any(v == "fail" for v, _, _ in problems) else ("warn" if problems else "ok")
+    return Check("serving flags", worst, f"{engine} flags: " + ("nothing silently changed" if not problems
+                                                                else f"{len(problems)} problem(s)"),
+                 [what for _, what, _ in problems], fix="; ".join(f for _, _, f in problems) or None)
+
+
 def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,
-                  family: str = "eagle3") -> tuple[dict[str, list[int]], int]:
+                  dflash_block: int | None = None) -> tuple[dict[str, list[int]], int]:
     """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
-    the chain length it drafts, SGLang's default 5 when the flags do not say). Its readings go
-    into ``Measured.serving``, so it runs before the draft is measured and takes its inputs bare."""
-    steps = 5
-    if config.engine_flags and family == "eagle3":  # the launch-flag lints read EAGLE-3 flags
-        flags = lint_flags(config.engine, config.engine_flags, declared, L, arch)
-        worst = "fail" if any(v == "fail" for v, _, _ in flags.problems) else (
-            "warn" if flags.problems else "ok")
-        report.add(Check("serving flags", worst,
-                         f"{config.engine} flags: " + ("nothing silently changed" if not flags.problems
-                                                        else f"{len(flags.problems)} problem(s)"),
-                         [what for _, what, _ in flags.problems], fix="; ".join(f for _, _, f in flags.problems) or None))
+    the tokens it drafts per round: SGLang's default chain of 5, or a DFlash block's ``dflash_block - 1``,
+    when the flags do not say). ``dflash_block``: the draft is a DFlash draft trained on blocks of that size.
+    Its readings go into ``Measured.serving``, so it runs before the draft is measured and takes its inputs bare."""
+    family = "eagle3" if dflash_block is None else "dflash"
+    steps = 5 if dflash_block is None else dflash_block - 1
+    if config.engine_flags:
+        flags = lint_flags(config.engine, config.engine_flags, declared, L, arch, dflash_block=dflash_block)
+        report.add(flags_check(config.engine, flags.problems))
         steps = flags.num_steps or steps
     if config.engine == "eaglewire" and not config.engine_config:
         return {"eaglewire": list(declared)}, steps

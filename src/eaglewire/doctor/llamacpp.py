@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 
+from eaglewire.doctor.checks import flags_check
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.engines import llamacpp as engine
-from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, lint_flags
+from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, lint_dflash_flags, lint_flags
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 
 def architecture_check(architecture: str) -> Check:
@@ -39,18 +40,18 @@ def architecture_check(architecture: str) -> Check:
 
 
 def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str,
-            family: str = "eagle3") -> tuple[dict[str, list[int]], int]:
-    """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, chain length)."""
-    steps = DEFAULT_N_MAX
+            dflash_block: int | None = None) -> tuple[dict[str, list[int]], int]:
+    """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, tokens drafted per
+    round); ``dflash_block``: a DFlash draft trained on blocks of that size (None: EAGLE-3)."""
+    family = "eagle3" if dflash_block is None else "dflash"
+    steps = DEFAULT_N_MAX if dflash_block is None else min(DEFAULT_N_MAX, dflash_block - 1)
     if config.target.endswith(".gguf"):
         architecture = str(engine.read_gguf_metadata(config.target).get("general.architecture", architecture))
     report.add(architecture_check(architecture))
-    if config.engine_flags and family == "eagle3":  # llama.cpp's DFlash flags are not linted yet
-        flags = lint_flags(config.engine_flags)
-        worst = ("fail" if any(v == "fail" for v, _, _ in flags.problems) else "warn" if flags.problems else "ok")
-        report.add(Check("serving flags", worst, "llama.cpp flags: " + (
-            "nothing silently changed" if not flags.problems else f"{len(flags.problems)} problem(s)"),
-            [what for _, what, _ in flags.problems], fix="; ".join(f for _, _, f in flags.problems) or None))
+    if config.engine_flags:
+        flags = (lint_flags(config.engine_flags) if dflash_block is None else
+                 lint_dflash_flags(config.engine_flags, declared, num_layers, architecture, dflash_block))
+        report.add(flags_check("llama.cpp", flags.problems))
         steps = flags.num_steps or steps
     if not config.engine_config:
         report.add(Check("engine config", "warn", "no --engine-config: cannot tell which layers llama.cpp will feed",

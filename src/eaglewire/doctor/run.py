@@ -55,11 +55,11 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
 
     identity_ok = _check_identity(report, contract, target, set(config.allow_target_mismatch or ()))
     arch = config.target_arch or contract.target.architecture
-    family = getattr(draft, "family", "eagle3")
+    dflash_block = draft.config.block_size if is_block_draft(draft) else None
     if config.engine == LLAMACPP:
-        serving, serving_steps = llamacpp_serving(report, config, declared, L, arch, family)
+        serving, serving_steps = llamacpp_serving(report, config, declared, L, arch, dflash_block)
     else:
-        serving, serving_steps = check_serving(report, config, declared, L, arch, family)
+        serving, serving_steps = check_serving(report, config, declared, L, arch, dflash_block)
     check_template_switch(report, config, contract, target.tokenizer,
                           load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
     sequences, source = _load_sequences(config, target, contract, summary, report)

@@ -103,10 +103,18 @@ def config_fix(engine: str, declared: list[int], num_layers: int, arch: str | No
     return f"serve with boundaries {declared}"
 
 
-def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, arch: str | None = None) -> Flags:
+def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, arch: str | None = None, *,
+               dflash_block: int | None = None) -> Flags:
     """Launch flags ``engine`` would silently change or cannot honour (``arch``: the target's
-    architecture, for what its model file can capture)."""
-    return engines.get(engine, "lint").module.lint_flags(flags, declared, num_layers, _known_arch(arch, []))
+    architecture, for what its model file can capture); ``dflash_block``: the draft is a DFlash draft
+    trained on blocks of that size (None: an EAGLE-3 draft)."""
+    module = engines.get(engine, "lint").module
+    arch = _known_arch(arch, [])
+    if dflash_block is None:
+        return module.lint_flags(flags, declared, num_layers, arch)
+    if not hasattr(module, "lint_dflash_flags"):
+        raise ValueError(f"eaglewire has not read {engine}'s DFlash launch flags")
+    return module.lint_dflash_flags(flags, declared, num_layers, arch, dflash_block)
 
 
 def predicted_tau(acc0: float, cond: list[float], num_steps: int) -> float:

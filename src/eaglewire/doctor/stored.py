@@ -39,6 +39,7 @@ from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.serving import config_fix
 from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.engines.foreign_draft import load_any_draft
+from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.target import Target
 from eaglewire.model.target_head import load_target_head
 from eaglewire.model.ttt import TargetSignal, signal_positions, target_signal, topk_signal
@@ -219,7 +220,8 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
         return report
     _check_labels(report, config, ds, target)
     arch = config.target_arch or contract.target.architecture
-    serving, _ = check_serving(report, config, declared, L, arch)
+    serving, _ = check_serving(report, config, declared, L, arch,
+                               draft.config.block_size if is_block_draft(draft) else None)
     check_template_switch(report, config, contract, getattr(target, "tokenizer", None))
     picked, warning = _pick(ds, summary, config)
     if warning:

@@ -6,7 +6,7 @@ error instead of a silent adjustment.
 
 from __future__ import annotations
 
-from eaglewire.engines.flags import Flags, chain_shape, parse_flags
+from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags
 
 NAME = "eaglewire"
 
@@ -22,6 +22,18 @@ def to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int
 def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
     """eaglewire's flags that it would refuse."""
     return chain_shape(parse_flags(flags), Flags(), verdict="fail", silently="eaglewire refuses it")
+
+
+def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: str | None, block_size: int) -> Flags:
+    """eaglewire's flags for a DFlash draft of ``block_size``: a block drafts at most ``block_size - 1``
+    tokens, and more steps are refused (decode/dflash_drafter.py check_block_steps)."""
+    out = Flags()
+    out.num_steps = as_int(parse_flags(flags).get("--speculative-num-steps"))
+    if out.num_steps is not None and out.num_steps > block_size - 1:
+        out.problems.append(("fail", f"--speculative-num-steps {out.num_steps}: a DFlash block of {block_size} "
+                             f"drafts at most {block_size - 1} tokens, and eaglewire refuses more",
+                             f"--speculative-num-steps {block_size - 1}"))
+    return out
 
 
 # ---------------------------------------------------------------- served acceptance (doctor --engine-url)

@@ -38,7 +38,7 @@ from eaglewire.model.draft import DraftConfig
 import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       record, serving_dtype, verifier, write_export)
-from eaglewire.engines.flags import Flags, chain_shape, parse_flags, resolve_abbreviation
+from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags, resolve_abbreviation
 from eaglewire.engines.model_file import ModelFile
 from eaglewire.engines.shared import ARCHITECTURE, FormatError, llama_layer_config, parse_llama_layer
 
@@ -657,6 +657,47 @@ def dflash_config_fix(declared: list[int], num_layers: int, arch: str | None, co
     return (f"dflash_config.target_layer_ids is {json.dumps(written)}; write \"dflash_config\": "
             f'{{"target_layer_ids": {json.dumps(want)}}} (the rule of {dflash_file_for(arch).path}: boundary = id + 1), '
             "or re-export with `eaglewire export --to sglang`")
+
+
+# sglang/srt/arg_groups/speculative_hook.py _handle_dflash (0.5.23): --speculative-draft-model-path required;
+# --speculative-num-steps and --speculative-eagle-topk other than 1 overridden to 1 with a log warning;
+# --speculative-dflash-block-size and --speculative-num-draft-tokens must match (else ValueError); the verify
+# window is --speculative-num-draft-tokens, else the draft config's block_size, else 16. dflash_worker_v2.py
+# runs blocks of that size and only logs "DFLASH block size mismatch" when it is not the draft's block_size.
+def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: str | None, block_size: int) -> Flags:
+    """SGLang launch flags for a DFlash draft trained with blocks of ``block_size``: what SGLang refuses, what it
+    overrides with a log warning, and the block it would draft (``Flags.num_steps``: drafted tokens per round)."""
+    args, problems = read_flags(flags)
+    out = Flags(problems=problems)
+    cannot = model_file.why_not(dflash_to_ids, declared, num_layers, arch) if arch is not None else ""
+    if cannot:
+        out.problems.append(("fail", f"sglang cannot feed this DFlash draft {declared} on this target", cannot))
+    algo = args.get("--speculative-algorithm")
+    if algo is None or algo.upper() != "DFLASH":
+        out.problems.append(("fail", f"--speculative-algorithm {algo or '(not given)'}: SGLang will not run the "
+                             "draft as a DFlash block draft", "--speculative-algorithm DFLASH"))
+    if "--speculative-draft-model-path" not in args:
+        out.problems.append(("fail", "no --speculative-draft-model-path: SGLang refuses DFLASH without it",
+                             "--speculative-draft-model-path DRAFT_DIR"))
+    for flag in ("--speculative-num-steps", "--speculative-eagle-topk"):
+        value = as_int(args.get(flag))
+        if value is not None and value != 1:
+            out.problems.append(("warn", f"{flag} {value}: DFLASH overrides it to 1 with only a log warning "
+                                 "(a block is drafted in one pass, as a chain)", f"drop {flag}"))
+    tokens = as_int(args.get("--speculative-num-draft-tokens"))
+    block = as_int(args.get("--speculative-dflash-block-size"))
+    if tokens is not None and block is not None and tokens != block:
+        out.problems.append(("fail", f"--speculative-num-draft-tokens {tokens} and --speculative-dflash-block-size "
+                             f"{block} differ: SGLang refuses to start", f"--speculative-num-draft-tokens {block_size}"))
+    window = block if block is not None else tokens if tokens is not None else block_size
+    if window != block_size and (tokens is None or block is None or tokens == block):  # else it never starts
+        out.problems.append(("warn", f"SGLang verifies blocks of {window}, the draft was trained on blocks of "
+                             f"{block_size}: it only logs \"DFLASH block size mismatch\"" +
+                             (" (positions past the trained block are drafted untrained)" if window > block_size else ""),
+                             f"--speculative-num-draft-tokens {block_size} (or leave it out: SGLang reads the "
+                             "draft's block_size)"))
+    out.num_steps, out.topk, out.num_draft_tokens = window - 1, 1, window
+    return out
 
 
 def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,

@@ -392,35 +392,44 @@ FLAG_ALIASES = {"-sc": "--speculative-config"}  # vllm/engine/arg_utils.py add_c
 def detect_method(model: str | None) -> str:
     """The method vLLM 0.33.0 takes when ``--speculative-config`` names none (vllm/config/speculative.py
     SpeculativeConfig.__post_init__: "draft_model", then detected from the draft's path: "eagle-" ->
-    eagle, else "eagle3" -> eagle3)."""
+    eagle, else "eagle3" -> eagle3, else "dflash" -> dflash)."""
     path = (model or "").lower()
-    return "eagle" if "eagle-" in path else "eagle3" if "eagle3" in path else "draft_model"
+    return ("eagle" if "eagle-" in path else "eagle3" if "eagle3" in path else "dflash" if "dflash" in path
+            else "draft_model")
 
 
-def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
-    """vLLM launch flags it would silently change or cannot honour (``arch``: the target's
-    architecture, for whether its model file serves EAGLE-3), read as vLLM's own parser reads
-    them (``flags.parse_flexible``: ``-sc``, underscores, dotted keys)."""
+def _speculative_config(flags: str, out: Flags, method: str) -> dict | None:
+    """``--speculative-config`` as vLLM's own parser reads it (``flags.parse_flexible``: ``-sc``, underscores,
+    dotted keys); None, with the problem recorded in ``out``, where vLLM would run without it or refuse it."""
     args, notes = parse_flexible(flags, FLAG_ALIASES)
-    out = Flags()
-    cannot = cannot_feed(declared, num_layers, arch) if arch is not None else ""
-    if cannot:
-        out.problems.append(("fail", f"vllm cannot feed this draft {declared} on this target", cannot))
     raw = args.get("--speculative-config")
     if raw is None:
         out.problems.append(("fail", "no --speculative-config (nor -sc, --speculative_config or dotted "
                              "--speculative-config.KEY): vLLM runs without speculation",
-                             '--speculative-config \'{"method": "eagle3", "model": DRAFT, '
-                             '"num_speculative_tokens": 5}\''))
-        return out
+                             f'--speculative-config \'{{"method": "{method}", "model": DRAFT, '
+                             '"num_speculative_tokens": N}\''))
+        return None
     out.problems += [("warn", n, "give --speculative-config once") for n in notes]
     try:
         spec = raw if isinstance(raw, dict) else json.loads(raw)
     except json.JSONDecodeError as e:
         out.problems.append(("fail", f"--speculative-config is not JSON ({e})", "quote the JSON object"))
-        return out
+        return None
     if not isinstance(spec, dict):
         out.problems.append(("fail", f"--speculative-config is {spec!r}, not a JSON object", "pass a JSON object"))
+        return None
+    return spec
+
+
+def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
+    """vLLM launch flags it would silently change or cannot honour (``arch``: the target's
+    architecture, for whether its model file serves EAGLE-3)."""
+    out = Flags()
+    cannot = cannot_feed(declared, num_layers, arch) if arch is not None else ""
+    if cannot:
+        out.problems.append(("fail", f"vllm cannot feed this draft {declared} on this target", cannot))
+    spec = _speculative_config(flags, out, "eagle3")
+    if spec is None:
         return out
     method = spec.get("method")
     if method is None:
@@ -624,6 +633,38 @@ def dflash_to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> l
 def dflash_to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
     """Boundaries vLLM captures for the runner's ids (sorted, the order it feeds them)."""
     return model_file.read_every(ids, num_layers, file_for(arch), f"vLLM {VERSION}")
+
+
+# vllm/config/speculative.py (0.33.0): "method" "dflash", or detected from the draft's path (detect_method);
+# num_speculative_tokens required (ValueError), never compared with the draft's block_size;
+# v1/spec_decode/dflash.py drafts one query of 1 + num_speculative_tokens positions (the anchor and the masks).
+def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: str | None, block_size: int) -> Flags:
+    """vLLM launch flags for a DFlash draft trained with blocks of ``block_size`` (``Flags.num_steps``: the
+    tokens it drafts per round)."""
+    out = Flags()
+    cannot = model_file.why_not(dflash_to_ids, declared, num_layers, arch) if arch is not None else ""
+    if cannot:
+        out.problems.append(("fail", f"vllm cannot feed this DFlash draft {declared} on this target", cannot))
+    spec = _speculative_config(flags, out, "dflash")
+    if spec is None:
+        return out
+    method = spec.get("method") or detect_method(spec.get("model"))
+    if method != "dflash":
+        what = (f"method {method!r}" if spec.get("method") else
+                f"no method: vLLM detects {method!r} from the draft path {spec.get('model')!r}")
+        out.problems.append(("fail", f"{what}: vLLM will not run the draft as a DFlash block draft",
+                             'set "method": "dflash"'))
+    n = as_int(spec.get("num_speculative_tokens"))
+    if n is None:
+        out.problems.append(("fail", "no num_speculative_tokens: vLLM refuses a draft model without it",
+                             f'"num_speculative_tokens": {block_size - 1}'))
+    elif n > block_size - 1:
+        out.problems.append(("warn", f"num_speculative_tokens {n} > block_size - 1 = {block_size - 1}: vLLM drafts "
+                             f"blocks of {n + 1} without checking, so positions past the trained block are drafted "
+                             "untrained", f'"num_speculative_tokens": {block_size - 1}'))
+    out.num_steps, out.topk = n, 1
+    out.num_draft_tokens = n + 1 if n else None
+    return out
 
 
 def read_dflash_ids(d: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:

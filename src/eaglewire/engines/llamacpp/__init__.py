@@ -18,7 +18,7 @@ from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_H
                                                 find_server, find_tree, install, require_server, require_tree,
                                                 server_build, source_dir, unpack_tree)
 from eaglewire.engines.llamacpp.lint import (DEFAULT_N_MAX, TEMPLATE_KWARGS_FLAG, LlamaFlags, launch_template_kwargs,
-                                            lint_flags, template_kwargs_fix)
+                                            lint_dflash_flags, lint_flags, template_kwargs_fix)
 from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
                                                  NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
                                                  dflash_to_boundaries, dflash_to_ids, reads_export, to_boundaries,
@@ -34,7 +34,7 @@ __all__ = [
     "LlamaServer", "ServerConfig", "build_server", "built_server", "chain_config", "complete", "converter_target_dir",
     "DFLASH_GGUF_ARCH", "dflash_layout_problem", "dflash_to_boundaries", "dflash_to_ids", "download_sdist",
     "draft_layers", "export", "export_dflash", "find_server", "find_tree", "free_port", "install",
-    "layer_input_archs", "layout_problem", "lint_flags", "llamacpp_arch", "metrics", "parse_metrics",
+    "layer_input_archs", "layout_problem", "lint_dflash_flags", "lint_flags", "llamacpp_arch", "metrics", "parse_metrics",
     "plain_server_config", "read_gguf_metadata", "reads_export", "require_server", "require_tree", "run_converter", "server_args",
     "server_build", "serving_md", "source_dir", "spec_flags", "target_architecture", "target_gguf", "to_boundaries",
     "to_ids", "unpack_tree",

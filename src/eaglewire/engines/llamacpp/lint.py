@@ -27,6 +27,20 @@ def lint_flags(flags: str, declared: list[int] | None = None, num_layers: int | 
                arch: str | None = None) -> LlamaFlags:
     """llama-server launch flags that would serve the EAGLE-3 draft otherwise than meant (the wiring
     is read from the GGUF, not the flags: ``declared``, ``num_layers`` and ``arch`` are unused)."""
+    return _lint(flags, "draft-eagle3", None)
+
+
+# common/speculative.cpp common_speculative_impl_draft_dflash (build BUILD): the block is
+# [id_last, mask x n_max]; n_max (and n_min) above the GGUF's dflash.block_size - 1 are clamped to it
+# with only a log warning.
+def lint_dflash_flags(flags: str, declared: list[int] | None, num_layers: int | None, arch: str | None,
+                      block_size: int) -> LlamaFlags:
+    """llama-server launch flags for a DFlash GGUF trained with blocks of ``block_size``."""
+    return _lint(flags, "draft-dflash", block_size)
+
+
+def _lint(flags: str, spec_type: str, block_size: int | None) -> LlamaFlags:
+    family = "DFlash" if block_size else "EAGLE-3"
     args = parse_flags(flags)
     out = LlamaFlags()
     for old, new in REMOVED_FLAGS.items():
@@ -35,14 +49,14 @@ def lint_flags(flags: str, declared: list[int] | None = None, num_layers: int | 
                                  f"use {new}"))
     if not any(f in args for f in DRAFT_MODEL_FLAGS):
         out.problems.append(("fail", "no draft model (-md): llama-server decodes without speculation",
-                             "add -md draft.gguf --spec-type draft-eagle3"))
+                             f"add -md draft.gguf --spec-type {spec_type}"))
     kind = args.get("--spec-type")
     if kind is None:
-        out.problems.append(("warn", f"no --spec-type: build {BUILD} infers draft-eagle3 from the GGUF's "
-                             "metadata, other builds may not", "add --spec-type draft-eagle3"))
-    elif "draft-eagle3" not in kind.split(","):
-        out.problems.append(("fail", f"--spec-type {kind}: llama.cpp will not feed target states to the EAGLE-3 "
-                             "draft", "--spec-type draft-eagle3"))
+        out.problems.append(("warn", f"no --spec-type: build {BUILD} infers {spec_type} from the GGUF's "
+                             "metadata, other builds may not", f"add --spec-type {spec_type}"))
+    elif spec_type not in kind.split(","):
+        out.problems.append(("fail", f"--spec-type {kind}: llama.cpp will not feed target states to the {family} "
+                             "draft", f"--spec-type {spec_type}"))
     n_max, n_min, p_min = (args.get(k) for k in ("--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min"))
     out.num_steps = _number(n_max, "--spec-draft-n-max", out)
     out.n_min = _number(n_min, "--spec-draft-n-min", out)
@@ -57,6 +71,11 @@ def lint_flags(flags: str, declared: list[int] | None = None, num_layers: int | 
         out.problems.append(("warn", f"--spec-draft-p-min {out.p_min:g}: drafting stops at the first token the draft "
                              "is less sure of, so τ falls short of the chain's prediction",
                              "--spec-draft-p-min 0 to draft the full chain (when measuring τ)"))
+    if block_size and max(steps, out.n_min or 0) > block_size - 1:
+        out.problems.append(("warn", f"--spec-draft-n-max {steps}" + (f" / -n-min {out.n_min}" if out.n_min else "") +
+                             f" above the trained block's {block_size - 1} drafted positions: llama.cpp clamps them "
+                             "to it with only a log warning", f"--spec-draft-n-max {block_size - 1}"))
+        out.num_steps = min(steps, block_size - 1)
     if args.get("--spec-draft-sampling") == "probabilistic":
         out.problems.append(("warn", "--spec-draft-sampling probabilistic: greedy acceptance no longer applies; "
                              "τ is not comparable with greedy predictions", "--spec-draft-sampling greedy"))
