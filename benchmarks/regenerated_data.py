@@ -162,7 +162,8 @@ def main() -> int:
         train(TrainConfig(out=str(draft), target=DEFAULT_TARGET, data=str(shards), max_steps=a.steps,
                           ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, lr=a.lr,
                           warmup_steps=min(20, max(1, a.steps // 10)), val_sequences=min(32, max(1, len(common) // 8)),
-                          eval_interval=max(a.steps, 1), save_interval=max(a.steps, 1), device="cpu"),
+                          eval_interval=max(a.steps, 1), save_interval=max(a.steps, 1), device="cpu",
+                          resume=(draft / "train_state.pt").exists()),  # a rerun resumes
               target=target, progress=False)
         rows[name] = {"sequences": len(ds), "tokens": ds.num_tokens,
                       "loss_tokens": ds.manifest["totals"].get("loss_tokens"),

@@ -717,7 +717,8 @@ def parse_dflash_config(d: dict[str, Any], *, where: str = "config.json"
     layers = d["transformer_layer_config"]
     if vocab is not None and layers.get("vocab_size") is not None and int(vocab) != int(layers["vocab_size"]):
         raise FormatError(f"{where}: draft_vocab_size {vocab} is not the target's {layers['vocab_size']}; an "
-                          "eaglewire DFlash draft predicts over the target's whole vocabulary")
+                          "eaglewire DFlash draft predicts over the target's whole vocabulary (its head); train the speculators "
+                          f"draft with --draft-vocab-size {layers['vocab_size']} to import it")
     found, notes = read_dflash_ids(d)
     return fields, next(iter(found.values())), notes
 
