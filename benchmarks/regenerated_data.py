@@ -160,6 +160,7 @@ def main() -> int:
                 target=target, progress=False)
         ds = ShardDataset(shards)
         train(TrainConfig(out=str(draft), target=DEFAULT_TARGET, data=str(shards), max_steps=a.steps,
+                          epochs=a.steps,  # passes enough that --steps, not one epoch, ends the run
                           ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, lr=a.lr,
                           warmup_steps=min(20, max(1, a.steps // 10)), val_sequences=min(32, max(1, len(common) // 8)),
                           eval_interval=max(a.steps, 1), save_interval=max(a.steps, 1), device="cpu",
