@@ -59,6 +59,8 @@ PROBLEMS = [
     ("llamacpp", "-md d.gguf --spec-type draft-eagle3", "fail", "DFlash"),
     ("llamacpp", "-md d.gguf --spec-type draft-dflash --spec-draft-n-max 8", "warn", "clamps"),
     ("llamacpp", "--spec-type draft-dflash", "fail", "no draft model"),
+    ("llamacpp", "-md d.gguf --spec-type draft-eagle3 --spec-draft-n-max 3 --spec-type draft-dflash", "fail",
+     "also run as draft-eagle3"),
     ("eaglewire", "--speculative-num-steps 5", "fail", "at most 3"),
 ]
 
@@ -185,12 +187,27 @@ def test_vllm_detects_dflash_after_eagle_and_demands_the_token_count(wheels):
 
 
 @pytest.mark.engines
-def test_llamacpp_clamps_to_the_block_as_the_lint_says():
+def test_llamacpp_clamps_to_the_block_and_appends_spec_types_as_the_lint_says():
     tree = find_tree()
     if tree is None:
         pytest.skip("no llama.cpp source tree (`eaglewire engines install llamacpp` unpacks it)")
     text = (tree / "common" / "speculative.cpp").read_text()
     assert "exceeds the trained block size" in text and "block_size - 1" in text
+    args = (tree / "common" / "arg.cpp").read_text()
+    assert "params.speculative.types.insert(params.speculative.types.end(), types.begin(), types.end());" in args
+
+
+def test_tune_probes_a_dflash_gguf_with_one_spec_type():
+    """tune's llama-server launches name --spec-type once: a second would add a type, not replace it."""
+    from eaglewire.acceptance.probe import probe_config
+    from eaglewire.engines.llamacpp import server_args
+    from eaglewire.engines.llamacpp.lint import spec_types
+
+    for block, want in ((True, ["draft-dflash"]), (False, ["draft-eagle3"])):
+        launch = server_args(probe_config("t.gguf", "d.gguf", threads=2, n_max=3, flags=None, block=block), port=1)
+        assert spec_types(" ".join(launch)) == want
+    assert spec_types("-md d --spec-type draft-eagle3,ngram-mod --spec-type=draft-dflash") == [
+        "draft-eagle3", "ngram-mod", "draft-dflash"]
 
 
 # ---------------------------------------------------------------- the doctor

@@ -17,7 +17,6 @@ from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.acceptance.costs import ChainProbe, PlainProbe
 
-DFLASH_SPEC_TYPE = "draft-dflash"  # llama.cpp b11434's --spec-type of a DFlash draft
 WARMUP_TOKENS = 32  # the first request of a fresh llama-server runs several times slower
 
 Progress = Callable[[str], None]
@@ -154,19 +153,26 @@ def draft_stats(log_text: str) -> tuple[int, float] | None:
     return int(last[1]), float(last[4])
 
 
+def probe_config(model: Path, draft: Path, *, threads: int, n_max: int, flags: list[str] | None, block: bool):
+    """The llama-server launch of one probed shape: ``--spec-type`` once (llama.cpp keeps every type given, so a
+    second would run both drafts), statistics at ``-lv 4``."""
+    from eaglewire.engines.llamacpp import chain_config
+
+    return chain_config(model, draft, threads=threads, n_max=n_max, extra=[*(flags or []), "-lv", "4"],
+                        family="dflash" if block else "eagle3")
+
+
 def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[list[int]], *, steps: list[int],
                    max_new_tokens: int, threads: int = 2, temperature: float = 0.0, seed: int = 0,
                    log_dir: Path | None = None, flags: list[str] | None = None,
                    progress: Progress = _no_progress, block: bool = False) -> ProbeResult:
     """One llama-server per shape (plain, then n-max 1..N with n-min 0, p-min 0), each warmed up
     with one request; the round count and draft time come from llama.cpp's own statistics.
-    ``block``: ``draft`` is a DFlash GGUF, run with ``--spec-type draft-dflash`` (given after the
-    chain's own flags, so it is the one llama.cpp keeps): one draft pass per round."""
-    from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, chain_config, complete
+    ``block``: ``draft`` is a DFlash GGUF, run with ``--spec-type draft-dflash``: one draft pass per round."""
+    from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, complete
 
     def run(n: int) -> tuple[list[dict], tuple[int, float] | None]:
-        spec_type = ["--spec-type", DFLASH_SPEC_TYPE] if block and n else []
-        config = chain_config(model, draft, threads=threads, n_max=n, extra=[*spec_type, *(flags or []), "-lv", "4"])
+        config = probe_config(model, draft, threads=threads, n_max=n, flags=flags, block=block)
         log_path = None if log_dir is None else Path(log_dir) / f"llama-server-tune-{n}.log"
         answers = []
         with LlamaServer(server_bin, config, log_path=log_path) as server:

@@ -3,6 +3,7 @@ ignore or refuse."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 
 from eaglewire.engines.flags import parse_flags
@@ -13,6 +14,20 @@ REMOVED_FLAGS = {"--draft": "--spec-draft-n-max", "--draft-n": "--spec-draft-n-m
                  "--draft-min": "--spec-draft-n-min", "--draft-n-min": "--spec-draft-n-min"}
 DRAFT_MODEL_FLAGS = ("-md", "--model-draft", "--spec-draft-model")
 DEFAULT_N_MAX = 3  # llama.cpp's --spec-draft-n-max default
+# common/speculative.cpp's types that run the -md model (each reads its own GGUF architecture)
+DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
+
+
+def spec_types(flags: str) -> list[str] | None:
+    """Every ``--spec-type`` given, in order: common/arg.cpp appends each flag's comma-separated list to the
+    types llama-server runs (repeating the flag adds types, it does not replace them); None: not given."""
+    tokens, found = shlex.split(flags), None
+    for i, tok in enumerate(tokens):
+        name, eq, value = tok.partition("=")
+        if name == "--spec-type":
+            value = value if eq else (tokens[i + 1] if i + 1 < len(tokens) else "")
+            found = (found or []) + [t for t in value.split(",") if t]
+    return found
 
 
 @dataclass
@@ -50,13 +65,17 @@ def _lint(flags: str, spec_type: str, block_size: int | None) -> LlamaFlags:
     if not any(f in args for f in DRAFT_MODEL_FLAGS):
         out.problems.append(("fail", "no draft model (-md): llama-server decodes without speculation",
                              f"add -md draft.gguf --spec-type {spec_type}"))
-    kind = args.get("--spec-type")
-    if kind is None:
+    kinds = spec_types(flags)
+    if kinds is None:
         out.problems.append(("warn", f"no --spec-type: build {BUILD} infers {spec_type} from the GGUF's "
                              "metadata, other builds may not", f"add --spec-type {spec_type}"))
-    elif spec_type not in kind.split(","):
-        out.problems.append(("fail", f"--spec-type {kind}: llama.cpp will not feed target states to the {family} "
-                             "draft", f"--spec-type {spec_type}"))
+    elif spec_type not in kinds:
+        out.problems.append(("fail", f"--spec-type {','.join(kinds)}: llama.cpp will not feed target states to the "
+                             f"{family} draft", f"--spec-type {spec_type}"))
+    elif others := sorted({k for k in kinds if k in DRAFT_MODEL_TYPES and k != spec_type}):
+        out.problems.append(("fail", f"--spec-type {','.join(kinds)}: llama-server runs every type given (a repeated "
+                             f"--spec-type adds to the list), so the {family} GGUF is also run as {', '.join(others)}",
+                             f"give --spec-type {spec_type} once"))
     n_max, n_min, p_min = (args.get(k) for k in ("--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min"))
     out.num_steps = _number(n_max, "--spec-draft-n-max", out)
     out.n_min = _number(n_min, "--spec-draft-n-min", out)
