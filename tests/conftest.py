@@ -22,6 +22,16 @@ def fp32_where_auto():
         yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine (or beside a server's engine
+    thread and the test's client) the threads' barriers cost far more than the math; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from eaglewire.model.target import load_tokenizer

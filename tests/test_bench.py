@@ -97,15 +97,6 @@ def test_heldout_prompts(tmp_path):
 
 # ------------------------------------------------------------------ end to end
 
-@pytest.fixture
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine spinning threads cost 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, chat_tiny_target):
     from eaglewire.core.contract import HiddenStateContract

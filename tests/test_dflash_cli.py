@@ -17,14 +17,7 @@ from eaglewire.serve.app import create_app
 from servers import live_server
 from tiny import save_random_dflash_draft
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads; the server's engine thread and the client share two cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,14 +39,7 @@ MODEL = "tiny-chat"
 MAX_TOKENS = 12
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The engine thread and the test's client threads share two busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_draft(target, bounds=(2, 4, 5)):

@@ -19,7 +19,7 @@ from eaglewire.tune.run import TuneConfig
 from tiny import tiny_target
 
 from decode.test_engine import random_draft
-from test_bench import draft_dir, one_thread, write_prompts  # noqa: F401  (fixtures)
+from test_bench import draft_dir, write_prompts  # noqa: F401  (fixtures)
 
 
 def _trace(right, prob=None, prob_top=None, target_prob=None, prompt_len=1) -> DraftTrace:
@@ -170,7 +170,7 @@ def test_simulated_rounds_are_the_engines_own(steps, min_prob):
     assert accepted > 0
 
 
-def test_tune_end_to_end_on_a_stated_engine(tmp_path, target_dir, draft_dir, capsys, one_thread):  # noqa: F811
+def test_tune_end_to_end_on_a_stated_engine(tmp_path, target_dir, draft_dir, capsys, one_thread):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
     out = tmp_path / "tune.json"
     argv = ["tune", "--target", str(target_dir), "--draft", str(draft_dir), "--dataset", str(prompts),
@@ -184,7 +184,7 @@ def test_tune_end_to_end_on_a_stated_engine(tmp_path, target_dir, draft_dir, cap
     assert len(report["ranked"]) == 1 + 2 * 6 and report["costs"]["source"] == "stated"
 
 
-def test_bench_runs_what_tune_recommends(tmp_path, target_dir, draft_dir, capsys, one_thread):  # noqa: F811
+def test_bench_runs_what_tune_recommends(tmp_path, target_dir, draft_dir, capsys, one_thread):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
     out = tmp_path / "bench"
     argv = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--dataset", str(prompts),

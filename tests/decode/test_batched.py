@@ -17,6 +17,8 @@ from tiny import tiny_target
 LENGTHS = (5, 12, 1, 300, 30, 9, 7)  # decode attention in 2 groups: the 300-token row alone
 NEW = 16
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _prompts(seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
@@ -27,16 +29,6 @@ def _plain(target, prompts, stops) -> list[tuple[list[int], bool]]:
     """The reference: plain decoding of one sequence at a time, cut like regenerate cuts."""
     return [split_reply(SpecDecoder(target).generate(p, max_new_tokens=NEW, stop_token_ids=stops)[0], stops)
             for p in prompts]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy machine the threads' barriers
-    cost far more than the math; the caller's setting is restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=LEAN_MODEL_TYPES)

@@ -9,8 +9,9 @@ import torch
 
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.runner import make_runner
-from eaglewire.decode.sampling import SamplingParams, logits_to_probs
+from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.tree import block_tree
+from sampling_check import assert_matches, two_token_probs
 from tiny import random_dflash_draft, tiny_target
 
 SHAPES = [  # (block size, speculation)
@@ -133,11 +134,7 @@ def test_dflash_sampling_matches_the_target_distribution():
     draft, contract = random_dflash_draft(target, (0, 1), block_size=3)  # aux below L = 2
     params = SamplingParams(temperature=0.8)
     prompt = [1, 4, 2]
-    with torch.no_grad():
-        p1 = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1:], params)[0]
-        seconds = torch.tensor([prompt + [a] for a in range(V)])
-        p2 = logits_to_probs(target.model(seconds).logits[:, -1], params)  # [V, V]
-    exact = (p1[:, None] * p2).flatten()  # [V*V]
+    exact = two_token_probs(target, prompt, params)  # [V*V]
     decoder = SpecDecoder(target, draft, contract, spec)
     n = 1500
     counts = torch.zeros(V * V)
@@ -147,13 +144,7 @@ def test_dflash_sampling_matches_the_target_distribution():
         counts[out[0] * V + out[1]] += 1
         accepted += sum(stats.accept_lengths) - stats.rounds
     assert accepted > n // 10  # the drafts were accepted often: the rejection rule was exercised
-    expected = n * exact
-    keep = expected >= 5  # pool rare cells, as a chi-square test requires
-    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    expect = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    chi2 = float(((observed - expect) ** 2 / expect.clamp(min=1e-9)).sum())
-    dof = int(keep.sum())  # cells - 1, the pooled cell included
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)  # ~p 0.001 for this many dof
+    assert_matches(counts, exact)
 
 
 def test_more_steps_than_the_block_drafts_is_refused_naming_the_flag():

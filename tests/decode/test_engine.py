@@ -7,9 +7,10 @@ import torch
 
 from eaglewire.core.contract import HiddenStateContract
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
-from eaglewire.decode.sampling import SamplingParams, logits_to_probs
+from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.tree import Tree
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
+from sampling_check import assert_matches, two_token_probs
 from tiny import ARCHITECTURES, tiny_target
 
 
@@ -114,11 +115,7 @@ def test_speculative_sampling_matches_the_target_distribution(min_prob):
     draft, contract = random_draft(target, bounds=(0, 1))  # aux below L = 2
     params = SamplingParams(temperature=0.8)
     prompt = [1, 4, 2]
-    with torch.no_grad():
-        p1 = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1:], params)[0]
-        seconds = torch.tensor([prompt + [a] for a in range(V)])
-        p2 = logits_to_probs(target.model(seconds).logits[:, -1], params)  # [V, V]
-    exact = (p1[:, None] * p2).flatten()  # [V*V]
+    exact = two_token_probs(target, prompt, params)  # [V*V]
     decoder = SpecDecoder(target, draft, contract, SpecConfig(num_steps=2, topk=2, num_draft_tokens=5,
                                                               min_prob=min_prob))
     n = 1500
@@ -127,13 +124,7 @@ def test_speculative_sampling_matches_the_target_distribution(min_prob):
         out, _ = decoder.generate(prompt, max_new_tokens=2,
                                   sampling=SamplingParams(temperature=0.8, seed=seed))
         counts[out[0] * V + out[1]] += 1
-    expected = n * exact
-    keep = expected >= 5  # pool rare cells, as a chi-square test requires
-    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    expect = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    chi2 = float(((observed - expect) ** 2 / expect.clamp(min=1e-9)).sum())
-    dof = int(keep.sum())  # cells - 1, the pooled cell included
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)  # ~p 0.001 for this many dof
+    assert_matches(counts, exact)
 
 
 @pytest.mark.parametrize("lean", [None, False])
