@@ -227,3 +227,30 @@ def test_the_doctor_lints_a_dflash_draft_s_launch_flags(tmp_path, monkeypatch, e
                                      tune=False), target=target)
     check = next(c for c in report.checks if c.name == "serving flags")
     assert check.verdict == verdict, check
+
+
+# ---------------------------------------------------------------- what eaglewire tells users to launch
+
+def _launch(serving_md: str) -> str:
+    """The flags of SERVING.md's launch command (its ```bash block, continuations joined, its first two words dropped: `python -m`, `vllm serve`, `llama-server -m`)."""
+    block = serving_md.split("```bash\n", 1)[1].split("```", 1)[0]
+    return " ".join(line.rstrip(" \\") for line in block.splitlines()).split(None, 2)[2]
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_the_launch_each_export_writes_passes_that_engine_s_lint(tmp_path, engine):
+    target = tiny_target("llama", num_layers=L, hidden_size=64, vocab_size=256)
+    native = save_random_dflash_draft(tmp_path / "native", target, BOUNDS, block_size=BLOCK)
+    engines.export_draft(native, engine, tmp_path / engine, target_arch="llama")
+    flags = _launch((tmp_path / engine / "SERVING.md").read_text())
+    got = _lint(engine, flags)
+    assert got.problems == [] and got.num_steps == BLOCK - 1, (flags, got)
+
+
+def test_the_launch_the_llamacpp_export_writes_passes_its_lint():
+    from eaglewire.engines.llamacpp.gguf import dflash_serving_md
+
+    flags = _launch(dflash_serving_md(target_gguf="t.gguf", draft_gguf="d.gguf", boundaries=BOUNDS,
+                                      block_size=BLOCK, threads=2))
+    got = _lint("llamacpp", flags)
+    assert got.problems == [] and got.num_steps == BLOCK - 1, (flags, got)
