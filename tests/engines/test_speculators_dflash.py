@@ -75,8 +75,10 @@ def _written_by_speculators(speculators, target_dir, out, **kwargs):
     model = speculators.DFlashDraftModel.from_training_args(
         layer_config, verifier_name_or_path=str(target_dir), block_size=BLOCK, target_layer_ids=IDS,
         mask_token_id=MASK, draft_attn_impl="sdpa", **{"draft_vocab_size": 256, **kwargs})
-    for p in model.parameters():  # norms at 1 and a fresh init would hide a swapped tensor: make each distinct
-        p.data.normal_(generator=torch.Generator().manual_seed(p.numel()))
+    verifier_owned = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    for name, p in model.named_parameters():  # norms at 1 and a fresh init would hide a swapped tensor
+        if name not in verifier_owned:  # the verifier's rows, loaded by from_training_args, stay as loaded
+            p.data.normal_(generator=torch.Generator().manual_seed(p.numel()))
     model.save_pretrained(out)
     return out
 
@@ -104,13 +106,49 @@ def test_a_draft_speculators_saved_imports_exactly(speculators, target_dir, tmp_
     assert back.config.aux_hidden_state_layer_ids == IDS and back.config.mask_token_id == MASK
 
 
-def test_a_pruned_vocabulary_draft_is_refused_with_what_to_do(speculators, target_dir, tmp_path):
-    """speculators prunes the draft vocabulary by frequency (d2t offsets, t2d mask, its own lm_head); eaglewire's
-    DFlash drafts predict over the target's head, so the import refuses it, names the flag and writes nothing."""
+def test_a_pruned_vocabulary_draft_speculators_saved_imports_and_round_trips(speculators, target_dir, tmp_path):
+    """speculators prunes the draft vocabulary by frequency (its vocab_mapping: d2t offsets, t2d mask) and saves the
+    verifier head's rows as a frozen lm_head; the import keeps the maps, checks those rows are the target's, and
+    the re-export reads back in speculators' from_pretrained tensor for tensor (lm_head, d2t, t2d included)."""
     d2t, t2d = speculators.vocab_mappings({i: 1000 - i for i in range(0, 256, 3)}, 64, 256)
     src = _written_by_speculators(speculators, target_dir, tmp_path / "pruned", draft_vocab_size=64, d2t=d2t, t2d=t2d)
-    assert {"d2t", "t2d", "lm_head.weight"} <= set(load_file(src / "model.safetensors"))
+    saved = load_file(src / "model.safetensors")
+    assert {"d2t", "t2d", "lm_head.weight"} <= set(saved)
     target = load_target(str(target_dir), device="cpu", dtype="fp32")
-    with pytest.raises(FormatError, match="--draft-vocab-size 256"):
+    engines.import_draft(src, "speculators", target, tmp_path / "imported")
+    draft, contract, _ = load_draft(tmp_path / "imported")
+    assert draft.config.pruned and draft.config.draft_vocab_size == 64 and list(contract.aux_boundaries) == IDS
+    assert torch.equal(draft.draft_to_target, torch.arange(64) + d2t) and torch.equal(draft.t2d, t2d)
+
+    engines.export_draft(tmp_path / "imported", "speculators", tmp_path / "again", target=target, target_arch="qwen3")
+    back = speculators.DFlashDraftModel.from_pretrained(tmp_path / "again")
+    state = back.state_dict()
+    for key, tensor in saved.items():
+        assert torch.equal(state[key], tensor), key
+    assert back.config.draft_vocab_size == 64
+
+
+def test_a_trained_head_of_its_own_is_refused(speculators, target_dir, tmp_path):
+    """An lm_head that is not the target's rows (a head trained apart from the target's) cannot be an eaglewire
+    DFlash draft, which predicts with the target's head: refused, nothing written."""
+    from safetensors.torch import save_file
+
+    d2t, t2d = speculators.vocab_mappings({i: 1000 - i for i in range(0, 256, 3)}, 64, 256)
+    src = _written_by_speculators(speculators, target_dir, tmp_path / "own-head", draft_vocab_size=64, d2t=d2t, t2d=t2d)
+    state = load_file(src / "model.safetensors")
+    state["lm_head.weight"] = state["lm_head.weight"] + 0.5
+    save_file(state, src / "model.safetensors")
+    target = load_target(str(target_dir), device="cpu", dtype="fp32")
+    with pytest.raises(FormatError, match="not the target's head"):
         engines.import_draft(src, "speculators", target, tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
+
+
+def test_vllm_reads_the_maps_as_the_export_writes_them(wheels):
+    """vLLM 0.33.0's DFlash model (qwen3_dflash.py): a draft_vocab_size below the target's makes an lm_head of
+    those rows and a draft_id_to_target_id loaded from ``d2t``, added to the draft ids (offsets, as written),
+    logits -inf elsewhere; ``t2d`` is skipped."""
+    text = wheels["vllm"].text("vllm/model_executor/models/qwen3_dflash.py")
+    assert "targets = base + self.draft_id_to_target_id" in text
+    assert 'name = name.replace("d2t", "draft_id_to_target_id")' in text and 'if "t2d" in name:' in text
+    assert 'float("-inf")' in text and "self.config.draft_vocab_size," in text

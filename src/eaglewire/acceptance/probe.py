@@ -97,7 +97,7 @@ def time_block_round(target, draft, boundaries: list[int], context: list[int], *
     import torch
 
     from eaglewire.decode.runner import make_runner
-    from eaglewire.model.dflash_blocks import mask_embedding, target_lm_head
+    from eaglewire.model.dflash_blocks import draft_lm_head, mask_embedding
 
     bs, P = draft.config.block_size, len(context)
     runner = make_runner(target, boundaries)
@@ -107,7 +107,7 @@ def time_block_round(target, draft, boundaries: list[int], context: list[int], *
         _, aux = runner.forward(ids, torch.arange(P), None)  # [P, k*H]
         runner.commit(list(range(P)))
         ctx_kv = draft.context_kv(draft.fuse(aux[None].float()), torch.arange(P)[None])
-        lm_head, mask_emb = target_lm_head(target), mask_embedding(draft, target.embed_tokens, target.device)
+        lm_head, mask_emb = draft_lm_head(target, draft), mask_embedding(draft, target.embed_tokens, target.device)
         anchor = target.embed_tokens(ids[-1:].to(target.device)).float()  # [1, H]
 
     def verify(k: int) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from eaglewire.model.capture import capture
 from eaglewire.model.dflash import DFlashDraft
-from eaglewire.model.dflash_blocks import anchored_blocks, drafted_index, mask_embedding, target_lm_head
+from eaglewire.model.dflash_blocks import anchored_blocks, draft_lm_head, drafted_index, mask_embedding
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
 from eaglewire.model.ttt import shift_left
@@ -125,7 +125,7 @@ def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: li
     ids = torch.tensor([text])  # [1, T]
     T = ids.shape[1]
     aux, emb, target_probs, target_argmax = _captured(target, layout, ids, temperature)
-    lm_head, mask_emb = target_lm_head(target), mask_embedding(draft, target.embed_tokens, emb.device)
+    lm_head, mask_emb = draft_lm_head(target, draft), mask_embedding(draft, target.embed_tokens, emb.device)
     text_ids = ids[0].to(emb.device)
     out = {}
     for bs in block_lens or [draft.config.block_size]:
@@ -136,7 +136,7 @@ def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: li
             n = hidden.shape[1]
             token, inside = drafted_index(start, n, J, T, emb.device)  # [n, J] the predicted token's index
             logits = torch.cat([lm_head(h) for h in hidden[0].reshape(n * J, -1).split(HEAD_ROWS)])  # [n*J, V]
-            drafted = logits.argmax(-1).view(n, J)  # [n, J] target ids (the draft predicts over the target's head)
+            drafted = logits.argmax(-1).view(n, J)  # [n, J] target ids (-inf outside a pruned draft vocabulary)
             full, top = (x.view(n, J) for x in top_probs(logits))  # [n, J] each
             judged = token - 1  # [n, J] the target judges position j of anchor a at a + j - 1
             tp = (target_probs[judged, drafted] if target_probs is not None

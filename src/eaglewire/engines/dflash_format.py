@@ -86,7 +86,7 @@ def speculators_config(cfg: DFlashConfig, aux_ids: list[int], *, verifier_name: 
     """
     out = {
         "architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": SPECULATORS_MODEL_TYPE,
-        "transformer_layer_config": qwen3_layers(cfg), "draft_vocab_size": cfg.vocab_size,
+        "transformer_layer_config": qwen3_layers(cfg), "draft_vocab_size": cfg.draft_vocab_size,
         "block_size": cfg.block_size, "target_hidden_size": cfg.target_hidden_size,
         "aux_hidden_state_layer_ids": list(aux_ids), "mask_token_id": cfg.mask_token_id,
         "sliding_window_non_causal": True, "sample_from_anchor": False,
@@ -166,6 +166,39 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
         name = name.removeprefix("model.")
         (foreign if name in FOREIGN_TENSORS or name in ("d2t", "t2d") else own)[name] = tensor
     return own, foreign
+
+
+def vocab_maps_of(foreign: dict[str, torch.Tensor], draft_vocab_size: int, vocab_size: int, *,
+                  where: str) -> dict[str, torch.Tensor]:
+    """A pruned draft's d2t [Vd] (target id = draft id + d2t) and t2d [V] bool from its checkpoint, checked to
+    describe the same ``draft_vocab_size`` target ids."""
+    if "d2t" not in foreign or "t2d" not in foreign:
+        raise FormatError(f"{where}: draft_vocab_size {draft_vocab_size} is below the target's {vocab_size} but the "
+                          "weights hold no d2t / t2d maps")
+    d2t, t2d = foreign.pop("d2t").long(), foreign.pop("t2d").bool()
+    if tuple(d2t.shape) != (draft_vocab_size,) or tuple(t2d.shape) != (vocab_size,):
+        raise FormatError(f"{where}: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match draft vocab "
+                          f"{draft_vocab_size} / target vocab {vocab_size}")
+    ids = torch.arange(draft_vocab_size) + d2t  # [Vd] target ids
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or not bool(t2d[ids].all()) or int(t2d.sum()) != draft_vocab_size:
+        raise FormatError(f"{where}: d2t (offsets: target id = draft id + d2t) and t2d name different tokens")
+    return {"d2t": d2t, "t2d": t2d}
+
+
+def check_head_rows(lm_head: torch.Tensor | None, draft: DFlashDraft, target, *, where: str) -> None:
+    """A checkpoint's ``lm_head.weight``, where it carries one, must be the target head's rows of the draft's
+    vocabulary (speculators saves them frozen for a pruned vocabulary; every engine reads the target's head
+    otherwise): an eaglewire DFlash draft predicts with those rows, not a trained head of its own."""
+    if lm_head is None:
+        return
+    rows = draft.draft_to_target
+    if tuple(lm_head.shape) != (len(rows), draft.config.hidden_size):
+        raise FormatError(f"{where}: lm_head.weight is {tuple(lm_head.shape)}, not the {len(rows)} rows of the draft "
+                          f"vocabulary x hidden {draft.config.hidden_size}")
+    head = target.model.get_output_embeddings().weight.detach()[rows.to(target.device)].cpu()
+    if not torch.allclose(lm_head.float(), head.to(lm_head.dtype).float(), rtol=1e-2, atol=1e-3):
+        raise FormatError(f"{where}: lm_head.weight is not the target's head at the draft vocabulary's rows (a trained "
+                          "head of its own); an eaglewire DFlash draft predicts with the target's head")
 
 
 def build_draft(fields: dict[str, Any], tensors: dict[str, torch.Tensor], *, vocab_size: int,

@@ -191,10 +191,10 @@ def import_dflash(src_dir: str | Path, fmt: str, engine, target: Target, out_dir
     if fields["hidden_size"] != target.hidden_size:
         raise ContractError(f"{where}: hidden_size is {fields['hidden_size']} but target {target.spec} has "
                             f"{target.hidden_size}: the draft was made for another target")
-    if "lm_head.weight" in foreign and tuple(foreign["lm_head.weight"].shape) != (target.vocab_size, target.hidden_size):
-        raise FormatError(f"{where}: lm_head.weight is {tuple(foreign['lm_head.weight'].shape)}: a reduced draft "
-                          "vocabulary, which an eaglewire DFlash draft (the target's head) cannot hold")
+    if fields.get("draft_vocab_size") is not None:  # pruned: the maps are the draft's own
+        tensors.update(dflash.vocab_maps_of(foreign, fields["draft_vocab_size"], target.vocab_size, where=where))
     draft = dflash.build_draft(fields, tensors, vocab_size=target.vocab_size, where=where)
+    dflash.check_head_rows(foreign.get("lm_head.weight"), draft, target, where=where)
     if ids is None:
         raise ContractError(f"{where}: the config names no target layers, so {fmt} would use its default; write "
                             "the ids the draft was trained on before importing")

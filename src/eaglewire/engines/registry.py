@@ -231,6 +231,11 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target=
         if fn is None:
             raise FormatError(f"{engine.name} has no DFlash export; DFlash drafts export to "
                               f"{', '.join(n for n in names('export') if hasattr(get(n).module, 'export_dflash'))}")
+        if draft.draft_config.pruned and not getattr(engine.module, "DFLASH_DRAFT_VOCAB", False):
+            raise FormatError(f"{draft.path} is a DFlash draft over {draft.draft_config.draft_vocab_size} of the target's "
+                              f"{draft.draft_config.vocab_size} tokens (trained with --draft-vocab-size); {engine.name}'s export "
+                              "carries no d2t yet: export it --to vllm (speculators' layout, which vLLM serves), or "
+                              "train with the whole vocabulary (no --draft-vocab-size)")
         return fn(draft, to, out, config, target=target, allow=allow, others=other_readings)
     return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)
 

@@ -716,16 +716,15 @@ def parse_dflash_config(d: dict[str, Any], *, where: str = "config.json"
     fields, vocab = parse(d, where=where)
     layers = d["transformer_layer_config"]
     if vocab is not None and layers.get("vocab_size") is not None and int(vocab) != int(layers["vocab_size"]):
-        raise FormatError(f"{where}: draft_vocab_size {vocab} is not the target's {layers['vocab_size']}; an "
-                          "eaglewire DFlash draft predicts over the target's whole vocabulary (its head); train the speculators "
-                          f"draft with --draft-vocab-size {layers['vocab_size']} to import it")
+        fields["draft_vocab_size"] = int(vocab)  # a pruned vocabulary: d2t / t2d and lm_head rows in the weights
     found, notes = read_dflash_ids(d)
     return fields, next(iter(found.values())), notes
 
 
 def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
                   allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
-    """Write a DFlash ``draft`` in speculators' layout (vLLM loads it; ids = boundaries)."""
+    """Write a DFlash ``draft`` in speculators' layout (vLLM loads it; ids = boundaries). A pruned vocabulary
+    needs the target's head (``target``, else loaded from the spec the draft records) for its rows."""
     from eaglewire.engines.dflash_format import speculators_config
 
     contract, cfg = draft.contract, draft.draft_config
@@ -738,6 +737,16 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
     engine_config = {**speculators_config(cfg, ids, verifier_name=name, dtype=dtype,
                                           verifier_architecture=contract.target.architecture),
                      **record(draft, arch, f"vllm {VERSION}")}
+    tensors = draft.state()  # a pruned vocabulary's d2t / t2d under speculators' own names and offsets
+    head_note = "The draft uses the target's embedding and lm_head (none are stored)."
+    if cfg.pruned:  # speculators and vLLM load a pruned draft's lm_head from the checkpoint: the target's rows
+        target = target if target is not None else load_export_target(draft)
+        notes += contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
+        head = target.model.get_output_embeddings().weight.detach()
+        tensors["lm_head.weight"] = head[draft_ids(tensors, cfg).to(head.device)].to("cpu", getattr(torch, dtype))
+        head_note = (f"The draft predicts over {cfg.draft_vocab_size} of the target's {cfg.vocab_size} tokens: "
+                     "`lm_head.weight` is the target head's rows of them, `d2t` / `t2d` map them (target id = draft "
+                     "id + d2t); the embedding is the target's.")
     spec = json.dumps({"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": cfg.block_size - 1})
     serving = "\n".join([
         "# Serving this DFlash draft with vLLM", "",
@@ -748,14 +757,23 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
         "trained).", "",
         "```bash", f"vllm serve {name or '<the target>'} \\", f"    --speculative-config '{spec}'", "```", "",
         f"`num_speculative_tokens` is at most block_size - 1 = {cfg.block_size - 1}: one draft pass per block. "
-        "The draft uses the target's embedding and lm_head (none are stored).", "",
+        + head_note, "",
         "## Other engines loading this directory", "",
         "- SGLang cannot load the speculators layout (no DFlashSpeculator model): use "
         "`eaglewire export --to sglang`.",
         "- llama.cpp's converter has no DFlashSpeculator either: use `eaglewire export --to llamacpp`.", ""])
-    files = write_export(out, engine_config, draft.state(), serving)
+    files = write_export(out, engine_config, tensors, serving)
     return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
                                notes=notes))
+
+
+def draft_ids(tensors: dict[str, torch.Tensor], cfg) -> torch.Tensor:
+    """[Vd] target ids of a pruned draft's vocabulary from its d2t offsets."""
+    return torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()
+
+
+# Exports a DFlash draft over a pruned vocabulary (the registry refuses it for the other engines).
+DFLASH_DRAFT_VOCAB = True
 
 
 # ---------------------------------------------------------------- the chat template's switches at launch

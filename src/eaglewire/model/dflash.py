@@ -44,7 +44,7 @@ class DFlashConfig:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    vocab_size: int  # target vocabulary V: the draft predicts over the target's own head
+    vocab_size: int  # target vocabulary V: the draft predicts with the target's own head
     block_size: int  # anchor + block_size - 1 drafted positions per pass
     mask_token_id: int  # the token whose (target) embedding fills the drafted positions
     rms_norm_eps: float = 1e-6
@@ -52,8 +52,16 @@ class DFlashConfig:
     rope_parameters: dict[str, Any] = field(default_factory=dict)
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
+    # Vd: the rows of the target's head the draft predicts over (the most frequent reply tokens, as speculators'
+    # --draft-vocab-size); None or V: the whole vocabulary
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.vocab_size}] "
+                             "(the target vocabulary)")
         if self.num_aux < 1:
             raise ValueError(f"num_aux must be >= 1, got {self.num_aux}")
         if self.num_hidden_layers < 1:
@@ -72,8 +80,9 @@ class DFlashConfig:
                              f"got {self.hidden_size}: it reads the target's embeddings and head")
 
     @property
-    def draft_vocab_size(self) -> int:
-        return self.vocab_size
+    def pruned(self) -> bool:
+        """Whether the draft predicts over part of the target's vocabulary (d2t / t2d maps)."""
+        return self.draft_vocab_size < self.vocab_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,7 +94,7 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, text_config, *, num_aux: int, vocab_size: int, num_layers: int, block_size: int,
-                    mask_token_id: int) -> DFlashConfig:
+                    mask_token_id: int, draft_vocab_size: int | None = None) -> DFlashConfig:
         """The draft's layers take the target's layer shape and RoPE (as the published drafts do)."""
         shape = DraftConfig.from_target(text_config, num_aux=num_aux, draft_vocab_size=vocab_size,
                                         vocab_size=vocab_size)
@@ -94,7 +103,8 @@ class DFlashConfig:
                    num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
                    intermediate_size=shape.intermediate_size, vocab_size=vocab_size, block_size=block_size,
                    mask_token_id=mask_token_id, rms_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta,
-                   rope_parameters=shape.rope_parameters, max_position_embeddings=shape.max_position_embeddings)
+                   rope_parameters=shape.rope_parameters, max_position_embeddings=shape.max_position_embeddings,
+                   draft_vocab_size=draft_vocab_size)
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -187,13 +197,25 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
-        # The full target vocabulary (the target's head): the maps are the identity.
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool), persistent=False)
+        # target id = draft id + d2t[draft id]; t2d[target id] = in the draft vocabulary (as EAGLE-3's maps).
+        # The whole vocabulary: the identity, not stored (a checkpoint of such a draft holds no maps).
+        pruned = config.pruned
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long), persistent=pruned)
+        self.register_buffer("t2d", torch.full((config.vocab_size,), not pruned, dtype=torch.bool), persistent=pruned)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if not self.config.pruned:
+            raise ValueError("a whole-vocabulary DFlash draft has no vocabulary maps to set")
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match draft vocab "
+                             f"{self.config.draft_vocab_size} / target vocab {self.config.vocab_size}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
 
     @property
     def draft_to_target(self) -> torch.Tensor:
-        """[V] target token id of each draft id (the identity: DFlash predicts with the target's head)."""
-        return torch.arange(self.config.vocab_size, device=self.t2d.device)
+        """[Vd] target token id of each draft id (the rows of the target's head the draft predicts over)."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, k*Ht] -> ctx [B, T, H]."""

@@ -43,6 +43,33 @@ def target_lm_head(target) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda h: F.linear(h.to(weight.dtype), weight, bias).float()
 
 
+def draft_head(target, draft: DFlashDraft) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rows of the target's lm_head the draft predicts over: [N, H] -> [N, Vd] fp32 (draft ids; the whole
+    head, target ids, for a whole-vocabulary draft). Training's loss reads these logits."""
+    if not draft.config.pruned:
+        return target_lm_head(target)
+    lm_head = target.model.get_output_embeddings()
+    rows = draft.draft_to_target.to(lm_head.weight.device)
+    weight = lm_head.weight.detach()[rows]  # [Vd, H]
+    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[rows]
+    return lambda h: F.linear(h.to(weight.dtype), weight, bias).float()
+
+
+def draft_lm_head(target, draft: DFlashDraft) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the draft predicts, over the target's vocabulary: [N, H] -> [N, V] fp32 logits, -inf outside the
+    draft vocabulary (only its Vd rows of the head are computed). Decoding, tracing and the doctor read these."""
+    if not draft.config.pruned:
+        return target_lm_head(target)
+    head, V = draft_head(target, draft), draft.config.vocab_size
+    d2t = draft.draft_to_target
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        out = torch.full((h.shape[0], V), float("-inf"), device=h.device)  # [N, V]
+        out[:, d2t.to(h.device)] = head(h)
+        return out
+    return logits
+
+
 def mask_embedding(draft: DFlashDraft, embed: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:
     """[H] the target's embedding of the draft's mask token."""
     ids = torch.tensor([draft.config.mask_token_id], device=device)

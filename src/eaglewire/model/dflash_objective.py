@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.model.dflash import DFlashDraft, block_attention_mask
-from eaglewire.model.ttt import StepCounts, target_signal
+from eaglewire.model.ttt import StepCounts, target_signal, topk_signal
 
 # Block positions scored per chunk of the head and loss: a chunk's [n, V] logits, log-softmax and
 # target probabilities are what a DFlash step holds in memory (V is the whole target vocabulary).
@@ -92,7 +92,8 @@ class BlockSignal:
     anchors: torch.Tensor  # [B, N]
     keep: torch.Tensor  # [B, N] bool
     counted: torch.Tensor  # [B, N, J] bool
-    probs: torch.Tensor  # [P, V] the target's distribution at each counted pair (row-major order), or [P, K]
+    probs: torch.Tensor  # [P, V] the target's distribution at each counted pair (row-major order), or [P, K];
+    # a pruned draft vocabulary: [P, Vd] over draft ids, renormalised there (the pairs whose argmax lies outside dropped)
     argmax: torch.Tensor  # [P] its argmax (target ids)
     label_ids: torch.Tensor | None = None  # [P, K] target ids of ``probs``' columns (stored top-K); None: dense
 
@@ -114,14 +115,28 @@ class BlockSignal:
 def block_signal(loss_mask: torch.Tensor, *, anchors_per_row: int, block_size: int,
                  head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  last_hidden: torch.Tensor | None = None, topk: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 vocab_size: int, generator: torch.Generator | None = None) -> BlockSignal:
+                 vocab_size: int, generator: torch.Generator | None = None,
+                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockSignal:
     """Sample the anchors and read the target's signal at every counted pair: from ``head`` on the
     stored boundary-L ``last_hidden`` [B, T, H], or from the stored top-K ``topk`` = (logprobs, ids),
-    [B, T, K] each."""
+    [B, T, K] each. ``vocab`` = (draft ids' target ids [Vd], t2d [V]): a pruned draft vocabulary, whose
+    signal is read over draft ids as EAGLE-3's is (a pair whose target argmax lies outside is not counted)."""
     anchors, keep = sample_anchors(loss_mask, anchors_per_row, generator)
     index, counted = label_indices(anchors, keep, loss_mask, block_size)
     rows = torch.arange(loss_mask.shape[0], device=loss_mask.device)[:, None, None].expand_as(index)[counted]  # [P]
     cols = index[counted]  # [P]
+    if vocab is not None:
+        draft_ids, t2d = vocab
+        if topk is not None:
+            lp, ids = topk[0][rows, cols][None], topk[1][rows, cols][None]  # [1, P, K]
+            sig = topk_signal(lp, ids, draft_ids, t2d, torch.ones(1, len(rows), dtype=torch.bool, device=lp.device))
+        else:
+            sig = target_signal(head, last_hidden[rows, cols][None], draft_ids, t2d)  # [1, P, Vd]
+        inside = sig.in_vocab[0]  # [P]
+        was, counted = counted, counted.clone()
+        counted[was] = inside  # [B, N, J]
+        return BlockSignal(anchors=anchors, keep=keep, counted=counted, probs=sig.probs[0][inside],
+                           argmax=sig.argmax[0][inside])
     if topk is not None:  # the renormalised top-K over the whole vocabulary, kept as K columns
         lp, ids = topk[0][rows, cols].float(), topk[1][rows, cols].long()  # [P, K]
         argmax = ids.gather(1, lp.argmax(-1, keepdim=True)).squeeze(1)  # [P]
@@ -139,7 +154,8 @@ def block_loss(draft: DFlashDraft, embed: Callable[[torch.Tensor], torch.Tensor]
                ) -> tuple[torch.Tensor, list[StepCounts]]:
     """The blocks through the draft; (weighted loss, counts per drafted position).
 
-    input_ids [B, T]; aux_hidden [B, T, k*Ht]; ``embed`` / ``lm_head`` the target's (frozen).
+    input_ids [B, T]; aux_hidden [B, T, k*Ht]; ``embed`` the target's, ``lm_head`` the draft's rows of the
+    target's head (``draft_head``), both frozen.
     Loss: sum_j w_j * (sum over counted pairs at j of -sum_v p_target log q_draft) / N_j, N_j this
     batch's count at j or ``normalizers[j]`` (a part of a larger step, as ``ttt_unroll``).
     Counts: ``correct`` when the draft's argmax is the target's; ``cond_*`` among pairs whose earlier
@@ -148,6 +164,7 @@ def block_loss(draft: DFlashDraft, embed: Callable[[torch.Tensor], torch.Tensor]
     cfg = draft.config
     bs, J = cfg.block_size, cfg.block_size - 1
     B, T = input_ids.shape
+    d2t = draft.draft_to_target  # [Vd] target id of each column of ``lm_head``'s logits
     N = signal.anchors.shape[1]
     counts = [StepCounts() for _ in range(J)]
     if N == 0 or not bool(signal.counted.any()):
@@ -168,11 +185,11 @@ def block_loss(draft: DFlashDraft, embed: Callable[[torch.Tensor], torch.Tensor]
     total = ctx.new_zeros(())
     ce_all, right_all = [], []
     for s in range(0, hidden.shape[0], HEAD_CHUNK):
-        logits = lm_head(hidden[s:s + HEAD_CHUNK]).float()  # [n, V]
+        logits = lm_head(hidden[s:s + HEAD_CHUNK]).float()  # [n, Vd] (Vd = V unless the vocabulary is pruned)
         ce = signal.cross_entropy(s, logits)  # [n]
         total = total + (ce * scale[position[s:s + HEAD_CHUNK]]).sum()
         ce_all.append(ce.detach())
-        right_all.append(logits.detach().argmax(-1) == signal.argmax[s:s + HEAD_CHUNK])
+        right_all.append(d2t[logits.detach().argmax(-1)] == signal.argmax[s:s + HEAD_CHUNK])
     with torch.no_grad():
         ce, right = torch.cat(ce_all), torch.cat(right_all)  # [P]
         grid = torch.zeros_like(signal.counted)  # [B, N, J] right, False where not counted

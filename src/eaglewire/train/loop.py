@@ -41,6 +41,7 @@ from eaglewire.train.curves import REPORT_TO, Curves, open_curves, require as re
 log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
+EAGLE3_DRAFT_VOCAB = 8192  # --draft-vocab-size of an EAGLE-3 draft when not given
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -56,7 +57,7 @@ class TrainConfig:
     aux_boundaries: list[int] | None = field(default=None, metadata={"help": "online mode: boundaries to capture (default [2, L//2, L-3])"})
     ttt_steps: int = field(default=7, metadata={"help": "training-time-test unroll steps"})
     loss_decay: float = field(default=0.8, metadata={"help": "weight of step j is loss_decay**j"})
-    draft_vocab_size: int = field(default=8192, metadata={"help": "draft vocabulary size (most frequent assistant tokens)"})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "draft vocabulary size (most frequent assistant tokens); default 8192 for EAGLE-3, the target's whole vocabulary for DFlash (which predicts with the target's head: a smaller vocabulary computes only those rows)"})
     init_draft: str | None = field(default=None, metadata={"help": "start from this draft's weights and vocabulary (same contract; new optimizer and schedule); an SGLang, SpecForge, speculators or EAGLE directory is converted"})
     epochs: int = field(default=1, metadata={"help": "passes over the training split"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
@@ -96,7 +97,11 @@ class TrainConfig:
             raise ValueError("--head-only trains on stored states (--data); online capture runs the whole target")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
-        for name in ("epochs", "batch_tokens", "grad_accum", "eval_interval", "save_interval", "log_interval", "draft_vocab_size"):
+        if self.draft_vocab_size is None and self.family == "eagle3":
+            self.draft_vocab_size = EAGLE3_DRAFT_VOCAB
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        for name in ("epochs", "batch_tokens", "grad_accum", "eval_interval", "save_interval", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.loss_decay <= 1:
@@ -307,13 +312,14 @@ class Trainer:
             return DFlashObjective(self.target, block_size=cfg.block_size, layers=cfg.draft_layers,
                                    anchors=cfg.anchors_per_sequence,
                                    gamma=cfg.block_loss_gamma or default_gamma(cfg.block_size),
-                                   mask_token_id=cfg.mask_token_id, seed=cfg.seed)
+                                   mask_token_id=cfg.mask_token_id, seed=cfg.seed,
+                                   draft_vocab_size=cfg.draft_vocab_size)
         return Eagle3Objective(self.target, ttt_steps=cfg.ttt_steps, loss_decay=cfg.loss_decay,
                                draft_vocab_size=cfg.draft_vocab_size)
 
     def build_draft(self) -> tuple[torch.nn.Module, float]:
         cfg, target = self.config, self.target
-        if cfg.family == "eagle3" and cfg.draft_vocab_size > target.vocab_size:
+        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > target.vocab_size:
             raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary "
                              f"({target.vocab_size}); pick at most {target.vocab_size}")
         torch.manual_seed(cfg.seed)
@@ -459,6 +465,8 @@ class Trainer:
         # A field the stored run predates had its default then.
         defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
         was = {k: state["config"].get(k, defaults.get(k)) for k in now}
+        if was.get("family") == "dflash" and was.get("draft_vocab_size") == EAGLE3_DRAFT_VOCAB:
+            was["draft_vocab_size"] = None  # recorded before DFlash read it, when it meant the whole vocabulary
         diff = {k: (was[k], v) for k, v in now.items() if was[k] != v}
         if diff:
             lines = "; ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())

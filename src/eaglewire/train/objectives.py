@@ -15,8 +15,8 @@ import torch
 
 from eaglewire.data.sources import Batch
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft, default_mask_token_id
-from eaglewire.model.dflash_blocks import target_lm_head
-from eaglewire.model.dflash_objective import BlockSignal, block_loss, block_signal, position_weights
+from eaglewire.model.dflash_blocks import draft_head
+from eaglewire.model.dflash_objective import BlockSignal, block_loss, block_signal, label_indices, position_weights
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.model.target import Target
 from eaglewire.model.target_head import HeadOnlyError, unnorm_weight
@@ -74,12 +74,18 @@ class DFlashObjective:
     """Parallel blocks at sampled anchors (model/dflash_objective.py), the target's embedding and head."""
 
     def __init__(self, target: Target, *, block_size: int, layers: int, anchors: int, gamma: float,
-                 mask_token_id: int | None, seed: int) -> None:
+                 mask_token_id: int | None, seed: int, draft_vocab_size: int | None = None) -> None:
         self.target, self.block_size, self.layers, self.anchors, self.gamma = target, block_size, layers, anchors, gamma
         self.mask_token_id, self.seed = mask_token_id, seed
+        self.vocab = draft_vocab_size  # None: the target's whole vocabulary
         self.positions = block_size - 1
         self.weights = position_weights(block_size, gamma)
-        self.lm_head = target_lm_head(target)  # the target's head, frozen, on the draft's normed output
+        self._head = None  # (draft, its rows of the target's head): frozen, on the draft's normed output
+
+    def lm_head(self, draft: DFlashDraft):
+        if self._head is None or self._head[0] is not draft:
+            self._head = (draft, draft_head(self.target, draft))
+        return self._head[1]
 
     def build(self, target: Target, num_aux: int, counts: torch.Tensor) -> DFlashDraft:
         mask = self.mask_token_id
@@ -91,7 +97,9 @@ class DFlashObjective:
                              "would not tell a drafted position from that token: pass --mask-token-id with an unused id")
         draft = DFlashDraft(DFlashConfig.from_target(target.text_config, num_aux=num_aux, vocab_size=target.vocab_size,
                                                      num_layers=self.layers, block_size=self.block_size,
-                                                     mask_token_id=mask))
+                                                     mask_token_id=mask, draft_vocab_size=self.vocab))
+        if draft.config.pruned:  # the most frequent reply tokens, as EAGLE-3's (and speculators') draft vocabulary
+            draft.set_vocab(*build_draft_vocab(counts, draft.config.draft_vocab_size))
         # The target's head reads states through the target's final norm: starting the draft's own final
         # norm at the same per-channel scale makes its first logits the head's reading of a normed state.
         with torch.no_grad():
@@ -107,22 +115,24 @@ class DFlashObjective:
         generator = torch.Generator().manual_seed(self.seed) if evaluation else None
         topk = (batch.topk_logprobs, batch.topk_ids) if batch.topk_ids is not None else None
         last = None if topk is not None else batch.last_hidden.to(self.target.dtype)
+        vocab = (draft.draft_to_target, draft.t2d) if draft.config.pruned else None
         return block_signal(batch.loss_mask, anchors_per_row=self.anchors, block_size=self.block_size,
                             head=self.target.head, last_hidden=last, topk=topk, vocab_size=self.target.vocab_size,
-                            generator=generator)
+                            generator=generator, vocab=vocab)
 
     def counted(self, batch: Batch, signal: BlockSignal) -> list[int]:
         return signal.per_position()
 
     def loss(self, draft, batch: Batch, signal: BlockSignal, normalizers):
         embed = self.target.embed_tokens
-        return block_loss(draft, lambda ids: embed(ids).float(), self.lm_head,
+        return block_loss(draft, lambda ids: embed(ids).float(), self.lm_head(draft),
                           batch.input_ids, batch.aux_hidden.float(), signal, gamma=self.gamma,
                           normalizers=normalizers)
 
     def coverage(self, batch: Batch, signal: BlockSignal) -> tuple[int, int]:
-        n = int(signal.counted.sum())
-        return n, n  # the whole target vocabulary
+        """(pairs counted, pairs under the loss mask): a pruned vocabulary drops those whose target argmax is outside."""
+        _, supervised = label_indices(signal.anchors, signal.keep, batch.loss_mask, self.block_size)
+        return int(signal.counted.sum()), int(supervised.sum())
 
 
 def summary_loss(counts: list[StepCounts], weights: list[float]) -> float:
