@@ -8,20 +8,16 @@ import pytest
 import torch
 
 from eaglewire import engines
-from eaglewire.core.contract import HiddenStateContract
-from eaglewire.data.shards import ShardWriter
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.engines.shared import FormatError
-from eaglewire.model.capture import capture
 from eaglewire.model.checkpoint import load_draft
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
 from eaglewire.model.dflash_blocks import draft_head, draft_lm_head, target_lm_head
 from eaglewire.model.dflash_objective import block_signal
-from eaglewire.model.target import load_target
 from eaglewire.model.vocab import vocab_maps
 from eaglewire.train.loop import TrainConfig, train
-from tiny import random_dflash_draft, save_tiny_dir, tiny_target
+from tiny import random_dflash_draft, sharp_shards, tiny_target
 
 AUX = (2, 4, 5)
 VOCAB, COMMON, DRAFT_VOCAB = 32, 8, 10  # replies mostly use ids 0..7, a few others: the draft keeps ten rows
@@ -40,20 +36,13 @@ def _pruned(draft: DFlashDraft, target_ids: list[int]) -> DFlashDraft:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash-vocab")
-    target_dir = save_tiny_dir(root / "target", vocab_size=VOCAB)
-    target = load_target(str(target_dir), device="cpu", dtype="fp32")
-    with torch.no_grad():
-        target.model.lm_head.weight.mul_(20)  # a sharp next-token distribution: its argmax is learnable
-    target.model.save_pretrained(target_dir)
-    target = load_target(str(target_dir), device="cpu", dtype="fp32")
-    contract = HiddenStateContract(aux_boundaries=AUX, target=target.fingerprint)
-    g = torch.Generator().manual_seed(0)
-    with ShardWriter(root / "data", contract, source={"test": True}, dtype="fp16") as w:
-        for i in range(48):
-            ids = torch.randint(0, COMMON, (1, 24), generator=g)
-            ids[0, torch.randint(0, 24, (2,), generator=g)] = torch.randint(COMMON, VOCAB - 1, (2,), generator=g)
-            got = capture(target, ids, contract)
-            w.add(f"s{i}", ids[0], torch.arange(24) >= 4, got.aux_hidden[0], got.last_hidden[0])
+
+    def replies(g):  # mostly ids 0..7, two rarer ones a sequence
+        ids = torch.randint(0, COMMON, (1, 24), generator=g)
+        ids[0, torch.randint(0, 24, (2,), generator=g)] = torch.randint(COMMON, VOCAB - 1, (2,), generator=g)
+        return ids
+
+    target_dir, target = sharp_shards(root, VOCAB, AUX, replies)
     train(TrainConfig(out=str(root / "draft"), target=str(target_dir), data=str(root / "data"), family="dflash",
                       draft_vocab_size=DRAFT_VOCAB, block_size=4, draft_layers=1, anchors_per_sequence=16, epochs=20,
                       mask_token_id=VOCAB - 1, lr=5e-3, warmup_steps=2, batch_tokens=256, val_sequences=4,

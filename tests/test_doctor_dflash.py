@@ -10,17 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eaglewire.core.contract import HiddenStateContract
-from eaglewire.data.shards import ShardWriter
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.doctor.measure import Sequence, capture_batches, engine_agreement, isolation_accuracy
 from eaglewire.model.capture import capture
 from eaglewire.model.checkpoint import load_draft, save_draft
 from eaglewire.model.dflash_blocks import target_lm_head
-from eaglewire.model.target import load_target
 from eaglewire.train.loop import TrainConfig, train
 from test_dflash_acceptance import decode_block
-from tiny import random_dflash_draft, save_tiny_dir, tiny_target
+from tiny import random_dflash_draft, sharp_shards, tiny_target
 
 AUX = (2, 4, 5)
 VOCAB = 16  # few tokens: a briefly trained block draft learns the tiny target's argmax
@@ -113,19 +110,8 @@ def trained(tmp_path_factory):
     """A tiny target directory, shards of its states at boundaries 1..6 and AUX, and a DFlash draft
     trained briefly on AUX."""
     root = tmp_path_factory.mktemp("dflash-doctor")
-    target_dir = save_tiny_dir(root / "target", vocab_size=VOCAB)
-    target = load_target(str(target_dir), device="cpu", dtype="fp32")
-    with torch.no_grad():
-        target.model.lm_head.weight.mul_(20)  # a sharp next-token distribution: its argmax is learnable
-    target.model.save_pretrained(target_dir)
-    target = load_target(str(target_dir), device="cpu", dtype="fp32")
-    contract = HiddenStateContract(aux_boundaries=AUX, target=target.fingerprint)
-    g = torch.Generator().manual_seed(0)
-    with ShardWriter(root / "data", contract, source={"test": True}, dtype="fp16") as w:
-        for i in range(48):
-            ids = torch.randint(0, VOCAB - 1, (1, 24), generator=g)  # VOCAB - 1: the mask token
-            got = capture(target, ids, contract)
-            w.add(f"s{i}", ids[0], torch.arange(24) >= 4, got.aux_hidden[0], got.last_hidden[0])
+    # VOCAB - 1: the mask token, never in the data
+    target_dir, target = sharp_shards(root, VOCAB, AUX, lambda g: torch.randint(0, VOCAB - 1, (1, 24), generator=g))
     train(TrainConfig(out=str(root / "draft"), target=str(target_dir), data=str(root / "data"), family="dflash",
                       block_size=4, draft_layers=1, anchors_per_sequence=16, epochs=30, mask_token_id=VOCAB - 1, lr=5e-3, warmup_steps=2,
                       batch_tokens=256, val_sequences=4, eval_interval=1000, save_interval=1000, device="cpu",

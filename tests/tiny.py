@@ -126,3 +126,29 @@ def thinking_target(target: Target) -> Target:
     tokenizer = copy.deepcopy(target.tokenizer)
     tokenizer.chat_template = THINKING_TEMPLATE
     return Target(model=target.model, tokenizer=tokenizer, spec=f"{target.spec}-thinking")
+
+
+def sharp_shards(root, vocab_size: int, aux_boundaries, token_ids, *, n: int = 48, length: int = 24, prompt: int = 4):
+    """A tiny target directory whose head is sharpened (a learnable next-token argmax) and fp16 shards of its states:
+    ``n`` sequences ``token_ids(generator)`` -> [1, length] ids, replies from position ``prompt``. (target_dir, target)."""
+    import torch
+
+    from eaglewire.core.contract import HiddenStateContract
+    from eaglewire.data.shards import ShardWriter
+    from eaglewire.model.capture import capture
+    from eaglewire.model.target import load_target
+
+    target_dir = save_tiny_dir(root / "target", vocab_size=vocab_size)
+    target = load_target(str(target_dir), device="cpu", dtype="fp32")
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(20)  # a sharp next-token distribution: its argmax is learnable
+    target.model.save_pretrained(target_dir)
+    target = load_target(str(target_dir), device="cpu", dtype="fp32")
+    contract = HiddenStateContract(aux_boundaries=tuple(aux_boundaries), target=target.fingerprint)
+    g = torch.Generator().manual_seed(0)
+    with ShardWriter(root / "data", contract, source={"test": True}, dtype="fp16") as w:
+        for i in range(n):
+            ids = token_ids(g)
+            got = capture(target, ids, contract)
+            w.add(f"s{i}", ids[0], torch.arange(length) >= prompt, got.aux_hidden[0], got.last_hidden[0])
+    return target_dir, target
