@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from eaglewire.decode.gemm import PackedLinear, pack_linears
 from eaglewire.decode.tree import Tree, block_tree
 from eaglewire.model.dflash import DFlashDraft
+from eaglewire.model.dflash_blocks import head_rows, to_target_vocab
 from eaglewire.model.target import Target
 
 
@@ -57,14 +58,9 @@ class DFlashDrafter:
         self.target = target
         self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
         self.dtype = next(draft.parameters()).dtype
-        head = target.model.get_output_embeddings()
         # the rows of the target's head the draft predicts over (all of them unless its vocabulary is pruned)
-        self.d2t = draft.draft_to_target.to(target.device) if draft.config.pruned else None  # [Vd]
-        rows = slice(None) if self.d2t is None else self.d2t.to(head.weight.device)
-        bias = getattr(head, "bias", None)
-        self.lm_head = PackedLinear(head.weight.detach()[rows], None if bias is None else bias.detach()[rows],
-                                    dtype=self.dtype)  # H -> Vd
-        self.vocab_size = draft.config.vocab_size
+        weight, bias = head_rows(target, draft.draft_to_target if draft.config.pruned else None)
+        self.lm_head = PackedLinear(weight, bias, dtype=self.dtype)  # H -> Vd
         self.num_steps, self.topk, self.num_draft_tokens, self.min_score = num_steps, topk, num_draft_tokens, min_score
         with torch.no_grad():
             mask_id = torch.tensor([draft.config.mask_token_id], device=target.device)
@@ -92,12 +88,7 @@ class DFlashDrafter:
         tokens at position+1..position+n."""
         anchor = self.target.embed_tokens(torch.tensor([root], device=self.target.device)).to(self.dtype)  # [1, H]
         hidden = self.draft.draft_block(anchor, self.mask_emb, position, self.context.kv)[0, :self.num_steps]  # [n, H]
-        logprobs = F.log_softmax(self.lm_head(hidden).float(), dim=-1)  # [n, Vd]
-        if self.d2t is None:
-            return logprobs
-        full = torch.full((logprobs.shape[0], self.vocab_size), float("-inf"), device=logprobs.device)  # [n, V]
-        full[:, self.d2t] = logprobs
-        return full
+        return to_target_vocab(F.log_softmax(self.lm_head(hidden).float(), dim=-1), self.draft)  # [n, V]
 
     def propose(self, root: int, position: int) -> Tree:
         """The tree to verify for the root at ``position`` (a chain when topk is 1)."""

@@ -19,7 +19,7 @@ from eaglewire.model.capture import capture
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.sources import pad_right
 from eaglewire.acceptance.replay import RoundAgreement, compare_rounds
-from eaglewire.model.dflash_blocks import block_judgements, draft_lm_head, is_block_draft, mask_embedding
+from eaglewire.model.dflash_blocks import block_judgements, draft_head, is_block_draft, mask_embedding
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
 from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_positions, shift_left, target_signal, ttt_unroll,
@@ -62,7 +62,7 @@ def block_parts(target: Target, draft) -> dict:
     EvalBatch fields; nothing for an EAGLE-3 draft."""
     if not is_block_draft(draft):
         return {}
-    return {"mask_emb": mask_embedding(draft, target.embed_tokens, target.device), "lm_head": draft_lm_head(target, draft)}
+    return {"mask_emb": mask_embedding(draft, target.embed_tokens, target.device), "lm_head": draft_head(target, draft)}
 
 
 def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence], boundaries: list[int],

@@ -29,6 +29,7 @@ import torch
 
 from eaglewire.engines.shared import FormatError, parse_rope
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
+from eaglewire.model.vocab import target_ids
 
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
 SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
@@ -179,7 +180,7 @@ def vocab_maps_of(foreign: dict[str, torch.Tensor], draft_vocab_size: int, vocab
     if tuple(d2t.shape) != (draft_vocab_size,) or tuple(t2d.shape) != (vocab_size,):
         raise FormatError(f"{where}: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match draft vocab "
                           f"{draft_vocab_size} / target vocab {vocab_size}")
-    ids = torch.arange(draft_vocab_size) + d2t  # [Vd] target ids
+    ids = target_ids(d2t)  # [Vd]
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or not bool(t2d[ids].all()) or int(t2d.sum()) != draft_vocab_size:
         raise FormatError(f"{where}: d2t (offsets: target id = draft id + d2t) and t2d name different tokens")
     return {"d2t": d2t, "t2d": t2d}

@@ -46,6 +46,7 @@ from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.core.contract import ContractError, EngineConventionError
 from eaglewire.core.contract import target_arch as target_arch_key
 from eaglewire.model.draft import DraftConfig
+from eaglewire.model.vocab import target_ids
 import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       load_export_target, record, serving_dtype, stored_dtype, verifier,
@@ -743,7 +744,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
         target = target if target is not None else load_export_target(draft)
         notes += contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
         head = target.model.get_output_embeddings().weight.detach()
-        tensors["lm_head.weight"] = head[draft_ids(tensors, cfg).to(head.device)].to("cpu", getattr(torch, dtype))
+        tensors["lm_head.weight"] = head[target_ids(tensors["d2t"].long()).to(head.device)].to("cpu", getattr(torch, dtype))
         head_note = (f"The draft predicts over {cfg.draft_vocab_size} of the target's {cfg.vocab_size} tokens: "
                      "`lm_head.weight` is the target head's rows of them, `d2t` / `t2d` map them (target id = draft "
                      "id + d2t); the embedding is the target's.")
@@ -765,11 +766,6 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
     files = write_export(out, engine_config, tensors, serving)
     return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
                                notes=notes))
-
-
-def draft_ids(tensors: dict[str, torch.Tensor], cfg) -> torch.Tensor:
-    """[Vd] target ids of a pruned draft's vocabulary from its d2t offsets."""
-    return torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()
 
 
 # Exports a DFlash draft over a pruned vocabulary (the registry refuses it for the other engines).

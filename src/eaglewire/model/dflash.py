@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglewire.model.draft import MLP, DraftConfig, RMSNorm, Rotary, apply_rope
+from eaglewire.model.vocab import target_ids
 
 FAMILY = "dflash"
 
@@ -215,7 +216,7 @@ class DFlashDraft(nn.Module):
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[Vd] target token id of each draft id (the rows of the target's head the draft predicts over)."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return target_ids(self.d2t)
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, k*Ht] -> ctx [B, T, H]."""

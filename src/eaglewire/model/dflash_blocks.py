@@ -33,41 +33,46 @@ def is_block_draft(draft) -> bool:
     return getattr(draft, "family", None) == DFlashDraft.family
 
 
-def target_lm_head(target) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The target's lm_head alone, as a DFlash draft reads its normed output: [N, H] -> [N, V] fp32
-    (not ``Target.head``, which would apply the target's final norm again)."""
+def head_rows(target, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [R, H], bias [R] or None) of the target's lm_head, frozen, at ``rows`` (None: all V)."""
     lm_head = target.model.get_output_embeddings()
     # frozen: training computes no gradient for the target's [V, H] weight
-    weight = lm_head.weight.detach()
-    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
+    weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
+    bias = None if bias is None else bias.detach()
+    if rows is None:
+        return weight, bias
+    rows = rows.to(weight.device)
+    return weight[rows], None if bias is None else bias[rows]
+
+
+def target_lm_head(target, rows: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's lm_head alone, as a DFlash draft reads its normed output: [N, H] -> [N, V] fp32
+    (not ``Target.head``, which would apply the target's final norm again); ``rows``: only those [R]."""
+    weight, bias = head_rows(target, rows)
     return lambda h: F.linear(h.to(weight.dtype), weight, bias).float()
 
 
 def draft_head(target, draft: DFlashDraft) -> Callable[[torch.Tensor], torch.Tensor]:
     """The rows of the target's lm_head the draft predicts over: [N, H] -> [N, Vd] fp32 (draft ids; the whole
-    head, target ids, for a whole-vocabulary draft). Training's loss reads these logits."""
+    head, target ids, for a whole-vocabulary draft). The loss and the doctor's judgements read these logits."""
+    return target_lm_head(target, draft.draft_to_target if draft.config.pruned else None)
+
+
+def to_target_vocab(logits: torch.Tensor, draft: DFlashDraft) -> torch.Tensor:
+    """[N, Vd] over draft ids -> [N, V] over target ids, -inf outside a pruned draft vocabulary (unchanged for a
+    whole-vocabulary draft), as vLLM's qwen3_dflash.py compute_logits scatters them."""
     if not draft.config.pruned:
-        return target_lm_head(target)
-    lm_head = target.model.get_output_embeddings()
-    rows = draft.draft_to_target.to(lm_head.weight.device)
-    weight = lm_head.weight.detach()[rows]  # [Vd, H]
-    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()[rows]
-    return lambda h: F.linear(h.to(weight.dtype), weight, bias).float()
+        return logits
+    out = logits.new_full((logits.shape[0], draft.config.vocab_size), float("-inf"))  # [N, V]
+    out[:, draft.draft_to_target.to(logits.device)] = logits
+    return out
 
 
 def draft_lm_head(target, draft: DFlashDraft) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the draft predicts, over the target's vocabulary: [N, H] -> [N, V] fp32 logits, -inf outside the
-    draft vocabulary (only its Vd rows of the head are computed). Decoding, tracing and the doctor read these."""
-    if not draft.config.pruned:
-        return target_lm_head(target)
-    head, V = draft_head(target, draft), draft.config.vocab_size
-    d2t = draft.draft_to_target
-
-    def logits(h: torch.Tensor) -> torch.Tensor:
-        out = torch.full((h.shape[0], V), float("-inf"), device=h.device)  # [N, V]
-        out[:, d2t.to(h.device)] = head(h)
-        return out
-    return logits
+    draft vocabulary (only its Vd rows of the head are computed). Decoding's tracing and timing read these."""
+    head = draft_head(target, draft)
+    return lambda h: to_target_vocab(head(h), draft)
 
 
 def mask_embedding(draft: DFlashDraft, embed: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:
@@ -126,7 +131,8 @@ def block_judgements(draft: DFlashDraft, lm_head: Callable[[torch.Tensor], torch
     loss mask and the target's argmax at a+j-1 lies in the draft vocabulary (``signal.in_vocab``);
     ``cond_*`` among those whose earlier positions in the block were all counted and right (an
     uncounted one breaks the chain, as in training's counts). ``positions``: judge only the first
-    ones (the block is computed whole all the same).
+    ones (the block is computed whole all the same). ``lm_head``: the draft's rows of the target's head
+    (``draft_head``: [m, H] -> [m, Vd] fp32 logits over draft ids).
     """
     B, T, _ = emb.shape
     J = min(positions or draft.config.block_size - 1, draft.config.block_size - 1)
@@ -144,7 +150,7 @@ def block_judgements(draft: DFlashDraft, lm_head: Callable[[torch.Tensor], torch
         r, a = rows.expand_as(counted)[counted], at.expand_as(counted)[counted]  # [P] each
         right, ce = torch.zeros(len(sel), dtype=torch.bool, device=emb.device), torch.zeros(len(sel), device=emb.device)
         for s in range(0, len(sel), HEAD_CHUNK):
-            logits = lm_head(sel[s:s + HEAD_CHUNK])[:, d2t].float()  # [m, Vd]
+            logits = lm_head(sel[s:s + HEAD_CHUNK])  # [m, Vd] fp32
             right[s:s + HEAD_CHUNK] = d2t[logits.argmax(-1)] == signal.argmax[r[s:s + HEAD_CHUNK], a[s:s + HEAD_CHUNK]]
             p = signal.probs[r[s:s + HEAD_CHUNK], a[s:s + HEAD_CHUNK]]  # [m, Vd]
             ce[s:s + HEAD_CHUNK] = -(p * F.log_softmax(logits, dim=-1)).sum(-1)

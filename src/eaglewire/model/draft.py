@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglewire.model.ttt_attention import ttt_attention
+from eaglewire.model.vocab import target_ids
 
 
 @dataclass(kw_only=True)
@@ -219,7 +220,7 @@ class Eagle3Draft(nn.Module):
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[Vd] target token id of each draft id."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return target_ids(self.d2t)
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, k*Ht] -> [B, T, H]."""

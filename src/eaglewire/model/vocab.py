@@ -51,6 +51,11 @@ def rank_by_count(counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(counts.long() * n - torch.arange(n), descending=True)
 
 
+def target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """d2t [Vd] offsets -> [Vd] the target id of each draft id (draft id + d2t)."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
 def vocab_maps(target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft vocabulary's target ids [Vd] (ascending) -> (d2t [Vd] long, t2d [V] bool)."""
     d2t = target_ids - torch.arange(target_ids.numel())
