@@ -113,7 +113,7 @@ def trained(tmp_path_factory):
     # VOCAB - 1: the mask token, never in the data
     target_dir, target = sharp_shards(root, VOCAB, AUX, lambda g: torch.randint(0, VOCAB - 1, (1, 24), generator=g))
     train(TrainConfig(out=str(root / "draft"), target=str(target_dir), data=str(root / "data"), family="dflash",
-                      block_size=4, draft_layers=1, anchors_per_sequence=16, epochs=30, mask_token_id=VOCAB - 1, lr=5e-3, warmup_steps=2,
+                      block_size=4, draft_layers=1, anchors_per_sequence=16, epochs=60, mask_token_id=VOCAB - 1, lr=5e-3, warmup_steps=2,
                       batch_tokens=256, val_sequences=4, eval_interval=1000, save_interval=1000, device="cpu",
                       skip_label_check=True), progress=False)
     return root, target_dir, target
