@@ -5,6 +5,9 @@
     # the minutes (a first minute of each run says its tokens/s in metrics.jsonl)
     python benchmarks/families.py train --data runs/data --out runs/families --minutes 42 \
         --steps eagle3=720 --steps dflash=1320
+    # both budgets extended alike: each family starts from its draft of a previous run (new schedule)
+    python benchmarks/families.py train --data runs/data --out runs/families-2 --init-from runs/families \
+        --minutes 80 --steps eagle3=1200 --steps dflash=4800
     # held-out τ in eaglewire's engine (greedy, 256 tokens, MT-bench and HumanEval), outputs vs plain
     python benchmarks/families.py measure --out runs/families --num-prompts 10
     # both in llama-server (draft-eagle3 / draft-dflash) against its plain decoding, per target GGUF
@@ -54,8 +57,9 @@ def train(args: argparse.Namespace) -> None:
         draft = out / family
         resume = ["--resume"] if (draft / "train_state.pt").exists() else []
         steps = dict(kv.split("=") for kv in args.steps).get(family)
+        init = ["--init-draft", str(Path(args.init_from) / family)] if args.init_from else []
         cmd = [*eaglewire(), "train", "--target", args.target, "--data", args.data, "--out", str(draft),
-               "--minutes", str(args.minutes), *COMMON, *recipe, *resume, *args.extra,
+               "--minutes", str(args.minutes), *COMMON, *recipe, *resume, *init, *args.extra,
                *(["--max-steps", steps] if steps else [])]
         log = open(out / f"{family}.log", "a")
         log.write(f"$ {' '.join(cmd)}\n")
@@ -122,6 +126,8 @@ def main() -> None:
     t.add_argument("--minutes", type=float, default=60)
     t.add_argument("--threads-each", type=int, default=1)
     t.add_argument("--steps", action="append", default=[], help="FAMILY=N: that family's --max-steps")
+    t.add_argument("--init-from", help="a previous --out: each family starts from its draft there (--init-draft: "
+                                       "its weights, a new optimizer and schedule), extending both budgets alike")
     t.add_argument("extra", nargs="*", help="more train flags for both, after --")
     m = sub.add_parser("measure")
     m.add_argument("--out", required=True)

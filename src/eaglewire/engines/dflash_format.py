@@ -186,6 +186,13 @@ def vocab_maps_of(foreign: dict[str, torch.Tensor], draft_vocab_size: int, vocab
     return {"d2t": d2t, "t2d": t2d}
 
 
+def head_rows_tensor(d2t: torch.Tensor, target, dtype: torch.dtype) -> torch.Tensor:
+    """The target head's rows of a pruned vocabulary [Vd, H] (target id = draft id + ``d2t``), as speculators
+    saves ``lm_head.weight`` and llama.cpp's converter writes ``output.weight``."""
+    head = target.model.get_output_embeddings().weight.detach()  # [V, H]
+    return head[target_ids(d2t.long()).to(head.device)].to("cpu", dtype)
+
+
 def check_head_rows(lm_head: torch.Tensor | None, draft: DFlashDraft, target, *, where: str) -> None:
     """A checkpoint's ``lm_head.weight``, where it carries one, must be the target head's rows of the draft's
     vocabulary (speculators saves them frozen for a pruned vocabulary; every engine reads the target's head

@@ -88,6 +88,11 @@ def names(capability: str | None = None, *, aliases: bool = True) -> tuple[str, 
                  for n in ((e.name, *e.aliases) if aliases else (e.name,)))
 
 
+def pruned_dflash_exports() -> tuple[str, ...]:
+    """The engines whose DFlash export carries a pruned vocabulary (d2t and the target head's rows)."""
+    return tuple(e.name for e in ENGINES if e.can("export") and getattr(e.module, "DFLASH_DRAFT_VOCAB", False))
+
+
 def get(name: str, capability: str | None = None, *, param: str = "engine") -> Engine:
     """The engine called ``name`` (an alias resolves to its engine); ValueError naming the valid
     names (those with ``capability``, when given)."""
@@ -234,7 +239,7 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target=
         if draft.draft_config.pruned and not getattr(engine.module, "DFLASH_DRAFT_VOCAB", False):
             raise FormatError(f"{draft.path} is a DFlash draft over {draft.draft_config.draft_vocab_size} of the target's "
                               f"{draft.draft_config.vocab_size} tokens (trained with --draft-vocab-size); {engine.name}'s export "
-                              "carries no d2t yet: export it --to vllm (speculators' layout, which vLLM serves), or "
+                              f"carries no d2t yet: export it --to {' or --to '.join(pruned_dflash_exports())}, or "
                               "train with the whole vocabulary (no --draft-vocab-size)")
         return fn(draft, to, out, config, target=target, allow=allow, others=other_readings)
     return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)

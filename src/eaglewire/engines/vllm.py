@@ -46,7 +46,6 @@ from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.core.contract import ContractError, EngineConventionError
 from eaglewire.core.contract import target_arch as target_arch_key
 from eaglewire.model.draft import DraftConfig
-from eaglewire.model.vocab import target_ids
 import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       load_export_target, record, serving_dtype, stored_dtype, verifier,
@@ -726,7 +725,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
                   allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
     """Write a DFlash ``draft`` in speculators' layout (vLLM loads it; ids = boundaries). A pruned vocabulary
     needs the target's head (``target``, else loaded from the spec the draft records) for its rows."""
-    from eaglewire.engines.dflash_format import speculators_config
+    from eaglewire.engines.dflash_format import head_rows_tensor, speculators_config
 
     contract, cfg = draft.contract, draft.draft_config
     bounds, L = list(contract.aux_boundaries), contract.num_layers
@@ -743,8 +742,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
     if cfg.pruned:  # speculators and vLLM load a pruned draft's lm_head from the checkpoint: the target's rows
         target = target if target is not None else load_export_target(draft)
         notes += contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
-        head = target.model.get_output_embeddings().weight.detach()
-        tensors["lm_head.weight"] = head[target_ids(tensors["d2t"].long()).to(head.device)].to("cpu", getattr(torch, dtype))
+        tensors["lm_head.weight"] = head_rows_tensor(tensors["d2t"], target, getattr(torch, dtype))
         head_note = (f"The draft predicts over {cfg.draft_vocab_size} of the target's {cfg.vocab_size} tokens: "
                      "`lm_head.weight` is the target head's rows of them, `d2t` / `t2d` map them (target id = draft "
                      "id + d2t); the embedding is the target's.")

@@ -23,6 +23,8 @@ from typing import Any
 
 from dataclasses import replace
 
+import torch
+
 from eaglewire.model.checkpoint import DraftFiles
 import eaglewire.engines.vllm as vllm
 from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice
@@ -286,8 +288,12 @@ def dflash_layout_problem(meta: dict[str, Any], boundaries: list[int], num_layer
 
 
 def dflash_serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], block_size: int,
-                      threads: int) -> str:
+                      threads: int, draft_vocab_size: int | None = None) -> str:
     t, n = str(threads), block_size - 1
+    vocab = [] if draft_vocab_size is None else [
+        f"The draft predicts over {draft_vocab_size} of the target's tokens: the GGUF holds the target head's rows of "
+        "them (`output.weight`) and `d2t` (their target ids), which llama.cpp scatters the draft's logits through "
+        "(`DFlash using d2t mapping` in the server log).", ""]
     return "\n".join([
         "# Serving this DFlash draft with llama.cpp", "",
         f"GGUF DFlash draft (llama.cpp build {engine.BUILD}). It reads target boundaries {boundaries}; llama.cpp reads "
@@ -297,7 +303,67 @@ def dflash_serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int
         f"    -t {t} -tb {t} -td {t} -tbd {t}", "```", "",
         f"One draft pass fills a block of {block_size} positions (the anchor and {n} masks): llama.cpp clamps "
         f"`--spec-draft-n-max` to block_size - 1 = {n} (common_speculative_impl_draft_dflash). Pin the threads "
-        "(`-t/-tb/-td/-tbd`).", ""])
+        "(`-t/-tb/-td/-tbd`).", "", *vocab])
+
+
+# llama.cpp b11434's converter writes a pruned vocabulary's `d2t` only in DSparkModel (conversion/qwen.py), the
+# DFlashModel subclass whose Markov and confidence heads are optional. Without them it writes DFlashModel's GGUF
+# (architecture dflash, the same target_layers, block size and mask token) plus `d2t` as absolute target ids, the
+# head's rows as `output.weight` (t2d dropped), and `dflash.sample_from_anchor = true`, the value
+# src/models/dflash.cpp assumes when the key is absent. The runtime reads `d2t` for every dflash GGUF
+# (llama_model_dflash::load_arch_tensors) and scatters the rows' logits to target ids under --spec-type draft-dflash.
+PRUNED_CONVERTER_ARCHITECTURE = "DSparkDraftModel"
+DFLASH_DRAFT_VOCAB = True  # exports a DFlash draft over a pruned vocabulary (the registry refuses others)
+
+
+def pruned_converter_input(draft: DraftFiles, out: Path, *, target, allow) -> list[str]:
+    """A DFlash ``draft`` over a pruned vocabulary in z-lab's layout as llama.cpp's converter reads one (above):
+    config.json with ``draft_vocab_size`` and the DSpark architecture name, ``d2t`` (offsets) / ``t2d`` and the
+    target head's rows as ``lm_head.weight``. Returns the notes (dtype, target checks)."""
+    import eaglewire.engines.specforge as zlab
+    from eaglewire.engines.dflash_format import head_rows_tensor, zlab_config
+    from eaglewire.engines.export import record, serving_dtype, write_export
+
+    contract, cfg = draft.contract, draft.draft_config
+    ids = zlab.dflash_to_ids(list(contract.aux_boundaries), contract.num_layers, None)
+    notes: list[str] = contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
+    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
+    config = {**zlab_config(cfg, ids, num_target_layers=contract.num_layers, dtype=dtype),
+              "architectures": [PRUNED_CONVERTER_ARCHITECTURE], "draft_vocab_size": cfg.draft_vocab_size,
+              **record(draft, None, f"llama.cpp {engine.BUILD} converter")}
+    tensors = draft.state()  # d2t (offsets) and t2d
+    tensors["lm_head.weight"] = head_rows_tensor(tensors["d2t"], target, getattr(torch, dtype))  # [Vd, H]
+    write_export(out, config, tensors, "\n".join([
+        "# The input of llama.cpp's converter for this DFlash draft", "",
+        f"z-lab's layout with the draft's pruned vocabulary ({cfg.draft_vocab_size} of {cfg.vocab_size} tokens: "
+        "`d2t`, `t2d`, the target head's rows as `lm_head.weight`). `architectures` names llama.cpp's DSpark "
+        "converter class, the one that writes `d2t` at this build; without DSpark's extra heads it writes a plain "
+        "DFlash GGUF. For SGLang, which reads no `d2t`, train with the whole vocabulary; for vLLM, `--to vllm`.", ""]))
+    return notes
+
+
+def gguf_tensor(path: Path, name: str):
+    """One tensor of a GGUF file as a numpy array (in the file's own layout), None when absent."""
+    from gguf import GGUFReader
+
+    for t in GGUFReader(str(path)).tensors:
+        if t.name == name:
+            return t.data
+    return None
+
+
+def vocab_problem(path: Path, d2t: torch.Tensor, *, where: str) -> str | None:
+    """What is wrong with a GGUF draft's ``d2t`` for a pruned vocabulary whose offsets are ``d2t``; None when
+    llama.cpp scatters the draft's logits to the ids it was trained over."""
+    from eaglewire.model.vocab import target_ids
+
+    written = gguf_tensor(path, "d2t")
+    if written is None:
+        return f"{where} has no d2t: llama.cpp would read the {len(d2t)} draft rows as the first {len(d2t)} token ids"
+    want = target_ids(d2t.long()).numpy()
+    if written.shape != want.shape or not (written == want).all():
+        return f"{where}'s d2t does not hold the draft vocabulary's target ids (draft id + offset)"
+    return None
 
 
 def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
@@ -320,15 +386,26 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
         raise FormatError(f"draft {draft.path} records no target; llama.cpp's converter needs the target's directory "
                           "(pass target_path)")
     target_dir = resolve_target_path(spec)
-    report = zlab.export_dflash(draft, "zlab", out / "zlab", config)
+    pruned = draft.draft_config.pruned
+    if pruned:
+        from eaglewire.model.target import load_target
+
+        staged = out / "converter-input"
+        target = target if target is not None else load_target(spec, device="cpu", dtype="fp32")
+        notes = pruned_converter_input(draft, staged, target=target, allow=allow)
+    else:
+        staged = out / "zlab"
+        notes = zlab.export_dflash(draft, "zlab", staged, config).notes
     draft_file = out / f"draft-{config.outtype}.gguf"
     with tempfile.TemporaryDirectory() as tmp:
         conv_target = converter_target_dir(target_dir, contract.target.architecture, Path(tmp) / "target")
-        run_converter(tree, out / "zlab", draft_file, config.outtype, target_model_dir=conv_target)
+        run_converter(tree, staged, draft_file, config.outtype, target_model_dir=conv_target)
     problem = dflash_layout_problem(read_gguf_metadata(draft_file), bounds, L, where=str(draft_file))
+    if problem is None and pruned:
+        problem = vocab_problem(draft_file, draft.state()["d2t"], where=str(draft_file))
     if problem:
         raise FormatError(f"the converter wrote a draft llama.cpp would miswire: {problem}")
-    files = ["zlab/", draft_file.name]
+    files = [f"{staged.name}/", draft_file.name]
     if config.target_outtype != "none":
         cached = target_gguf(target_dir, contract.target.architecture, config.target_outtype, tree=tree)
         link = out / f"target-{config.target_outtype}.gguf"
@@ -340,10 +417,12 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
         shown = str(Path(spec).expanduser()) if str(spec).endswith(".gguf") else "<the target as GGUF>"
     atomic_write_text(out / "SERVING.md", dflash_serving_md(target_gguf=shown, draft_gguf=str(draft_file.resolve()),
                                                             boundaries=bounds, block_size=draft.draft_config.block_size,
-                                                            threads=config.threads))
+                                                            threads=config.threads,
+                                                            draft_vocab_size=draft.draft_config.draft_vocab_size
+                                                            if pruned else None))
     atomic_write_text(out / "eaglewire-export.json", json.dumps(
         {"contract": contract.to_dict(), "exported_from": str(draft.path), "target_layers": bounds,
          "draft_gguf": draft_file.name, "outtype": config.outtype, "llamacpp_build": engine.BUILD}, indent=2))
     files += ["SERVING.md", "eaglewire-export.json"]
     return ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=bounds, files=files,
-                        notes=report.notes)
+                        notes=notes)
