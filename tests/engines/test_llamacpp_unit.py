@@ -25,10 +25,12 @@ L = 30
 TRAINED = [2, 15, 27]
 
 
-def write_draft_gguf(path: Path, layers: list[int] | None, *, arch: str = "eagle3", hidden: int = 576) -> Path:
-    """A minimal GGUF with the metadata llama.cpp reads from an EAGLE-3 draft."""
+def write_draft_gguf(path: Path, layers: list[int] | None, *, arch: str = "eagle3", hidden: int = 576,
+                     d2t=None) -> Path:
+    """A minimal GGUF with the metadata llama.cpp reads from an EAGLE-3 draft (and ``d2t`` as its converter writes
+    it: int64 absolute ids)."""
     import numpy as np
-    from gguf import GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     w = GGUFWriter(str(path), arch)
     if layers is not None:
@@ -36,6 +38,8 @@ def write_draft_gguf(path: Path, layers: list[int] | None, *, arch: str = "eagle
     w.add_uint32(f"{arch}.target_hidden_size", hidden)
     w.add_bool(f"{arch}.norm_before_residual", False)
     w.add_tensor("fc.weight", np.zeros((4, 8), dtype=np.float32))
+    if d2t is not None:
+        w.add_tensor("d2t", np.asarray(d2t, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -98,6 +102,30 @@ def test_doctor_fails_a_miswired_gguf_and_passes_the_right_one(tmp_path):
                                  TRAINED, L, "LlamaForCausalLM")
     assert not report.failed, report.render()
     assert readings == {"llamacpp": TRAINED}
+
+
+IDS = [0, 5, 6, 40, 41]  # a draft vocabulary's target ids
+
+
+@pytest.mark.parametrize("written, trained, verdict, what", [
+    (IDS, IDS, "ok", "maps the draft's 5 rows"),
+    (None, None, "ok", "whole vocabulary"),
+    ([i - j for j, i in enumerate(IDS)], IDS, "fail", "4 of 5 ids differ"),  # offsets left as they were
+    ([0, 5, 6, 40, 42], IDS, "fail", "1 of 5 ids differ"),  # another draft's vocabulary
+    (None, IDS, "fail", "no d2t"),
+    (IDS, None, "fail", "whole vocabulary"),
+])
+def test_doctor_checks_the_ggufs_d2t_against_the_drafts_vocabulary(tmp_path, written, trained, verdict, what):
+    import torch
+
+    gguf = write_draft_gguf(tmp_path / "d.gguf", TRAINED, d2t=written)
+    report = DoctorReport(draft="d", target="t")
+    doctor.serving(report, doctor_config(gguf), TRAINED, L, "LlamaForCausalLM",
+                   vocab_ids=None if trained is None else torch.tensor(trained))
+    check = next(c for c in report.checks if c.name == "engine vocabulary")
+    assert check.verdict == verdict and what in " ".join([check.summary, *check.evidence]), check
+    if verdict == "fail":
+        assert "eaglewire export --to llamacpp" in check.fix
 
 
 @pytest.mark.parametrize("arch, verdict", [("LlamaForCausalLM", "ok"), ("Qwen3ForCausalLM", "ok"),

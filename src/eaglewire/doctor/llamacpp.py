@@ -1,7 +1,7 @@
 """``doctor --engine llamacpp``: the draft as llama.cpp will serve it.
 
 - the GGUF draft's metadata (``--engine-config draft.gguf``): ``extract_layers`` against the
-  contract, with the exact fix;
+  contract, with the exact fix; its ``d2t`` against the draft's vocabulary;
 - whether llama.cpp (build ``engines.llamacpp.BUILD``) feeds EAGLE-3 drafts for the target's
   architecture at all (its graph must expose layer inputs; others abort at load);
 - llama.cpp's speculative flags (``--engine-flags``): what it would silently change or ignore;
@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 
 from eaglewire.doctor.checks import flags_check
 from eaglewire.doctor.config import DoctorConfig
@@ -39,10 +42,25 @@ def architecture_check(architecture: str) -> Check:
                      f"src/models/ file for {arch} records t_layer_inp")
 
 
+def vocab_check(gguf_path: str, vocab_ids: torch.Tensor | None) -> Check:
+    """Does the GGUF's d2t map the draft's rows to the target ids it was trained over (``vocab_ids`` [Vd]; None:
+    the whole vocabulary, no d2t)?"""
+    problem = engine.vocab_problem(Path(gguf_path), vocab_ids, where=gguf_path)
+    if problem:
+        return Check("engine vocabulary", "fail", "llama.cpp will read the draft's predictions as other tokens",
+                     [problem], fix="re-export the draft with `eaglewire export --to llamacpp` (llama.cpp's converter "
+                                    "adds draft id to an offset d2t; a checkpoint with absolute ids must be converted "
+                                    "to offsets first)")
+    what = ("the target's whole vocabulary, as trained (no d2t)" if vocab_ids is None else
+            f"d2t maps the draft's {len(vocab_ids)} rows to the target ids it was trained over")
+    return Check("engine vocabulary", "ok", what)
+
+
 def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str,
-            dflash_block: int | None = None) -> tuple[dict[str, list[int]], int]:
+            dflash_block: int | None = None, vocab_ids: torch.Tensor | None = None) -> tuple[dict[str, list[int]], int]:
     """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, tokens drafted per
-    round); ``dflash_block``: a DFlash draft trained on blocks of that size (None: EAGLE-3)."""
+    round); ``dflash_block``: a DFlash draft trained on blocks of that size (None: EAGLE-3); ``vocab_ids``: the
+    target ids of the draft's vocabulary [Vd] (None: the whole vocabulary)."""
     family = "eagle3" if dflash_block is None else "dflash"
     steps = DEFAULT_N_MAX if dflash_block is None else min(DEFAULT_N_MAX, dflash_block - 1)
     if config.target.endswith(".gguf"):
@@ -66,6 +84,7 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
                          evidence, fix=problem))
     else:
         report.add(Check("engine wiring", "ok", f"llama.cpp captures {declared}, as trained", evidence))
+    report.add(vocab_check(config.engine_config, vocab_ids))
     if family == "dflash":
         return ({LLAMACPP: [int(x) for x in layers]} if layers and all(0 <= x <= num_layers for x in layers) else {},
                 steps)

@@ -57,7 +57,9 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     arch = config.target_arch or contract.target.architecture
     dflash_block = draft.config.block_size if is_block_draft(draft) else None
     if config.engine == LLAMACPP:
-        serving, serving_steps = llamacpp_serving(report, config, declared, L, arch, dflash_block)
+        rows = draft.draft_to_target
+        serving, serving_steps = llamacpp_serving(report, config, declared, L, arch, dflash_block,
+                                                  vocab_ids=rows if len(rows) < target.vocab_size else None)
     else:
         serving, serving_steps = check_serving(report, config, declared, L, arch, dflash_block)
     check_template_switch(report, config, contract, target.tokenizer,

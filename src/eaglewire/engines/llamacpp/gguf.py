@@ -352,17 +352,21 @@ def gguf_tensor(path: Path, name: str):
     return None
 
 
-def vocab_problem(path: Path, d2t: torch.Tensor, *, where: str) -> str | None:
-    """What is wrong with a GGUF draft's ``d2t`` for a pruned vocabulary whose offsets are ``d2t``; None when
-    llama.cpp scatters the draft's logits to the ids it was trained over."""
-    from eaglewire.model.vocab import target_ids
-
+def vocab_problem(path: Path, ids: torch.Tensor | None, *, where: str) -> str | None:
+    """What is wrong with a GGUF draft's ``d2t`` for a draft over the target ids ``ids`` [Vd] (None: the target's
+    whole vocabulary, no d2t); None when llama.cpp scatters the draft's logits to the tokens it was trained over.
+    llama.cpp's converter writes d2t as absolute target ids for both families."""
     written = gguf_tensor(path, "d2t")
+    if ids is None:
+        return None if written is None else (
+            f"{where} has a d2t of {written.size} ids, but the draft predicts over the target's whole vocabulary: "
+            "llama.cpp would read its logits as those tokens only")
     if written is None:
-        return f"{where} has no d2t: llama.cpp would read the {len(d2t)} draft rows as the first {len(d2t)} token ids"
-    want = target_ids(d2t.long()).numpy()
-    if written.shape != want.shape or not (written == want).all():
-        return f"{where}'s d2t does not hold the draft vocabulary's target ids (draft id + offset)"
+        return f"{where} has no d2t: llama.cpp would read the {len(ids)} draft rows as the first {len(ids)} token ids"
+    if written.shape != tuple(ids.shape) or not (written == ids.cpu().numpy()).all():
+        wrong = int((written != ids.cpu().numpy()).sum()) if written.shape == tuple(ids.shape) else len(ids)
+        return (f"{where}'s d2t names other tokens than the draft was trained over ({wrong} of {len(ids)} ids differ; "
+                "offsets read as absolute ids, or another draft's vocabulary)")
     return None
 
 
@@ -402,7 +406,9 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
         run_converter(tree, staged, draft_file, config.outtype, target_model_dir=conv_target)
     problem = dflash_layout_problem(read_gguf_metadata(draft_file), bounds, L, where=str(draft_file))
     if problem is None and pruned:
-        problem = vocab_problem(draft_file, draft.state()["d2t"], where=str(draft_file))
+        from eaglewire.model.vocab import target_ids
+
+        problem = vocab_problem(draft_file, target_ids(draft.state()["d2t"].long()), where=str(draft_file))
     if problem:
         raise FormatError(f"the converter wrote a draft llama.cpp would miswire: {problem}")
     files = [f"{staged.name}/", draft_file.name]
