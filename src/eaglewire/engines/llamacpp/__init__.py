@@ -5,12 +5,14 @@
 | readings.py  | ids (``extract_layers``: boundaries verbatim, exactly 3), servable target archs, GGUF types |
 | installation.py | finding or building ``llama-server`` and the source tree (converter, gguf-py) |
 | server.py    | a llama-server process, ``/completion``, its Prometheus ``/metrics``      |
-| gguf.py      | the export: the converter over the vLLM export, reading a GGUF draft back |
+| gguf.py      | the EAGLE-3 export (the converter over the vLLM export), reading a GGUF draft back |
+| dflash_export.py | the DFlash export (the converter over z-lab's layout; a pruned vocabulary's d2t) |
 | lint.py      | llama-server's speculative launch flags                                   |
 """
 
-from eaglewire.engines.llamacpp.gguf import (DFLASH_DRAFT_VOCAB, converter_target_dir, dflash_layout_problem, draft_layers, export,
-                                             export_dflash, gguf_tensor, layout_problem, vocab_problem,
+from eaglewire.engines.llamacpp.dflash_export import DFLASH_DRAFT_VOCAB, export_dflash
+from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout_problem, draft_layers, export,
+                                             gguf_tensor, layout_problem, vocab_problem,
                                              read_gguf_metadata, run_converter, serving_md, target_architecture,
                                              target_gguf)
 from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_HINT, SDIST, SERVER, Installation,

@@ -174,6 +174,36 @@ def target_gguf(target_dir: Path, architecture: str, outtype: str, *, tree: Path
     return out
 
 
+def converter_target(draft: DraftFiles, config: ExportConfig) -> tuple[str, Path]:
+    """(the target's spec, its directory) for llama.cpp's converter: ``config.target_path``, else the draft's own."""
+    from eaglewire.model.target import resolve_target_path
+
+    spec = str(config.target_path) if config.target_path is not None else draft.target_spec
+    if not spec:
+        raise FormatError(f"draft {draft.path} records no target; llama.cpp's converter needs the target's directory "
+                          "(pass target_path)")
+    return spec, resolve_target_path(spec)
+
+
+def convert_draft(tree: Path, staged: Path, draft_file: Path, outtype: str, *, target_dir: Path,
+                  architecture: str) -> Path:
+    """``run_converter`` on a staged draft directory, with the target directory the converter accepts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        conv_target = converter_target_dir(target_dir, architecture, Path(tmp) / "target")
+        return run_converter(tree, staged, draft_file, outtype, target_model_dir=conv_target)
+
+
+def link_target(out: Path, target_dir: Path, architecture: str, outtype: str, *, tree: Path) -> Path | None:
+    """``out/target-<outtype>.gguf``, a link to the cached conversion of the target; None for outtype none."""
+    if outtype == "none":
+        return None
+    cached = target_gguf(target_dir, architecture, outtype, tree=tree)
+    link = out / f"target-{outtype}.gguf"
+    link.unlink(missing_ok=True)
+    link.symlink_to(cached)
+    return link
+
+
 # ------------------------------------------------------------------ export
 
 def serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], ids: list[int], num_steps: int,
@@ -206,19 +236,13 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
     stays in ``out/speculators``. ``config.target_path``: the target's directory or .gguf
     (default: the one the draft records). Raises EngineConventionError for a layout llama.cpp
     cannot feed, FormatError when the written GGUF does not carry the contract's layers."""
-    from eaglewire.model.target import resolve_target_path
-
     check_choice(config.outtype, DRAFT_OUTTYPES, "--outtype")
     check_choice(config.target_outtype, TARGET_OUTTYPES, "--target-outtype")
     contract = draft.contract
     bounds, L = list(contract.aux_boundaries), contract.num_layers
     ids = to_ids(bounds, L)  # refuses before any heavy work
     tree = engine.require_tree(config.llamacpp_dir)
-    spec = str(config.target_path) if config.target_path is not None else draft.target_spec
-    if not spec:
-        raise FormatError(f"draft {draft.path} records no target; llama.cpp's converter needs the target's directory "
-                          "(pass target_path)")
-    target_dir = resolve_target_path(spec)
+    spec, target_dir = converter_target(draft, config)
     if target is None and config.target_path is not None:
         from eaglewire.model.target import load_target
 
@@ -228,10 +252,8 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
                               target=target, allow=allow, others=others)
     architecture = contract.target.architecture
     outtype, target_outtype = config.outtype, config.target_outtype
-    draft_file = out / f"draft-{outtype}.gguf"
-    with tempfile.TemporaryDirectory() as tmp:
-        conv_target = converter_target_dir(target_dir, architecture, Path(tmp) / "target")
-        run_converter(tree, out / "speculators", draft_file, outtype, target_model_dir=conv_target)
+    draft_file = convert_draft(tree, out / "speculators", out / f"draft-{outtype}.gguf", outtype,
+                               target_dir=target_dir, architecture=architecture)
     meta = read_gguf_metadata(draft_file)
     problem = layout_problem(meta, bounds, L, target_hidden_size=contract.target.hidden_size, where=str(draft_file))
     if problem:
@@ -243,11 +265,8 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
 
         if spec in TARGET_PRESETS:
             others_found = [str(fetch_asset(TARGET_PRESETS[spec].asset))]
-    if target_outtype != "none":
-        cached = target_gguf(target_dir, architecture, target_outtype, tree=tree)
-        link = out / f"target-{target_outtype}.gguf"
-        link.unlink(missing_ok=True)
-        link.symlink_to(cached)
+    link = link_target(out, target_dir, architecture, target_outtype, tree=tree)
+    if link is not None:
         files.append(link.name)
         target_shown = str(link.absolute())
     else:
@@ -287,61 +306,6 @@ def dflash_layout_problem(meta: dict[str, Any], boundaries: list[int], num_layer
     return None
 
 
-def dflash_serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], block_size: int,
-                      threads: int, draft_vocab_size: int | None = None) -> str:
-    t, n = str(threads), block_size - 1
-    vocab = [] if draft_vocab_size is None else [
-        f"The draft predicts over {draft_vocab_size} of the target's tokens: the GGUF holds the target head's rows of "
-        "them (`output.weight`) and `d2t` (their target ids), which llama.cpp scatters the draft's logits through "
-        "(`DFlash using d2t mapping` in the server log).", ""]
-    return "\n".join([
-        "# Serving this DFlash draft with llama.cpp", "",
-        f"GGUF DFlash draft (llama.cpp build {engine.BUILD}). It reads target boundaries {boundaries}; llama.cpp reads "
-        f"the input of layer i for each of `dflash.target_layers` {boundaries} (verified after conversion).", "",
-        "```bash", f"llama-server -m {target_gguf} \\", f"    -md {draft_gguf} \\",
-        f"    --spec-type draft-dflash --spec-draft-n-max {n} --spec-draft-n-min 0 --spec-draft-p-min 0 \\",
-        f"    -t {t} -tb {t} -td {t} -tbd {t}", "```", "",
-        f"One draft pass fills a block of {block_size} positions (the anchor and {n} masks): llama.cpp clamps "
-        f"`--spec-draft-n-max` to block_size - 1 = {n} (common_speculative_impl_draft_dflash). Pin the threads "
-        "(`-t/-tb/-td/-tbd`).", "", *vocab])
-
-
-# llama.cpp b11434's converter writes a pruned vocabulary's `d2t` only in DSparkModel (conversion/qwen.py), the
-# DFlashModel subclass whose Markov and confidence heads are optional. Without them it writes DFlashModel's GGUF
-# (architecture dflash, the same target_layers, block size and mask token) plus `d2t` as absolute target ids, the
-# head's rows as `output.weight` (t2d dropped), and `dflash.sample_from_anchor = true`, the value
-# src/models/dflash.cpp assumes when the key is absent. The runtime reads `d2t` for every dflash GGUF
-# (llama_model_dflash::load_arch_tensors) and scatters the rows' logits to target ids under --spec-type draft-dflash.
-PRUNED_CONVERTER_ARCHITECTURE = "DSparkDraftModel"
-DFLASH_DRAFT_VOCAB = True  # exports a DFlash draft over a pruned vocabulary (the registry refuses others)
-
-
-def pruned_converter_input(draft: DraftFiles, out: Path, *, target, allow) -> list[str]:
-    """A DFlash ``draft`` over a pruned vocabulary in z-lab's layout as llama.cpp's converter reads one (above):
-    config.json with ``draft_vocab_size`` and the DSpark architecture name, ``d2t`` (offsets) / ``t2d`` and the
-    target head's rows as ``lm_head.weight``. Returns the notes (dtype, target checks)."""
-    import eaglewire.engines.specforge as zlab
-    from eaglewire.engines.dflash_format import head_rows_tensor, zlab_config
-    from eaglewire.engines.export import record, serving_dtype, write_export
-
-    contract, cfg = draft.contract, draft.draft_config
-    ids = zlab.dflash_to_ids(list(contract.aux_boundaries), contract.num_layers, None)
-    notes: list[str] = contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
-    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
-    config = {**zlab_config(cfg, ids, num_target_layers=contract.num_layers, dtype=dtype),
-              "architectures": [PRUNED_CONVERTER_ARCHITECTURE], "draft_vocab_size": cfg.draft_vocab_size,
-              **record(draft, None, f"llama.cpp {engine.BUILD} converter")}
-    tensors = draft.state()  # d2t (offsets) and t2d
-    tensors["lm_head.weight"] = head_rows_tensor(tensors["d2t"], target, getattr(torch, dtype))  # [Vd, H]
-    write_export(out, config, tensors, "\n".join([
-        "# The input of llama.cpp's converter for this DFlash draft", "",
-        f"z-lab's layout with the draft's pruned vocabulary ({cfg.draft_vocab_size} of {cfg.vocab_size} tokens: "
-        "`d2t`, `t2d`, the target head's rows as `lm_head.weight`). `architectures` names llama.cpp's DSpark "
-        "converter class, the one that writes `d2t` at this build; without DSpark's extra heads it writes a plain "
-        "DFlash GGUF. For SGLang, which reads no `d2t`, train with the whole vocabulary; for vLLM, `--to vllm`.", ""]))
-    return notes
-
-
 def gguf_tensor(path: Path, name: str):
     """One tensor of a GGUF file as a numpy array (in the file's own layout), None when absent."""
     from gguf import GGUFReader
@@ -368,67 +332,3 @@ def vocab_problem(path: Path, ids: torch.Tensor | None, *, where: str) -> str | 
         return (f"{where}'s d2t names other tokens than the draft was trained over ({wrong} of {len(ids)} ids differ; "
                 "offsets read as absolute ids, or another draft's vocabulary)")
     return None
-
-
-def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
-                  allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
-    """A DFlash ``draft`` as GGUF: z-lab's layout in ``out/zlab`` converted by llama.cpp's own converter into
-    ``draft-<outtype>.gguf``, read back and refused unless it is a ``dflash`` GGUF with target_layers = the
-    contract's boundaries; the target GGUF beside it (as for EAGLE-3) and SERVING.md."""
-    import eaglewire.engines.specforge as zlab
-    from eaglewire.model.target import resolve_target_path
-
-    check_choice(config.outtype, DRAFT_OUTTYPES, "--outtype")
-    check_choice(config.target_outtype, TARGET_OUTTYPES, "--target-outtype")
-    contract = draft.contract
-    bounds, L = list(contract.aux_boundaries), contract.num_layers
-    dflash_to_ids(bounds, L)
-    zlab.dflash_to_ids(bounds, L, None)  # the layout it converts from: refuses before any heavy work
-    tree = engine.require_tree(config.llamacpp_dir)
-    spec = str(config.target_path) if config.target_path is not None else draft.target_spec
-    if not spec:
-        raise FormatError(f"draft {draft.path} records no target; llama.cpp's converter needs the target's directory "
-                          "(pass target_path)")
-    target_dir = resolve_target_path(spec)
-    pruned = draft.draft_config.pruned
-    if pruned:
-        from eaglewire.model.target import load_target
-
-        staged = out / "converter-input"
-        target = target if target is not None else load_target(spec, device="cpu", dtype="fp32")
-        notes = pruned_converter_input(draft, staged, target=target, allow=allow)
-    else:
-        staged = out / "zlab"
-        notes = zlab.export_dflash(draft, "zlab", staged, config).notes
-    draft_file = out / f"draft-{config.outtype}.gguf"
-    with tempfile.TemporaryDirectory() as tmp:
-        conv_target = converter_target_dir(target_dir, contract.target.architecture, Path(tmp) / "target")
-        run_converter(tree, staged, draft_file, config.outtype, target_model_dir=conv_target)
-    problem = dflash_layout_problem(read_gguf_metadata(draft_file), bounds, L, where=str(draft_file))
-    if problem is None and pruned:
-        from eaglewire.model.vocab import target_ids
-
-        problem = vocab_problem(draft_file, target_ids(draft.state()["d2t"].long()), where=str(draft_file))
-    if problem:
-        raise FormatError(f"the converter wrote a draft llama.cpp would miswire: {problem}")
-    files = [f"{staged.name}/", draft_file.name]
-    if config.target_outtype != "none":
-        cached = target_gguf(target_dir, contract.target.architecture, config.target_outtype, tree=tree)
-        link = out / f"target-{config.target_outtype}.gguf"
-        link.unlink(missing_ok=True)
-        link.symlink_to(cached)
-        files.append(link.name)
-        shown = str(link.absolute())
-    else:
-        shown = str(Path(spec).expanduser()) if str(spec).endswith(".gguf") else "<the target as GGUF>"
-    atomic_write_text(out / "SERVING.md", dflash_serving_md(target_gguf=shown, draft_gguf=str(draft_file.resolve()),
-                                                            boundaries=bounds, block_size=draft.draft_config.block_size,
-                                                            threads=config.threads,
-                                                            draft_vocab_size=draft.draft_config.draft_vocab_size
-                                                            if pruned else None))
-    atomic_write_text(out / "eaglewire-export.json", json.dumps(
-        {"contract": contract.to_dict(), "exported_from": str(draft.path), "target_layers": bounds,
-         "draft_gguf": draft_file.name, "outtype": config.outtype, "llamacpp_build": engine.BUILD}, indent=2))
-    files += ["SERVING.md", "eaglewire-export.json"]
-    return ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=bounds, files=files,
-                        notes=notes)
