@@ -98,6 +98,18 @@ def test_one_slowed_run_does_not_set_the_draft_step():
     assert fit_costs("llamacpp", PlainProbe(100, 1.0), chains).draft_step == pytest.approx(0.002)
 
 
+def test_a_draft_step_is_never_free_when_runs_disagree():
+    """On a busy machine the longer chain's draft time per round can come out below the shorter one's: the slope is
+    then not positive, and a draft step of 0 would make every chain look free; the least time per step is used."""
+    chains = [ChainProbe(n=1, rounds=10, decode_seconds=1.0, draft_seconds=10 * 0.004, steps_per_round=1),
+              ChainProbe(n=2, rounds=10, decode_seconds=1.0, draft_seconds=10 * 0.003, steps_per_round=2)]
+    costs = fit_costs("llamacpp", PlainProbe(100, 1.0), chains)
+    assert costs.draft_step == pytest.approx(0.0015)  # 3 ms over 2 steps
+    assert any("did not grow" in n for n in costs.notes)
+    unread = [ChainProbe(n=n, rounds=10, decode_seconds=1.0, draft_seconds=0.0, steps_per_round=n) for n in (1, 2)]
+    assert fit_costs("llamacpp", PlainProbe(100, 1.0), unread).draft_step == 0.0  # no timer read: nothing invented
+
+
 def test_fit_costs_refuses_empty_probes():
     with pytest.raises(ValueError, match="nothing to time"):
         fit_costs("x", PlainProbe(0, 0.0), [])

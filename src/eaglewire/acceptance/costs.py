@@ -97,17 +97,23 @@ def fit_costs(engine: str, plain: PlainProbe, chains: list[ChainProbe]) -> Engin
         raise ValueError("no chain run completed a round: nothing to time the draft and the verify by")
     xs = [c.steps_per_round for c in usable]
     ys = [c.draft_seconds / c.rounds for c in usable]
+    notes = []
     if len(set(xs)) > 1:
         draft_step = median_slope(xs, ys)
     else:
         draft_step = ys[0] / max(xs[0], 1)
+    if draft_step <= 0 and any(x > 0 and y > 0 for x, y in zip(xs, ys)):
+        # the runs disagree (a neighbour slowed the shorter chains): a draft step is never free, so take the
+        # least draft time per step through the origin (it folds the per-round fixed part in, an overestimate)
+        draft_step = min(y / x for x, y in zip(xs, ys) if x > 0 and y > 0)
+        notes.append(f"draft time did not grow with the chain length (a busy machine?): draft step "
+                     f"{draft_step * 1e3:.2f} ms is the least draft time per step of the chains, not the slope")
     draft_step = max(draft_step, 0.0)
     verify: dict[int, float] = {}
     for c in usable:
         # the draft time not explained by steps (a fixed part per round) stays on the verify side
         verify[c.n + 1] = c.decode_seconds / c.rounds - draft_step * c.steps_per_round
     plain_step = plain.decode_seconds / plain.tokens
-    notes = []
     if 1 not in verify and len(verify) >= 2:
         # a round that drafts nothing still pays the draft's context update: extend from k = 2, 3
         verify[1] = min(max(linear_at(verify, 1), plain_step), verify[min(verify)])
