@@ -248,7 +248,7 @@ def test_the_launch_each_export_writes_passes_that_engine_s_lint(tmp_path, engin
 
 
 def test_the_launch_the_llamacpp_export_writes_passes_its_lint():
-    from eaglewire.engines.llamacpp.gguf import dflash_serving_md
+    from eaglewire.engines.llamacpp.dflash_export import dflash_serving_md
 
     flags = _launch(dflash_serving_md(target_gguf="t.gguf", draft_gguf="d.gguf", boundaries=BOUNDS,
                                       block_size=BLOCK, threads=2))
