@@ -29,6 +29,7 @@ import torch
 
 from eaglewire.engines.shared import FormatError, parse_rope
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
+from eaglewire.model.dflash_blocks import head_rows
 from eaglewire.model.vocab import target_ids
 
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
@@ -189,8 +190,7 @@ def vocab_maps_of(foreign: dict[str, torch.Tensor], draft_vocab_size: int, vocab
 def head_rows_tensor(d2t: torch.Tensor, target, dtype: torch.dtype) -> torch.Tensor:
     """The target head's rows of a pruned vocabulary [Vd, H] (target id = draft id + ``d2t``), as speculators
     saves ``lm_head.weight`` and llama.cpp's converter writes ``output.weight``."""
-    head = target.model.get_output_embeddings().weight.detach()  # [V, H]
-    return head[target_ids(d2t.long()).to(head.device)].to("cpu", dtype)
+    return head_rows(target, target_ids(d2t.long()))[0].to("cpu", dtype)  # [Vd, H]
 
 
 def check_head_rows(lm_head: torch.Tensor | None, draft: DFlashDraft, target, *, where: str) -> None:
@@ -203,7 +203,7 @@ def check_head_rows(lm_head: torch.Tensor | None, draft: DFlashDraft, target, *,
     if tuple(lm_head.shape) != (len(rows), draft.config.hidden_size):
         raise FormatError(f"{where}: lm_head.weight is {tuple(lm_head.shape)}, not the {len(rows)} rows of the draft "
                           f"vocabulary x hidden {draft.config.hidden_size}")
-    head = target.model.get_output_embeddings().weight.detach()[rows.to(target.device)].cpu()
+    head = head_rows(target, rows)[0].cpu()  # [Vd, H]
     if not torch.allclose(lm_head.float(), head.to(lm_head.dtype).float(), rtol=1e-2, atol=1e-3):
         raise FormatError(f"{where}: lm_head.weight is not the target's head at the draft vocabulary's rows (a trained "
                           "head of its own); an eaglewire DFlash draft predicts with the target's head")

@@ -32,7 +32,8 @@ from eaglewire.engines.export import ExportConfig, ExportReport
 from eaglewire.engines.importing import ImportReport, import_checkpoint, import_dflash, is_dflash_dir
 from eaglewire.engines.shared import FormatError
 
-CAPABILITIES = frozenset({"export", "import", "lint", "run_here", "measure", "stated_costs"})
+# export_pruned_dflash: its DFlash export carries a pruned vocabulary (d2t and the target head's rows)
+CAPABILITIES = frozenset({"export", "export_pruned_dflash", "import", "lint", "run_here", "measure", "stated_costs"})
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,10 @@ class Engine:
 ENGINES: tuple[Engine, ...] = (
     Engine(eaglewire, frozenset({"lint", "run_here", "measure"})),
     Engine(sglang, frozenset({"export", "import", "lint", "stated_costs", "measure"})),
-    Engine(vllm, frozenset({"export", "import", "lint", "stated_costs", "measure"}), aliases=(vllm.FORMAT_NAME,)),
+    Engine(vllm, frozenset({"export", "export_pruned_dflash", "import", "lint", "stated_costs", "measure"}),
+           aliases=(vllm.FORMAT_NAME,)),
     Engine(specforge, frozenset({"import", "export"}), aliases=specforge.ALIASES),
-    Engine(llamacpp, frozenset({"export", "lint", "run_here", "measure"})),
+    Engine(llamacpp, frozenset({"export", "export_pruned_dflash", "lint", "run_here", "measure"})),
     Engine(eagle, frozenset({"import"})),
 )
 _BY_NAME = {n: e for e in ENGINES for n in (e.name, *e.aliases)}
@@ -86,11 +88,6 @@ def names(capability: str | None = None, *, aliases: bool = True) -> tuple[str, 
         raise ValueError(f"capability {capability!r} is not one of {', '.join(sorted(CAPABILITIES))}")
     return tuple(n for e in ENGINES if capability is None or e.can(capability)
                  for n in ((e.name, *e.aliases) if aliases else (e.name,)))
-
-
-def pruned_dflash_exports() -> tuple[str, ...]:
-    """The engines whose DFlash export carries a pruned vocabulary (d2t and the target head's rows)."""
-    return tuple(e.name for e in ENGINES if e.can("export") and getattr(e.module, "DFLASH_DRAFT_VOCAB", False))
 
 
 def get(name: str, capability: str | None = None, *, param: str = "engine") -> Engine:
@@ -236,10 +233,10 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target=
         if fn is None:
             raise FormatError(f"{engine.name} has no DFlash export; DFlash drafts export to "
                               f"{', '.join(n for n in names('export') if hasattr(get(n).module, 'export_dflash'))}")
-        if draft.draft_config.pruned and not getattr(engine.module, "DFLASH_DRAFT_VOCAB", False):
+        if draft.draft_config.pruned and not engine.can("export_pruned_dflash"):
             raise FormatError(f"{draft.path} is a DFlash draft over {draft.draft_config.draft_vocab_size} of the target's "
                               f"{draft.draft_config.vocab_size} tokens (trained with --draft-vocab-size); {engine.name}'s export "
-                              f"carries no d2t yet: export it --to {' or --to '.join(pruned_dflash_exports())}, or "
+                              f"carries no d2t yet: export it --to {' or --to '.join(names('export_pruned_dflash', aliases=False))}, or "
                               "train with the whole vocabulary (no --draft-vocab-size)")
         return fn(draft, to, out, config, target=target, allow=allow, others=other_readings)
     return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)

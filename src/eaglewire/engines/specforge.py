@@ -143,18 +143,28 @@ def parse_dflash_config(d: dict[str, Any], *, where: str = "config.json"
     return fields, ids, notes
 
 
+def zlab_export_config(draft, engine: str, notes: list[str]) -> tuple[dict[str, Any], str]:
+    """(config.json in z-lab's layout with the export record for ``engine``, the torch dtype it names); a note
+    goes to ``notes`` when the target's stored dtype is unknown."""
+    from eaglewire.engines.export import record, serving_dtype
+    from eaglewire.engines.dflash_format import zlab_config
+
+    contract = draft.contract
+    ids = dflash_to_ids(list(contract.aux_boundaries), contract.num_layers, None)
+    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
+    return {**zlab_config(draft.draft_config, ids, num_target_layers=contract.num_layers, dtype=dtype),
+            **record(draft, None, engine)}, dtype
+
+
 def export_dflash(draft, fmt: str, out, config, *, target=None, allow=frozenset(), others=None):
     """Write a DFlash ``draft`` in z-lab's layout (what SGLang, vLLM and llama.cpp's converter load)."""
-    from eaglewire.engines.export import ExportReport, finish, record, serving_dtype, write_export
-    from eaglewire.engines.dflash_format import zlab_config
+    from eaglewire.engines.export import ExportReport, finish, write_export
 
     contract = draft.contract
     bounds, L = list(contract.aux_boundaries), contract.num_layers
     ids = dflash_to_ids(bounds, L, None)
     notes: list[str] = []
-    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
-    engine_config = {**zlab_config(draft.draft_config, ids, num_target_layers=L, dtype=dtype),
-                     **record(draft, None, "zlab")}
+    engine_config, _ = zlab_export_config(draft, "zlab", notes)
     serving = "\n".join([
         "# This DFlash draft in z-lab's layout", "",
         f"It reads target boundaries {bounds}; z-lab's `dflash_config.target_layer_ids` are layer outputs "

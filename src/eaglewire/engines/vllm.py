@@ -766,10 +766,6 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
                                notes=notes))
 
 
-# Exports a DFlash draft over a pruned vocabulary (the registry refuses it for the other engines).
-DFLASH_DRAFT_VOCAB = True
-
-
 # ---------------------------------------------------------------- the chat template's switches at launch
 
 TEMPLATE_KWARGS_FLAG = "--default-chat-template-kwargs"  # vllm/entrypoints/common/cli_args.py FrontendArgs

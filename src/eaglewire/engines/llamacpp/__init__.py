@@ -10,7 +10,7 @@
 | lint.py      | llama-server's speculative launch flags                                   |
 """
 
-from eaglewire.engines.llamacpp.dflash_export import DFLASH_DRAFT_VOCAB, export_dflash
+from eaglewire.engines.llamacpp.dflash_export import export_dflash
 from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout_problem, draft_layers, export,
                                              gguf_tensor, layout_problem, vocab_problem,
                                              read_gguf_metadata, run_converter, serving_md, target_architecture,
@@ -30,7 +30,7 @@ from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_
 from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-url (engines/served_counts.py)
 
 __all__ = [
-    "DFLASH_DRAFT_VOCAB", "gguf_tensor", "vocab_problem",
+    "gguf_tensor", "vocab_problem",
     "measure_served", "launch_template_kwargs", "template_kwargs_fix", "TEMPLATE_KWARGS_FLAG",
     "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",
     "INSTALL_HINT", "NAME", "NUM_AUX", "SDIST", "SERVER", "TARGET_OUTTYPES", "Installation", "LlamaCppError", "LlamaFlags",

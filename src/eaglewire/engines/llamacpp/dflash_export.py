@@ -16,9 +16,8 @@ import torch
 import eaglewire.engines.llamacpp.installation as engine
 import eaglewire.engines.specforge as zlab
 from eaglewire.core.fileio import atomic_write_text
-from eaglewire.engines.dflash_format import head_rows_tensor, zlab_config
-from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, check_choice, record, serving_dtype,
-                                      write_export)
+from eaglewire.engines.dflash_format import head_rows_tensor
+from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice, write_export
 from eaglewire.engines.llamacpp.gguf import (convert_draft, converter_target, dflash_layout_problem, link_target,
                                              read_gguf_metadata, vocab_problem)
 from eaglewire.engines.llamacpp.readings import DRAFT_OUTTYPES, TARGET_OUTTYPES, dflash_to_ids
@@ -54,7 +53,6 @@ def dflash_serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int
 # src/models/dflash.cpp assumes when the key is absent. The runtime reads `d2t` for every dflash GGUF
 # (llama_model_dflash::load_arch_tensors) and scatters the rows' logits to target ids under --spec-type draft-dflash.
 PRUNED_CONVERTER_ARCHITECTURE = "DSparkDraftModel"
-DFLASH_DRAFT_VOCAB = True  # exports a DFlash draft over a pruned vocabulary (the registry refuses others)
 
 
 def pruned_converter_input(draft: DraftFiles, out: Path, *, target, allow) -> list[str]:
@@ -62,12 +60,9 @@ def pruned_converter_input(draft: DraftFiles, out: Path, *, target, allow) -> li
     config.json with ``draft_vocab_size`` and the DSpark architecture name, ``d2t`` (offsets) / ``t2d`` and the
     target head's rows as ``lm_head.weight``. Returns the notes (dtype, target checks)."""
     contract, cfg = draft.contract, draft.draft_config
-    ids = zlab.dflash_to_ids(list(contract.aux_boundaries), contract.num_layers, None)
     notes: list[str] = contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
-    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
-    config = {**zlab_config(cfg, ids, num_target_layers=contract.num_layers, dtype=dtype),
-              "architectures": [PRUNED_CONVERTER_ARCHITECTURE], "draft_vocab_size": cfg.draft_vocab_size,
-              **record(draft, None, f"llama.cpp {engine.BUILD} converter")}
+    config, dtype = zlab.zlab_export_config(draft, f"llama.cpp {engine.BUILD} converter", notes)
+    config.update(architectures=[PRUNED_CONVERTER_ARCHITECTURE], draft_vocab_size=cfg.draft_vocab_size)
     tensors = draft.state()  # d2t (offsets) and t2d
     tensors["lm_head.weight"] = head_rows_tensor(tensors["d2t"], target, getattr(torch, dtype))  # [Vd, H]
     write_export(out, config, tensors, "\n".join([
