@@ -15,22 +15,11 @@ from eaglewire.model.checkpoint import load_draft
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
 from eaglewire.model.dflash_blocks import draft_head, draft_lm_head, target_lm_head
 from eaglewire.model.dflash_objective import block_signal
-from eaglewire.model.vocab import vocab_maps
 from eaglewire.train.loop import TrainConfig, train
-from tiny import random_dflash_draft, sharp_shards, tiny_target
+from tiny import pruned_dflash_draft, random_dflash_draft, sharp_shards, tiny_target
 
 AUX = (2, 4, 5)
 VOCAB, COMMON, DRAFT_VOCAB = 32, 8, 10  # replies mostly use ids 0..7, a few others: the draft keeps ten rows
-
-
-def _pruned(draft: DFlashDraft, target_ids: list[int]) -> DFlashDraft:
-    """``draft``'s weights over a vocabulary of ``target_ids`` (ascending)."""
-    from dataclasses import replace
-
-    pruned = DFlashDraft(replace(draft.config, draft_vocab_size=len(target_ids)))
-    pruned.load_state_dict(draft.state_dict(), strict=False)
-    pruned.set_vocab(*vocab_maps(torch.tensor(target_ids), draft.config.vocab_size))
-    return pruned
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +53,7 @@ def test_the_head_computes_only_the_draft_s_rows():
     """The draft's logits are the target head's at its rows (the same dot products: a row subset, so equal to
     float rounding), and -inf elsewhere when read over the target's vocabulary."""
     target = tiny_target("llama", num_layers=8, hidden_size=64, vocab_size=VOCAB)
-    draft = _pruned(random_dflash_draft(target, AUX, block_size=4)[0], [0, 3, 4, 9, 20])
+    draft = pruned_dflash_draft(random_dflash_draft(target, AUX, block_size=4)[0], [0, 3, 4, 9, 20])
     h = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
     full = target_lm_head(target)(h)  # [6, V]
     rows = torch.tensor([0, 3, 4, 9, 20])

@@ -95,6 +95,22 @@ def random_dflash_draft(target: Target, aux_boundaries=(2, 4, 5), *, block_size:
     return draft.eval(), contract
 
 
+def pruned_dflash_draft(draft, target_ids):
+    """``draft``'s weights over a vocabulary of ``target_ids`` (ascending; a list or a tensor) only."""
+    from dataclasses import replace
+
+    import torch
+
+    from eaglewire.model.dflash import DFlashDraft
+    from eaglewire.model.vocab import vocab_maps
+
+    ids = torch.as_tensor(target_ids)
+    pruned = DFlashDraft(replace(draft.config, draft_vocab_size=len(ids)))
+    pruned.load_state_dict(draft.state_dict(), strict=False)
+    pruned.set_vocab(*vocab_maps(ids, draft.config.vocab_size))
+    return pruned
+
+
 def save_random_dflash_draft(path, target: Target, aux_boundaries=(2, 4, 6), seed: int = 0, *, num_layers: int = 1,
                              block_size: int = 4, mask_token_id: int | None = None):
     """``random_dflash_draft`` (norms perturbed) saved as a native draft directory."""

@@ -50,20 +50,15 @@ def test_the_dflash_gguf_loads_unedited_with_the_contracts_layers(exported, smol
 
 def _export_pruned(root, target, tokenizer, ids):
     """A random DFlash draft over the target ids ``ids`` only, exported through llama.cpp's converter (f16)."""
-    from dataclasses import replace
-
-    from tiny import random_dflash_draft
+    from tiny import pruned_dflash_draft, random_dflash_draft
 
     from eaglewire.engines import export_draft
     from eaglewire.model.checkpoint import save_draft
-    from eaglewire.model.dflash import DFlashDraft, default_mask_token_id
-    from eaglewire.model.vocab import vocab_maps
+    from eaglewire.model.dflash import default_mask_token_id
 
     mask = default_mask_token_id(tokenizer, target.vocab_size)
     whole, contract = random_dflash_draft(target, BOUNDS, block_size=4, mask_token_id=mask, perturb_norms=True)
-    draft = DFlashDraft(replace(whole.config, draft_vocab_size=len(ids)))
-    draft.load_state_dict(whole.state_dict(), strict=False)
-    draft.set_vocab(*vocab_maps(ids, target.vocab_size))
+    draft = pruned_dflash_draft(whole, ids)
     save_draft(root / "native", draft, contract, {"target": target.spec})
     return export_draft(root / "native", "llamacpp", root / "out", target=target, outtype="f16",
                         target_outtype="f32")
