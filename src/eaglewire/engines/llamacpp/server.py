@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from eaglewire.engines.llamacpp.installation import LlamaCppError
+from eaglewire.engines.llamacpp.errors import LlamaCppError
 from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,11 @@ class LlamaServer:
                 pass
             time.sleep(0.2)
         raise LlamaCppError(f"llama-server did not become ready within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    @property
+    def returncode(self) -> int | None:
+        """The process's exit status once it has ended (negative: the signal that killed it), else None."""
+        return None if self._proc is None else self._proc.poll()
 
     def log_tail(self, lines: int = 20) -> str:
         if self.log_path is None or not self.log_path.exists():
