@@ -11,7 +11,7 @@ import pytest
 
 from eaglewire.core.contract import HiddenStateContract
 from eaglewire.doctor.report import DoctorReport
-from eaglewire.doctor.template_switch import check_template_switch, renders_alike, traffic_switches
+from eaglewire.doctor.template_switch import ServingSwitch, check_template_switch, renders_alike, traffic_switches
 from eaglewire.doctor.traffic import load_traffic
 
 OFF, ON = {"enable_thinking": False}, {"enable_thinking": True}
@@ -72,6 +72,10 @@ def test_traffic_requests_carry_their_own_switch_over_the_launch_default(tmp_pat
     check = judge(thinking, ON, doctor_config(), traffic)
     assert check.verdict == "fail" and "1 of 3 traffic" in check.summary and "send" in check.fix
     assert judge(thinking, OFF, doctor_config(), traffic[:1]).verdict == "ok"
+    # ordinary requests (no chat_template_kwargs of their own) under a launch default render with the default
+    launch = ServingSwitch(OFF, "launch flags")
+    assert [(s.kwargs, s.source) for s in traffic_switches(traffic[2:], launch)] == [
+        (OFF, "1 of 1 traffic chat request(s)")]
 
 
 def test_a_draft_that_records_no_switch_is_skipped_and_no_source_adds_no_check(thinking):

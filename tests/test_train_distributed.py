@@ -28,7 +28,8 @@ def _rank_main(rank, world, port, data, out, grad_accum, results):
     target = tiny_target("llama", vocab_size=len(tok), tokenizer=tok, initializer_range=0.2)
     config = TrainConfig(out=out, online_data=data, ttt_steps=2, draft_vocab_size=len(tok), batch_tokens=256,
                          grad_accum=grad_accum, val_sequences=2, max_steps=3, max_length=96, device="cpu",
-                         eval_interval=1000, log_interval=1, lr=3e-3, warmup_steps=1)
+                         eval_interval=1000, log_interval=1, lr=3e-3, warmup_steps=1,
+                         dtype="fp32")  # spawned ranks miss conftest's fp32 pin: said here, the same on every CPU
     trainer = Trainer(config, target)
     trainer.run(progress=False)
     results[rank] = [p.detach().clone() for p in trainer.draft.parameters()]
@@ -47,9 +48,18 @@ def _chats(path):
 
 
 def _train(tmp_path, name, world, grad_accum):
-    results = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(world, _free_port(), _chats(tmp_path / "chats.jsonl"), str(tmp_path / name),
-                               grad_accum, results), nprocs=world)
+    args = (world, _free_port(), _chats(tmp_path / "chats.jsonl"), str(tmp_path / name), grad_accum)
+    if world == 1:  # one process: this one (a spawn costs its imports, ~6 s), its environment and threads restored
+        results, environ, threads = {}, dict(os.environ), torch.get_num_threads()
+        try:
+            _rank_main(0, *args, results)
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.set_num_threads(threads)
+    else:
+        results = mp.Manager().dict()
+        mp.spawn(_rank_main, args=(*args, results), nprocs=world)
     metrics = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
     return dict(results), [m for m in metrics if not m.get("eval")]
 

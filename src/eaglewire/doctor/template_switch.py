@@ -71,7 +71,7 @@ def traffic_switches(prompts: list[Any], launch: ServingSwitch | None) -> list[S
     """The switches the chat requests of the traffic render with (their own keys over the launch
     default), one per distinct switch with its request count; requests that tell nothing are left out."""
     chat = [p for p in prompts if p.messages is not None]
-    known = [{**(launch.kwargs if launch else {}), **p.template_kwargs} for p in chat
+    known = [{**(launch.kwargs if launch else {}), **(p.template_kwargs or {})} for p in chat
              if p.template_kwargs is not None or launch is not None]
     counts = Counter(json.dumps(k, sort_keys=True) for k in known)
     return [ServingSwitch(json.loads(k), f"{n} of {len(chat)} traffic chat request(s)")

@@ -198,7 +198,7 @@ def build_server(tree: Path, plan: BuildPlan, *, jobs: int | None = None, progre
     logfile = build / "eaglewire-build.log"
     jobs = jobs or os.cpu_count() or 1
     steps = [(f"configuring llama.cpp: {' '.join(plan.isa()) or 'no ISA option'} ({plan.reason})", ["cmake", "-S", str(tree), "-B", str(build), *plan.cmake_args()]),
-             (f"building {SERVER} with {jobs} jobs (~25 min on 2 cores)",
+             (f"building {SERVER} with {jobs} jobs (~7-25 min on 2 cores)",
               ["cmake", "--build", str(build), "--target", SERVER, QUANTIZE, f"-j{jobs}"])]
     if shutil.which("cmake") is None:
         raise LlamaCppError("building llama.cpp needs cmake and a C++ compiler; install them "
