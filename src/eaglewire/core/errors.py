@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["CorruptFileError", "reading", "as_os_error", "user_message"]
+__all__ = ["CorruptFileError", "reading", "read_json_object", "as_os_error", "user_message"]
 
 # errno -> what to do about it
 _OS_FIXES = {
@@ -60,6 +60,26 @@ def reading(path: str | Path, fix: str) -> Iterator[None]:
         # "may": a reader's ValueError can also mean "not supported" (its text, kept, says which)
         raise CorruptFileError(f"{path} cannot be read ({type(e).__name__}: {e}): it may be truncated or "
                                f"corrupt; {fix}") from e
+
+
+def read_json_object(path: str | Path, fix: str) -> dict:
+    """The JSON object (a mapping) in ``path``; CorruptFileError naming ``path`` and ``fix`` when it
+    does not parse or holds another JSON value (a list, a string), IsADirectoryError named likewise."""
+    import json
+
+    path = Path(path)
+    if not path.exists():
+        inline = str(path).lstrip().startswith(("{", "["))
+        raise FileNotFoundError(f"{path} does not exist{' (it reads as inline JSON: write it to a file)' if inline else ''}"
+                                f"; {fix}")
+    if path.is_dir():
+        raise CorruptFileError(f"{path} is a directory, not a JSON file; {fix}")
+    with reading(path, fix):
+        value = json.loads(path.read_text())
+    if not isinstance(value, dict):
+        raise CorruptFileError(f"{path} holds a JSON {type(value).__name__}, not an object "
+                               f"({{\"key\": value, ...}}); {fix}")
+    return value
 
 
 def _os_message(e: OSError) -> str | None:

@@ -4,11 +4,11 @@ declared layout."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglewire.core.errors import read_json_object
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
 from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
@@ -47,6 +47,9 @@ class Measured:
         return [c.cond_acc for c in self.counts[1:]]
 
 
+ENGINE_CONFIG_FIX = "pass --engine-config the draft's config.json file the engine loads (not its directory, not inline JSON)"
+
+
 def flags_check(engine: str, problems: list[tuple[str, str, str]]) -> Check:
     """The "serving flags" check of a lint's (verdict, what, fix) problems."""
     worst = "fail" if any(v == "fail" for v, _, _ in problems) else ("warn" if problems else "ok")
@@ -73,7 +76,7 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
         report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which boundaries "
                          f"{config.engine} will capture", fix="pass the config.json the engine will load"))
         return {}, steps
-    cfg = json.loads(Path(config.engine_config).read_text())
+    cfg = read_json_object(config.engine_config, ENGINE_CONFIG_FIX)
     if family == "dflash":
         reading = read_dflash_engine_config(config.engine, cfg, L, declared, arch)
         fix = dflash_config_fix(config.engine, declared, L, arch, cfg)
@@ -260,7 +263,7 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     if not config.engine_config or config.engine not in field_readers() or is_block_draft(m.draft):
         return  # the engines' field readings are EAGLE-3's (a DFlash draft's wiring: the engine wiring check)
     path = Path(config.engine_config)
-    cfg = json.loads(path.read_text())
+    cfg = read_json_object(path, ENGINE_CONFIG_FIX)
     b = m.batches[0]
     real = b.loss_mask.new_ones(b.input_ids.shape, dtype=bool)  # [B, T]
     rows = (b.input_ids[real].cpu(), b.emb[real].cpu())  # [N], [N, H]

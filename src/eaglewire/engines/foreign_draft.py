@@ -17,13 +17,13 @@ SGLang and SpecForge write the same files; SGLang reads the ids per target model
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, load_draft
+from eaglewire.core.errors import read_json_object
+from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, DAMAGED_DRAFT, load_draft
 from eaglewire.engines import eagle, specforge, vllm
 from eaglewire.core.presets import resolve_draft
 
@@ -36,7 +36,7 @@ def detect_draft_format(path: str | Path) -> str:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path} is not a draft directory: no config.json (train one with `eaglewire "
                                 "train`, or pass an SGLang, SpecForge, speculators or EAGLE draft directory)")
-    config = json.loads(cfg_path.read_text())
+    config = read_json_object(cfg_path, DAMAGED_DRAFT)
     if config.get("format") == CHECKPOINT_FORMAT:
         return "native"
     if "speculators_model_type" in config:

@@ -7,7 +7,6 @@ engine by name.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, save_draft
+from eaglewire.core.errors import CorruptFileError, read_json_object, reading
+from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, DAMAGED_DRAFT, save_draft
 from eaglewire.core.contract import ContractError, HiddenStateContract
 from eaglewire.model.draft import DraftConfig
 import eaglewire.engines.shared as shared
@@ -61,15 +61,13 @@ def read_checkpoint(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not a draft checkpoint directory: no config.json (expected "
                                 "config.json plus model.safetensors or pytorch_model.bin)")
-    try:
-        config = json.loads((src / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{src / 'config.json'} is not valid JSON: {e}") from e
+    config = read_json_object(src / "config.json", DAMAGED_DRAFT)
     if config.get("format") == CHECKPOINT_FORMAT:
         raise FormatError(f"{src} is already an eaglewire draft; use it directly, no import needed")
     state: dict[str, torch.Tensor] = {}
     for path in sorted(src.glob("*.safetensors")):
-        state.update(load_file(str(path)))
+        with reading(path, DAMAGED_DRAFT):
+            state.update(load_file(str(path)))
     for path in [] if state else sorted(src.glob("pytorch_model*.bin")):
         obj = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -163,8 +161,8 @@ def is_dflash_dir(src_dir: str | Path) -> bool:
 
     path = Path(src_dir) / "config.json"
     try:
-        return path.is_file() and is_dflash_config(json.loads(path.read_text()))
-    except json.JSONDecodeError:
+        return path.is_file() and is_dflash_config(read_json_object(path, DAMAGED_DRAFT))
+    except CorruptFileError:
         return False  # read_checkpoint names the broken file
 
 

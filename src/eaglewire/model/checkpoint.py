@@ -8,7 +8,6 @@ leaves a half-written checkpoint behind.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 from eaglewire.core.contract import ContractError, HiddenStateContract
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
-from eaglewire.core.errors import reading
+from eaglewire.core.errors import read_json_object, reading
 from eaglewire.core.fileio import atomic_save_safetensors, atomic_write_json
 from eaglewire.core.presets import resolve_draft
 
@@ -28,6 +27,8 @@ CHECKPOINT_VERSION = 1
 
 # family -> (module class, its config class)
 FAMILY_CLASSES = {"eagle3": (Eagle3Draft, DraftConfig), "dflash": (DFlashDraft, DFlashConfig)}
+
+DAMAGED_DRAFT = "the draft directory is damaged (a cut copy or download?): copy it again, or export it again"
 
 
 def draft_family(draft) -> str:
@@ -62,8 +63,7 @@ def read_draft_config(path: str | Path) -> dict[str, Any]:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path} is not a draft directory: no config.json "
                                 "(train one with `eaglewire train`, or import one with `eaglewire import`)")
-    with reading(cfg_path, "the draft directory is damaged: copy it again, or re-export it from its training run"):
-        config = json.loads(cfg_path.read_text())
+    config = read_json_object(cfg_path, DAMAGED_DRAFT)
     if config.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{cfg_path} is not an eaglewire draft (format {config.get('format')!r}); "
                          "to use a SGLang, SpecForge, speculators or EAGLE checkpoint, convert it "
@@ -93,8 +93,7 @@ class DraftFiles:
 
     def state(self) -> dict[str, torch.Tensor]:
         weights = self.path / "model.safetensors"
-        with reading(weights, f"the draft directory {self.path} is damaged (a cut copy or download?): copy it "
-                     "again, or re-export it from its training run"):
+        with reading(weights, DAMAGED_DRAFT):
             return load_file(str(weights))
 
 
