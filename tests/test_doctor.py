@@ -91,9 +91,23 @@ def test_lint_sglang_flags_it_would_silently_change():
 
 
 def test_lint_sglang_boundaries_its_model_file_cannot_capture():
-    flags = lint_flags("sglang", "--speculative-num-steps=3", [2, 15, 30], 30, "llama")
+    eagle3 = "--speculative-algorithm EAGLE3 --speculative-num-steps=3"
+    flags = lint_flags("sglang", eagle3, [2, 15, 30], 30, "llama")
     assert [v for v, _, _ in flags.problems] == ["fail"] and "boundary 30" in flags.problems[0][2]
-    assert lint_flags("sglang", "--speculative-num-steps=3", [0, 2, 15], 30, "llama").problems == []  # id -1
+    assert lint_flags("sglang", eagle3, [0, 2, 15], 30, "llama").problems == []  # id -1
+
+
+def test_lint_fails_a_launch_that_runs_no_speculation_or_an_impossible_draft_count():
+    [(verdict, what, fix)] = lint_flags("sglang", "--speculative-draft-model-path d --speculative-num-steps 3",
+                                        [2, 15, 27], 30).problems
+    assert verdict == "fail" and "serves without speculation" in what and fix == "--speculative-algorithm EAGLE3"
+    for n in (0, -1, "three", 2.5):
+        spec = json.dumps({"method": "eagle3", "model": "d", "num_speculative_tokens": n})
+        flags = lint_flags("vllm", f"--speculative-config '{spec}'", [2, 15, 27], 30)
+        assert [v for v, _, _ in flags.problems] == ["fail"] and "refuses it at launch" in flags.problems[0][1], n
+        assert flags.num_steps is None and '"num_speculative_tokens": 3' in flags.problems[0][2]
+    missing = lint_flags("vllm", """--speculative-config '{"method": "eagle3", "model": "d"}'""", [2, 15, 27], 30)
+    assert [v for v, _, _ in missing.problems] == ["fail"] and "without it" in missing.problems[0][1]
 
 
 def test_lint_vllm_method():

@@ -4,6 +4,7 @@ declared layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,32 @@ def flags_check(engine: str, problems: list[tuple[str, str, str]]) -> Check:
     return Check("serving flags", worst, f"{engine} flags: " + ("nothing silently changed" if not problems
                                                                 else f"{len(problems)} problem(s)"),
                  [what for _, what, _ in problems], fix="; ".join(f for _, _, f in problems) or None)
+
+
+def resolve_engine_config(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,
+                          dflash_block: int | None = None) -> DoctorConfig:
+    """``config`` with the engine config the launch flags load: the draft directory the flags name is
+    read when no ``--engine-config`` is given, and is what gets judged when ``--engine-config`` is another
+    file (a FAIL says so): the engine loads what its flags name, whatever the doctor was shown."""
+    if not config.engine_flags:
+        return config
+    named = lint_flags(config.engine, config.engine_flags, declared, L, arch, dflash_block=dflash_block).draft_path
+    if named is None:
+        return config
+    loads = Path(named).expanduser() / "config.json"
+    if not loads.is_file():  # not here (another machine's path, a hub name): check_serving says it cannot tell
+        return config
+    if not config.engine_config:
+        report.add(Check("engine config", "ok", f"read {loads}: the draft directory the launch flags load"))
+        return dataclasses.replace(config, engine_config=str(loads))
+    given = Path(config.engine_config)
+    if given.is_file() and given.resolve() != loads.resolve() and \
+            read_json_object(given, ENGINE_CONFIG_FIX) != read_json_object(loads, ENGINE_CONFIG_FIX):
+        report.add(Check("engine config", "fail", f"--engine-config {given} is not the config the launch flags load: "
+                         f"{loads} differs, and {config.engine} reads that one (judged below)",
+                         fix=f"point the flags at the directory of {given}, or fix {loads}"))
+        return dataclasses.replace(config, engine_config=str(loads))
+    return config
 
 
 def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,

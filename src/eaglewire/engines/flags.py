@@ -17,6 +17,7 @@ class Flags:
     topk: int | None = None
     num_draft_tokens: int | None = None
     problems: list[tuple[str, str, str]] = field(default_factory=list)  # (verdict, what, fix)
+    draft_path: str | None = None  # the draft the flags load (a directory, or llama.cpp's GGUF), as written
 
 
 def _is_flag(token: str) -> bool:

@@ -413,12 +413,16 @@ def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | Non
     """SGLang launch flags it would silently change or cannot honour (``arch``: the target's
     architecture, for what its model file can capture), read as its parser reads them (``read_flags``)."""
     args, problems = read_flags(flags)
-    out = Flags(problems=problems)
+    out = Flags(problems=problems, draft_path=args.get("--speculative-draft-model-path"))
     cannot = cannot_feed(declared, num_layers, arch) if arch is not None else ""
     if cannot:
         out.problems.append(("fail", f"sglang cannot feed this draft {declared} on this target", cannot))
     algo = args.get("--speculative-algorithm")
-    if algo is not None and algo.upper() != "EAGLE3":
+    if algo is None:
+        out.problems.append(("fail", "no --speculative-algorithm: SGLang serves without speculation (server_args.py: "
+                             "speculative_algorithm defaults to None; the draft flags are ignored)",
+                             "--speculative-algorithm EAGLE3"))
+    elif algo.upper() != "EAGLE3":
         out.problems.append(("fail", f"--speculative-algorithm {algo}: SGLang will not feed aux states "
                              "to an EAGLE-3 draft", "--speculative-algorithm EAGLE3"))
     return chain_shape(args, out, verdict="warn", silently="SGLang overrides it with only a log warning")
@@ -668,7 +672,7 @@ def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: st
     """SGLang launch flags for a DFlash draft trained with blocks of ``block_size``: what SGLang refuses, what it
     overrides with a log warning, and the block it would draft (``Flags.num_steps``: drafted tokens per round)."""
     args, problems = read_flags(flags)
-    out = Flags(problems=problems)
+    out = Flags(problems=problems, draft_path=args.get("--speculative-draft-model-path"))
     cannot = model_file.why_not(dflash_to_ids, declared, num_layers, arch) if arch is not None else ""
     if cannot:
         out.problems.append(("fail", f"sglang cannot feed this DFlash draft {declared} on this target", cannot))

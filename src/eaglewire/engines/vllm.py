@@ -418,7 +418,25 @@ def _speculative_config(flags: str, out: Flags, method: str) -> dict | None:
     if not isinstance(spec, dict):
         out.problems.append(("fail", f"--speculative-config is {spec!r}, not a JSON object", "pass a JSON object"))
         return None
+    if isinstance(spec.get("model"), str):
+        out.draft_path = spec["model"]
     return spec
+
+
+def _num_speculative_tokens(spec: dict, out: Flags, suggest: int) -> int | None:
+    """``num_speculative_tokens`` of a speculative config, or None with a FAIL in ``out`` where vLLM
+    refuses it (vllm/config/speculative.py: ``Field(default=None, gt=0)``, and "A speculative model
+    was provided, but `num_speculative_tokens` was not provided" for a draft with no n_predict)."""
+    raw = spec.get("num_speculative_tokens")
+    n = as_int(raw)
+    if raw is None:
+        out.problems.append(("fail", "no num_speculative_tokens: vLLM refuses a draft model without it",
+                             f'"num_speculative_tokens": {suggest}'))
+    elif n is None or isinstance(raw, bool) or n < 1 or n != raw and str(n) != str(raw):
+        out.problems.append(("fail", f"num_speculative_tokens {raw!r}: vLLM refuses it at launch (an integer > 0: "
+                             "the tokens drafted per round)", f'"num_speculative_tokens": {suggest}'))
+        return None
+    return n
 
 
 def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | None) -> Flags:
@@ -442,7 +460,7 @@ def lint_flags(flags: str, declared: list[int], num_layers: int, arch: str | Non
     elif method != "eagle3":
         out.problems.append(("fail", f"method is {method!r}: vLLM will not read the aux "
                              "states of an EAGLE-3 draft", 'set "method": "eagle3"'))
-    out.num_steps = as_int(spec.get("num_speculative_tokens"))
+    out.num_steps = _num_speculative_tokens(spec, out, suggest=3)
     out.topk = 1
     out.num_draft_tokens = out.num_steps + 1 if out.num_steps else None
     return out
@@ -654,11 +672,8 @@ def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: st
                 f"no method: vLLM detects {method!r} from the draft path {spec.get('model')!r}")
         out.problems.append(("fail", f"{what}: vLLM will not run the draft as a DFlash block draft",
                              'set "method": "dflash"'))
-    n = as_int(spec.get("num_speculative_tokens"))
-    if n is None:
-        out.problems.append(("fail", "no num_speculative_tokens: vLLM refuses a draft model without it",
-                             f'"num_speculative_tokens": {block_size - 1}'))
-    elif n > block_size - 1:
+    n = _num_speculative_tokens(spec, out, suggest=block_size - 1)
+    if n is not None and n > block_size - 1:
         out.problems.append(("warn", f"num_speculative_tokens {n} > block_size - 1 = {block_size - 1}: vLLM drafts "
                              f"blocks of {n + 1} without checking, so positions past the trained block are drafted "
                              "untrained", f'"num_speculative_tokens": {block_size - 1}'))

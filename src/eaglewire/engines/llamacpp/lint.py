@@ -36,6 +36,7 @@ class LlamaFlags:
     n_min: int | None = None
     p_min: float | None = None
     problems: list[tuple[str, str, str]] = field(default_factory=list)  # (verdict, what, fix)
+    draft_path: str | None = None  # the -md GGUF, as written
 
 
 def lint_flags(flags: str, declared: list[int] | None = None, num_layers: int | None = None,
@@ -62,6 +63,7 @@ def _lint(flags: str, spec_type: str, block_size: int | None) -> LlamaFlags:
         if old in args:
             out.problems.append(("fail", f"{old} was removed before build {BUILD}: llama-server exits on it",
                                  f"use {new}"))
+    out.draft_path = next((args[f] for f in DRAFT_MODEL_FLAGS if args.get(f)), None)
     if not any(f in args for f in DRAFT_MODEL_FLAGS):
         out.problems.append(("fail", "no draft model (-md): llama-server decodes without speculation",
                              f"add -md draft.gguf --spec-type {spec_type}"))
