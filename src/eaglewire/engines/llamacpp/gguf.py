@@ -11,6 +11,7 @@ weights eaglewire runs) and ``SERVING.md`` with the llama-server command.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -40,15 +41,28 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ reading a GGUF draft
 
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (tensors are not read)."""
+def gguf_reader(path: str | Path):
+    """gguf-py's ``GGUFReader`` of ``path``, parsed once per file version: parsing walks every field
+    part in Python, ~5 s for a draft GGUF that carries SmolLM2's 49k-token vocabulary, and the export's
+    read-back and the doctor read one file several times (metadata, d2t, the head's rows)."""
+    stat = Path(path).stat()
+    return _parsed(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)  # a few open memory maps at most
+def _parsed(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
+    return GGUFReader(path)
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file (tensors are not read)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:
-        reader = GGUFReader(str(path))
+        reader = gguf_reader(path)
     except (ValueError, OSError) as e:
         raise FormatError(f"{path} is not a readable GGUF file: {e}") from e
     out: dict[str, Any] = {}
@@ -308,9 +322,7 @@ def dflash_layout_problem(meta: dict[str, Any], boundaries: list[int], num_layer
 
 def gguf_tensor(path: Path, name: str):
     """One tensor of a GGUF file as a numpy array (in the file's own layout), None when absent."""
-    from gguf import GGUFReader
-
-    for t in GGUFReader(str(path)).tensors:
+    for t in gguf_reader(path).tensors:
         if t.name == name:
             return t.data
     return None
