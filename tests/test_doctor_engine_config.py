@@ -157,3 +157,22 @@ def test_wrapped_targets_are_read_through_the_wrappers_own_model_file(arch, engi
         assert "models/gemma3.py" not in " ".join(reading.problems)  # the wrapper's file, not the text model's
     else:
         assert list(reading.readings.values()) == [served] and not reading.problems
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_the_norm_before_fc_fix_names_the_section_the_engine_reads_and_applied_it_passes(tmp_path, engine):
+    """eagle_config.norm_before_fc: true is read before the top-level key (SGLang and vLLM's non-speculators
+    formats): a fix at the top level would leave the FAIL, so the fix names eagle_config, and applying it clears it."""
+    target = tiny_target("llama", vocab_size=256, num_layers=8, hidden_size=64)
+    native = make_native(tmp_path / "native", target, [2, 4, 5], draft_vocab=64)
+    export_draft(native, "sglang", tmp_path / "out", target=target)
+    draft, _, _ = load_draft(native)
+    module = {"sglang": sglang, "vllm": vllm}[engine]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config["eagle_config"] = {**(config.get("eagle_config") or {}), "norm_before_fc": True}
+    [found] = [m for m in mismatches(module.read_served(config), draft.config) if m.field == "norm_before_fc"]
+    assert 'inside "eagle_config"' in found.fix
+    top_level_only = {**config, "norm_before_fc": False}  # the fix the doctor used to print: still read as true
+    assert any(m.field == "norm_before_fc" for m in mismatches(module.read_served(top_level_only), draft.config))
+    applied = {**config, "eagle_config": {**config["eagle_config"], "norm_before_fc": False}}
+    assert not any(m.field == "norm_before_fc" for m in mismatches(module.read_served(applied), draft.config))

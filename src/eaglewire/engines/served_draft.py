@@ -53,6 +53,7 @@ class ServedDraft:
     layer: str = "llama"  # the draft layer class it builds ("qwen3": adds q_norm / k_norm)
     cited: dict[str, str] = field(default_factory=dict)  # field -> file and function read
     notes: list[str] = field(default_factory=list)
+    norm_sections: dict[str, str] = field(default_factory=dict)  # norm flag -> the config section it was read from
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,12 @@ def mismatches(served: ServedDraft, cfg: DraftConfig, *, config_key: str = "") -
     out = []
     for flag, meaning in TRAINED_NORMS.items():
         if served.norms.get(flag, False):
+            section = served.norm_sections.get(flag)
+            where = (f'inside "{section}" of config.json ({served.engine} reads it there before the top level)'
+                     if section else "at the top level of config.json")
             out.append(Mismatch(flag, True, False, f"{served.engine} reads {flag} as true: {meaning}; "
-                                "the draft was trained without it", f'write "{flag}": false at the top level '
-                                "of config.json", measurable=flag != "norm_output"))
+                                "the draft was trained without it", f'write "{flag}": false {where}',
+                                measurable=flag != "norm_output"))
     sizes = (("draft_vocab_size", served.draft_vocab_size, cfg.draft_vocab_size, ""),
              ("target_hidden_size", served.target_hidden_size, cfg.target_hidden_size, ""),
              ("hidden_size", served.hidden_size, cfg.hidden_size, config_key),

@@ -467,7 +467,8 @@ def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embed
         target_hidden_size=int(c.get("target_hidden_size") or c["hidden_size"]), num_aux=num_aux(d),
         hidden_size=int(c["hidden_size"]), head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
         rms_norm_eps=float(c["rms_norm_eps"]), rope_theta=theta, rope_parameters=rope, embedding="target",
-        lm_head=head, cited=dict(SERVED_CITED))
+        lm_head=head, cited=dict(SERVED_CITED),
+        norm_sections={"norm_before_fc": "eagle_config"} if "norm_before_fc" in nested else {})
 
 
 def served_config_key(d: dict[str, Any]) -> str:

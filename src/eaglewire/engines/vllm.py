@@ -501,6 +501,7 @@ def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embed
         norms = {"norm_before_residual": bool(d.get("norm_before_residual", True)),
                  "norm_before_fc": bool(d.get("norm_before_fc", False)), "fc_norm": bool(d.get("fc_norm", False)),
                  "norm_output": bool(d.get("norm_output", False))}
+        sections: dict[str, str] = {}
         eps = layer.get("rms_norm_eps")
         vocab_size = layer.get("vocab_size")
     else:
@@ -511,6 +512,7 @@ def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embed
                  "fc_norm": bool(layer.get("fc_norm", False)), "norm_output": bool(layer.get("norm_output", False))}
         eps = layer.get("rms_norm_eps")
         vocab_size = layer.get("vocab_size")
+        sections = {"norm_before_fc": "eagle_config"} if "norm_before_fc" in nested else {}
     hidden, heads = layer.get("hidden_size"), layer.get("num_attention_heads")
     head_dim = layer.get("head_dim") or (int(hidden) // int(heads) if hidden and heads else None)
     theta, rope = parse_rope(layer)
@@ -525,7 +527,7 @@ def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embed
         embedding="draft" if own_embedding_differs and any("embed_tokens" in n for n in names) else "target",
         lm_head="draft" if own_head else "target",
         layer=str(layer.get("model_type") or "llama") if speculators else "llama",
-        cited=dict(SERVED_CITED))
+        cited=dict(SERVED_CITED), norm_sections=sections)
 
 
 def served_config_key(d: dict[str, Any]) -> str:
