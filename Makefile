@@ -25,7 +25,7 @@ bench: $(BIN)/eaglewire
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/train_step.py --threads $(THREADS)
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python benchmarks/engine_speed.py --threads $(THREADS)
 
-# llama.cpp (pinned build) into the user cache, once: ~20-25 min on 2 cores; `make test` then
+# llama.cpp (pinned build) into the user cache, once: 7-25 min on 2 cores (404 s on an AVX-512 EPYC); `make test` then
 # runs its marked tests too (they skip, saying how to install it, when it is absent).
 llamacpp: $(BIN)/eaglewire
 	$(BIN)/pip install -q -e '.[test,llamacpp]'
