@@ -135,8 +135,19 @@ def test_a_serving_server_passes_the_smoke_run(tmp_path):
 
 
 def test_exit_causes_read_as_words():
-    assert smoke.exit_cause(-4).startswith("SIGILL") and smoke.exit_cause(-11) == "SIGSEGV"
-    assert smoke.exit_cause(3) == "exit status 3"
+    from eaglewire.engines.llamacpp.errors import exit_cause
+
+    assert exit_cause(-4).startswith("SIGILL") and exit_cause(-11) == "SIGSEGV"
+    assert exit_cause(3) == "exit status 3"
+
+
+def test_a_server_that_traps_at_start_says_how_to_rebuild_it(tmp_path):
+    """Any command, not only install: a cached build from an earlier eaglewire that traps names the fix."""
+    server = engine.LlamaServer(fake_server(tmp_path / "llama-server", TRAPS), engine.ServerConfig(model=tmp_path / "t"),
+                                log_path=tmp_path / "s.log", startup_timeout=60)
+    with pytest.raises(engine.LlamaCppError, match=r"exited with -4 \(SIGILL.*engines install llamacpp"):
+        with server:
+            pass
 
 
 @pytest.mark.llamacpp

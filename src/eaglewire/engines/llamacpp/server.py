@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from eaglewire.engines.llamacpp.errors import LlamaCppError
+from eaglewire.engines.llamacpp.errors import LlamaCppError, exit_cause
 from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,11 @@ class LlamaServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise LlamaCppError(f"llama-server exited with {self._proc.returncode} while starting "
-                                    f"({' '.join(self.command)}):\n{self.log_tail()}")
+                rc = self._proc.returncode
+                hint = ("; rebuild it for this CPU: eaglewire engines install llamacpp (it reconfigures a build "
+                        "made for another CPU or by an earlier eaglewire)" if rc == -4 else "")
+                raise LlamaCppError(f"llama-server exited with {rc} ({exit_cause(rc)}) while starting "
+                                    f"({' '.join(self.command)}){hint}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:

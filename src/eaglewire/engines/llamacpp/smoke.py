@@ -9,13 +9,12 @@ for the tiled kernels). A server that dies is reported with its exit signal and 
 
 from __future__ import annotations
 
-import signal
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from eaglewire.engines.llamacpp.errors import LlamaCppError
+from eaglewire.engines.llamacpp.errors import LlamaCppError, exit_cause
 from eaglewire.engines.llamacpp.server import LlamaServer, ServerConfig, complete
 
 SMOKE_THREADS = 2
@@ -96,22 +95,6 @@ def write_smoke_gguf(path: Path, *, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def exit_cause(returncode: int | None) -> str:
-    """A process's return code in words: a negative one is the signal that killed it."""
-    if returncode is None:
-        return "still running"
-    if returncode >= 0:
-        return f"exit status {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-    if name == "SIGILL":
-        return (f"{name} (an instruction this CPU or kernel refuses: a build for another CPU, or ggml's AMX "
-                "kernels, which trap in worker threads, llama.cpp PR #26954)")
-    return name
 
 
 def smoke_run(binary: Path, *, log_path: Path | None = None, threads: int = SMOKE_THREADS,
