@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from eaglewire.doctor.checks import resolve_engine_config
+from eaglewire.doctor.checks import config_the_flags_load
 from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.llamacpp import _gguf_the_flags_load
 from eaglewire.doctor.report import DoctorReport
+from eaglewire.doctor.serving import lint_flags
 
 DECLARED, L = [2, 15, 27], 30
 
@@ -33,7 +33,8 @@ def launch(engine: str, draft) -> str:
 def resolve(engine, flags, engine_config=None):
     report = DoctorReport(draft="d", target="t")
     config = DoctorConfig(draft="d", engine=engine, engine_flags=flags, engine_config=engine_config)
-    got = resolve_engine_config(report, config, DECLARED, L, "LlamaForCausalLM")
+    named = lint_flags(engine, flags, DECLARED, L, "LlamaForCausalLM").draft_path  # as check_serving reads it
+    got = config_the_flags_load(report, config, named)
     return got.engine_config, {c.name: c for c in report.checks}
 
 
@@ -66,9 +67,9 @@ def test_llamacpp_reads_the_md_gguf_of_the_flags(tmp_path):
     other.write_bytes(b"GGUF two")
     flags = f"-md {loaded} --spec-type draft-eagle3"
     report = DoctorReport(draft="d", target="t")
-    got = _gguf_the_flags_load(report, DoctorConfig(draft="d", engine="llamacpp", engine_flags=flags), str(loaded))
+    got = config_the_flags_load(report, DoctorConfig(draft="d", engine="llamacpp", engine_flags=flags), str(loaded))
     assert got.engine_config == str(loaded) and report.checks[0].verdict == "ok"
-    got = _gguf_the_flags_load(report, DoctorConfig(draft="d", engine="llamacpp", engine_flags=flags,
+    got = config_the_flags_load(report, DoctorConfig(draft="d", engine="llamacpp", engine_flags=flags,
                                                     engine_config=str(other)), str(loaded))
     assert got.engine_config == str(loaded) and report.checks[1].verdict == "fail"
 

@@ -11,6 +11,7 @@ full, read-only or not ours to write (OSError, named by errno), and files that d
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 from contextlib import contextmanager
@@ -64,9 +65,8 @@ def reading(path: str | Path, fix: str) -> Iterator[None]:
 
 def read_json_object(path: str | Path, fix: str) -> dict:
     """The JSON object (a mapping) in ``path``; CorruptFileError naming ``path`` and ``fix`` when it
-    does not parse or holds another JSON value (a list, a string), IsADirectoryError named likewise."""
-    import json
-
+    does not parse, holds another JSON value (a list, a string) or is a directory; FileNotFoundError when
+    it does not exist (saying so when the "path" is inline JSON)."""
     path = Path(path)
     if not path.exists():
         inline = str(path).lstrip().startswith(("{", "["))

@@ -5,6 +5,7 @@ declared layout."""
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,37 +60,42 @@ def flags_check(engine: str, problems: list[tuple[str, str, str]]) -> Check:
                  [what for _, what, _ in problems], fix="; ".join(f for _, _, f in problems) or None)
 
 
-def resolve_engine_config(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,
-                          dflash_block: int | None = None) -> DoctorConfig:
-    """``config`` with the engine config the launch flags load: the draft directory the flags name is
-    read when no ``--engine-config`` is given, and is what gets judged when ``--engine-config`` is another
-    file (a FAIL says so): the engine loads what its flags name, whatever the doctor was shown."""
-    if not config.engine_flags:
+def _same_content(a: Path, b: Path) -> bool:
+    """Whether two engine configs say the same: as JSON objects for config.json, byte for byte otherwise (a GGUF)."""
+    if a.suffix == b.suffix == ".json":
+        return read_json_object(a, ENGINE_CONFIG_FIX) == read_json_object(b, ENGINE_CONFIG_FIX)
+    return filecmp.cmp(a, b, shallow=False)
+
+
+def config_the_flags_load(report: DoctorReport, config: DoctorConfig, named: str | None) -> DoctorConfig:
+    """``config`` with the engine config the launch flags load (``named``: their draft, a directory or llama.cpp's
+    GGUF): read when no ``--engine-config`` is given, and judged instead of a ``--engine-config`` that differs from
+    it (a FAIL says so): the engine loads what its flags name, whatever the doctor was shown. A draft that is
+    not here (another machine's path, a hub name) changes nothing."""
+    if not named:
         return config
-    named = lint_flags(config.engine, config.engine_flags, declared, L, arch, dflash_block=dflash_block).draft_path
-    if named is None:
-        return config
-    loads = Path(named).expanduser() / "config.json"
-    if not loads.is_file():  # not here (another machine's path, a hub name): check_serving says it cannot tell
+    loads = Path(named).expanduser()
+    loads = loads / "config.json" if loads.is_dir() else loads
+    if not loads.is_file():
         return config
     if not config.engine_config:
-        report.add(Check("engine config", "ok", f"read {loads}: the draft directory the launch flags load"))
+        report.add(Check("engine config", "ok", f"read {loads}: what the launch flags load"))
         return dataclasses.replace(config, engine_config=str(loads))
     given = Path(config.engine_config)
-    if given.is_file() and given.resolve() != loads.resolve() and \
-            read_json_object(given, ENGINE_CONFIG_FIX) != read_json_object(loads, ENGINE_CONFIG_FIX):
-        report.add(Check("engine config", "fail", f"--engine-config {given} is not the config the launch flags load: "
+    if given.is_file() and given.resolve() != loads.resolve() and not _same_content(given, loads):
+        report.add(Check("engine config", "fail", f"--engine-config {given} is not what the launch flags load: "
                          f"{loads} differs, and {config.engine} reads that one (judged below)",
-                         fix=f"point the flags at the directory of {given}, or fix {loads}"))
+                         fix=f"point the launch flags at the draft of {given}, or fix {loads}"))
         return dataclasses.replace(config, engine_config=str(loads))
     return config
 
 
 def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,
-                  dflash_block: int | None = None) -> tuple[dict[str, list[int]], int]:
+                  dflash_block: int | None = None) -> tuple[dict[str, list[int]], int, DoctorConfig]:
     """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
     the tokens it drafts per round: SGLang's default chain of 5, or a DFlash block's ``dflash_block - 1``,
-    when the flags do not say). ``dflash_block``: the draft is a DFlash draft trained on blocks of that size.
+    when the flags do not say; ``config`` with the engine config the flags load, ``config_the_flags_load``,
+    for the checks after it). ``dflash_block``: the draft is a DFlash draft trained on blocks of that size.
     Its readings go into ``Measured.serving``, so it runs before the draft is measured and takes its inputs bare."""
     family = "eagle3" if dflash_block is None else "dflash"
     steps = 5 if dflash_block is None else dflash_block - 1
@@ -97,12 +103,13 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
         flags = lint_flags(config.engine, config.engine_flags, declared, L, arch, dflash_block=dflash_block)
         report.add(flags_check(config.engine, flags.problems))
         steps = flags.num_steps or steps
+        config = config_the_flags_load(report, config, flags.draft_path)
     if config.engine == "eaglewire" and not config.engine_config:
-        return {"eaglewire": list(declared)}, steps
+        return {"eaglewire": list(declared)}, steps, config
     if not config.engine_config:
         report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which boundaries "
                          f"{config.engine} will capture", fix="pass the config.json the engine will load"))
-        return {}, steps
+        return {}, steps, config
     cfg = read_json_object(config.engine_config, ENGINE_CONFIG_FIX)
     if family == "dflash":
         reading = read_dflash_engine_config(config.engine, cfg, L, declared, arch)
@@ -119,7 +126,7 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
                          evidence, fix=fix))
     else:
         report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
-    return reading.readings, steps
+    return reading.readings, steps, config
 
 
 def check_evidence(report: DoctorReport, n: int, sequences: int, config: DoctorConfig, summary: dict) -> None:

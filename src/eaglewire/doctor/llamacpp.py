@@ -11,13 +11,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import filecmp
 from pathlib import Path
 
 import torch
 
-from eaglewire.doctor.checks import flags_check
+from eaglewire.doctor.checks import config_the_flags_load, flags_check
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.engines import llamacpp as engine
@@ -58,24 +56,6 @@ def vocab_check(gguf_path: str, vocab_ids: torch.Tensor | None) -> Check:
     return Check("engine vocabulary", "ok", what)
 
 
-def _gguf_the_flags_load(report: DoctorReport, config: DoctorConfig, named: str | None) -> DoctorConfig:
-    """``config`` with the -md GGUF of the launch flags as the engine config: read when no ``--engine-config``
-    is given, judged (with a FAIL) when ``--engine-config`` is another file."""
-    loads = Path(named).expanduser() if named else None
-    if loads is None or not loads.is_file():
-        return config
-    if not config.engine_config:
-        report.add(Check("engine config", "ok", f"read {loads}: the GGUF the launch flags load (-md)"))
-        return dataclasses.replace(config, engine_config=str(loads))
-    given = Path(config.engine_config)
-    if given.is_file() and given.resolve() != loads.resolve() and not filecmp.cmp(given, loads, shallow=False):
-        report.add(Check("engine config", "fail", f"--engine-config {given} is not the GGUF the launch flags load: "
-                         f"{loads} differs, and llama-server reads that one (judged below)",
-                         fix=f"point -md at {given}, or fix {loads}"))
-        return dataclasses.replace(config, engine_config=str(loads))
-    return config
-
-
 def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str,
             dflash_block: int | None = None, vocab_ids: torch.Tensor | None = None) -> tuple[dict[str, list[int]], int]:
     """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, tokens drafted per
@@ -91,7 +71,7 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
                  lint_dflash_flags(config.engine_flags, declared, num_layers, architecture, dflash_block))
         report.add(flags_check("llama.cpp", flags.problems))
         steps = flags.num_steps or steps
-        config = _gguf_the_flags_load(report, config, flags.draft_path)
+        config = config_the_flags_load(report, config, flags.draft_path)
     if not config.engine_config:
         report.add(Check("engine config", "warn", "no --engine-config: cannot tell which layers llama.cpp will feed",
                          fix="pass the GGUF draft llama-server will load (--engine-config draft.gguf)"))

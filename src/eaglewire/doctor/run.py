@@ -14,7 +14,7 @@ import torch
 from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving, resolve_engine_config)
+                                     check_serving)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.llamacpp import serving as llamacpp_serving
@@ -61,8 +61,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
         serving, serving_steps = llamacpp_serving(report, config, declared, L, arch, dflash_block,
                                                   vocab_ids=rows if len(rows) < target.vocab_size else None)
     else:
-        config = resolve_engine_config(report, config, declared, L, arch, dflash_block)
-        serving, serving_steps = check_serving(report, config, declared, L, arch, dflash_block)
+        serving, serving_steps, config = check_serving(report, config, declared, L, arch, dflash_block)
     check_template_switch(report, config, contract, target.tokenizer,
                           load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
     sequences, source = _load_sequences(config, target, contract, summary, report)

@@ -32,7 +32,7 @@ from eaglewire.data.label_check import check_labels
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving, resolve_engine_config)
+                                     check_serving)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, block_parts, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
@@ -220,9 +220,8 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
         return report
     _check_labels(report, config, ds, target)
     arch = config.target_arch or contract.target.architecture
-    block = draft.config.block_size if is_block_draft(draft) else None
-    config = resolve_engine_config(report, config, declared, L, arch, block)
-    serving, _ = check_serving(report, config, declared, L, arch, block)
+    serving, _, config = check_serving(report, config, declared, L, arch,
+                                       draft.config.block_size if is_block_draft(draft) else None)
     check_template_switch(report, config, contract, getattr(target, "tokenizer", None))
     picked, warning = _pick(ds, summary, config)
     if warning:

@@ -429,10 +429,11 @@ def _num_speculative_tokens(spec: dict, out: Flags, suggest: int) -> int | None:
     was provided, but `num_speculative_tokens` was not provided" for a draft with no n_predict)."""
     raw = spec.get("num_speculative_tokens")
     n = as_int(raw)
+    lax_int = n is not None and not isinstance(raw, bool) and (n == raw or str(n) == str(raw))  # 3, 3.0, "3"
     if raw is None:
         out.problems.append(("fail", "no num_speculative_tokens: vLLM refuses a draft model without it",
                              f'"num_speculative_tokens": {suggest}'))
-    elif n is None or isinstance(raw, bool) or n < 1 or n != raw and str(n) != str(raw):
+    elif not lax_int or n < 1:
         out.problems.append(("fail", f"num_speculative_tokens {raw!r}: vLLM refuses it at launch (an integer > 0: "
                              "the tokens drafted per round)", f'"num_speculative_tokens": {suggest}'))
         return None

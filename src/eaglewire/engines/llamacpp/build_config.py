@@ -14,12 +14,12 @@ always gets the same build, and a build whose record differs from it is rebuilt.
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eaglewire.core.fileio import atomic_path
+from eaglewire.core.errors import read_json_object
+from eaglewire.core.fileio import atomic_write_json
 
 COMMON_OPTIONS = {"CMAKE_BUILD_TYPE": "Release", "LLAMA_CURL": "OFF", "LLAMA_BUILD_TESTS": "OFF"}
 
@@ -55,8 +55,12 @@ class BuildPlan:
         return [f"-D{name}={value}" for name, value in self.options.items()]
 
     def isa(self) -> list[str]:
-        """The ggml ISA options switched on (what a red run names)."""
-        return [name for name, value in self.options.items() if name.startswith("GGML_") and value == "ON"]
+        return switched_on(self.options)
+
+
+def switched_on(options: dict[str, str]) -> list[str]:
+    """The ggml options switched on (the ISA a red run names)."""
+    return [name for name, value in options.items() if name.startswith("GGML_") and value == "ON"]
 
 
 def plan_for(cpu_flags: set[str], machine: str | None = None) -> BuildPlan:
@@ -91,26 +95,21 @@ class BuildRecord:
     smoke: str  # what the smoke run served and answered
 
     def summary(self) -> str:
-        isa = [n.removeprefix("GGML_") for n, v in self.options.items() if n.startswith("GGML_") and v == "ON"]
+        isa = [name.removeprefix("GGML_") for name in switched_on(self.options)]
         return (f"llama.cpp build {self.build}: {' '.join(isa) or 'no ISA option'} | built on {self.cpu} | "
                 f"{self.reason} | smoke: {self.smoke}")
-
-
-def record_path(build_dir: Path) -> Path:
-    return build_dir / RECORD
 
 
 def read_record(build_dir: Path) -> BuildRecord | None:
     """The record of the build in ``build_dir``, or None if it has none (or an unreadable one)."""
     try:
-        return BuildRecord(**json.loads(record_path(build_dir).read_text()))
-    except (OSError, ValueError, TypeError):
+        return BuildRecord(**read_json_object(build_dir / RECORD, "rebuild"))
+    except (OSError, ValueError, TypeError):  # missing, cut, or of another shape: no record
         return None
 
 
 def write_record(build_dir: Path, record: BuildRecord) -> None:
-    with atomic_path(record_path(build_dir)) as tmp:
-        tmp.write_text(json.dumps(asdict(record), indent=2) + "\n")
+    atomic_write_json(build_dir / RECORD, asdict(record))
 
 
 def cmake_cache_options(build_dir: Path, names: list[str]) -> dict[str, str]:

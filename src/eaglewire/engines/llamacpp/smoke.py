@@ -27,26 +27,14 @@ class SmokeFailed(LlamaCppError):
     """The built llama-server died or did not answer on the smoke GGUF."""
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's 256 byte-level symbols (its ``bytes_to_unicode``), so any text tokenizes."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 def write_smoke_gguf(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer random Llama (hidden 64, vocab 288) with Q8_0 matrices and a byte-level BPE
     vocabulary, written with gguf-py."""
     import gguf
+    from tokenizers.pre_tokenizers import ByteLevel
 
     rng = np.random.default_rng(seed)
-    tokens = _byte_tokens() + ["ĠĠ", "<|endoftext|>"]
+    tokens = sorted(ByteLevel.alphabet()) + ["ĠĠ", "<|endoftext|>"]  # GPT-2's 256 byte symbols: any text tokenizes
     tokens += [f"<|unused{i}|>" for i in range(VOCAB - len(tokens))]
     types = [gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * (VOCAB - 257)
     eos = tokens.index("<|endoftext|>")
