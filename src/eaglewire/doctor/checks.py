@@ -285,36 +285,49 @@ def vocab_map_fault(m: Measured) -> str | None:
             "or rewrite d2t as d2t - arange(draft_vocab_size)")
 
 
+def served_embedding(batch: EvalBatch, embedding) -> EvalBatch:
+    """``batch`` with its token embeddings taken from ``embedding`` [V, H] (a tensor) (an engine's own rows) instead of the
+    target's: what the draft reads for the same tokens in that engine."""
+    emb = embedding.to(batch.emb.device, batch.emb.dtype)[batch.input_ids.to(batch.emb.device)]  # [B, T, H]
+    return dataclasses.replace(batch, emb=emb)
+
+
 def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     """Every field the serving engine reads from ``--engine-config`` that changes what the draft
     computes, against training; a field read otherwise is a FAIL with the key to write, and the draft
     rebuilt as the engine builds it is measured on the same tokens (acc@0 as served)."""
-    from eaglewire.doctor.serving import field_readers, read_fields
+    from eaglewire.doctor.serving import field_readers, read_fields, read_gguf_fields
     from eaglewire.engines import canonical
     from eaglewire.engines.served_draft import as_served
 
     config = m.config
-    if not config.engine_config or config.engine not in field_readers() or is_block_draft(m.draft):
+    if not config.engine_config or is_block_draft(m.draft):
         return  # the engines' field readings are EAGLE-3's (a DFlash draft's wiring: the engine wiring check)
     path = Path(config.engine_config)
-    cfg = read_json_object(path, ENGINE_CONFIG_FIX)
     b = m.batches[0]
     real = b.loss_mask.new_ones(b.input_ids.shape, dtype=bool)  # [B, T]
     rows = (b.input_ids[real].cpu(), b.emb[real].cpu())  # [N], [N, H]
-    reading = read_fields(canonical(config.engine), cfg, path.parent, m.draft, emb_rows=rows)
+    if path.suffix == ".gguf":  # the file says what reads it: llama.cpp's loader
+        reading = read_gguf_fields(path, m.draft, emb_rows=rows)
+    elif config.engine in field_readers():
+        reading = read_fields(canonical(config.engine), read_json_object(path, ENGINE_CONFIG_FIX), path.parent,
+                              m.draft, emb_rows=rows)
+    else:
+        return
     served = reading.served
     evidence = [f"{k}: {v}" for k, v in served.cited.items()] + reading.notes
     if not reading.found:
         report.add(Check("engine fields", "ok", f"{served.engine} computes the draft as trained: norm flags "
                          f"{', '.join(f'{k} {v}' for k, v in served.norms.items())}; eps {served.rms_norm_eps}; "
                          f"rope_theta {served.rope_theta:g}; {served.draft_vocab_size} draft ids mapped by d2t "
-                         f"offsets; the {served.embedding}'s embedding, the {served.lm_head}'s lm_head", evidence))
+                         f"({served.d2t}); the {served.embedding}'s embedding, the {served.lm_head}'s lm_head", evidence))
         return
     lines = [f"{f.field}: {served.engine} reads {f.served!r}, trained {f.trained!r}: {f.meaning}" for f in reading.found]
     measurable = [f for f in reading.found if f.measurable]
     if measurable and len(measurable) == len(reading.found):
-        built = as_served(m.draft, measurable, d2t=reading.d2t)
-        acc = isolation_accuracy(built, m.batches, m.declared, steps=1)[0].acc
+        built = as_served(m.draft, measurable, d2t=reading.d2t, norm_weights=reading.norm_weights)
+        batches = m.batches if reading.embedding is None else [served_embedding(x, reading.embedding) for x in m.batches]
+        acc = isolation_accuracy(built, batches, m.declared, steps=1)[0].acc
         report.accuracy["acc@0 as served"] = acc
         lines.append(f"the draft as {served.engine} builds it from this config: acc@0 {acc:.3f} on the same "
                      f"{m.n:,} tokens (as trained: {m.acc0:.3f})")
@@ -323,4 +336,4 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
                      f"make {served.engine} load another draft (or none)")
     report.add(Check("engine fields", "fail", f"{served.engine} reads {', '.join(f.field for f in reading.found)} "
                      "otherwise than the draft was trained", lines + evidence,
-                     fix="; ".join(f.fix for f in reading.found)))
+                     fix="; ".join(dict.fromkeys(f.fix for f in reading.found))))

@@ -1,7 +1,9 @@
 """``doctor --engine llamacpp``: the draft as llama.cpp will serve it.
 
 - the GGUF draft's metadata (``--engine-config draft.gguf``): ``extract_layers`` against the
-  contract, with the exact fix; its ``d2t`` against the draft's vocabulary;
+  contract, with the exact fix; its ``d2t`` against the draft's vocabulary; every other field llama.cpp
+  computes with (its own ``token_embd``, ``norm_before_fc`` and its tensor, eps, RoPE, sizes) is the
+  engine-fields check's (``checks.check_engine_fields`` through ``engines/llamacpp/served.py``), measured;
 - whether llama.cpp (build ``engines.llamacpp.BUILD``) feeds EAGLE-3 drafts for the target's
   architecture at all (its graph must expose layer inputs; others abort at load);
 - llama.cpp's speculative flags (``--engine-flags``): what it would silently change or ignore;

@@ -138,6 +138,8 @@ class FieldReading:
     found: list  # engines.served_draft.Mismatch: each field read otherwise than trained
     d2t: Any = None  # [Vd] long offsets the engine maps draft ids with, where they differ from the draft's
     notes: list[str] = field(default_factory=list)
+    embedding: Any = None  # [V, H] the token embedding the engine drafts with, where it is not the target's
+    norm_weights: dict[str, Any] = field(default_factory=dict)  # norm flag -> the weight the served file applies
 
 
 def field_readers() -> tuple[str, ...]:
@@ -177,20 +179,14 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
     module = engines.get(engine).module
     tensors = _directory_tensors(directory) if directory is not None else {}
     embed = tensors.get("embed_tokens.weight")
-    differs, notes = False, []
-    if embed is not None and emb_rows is not None:
-        ids, rows = emb_rows
-        mine = embed.float()[ids]  # [N, H]
-        rel = float((mine - rows.float()).norm() / rows.float().norm().clamp_min(1e-12))
-        differs = rel > 1e-2
-        notes.append(f"the checkpoint's embed_tokens.weight differs from the target's by {rel:.2e} (relative)")
+    differs, notes = embedding_differs(embed, emb_rows, "the checkpoint's embed_tokens.weight")
     served = module.read_served(config, set(tensors) if tensors else None, own_embedding_differs=differs)
     out = FieldReading(served, mismatches(served, draft.config, config_key=module.served_config_key(config)), notes=notes)
     if served.embedding == "draft":
-        out.found.append(Mismatch("embed_tokens", "the checkpoint's own", "the target's",
-                                  f"{served.engine} uses the checkpoint's own embed_tokens, which is not this target's",
-                                  "write the target's embedding as embed_tokens.weight in the target's stored dtype, "
-                                  "or remove it (re-export with `eaglewire export`)", measurable=False))
+        out.found.append(own_embedding_mismatch(served.engine, "write the target's embedding as embed_tokens.weight in "
+                                                "the target's stored dtype, or remove it (re-export with `eaglewire "
+                                                "export`)", measurable=embed is not None))
+        out.embedding = embed.float() if embed is not None else None
     vd, trained = draft.config.draft_vocab_size, draft.draft_to_target.cpu()
     if vd == draft.config.vocab_size and "d2t" not in tensors:
         return out
@@ -216,6 +212,74 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
                               what, fix, measurable=measurable))
     out.d2t = (mapped - torch.arange(vd)) if measurable else None
     return out
+
+
+EMBEDDING_TOLERANCE = 1e-2  # relative difference above which an engine's own embedding is not the target's
+
+
+def embedding_differs(embed, emb_rows, what: str) -> tuple[bool, list[str]]:
+    """(whether ``embed`` [V, H] is not the target's at ``emb_rows`` = (token ids [N], the target's rows [N, H]),
+    the note saying by how much). A requantized copy of the target's rows differs by far less than
+    ``EMBEDDING_TOLERANCE``; another model's rows (or the same rows permuted) by ~1."""
+    if embed is None or emb_rows is None:
+        return False, []
+    ids, rows = emb_rows
+    if int(ids.max()) >= embed.shape[0] or embed.shape[-1] != rows.shape[-1]:
+        return True, [f"{what} is {list(embed.shape)}: not this target's embedding ({list(rows.shape)[-1]} wide, "
+                      f"ids up to {int(ids.max())})"]
+    mine = embed.float()[ids]  # [N, H]
+    rel = float((mine - rows.float()).norm() / rows.float().norm().clamp_min(1e-12))
+    return rel > EMBEDDING_TOLERANCE, [f"{what} differs from the target's by {rel:.2e} (relative)"]
+
+
+def own_embedding_mismatch(engine: str, fix: str, *, measurable: bool):
+    """The field reading of an engine that drafts with the checkpoint's own token embedding, not the target's."""
+    from eaglewire.engines.served_draft import Mismatch
+
+    return Mismatch("embed_tokens", "the checkpoint's own", "the target's",
+                    f"{engine} uses the checkpoint's own embedding rows, which are not this target's", fix,
+                    measurable=measurable)
+
+
+def read_gguf_fields(path, draft, *, emb_rows=None) -> FieldReading:
+    """``read_fields`` for a llama.cpp draft GGUF: every field llama.cpp reads from it that changes what ``draft``
+    computes (``engines/llamacpp/served.py``), against training; the draft's vocabulary map (``d2t``) is the
+    llama.cpp vocabulary check's."""
+    from dataclasses import replace
+
+    from eaglewire.engines.llamacpp.served import REEXPORT_FIX, read_served, same_float32
+    from eaglewire.engines.served_draft import mismatches
+
+    gguf = read_served(path)
+    served = gguf.served
+    found, notes = [], []
+    for m in mismatches(served, draft.config):
+        if m.field == "rope_scaling" and _same_rope_type(m.served, m.trained):
+            notes.append(f"RoPE scaling {m.trained.get('rope_type')}: llama.cpp's GGUF names its type; compared by "
+                         "type only")
+            continue
+        if m.field in ("rms_norm_eps", "rope_theta") and same_float32(m.served, m.trained):
+            continue  # the converter wrote the trained value in float32
+        if m.field == "norm_before_fc" and gguf.missing:
+            m = replace(m, meaning=f"{m.meaning}; the GGUF lacks {', '.join(gguf.missing)}, so llama.cpp refuses to "
+                                   "load it", measurable=False)
+        found.append(replace(m, fix=REEXPORT_FIX))
+    differs, more = embedding_differs(gguf.own_embedding, emb_rows, "the GGUF's token_embd.weight")
+    notes += more
+    out = FieldReading(served, found, notes=notes, norm_weights=gguf.norm_weights)
+    if differs:
+        measurable = emb_rows is not None and gguf.own_embedding.shape[-1] == emb_rows[1].shape[-1] \
+            and int(emb_rows[0].max()) < gguf.own_embedding.shape[0]
+        out.found.append(own_embedding_mismatch(served.engine, REEXPORT_FIX, measurable=measurable))
+        out.embedding = gguf.own_embedding if measurable else None
+    elif gguf.own_embedding is not None:
+        served.embedding = "target"  # its own token_embd holds the target's rows
+    return out
+
+
+def _same_rope_type(served: Any, trained: Any) -> bool:
+    return isinstance(served, dict) and isinstance(trained, dict) and \
+        served.get("rope_type") == trained.get("rope_type") is not None
 
 
 def read_dflash_engine_config(engine: str, config: dict[str, Any], num_layers: int, declared: list[int],

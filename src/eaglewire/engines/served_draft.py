@@ -131,10 +131,12 @@ def _rope(params: dict[str, Any] | None) -> dict[str, Any]:
     return {} if p.get("rope_type", "default") == "default" and len(p) <= 1 else p
 
 
-def as_served(draft: Eagle3Draft, found: list[Mismatch], *, d2t: torch.Tensor | None = None) -> Eagle3Draft:
+def as_served(draft: Eagle3Draft, found: list[Mismatch], *, d2t: torch.Tensor | None = None,
+              norm_weights: dict[str, torch.Tensor] | None = None) -> Eagle3Draft:
     """A copy of ``draft`` computing as the engine will (the measurable ``found``; ``d2t``: the
     offsets it will map draft ids with, when its directory holds other ones). The trained weights
-    are kept; a norm the checkpoint has no weights for gets ones, as an engine initialises it."""
+    are kept; a norm the checkpoint has no weights for gets ones, as an engine initialises it, or the
+    weight the served file holds (``norm_weights``: norm flag -> weight, e.g. a GGUF's norm before fc)."""
     served = copy.deepcopy(draft)
     by = {m.field: m for m in found if m.measurable}
     cfg = served.config
@@ -153,6 +155,8 @@ def as_served(draft: Eagle3Draft, found: list[Mismatch], *, d2t: torch.Tensor | 
     pre = []
     if "norm_before_fc" in by:  # one norm over the k*Ht concatenation (vLLM's input_norm)
         pre.append(RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps))
+        if (weight := (norm_weights or {}).get("norm_before_fc")) is not None:
+            pre[-1].weight.data.copy_(weight.reshape(pre[-1].weight.shape))  # [k*Ht]
     if "fc_norm" in by:
         pre.append(_ChunkNorm(cfg.num_aux, cfg.target_hidden_size, cfg.rms_norm_eps))
     if pre:

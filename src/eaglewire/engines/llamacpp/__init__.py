@@ -11,6 +11,7 @@
 | gguf.py      | the EAGLE-3 export (the converter over the vLLM export), reading a GGUF draft back |
 | dflash_export.py | the DFlash export (the converter over z-lab's layout; a pruned vocabulary's d2t) |
 | lint.py      | llama-server's speculative launch flags                                   |
+| served.py    | every field llama.cpp computes a draft GGUF with (its own token_embd, norm before fc, eps, RoPE) |
 """
 
 from eaglewire.engines.llamacpp.dflash_export import export_dflash

@@ -1,0 +1,135 @@
+"""What llama.cpp (build ``BUILD``) computes an EAGLE-3 draft with, read from the draft GGUF the way
+its loader and ``src/models/eagle3.cpp`` read it: ``read_served`` gives the ``ServedDraft`` every engine's
+reading is compared through (``engines/served_draft.py``), and the tensors that change the computation
+without a flag saying so.
+
+Read at build 11434:
+- ``llama_model_eagle3::load_arch_hparams``: ``<arch>.target_layers`` (exactly 3), ``target_hidden_size``,
+  ``norm_before_residual`` and ``norm_before_fc`` (both optional, default false);
+- ``load_arch_tensors``: ``enc.output_norm.weight`` (required when ``norm_before_fc``: the RMSNorm over the
+  concatenated target states before ``fc``, with that weight); ``token_embd.weight`` when present is the
+  draft's own embedding ("Llama 3.3 70B EAGLE3 has its own"), else the target's; ``output.weight`` optional,
+  else the target's head; ``d2t`` (I64) makes the draft vocabulary ``d2t``'s length;
+- ``graph<false>``: the token rows come from ``tok_embd`` (own, else the target's), logits are scattered to
+  the target ids ``d2t`` holds (absolute ids, ``ggml_set_rows``);
+- ``llama_model::load_hparams`` (src/llama-model.cpp): ``embedding_length``, ``attention.head_count``,
+  ``attention.key_length``, ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``, ``rope.scaling.*``;
+  a ``rope_freqs`` tensor carries llama3-style scaling.
+
+GGUF stores eps and theta as float32: they are read back at float32's shortest decimal (1e-05, not
+9.9999997e-06), so a value written from the draft's config compares equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eaglewire.engines.llamacpp.gguf import gguf_reader, read_gguf_metadata
+from eaglewire.engines.llamacpp.installation import BUILD
+from eaglewire.engines.served_draft import ServedDraft
+
+EAGLE3_CPP = "src/models/eagle3.cpp"
+NORM_BEFORE_FC_TENSOR = "enc.output_norm.weight"  # LLM_TENSOR_ENC_OUTPUT_NORM
+OWN_EMBEDDING_TENSOR = "token_embd.weight"
+OWN_HEAD_TENSOR = "output.weight"
+LLAMA3_ROPE_TENSOR = "rope_freqs.weight"
+
+CITED = {
+    "target_layers / target_hidden_size / norm flags": f"{EAGLE3_CPP} llama_model_eagle3::load_arch_hparams",
+    "token_embd / output / enc.output_norm / d2t": f"{EAGLE3_CPP} load_arch_tensors, graph<false>",
+    "eps / rope / sizes": "src/llama-model.cpp llama_model::load_hparams",
+}
+
+
+@dataclass
+class GgufDraft:
+    """A draft GGUF as llama.cpp computes with it."""
+
+    served: ServedDraft
+    own_embedding: torch.Tensor | None  # [V, H] its token_embd, which llama.cpp uses instead of the target's
+    norm_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # norm flag -> the weight applied
+    missing: list[str] = field(default_factory=list)  # tensors its flags require and it lacks: it fails to load
+
+
+def _float32(value: Any) -> float:
+    """A float32 GGUF value at its shortest round-trip decimal (1e-05 rather than 9.99999974738e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _tensor(path: Path, name: str) -> torch.Tensor | None:
+    """One GGUF tensor in float32, dequantized, in PyTorch's layout ([rows, cols]); None when absent."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for t in gguf_reader(path).tensors:
+        if t.name == name:
+            data = np.asarray(t.data)
+            if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                data = dequantize(data, t.tensor_type)
+            rows = [int(n) for n in reversed(t.shape.tolist())]  # GGUF lists ne0 (the row length) first
+            return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(rows)  # [rows, cols] or [n]
+    return None
+
+
+def _rope(meta: dict[str, Any], arch: str, tensors: set[str]) -> dict[str, Any]:
+    """The RoPE scaling llama.cpp applies, as transformers' rope_parameters name it ({}: none)."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return {"rope_type": "llama3"} if LLAMA3_ROPE_TENSOR in tensors else {}
+    out: dict[str, Any] = {"rope_type": str(kind)}
+    if (factor := meta.get(f"{arch}.rope.scaling.factor")) is not None:
+        out["factor"] = _float32(factor)
+    if (ctx := meta.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+        out["original_max_position_embeddings"] = int(ctx)
+    return out
+
+
+def read_served(path: str | Path) -> GgufDraft:
+    """What llama.cpp computes the EAGLE-3 draft in the GGUF at ``path`` with (module docstring)."""
+    path = Path(path)
+    meta = read_gguf_metadata(path)
+    arch = str(meta.get("general.architecture"))
+    tensors = set(meta["tensor_names"])
+    key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
+    norms = {"norm_before_residual": bool(key("norm_before_residual", False)),
+             "norm_before_fc": bool(key("norm_before_fc", False)), "fc_norm": False, "norm_output": False}
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length") or (int(hidden) // int(heads) if hidden and heads else None)
+    eps = key("attention.layer_norm_rms_epsilon")
+    d2t = next((t for t in gguf_reader(path).tensors if t.name == "d2t"), None)
+    layers = key("target_layers")
+    served = ServedDraft(
+        engine=f"llama.cpp build {BUILD}", norms=norms,
+        draft_vocab_size=int(d2t.shape[0]) if d2t is not None else None,
+        target_hidden_size=int(key("target_hidden_size")) if key("target_hidden_size") is not None else None,
+        num_aux=len(layers) if layers is not None else 0,
+        hidden_size=int(hidden) if hidden else None, head_dim=int(head_dim) if head_dim else None,
+        rms_norm_eps=_float32(eps) if eps is not None else None,
+        rope_theta=_float32(key("rope.freq_base", 10000.0)), rope_parameters=_rope(meta, arch, tensors),
+        embedding="draft" if OWN_EMBEDDING_TENSOR in tensors else "target",
+        lm_head="draft" if OWN_HEAD_TENSOR in tensors else "target",
+        d2t="absolute target ids", cited=dict(CITED))
+    out = GgufDraft(served, own_embedding=_tensor(path, OWN_EMBEDDING_TENSOR))
+    if norms["norm_before_fc"]:
+        weight = _tensor(path, NORM_BEFORE_FC_TENSOR)
+        if weight is None:
+            out.missing.append(NORM_BEFORE_FC_TENSOR)
+        else:
+            out.norm_weights["norm_before_fc"] = weight  # [k*Ht]
+    return out
+
+
+# The fix for any GGUF field read otherwise than trained: the GGUF is the converter's output, and the loader
+# refuses tensors it does not create, so an edited key alone does not do; a re-export writes every field as trained.
+REEXPORT_FIX = ("re-export the draft with `eaglewire export --draft DRAFT --to llamacpp --out DIR` and serve DIR's "
+                "GGUF (llama.cpp's converter writes every field, and the target's embedding, from the draft as trained)")
+
+
+def same_float32(a: float, b: float) -> bool:
+    """Whether two values are one float32 value (GGUF stores eps and theta in float32)."""
+    return bool(np.float32(a) == np.float32(b))
