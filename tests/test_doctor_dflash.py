@@ -153,3 +153,33 @@ def test_the_sweep_names_the_layout_a_dflash_draft_was_trained_on(trained):
     acc = {tuple(r.layout): r.acc0 for r in report.layouts}
     assert acc[(2, 4, 5)] == max(acc.values()) and acc[(2, 4, 5)] > acc[(3, 5, 6)], acc
     assert checks["layout sweep"].verdict == "fail" and "2,4,5" in checks["layout sweep"].fix
+
+
+def test_a_dflash_wiring_fix_names_the_dflash_key_and_applied_passes(trained):
+    """A vLLM DFlash export whose ids were edited one off: the wiring check and the layout sweep FAIL with the key
+    vLLM reads for DFlash drafts (the sweep used to print EAGLE-3's eagle_aux_hidden_state_layer_ids); the key
+    written as printed, both pass."""
+    import json
+    import re
+
+    from eaglewire.engines import export_draft
+
+    root, target_dir, target = trained
+    export_draft(root / "draft", "vllm", root / "vllm", target=target)
+    path = root / "vllm" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "aux_hidden_state_layer_ids": [b + 1 for b in AUX]}))
+
+    def checks():
+        report = run_doctor(doctor_config(root, target_dir, engine="vllm", engine_config=str(path), tune=False,
+                                          engine_prompts=0), target=target)
+        return {c.name: c for c in report.checks}
+
+    failed = checks()
+    assert failed["engine wiring"].verdict == "fail" and failed["layout sweep"].verdict == "fail"
+    for name in ("engine wiring", "layout sweep"):
+        assert "eagle_aux" not in failed[name].fix and '"aux_hidden_state_layer_ids": [2, 4, 5]' in failed[name].fix
+    key, value = re.search(r'write "(\w+)": (\[[^\]]*\])', failed["layout sweep"].fix).groups()
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: json.loads(value)}))
+    fixed = checks()
+    assert fixed["engine wiring"].verdict == "ok" and fixed["layout sweep"].verdict == "ok", fixed["layout sweep"]

@@ -15,8 +15,8 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
 from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
-from eaglewire.doctor.serving import (config_fix, dflash_config_fix, lint_flags, read_dflash_engine_config,
-                                     read_engine_config)
+from eaglewire.doctor.serving import (config_fix, dflash_config_fix, engine_refusal, lint_flags,
+                                     read_dflash_engine_config, read_engine_config)
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.ttt import StepCounts
@@ -106,6 +106,11 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
         config = config_the_flags_load(report, config, flags.draft_path)
     if config.engine == "eaglewire" and not config.engine_config:
         return {"eaglewire": list(declared)}, steps, config
+    if family == "eagle3" and (refused := engine_refusal(config.engine, arch)):
+        why, others = refused
+        report.add(Check("engine architecture", "fail", f"{config.engine} serves no EAGLE-3 draft for a {arch} target",
+                         [why], fix=f"serve it with {' or '.join(others)} (doctor --engine {others[0]})"))
+        return {}, steps, config
     if not config.engine_config:
         report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which boundaries "
                          f"{config.engine} will capture", fix="pass the config.json the engine will load"))
@@ -213,8 +218,10 @@ def check_layouts(report: DoctorReport, m: Measured, layouts: dict[tuple[int, ..
         by_layout = {tuple(r.layout): r.acc0 for r in rows}
         lines = [f"{label} feeds {b}: acc@0 {by_layout.get(tuple(b), float('nan')):.3f} instead of {acc0:.3f}"
                  for label, b in bad.items()]
+        # the engine wiring check's fix: the key its engine reads for this family, on this target's model file
+        fix = next((c.fix for c in report.checks if c.name == "engine wiring" and c.fix), None)
         report.add(Check("layout sweep", "fail", f"the serving side feeds another layout than the declared {declared}",
-                         judged.evidence + lines, fix=config_fix(m.config.engine, declared, m.num_layers)))
+                         judged.evidence + lines, fix=fix or config_fix(m.config.engine, declared, m.num_layers)))
         return
     report.add(Check("layout sweep", "ok", judged.summary, judged.evidence))
 

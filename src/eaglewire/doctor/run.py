@@ -45,7 +45,8 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     report = DoctorReport(draft=config.draft, target=config.target, resolved_config=config_record(config))
     # a native draft's contract is checked below, as a verdict; a foreign one records no target, so it is
     # converted for this one and its reading stated
-    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False)
+    allow = set(config.allow_target_mismatch or ())
+    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False, allow=allow)
     if notes:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     draft = draft.to(target.device)
@@ -53,7 +54,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     declared = list(contract.aux_boundaries)
     L = target.num_layers
 
-    identity_ok = _check_identity(report, contract, target, set(config.allow_target_mismatch or ()))
+    identity_ok = _check_identity(report, contract, target, allow)
     arch = config.target_arch or contract.target.architecture
     dflash_block = draft.config.block_size if is_block_draft(draft) else None
     if config.engine == LLAMACPP:

@@ -94,6 +94,19 @@ def read_engine_config(engine: str, config: dict[str, Any], num_layers: int, dec
     return out
 
 
+def engine_refusal(engine: str, arch: str | None) -> tuple[str, tuple[str, ...]] | None:
+    """(why ``engine`` serves no EAGLE-3 draft on a target of ``arch`` at all, naming the engines that do; those
+    engines), None where it serves one or cannot be told."""
+    if engine not in _config_readers():
+        return None
+    try:
+        arch = _known_arch(arch, [])
+        why = engines.refusal(engine, arch)
+    except ContractError:
+        return None
+    return (why, engines.served_elsewhere(arch, but=engine).serve) if why else None
+
+
 def config_fix(engine: str, declared: list[int], num_layers: int, arch: str | None = None) -> str:
     """The exact config change that makes ``engine`` capture ``declared`` on this target."""
     arch = _known_arch(arch, [])

@@ -158,9 +158,61 @@ def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_a
 
 
 def refusal(engine: str, arch: str | None) -> str | None:
-    """Why ``engine`` serves no EAGLE-3 draft on this target at all (None: it does)."""
+    """Why ``engine`` serves no EAGLE-3 draft on this target at all, and which engines do (None: it serves one)."""
     e = _engine(engine)
-    return e.module.refusal(arch) if e.per_model_file else None
+    why = e.module.refusal(arch) if e.per_model_file else None
+    return f"{why}; {served_elsewhere(arch, but=e.name)}" if why else None
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """The engines that serve an EAGLE-3 draft for one target, and why each other one does not."""
+
+    serve: tuple[str, ...]
+    refuse: tuple[tuple[str, str], ...]  # (engine, its reason)
+
+    def __str__(self) -> str:
+        return (f"engines that serve it: {', '.join(self.serve)}" +
+                "".join(f"; {name} does not either ({why})" for name, why in self.refuse))
+
+
+def served_elsewhere(arch: str | None, *, but: str) -> Elsewhere:
+    """Which engines other than ``but`` serve an EAGLE-3 draft for a target of ``arch``, and why each other one
+    does not: each engine's own reading (its model file; llama.cpp's graph), never a guess."""
+    serve, refuse = [], []
+    for e in ENGINES:
+        if e.name == but or not e.can("lint"):
+            continue
+        if e.per_model_file:
+            try:
+                why = e.module.refusal(arch) if arch is not None else None
+            except ContractError:  # a target family it has no reading of: nothing to say
+                continue
+        elif e.name == llamacpp.NAME:
+            why = _llamacpp_refusal(arch)
+        else:
+            why = None  # eaglewire captures any layer of any model it loads
+        if why:
+            refuse.append((e.name, why))
+        else:
+            serve.append(e.name)
+    return Elsewhere(tuple(serve), tuple(refuse))
+
+
+def _refuses(engine: Engine, arch: str | None) -> bool:
+    try:
+        return bool(engine.module.refusal(arch))
+    except ContractError:
+        return False
+
+
+def _llamacpp_refusal(arch: str | None) -> str | None:
+    """Why llama.cpp (its pinned build) feeds no EAGLE-3 draft for ``arch`` (None: it does, or it cannot be told)."""
+    name = llamacpp.llamacpp_arch(arch) if arch else None
+    if name is None or name in llamacpp.EAGLE3_TARGET_ARCHS:
+        return None
+    return (f"llama.cpp build {llamacpp.BUILD} converts it to {name}, whose graph records no layer inputs "
+            "(t_layer_inp), and aborts at load")
 
 
 def read_ids(engine: str, config: dict[str, Any], *, family: str = "eagle3"
@@ -239,7 +291,13 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target=
                               f"carries no d2t yet: export it --to {' or --to '.join(names('export_pruned_dflash', aliases=False))}, or "
                               "train with the whole vocabulary (no --draft-vocab-size)")
         return fn(draft, to, out, config, target=target, allow=allow, others=other_readings)
-    return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)
+    try:
+        return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)
+    except EngineConventionError as e:
+        arch = config.target_arch or draft.contract.target.architecture
+        if engine.per_model_file and _refuses(engine, arch):  # this engine serves no draft on this target
+            raise EngineConventionError(f"{e}; {served_elsewhere(arch, but=engine.name)}") from e
+        raise
 
 
 def import_draft(src_dir: str | Path, from_: str, target, out_dir: str | Path, *,

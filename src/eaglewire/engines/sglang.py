@@ -69,7 +69,7 @@ FILES: dict[str, ModelFile] = {
 _MODELS = "sglang/srt/models/"
 _NO_CAPTURE = ("SGLang {v}'s {cls} ({path}) has no set_eagle3_layers_to_capture, so SGLang refuses an EAGLE-3 "
                "draft for this target (model_executor/model_runner_components/attention_backend_setup.py "
-               "configure_aux_hidden_state_capture raises); serve it with vLLM or eaglewire")
+               "configure_aux_hidden_state_capture raises)")  # the alternatives: registry.served_elsewhere
 # *ForConditionalGeneration targets: the wrapper's file, and whether its set_eagle3_layers_to_capture hands
 # the ids to its language model (whose rule then applies)
 WRAPPER_FILES: dict[str, ModelFile] = {

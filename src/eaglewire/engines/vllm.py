@@ -68,8 +68,9 @@ def _file(path: str, model: str, *, unsupported: str | None = None) -> ModelFile
                      function=f"{model}.forward + EagleModelMixin._set_aux_hidden_state_layers (sorted)")
 
 
+# (which engines serve it instead: registry.served_elsewhere, said where the refusal reaches the user)
 _NO_EAGLE3 = ("vLLM {v}'s {cls} does not implement SupportsEagle3, so vLLM refuses an EAGLE-3 draft "
-              "for this target; serve it with SGLang or eaglewire")
+              "for this target")
 FILES: dict[str, ModelFile] = {
     "llama": _file("llama.py", "LlamaModel"),
     "mistral": _file("llama.py", "LlamaModel"),  # models/mistral.py subclasses LlamaForCausalLM

@@ -98,6 +98,7 @@ HF_TO_LLAMACPP_ARCH = {
     "DeepseekV3ForCausalLM": "deepseek2", "KimiK2ForCausalLM": "deepseek2", "GptOssForCausalLM": "gpt-oss",
     "Lfm2ForCausalLM": "lfm2", "MiniMaxM2ForCausalLM": "minimax-m2", "NemotronHForCausalLM": "nemotron_h",
     "Mistral3ForConditionalGeneration": "mistral3",
+    "Qwen2VLForConditionalGeneration": "qwen2vl", "Qwen2_5_VLForConditionalGeneration": "qwen2vl",  # conversion/qwenvl.py
 }
 
 
