@@ -37,9 +37,13 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from eaglewire.data.label_check import POST_NORM, PRE_NORM
 from eaglewire.data.tables import TableError, iter_rows, table_kind
 
 LAYOUTS = ("vllm", "speculators", "specforge")
+# which side of the final norm each layout stores its boundary-L state on (import-data --last-state's default):
+# vLLM/speculators capture the last layer's output, SpecForge the target's post-norm hidden_states[-1]
+LAYOUT_LAST_STATE = {"vllm": PRE_NORM, "speculators": PRE_NORM, "specforge": POST_NORM}
 _HS_RE = re.compile(r"hs_(\d+)\.safetensors")
 SPECULATORS_STATES_DIR = "hidden_states"  # speculators' default: <preprocessed>/hidden_states
 SPECFORGE_SUFFIXES = (".ckpt", ".ckpt.gz")
@@ -55,7 +59,8 @@ class Sample:
     input_ids: torch.Tensor  # [T] integer
     loss_mask: torch.Tensor | None  # [T] 0/1, None when the source records none
     states: torch.Tensor  # [T, n, H] every stored state, in stored order
-    post_norm_last: torch.Tensor | None = None  # [T, H] specforge's final state, after the final norm
+    # [T, H] a final state stored apart from ``states`` (SpecForge's hidden_state, post-norm as it writes it)
+    final_state: torch.Tensor | None = None
 
 
 @dataclass
@@ -212,4 +217,4 @@ def read_specforge(src: Path, num_aux: int) -> Iterator[Sample | Skip]:
                        f"is not [T, k*H] with k={num_aux}")
             continue
         states = aux.reshape(aux.shape[0], num_aux, -1)  # [T, k, H]
-        yield Sample(seq_id, d["input_ids"].flatten(), d["loss_mask"].flatten(), states, post_norm_last=last)
+        yield Sample(seq_id, d["input_ids"].flatten(), d["loss_mask"].flatten(), states, final_state=last)

@@ -9,12 +9,15 @@ an import refuses rather than guess. Samples stream one file at a time into a re
 half-written. A sample that fails a check (unreadable, wrong shape, NaN/inf, token ids that
 differ from the dataset's) is skipped, logged and counted in the manifest's ``source``.
 
-Post-norm sources (SpecForge stores the final state after the final norm): shards hold the
-pre-norm boundary L, to which every consumer applies final norm + lm_head. The norm cannot be
-undone, but an RMS norm is idempotent on unit-RMS vectors, so the import stores
-u = y / norm(1) (norm(1) is the norm's per-channel scale), and norm(u) == y up to its eps:
-the head then gives SpecForge's logits. That needs the target's final norm weight (read
-alone, never the model), and is recorded in the manifest.
+Post-norm sources (``--last-state post-norm``, SpecForge's default: its final state is after the
+final norm; any layout's stored boundary-L state can be): shards hold the pre-norm boundary L,
+to which every consumer applies final norm + lm_head. The norm cannot be undone, but an RMS norm
+is idempotent on unit-RMS vectors, so the import stores u = y / norm(1) (norm(1) is the norm's
+per-channel scale), and norm(u) == y up to its eps: the head then gives the capture's logits.
+That needs the target's final norm weight (read alone, never the model), and is recorded in the
+manifest (``source.last_state``). ``--last-state pre-norm`` takes the state as boundary L as it is
+(vLLM's and speculators' default; for SpecForge, a final state captured before the norm). A wrong
+side fails the label check, which names the side that passes (``label_check.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from typing import Any, Iterator
 import torch
 
 from eaglewire.core.contract import HiddenStateContract, TargetFingerprint, validate_aux_boundaries, validate_boundaries
-from eaglewire.data.foreign import (LAYOUTS, ForeignDataError, Sample, Skip, read_rows, read_specforge,
-                                    read_speculators, read_vllm)
-from eaglewire.data.label_check import LabelCheckError, check_labels
+from eaglewire.data.foreign import (LAYOUT_LAST_STATE, LAYOUTS, ForeignDataError, Sample, Skip, read_rows,
+                                    read_specforge, read_speculators, read_vllm)
+from eaglewire.data.label_check import (LAST_STATES, POST_NORM, PRE_NORM, SKIP_HINT, LabelCheckError,
+                                        check_labels, reimport_fix)
 from eaglewire.data.shards import DTYPES, ShardDataset, ShardError, ShardWriter
 from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.core.fileio import replace_dir
@@ -76,6 +80,11 @@ class ImportDataConfig:
     labels: str = field(default="hidden", metadata={
         "help": "the target's signal on disk: hidden (the boundary-L state) or topk:K (the target head's K most "
                 "likely tokens at reply positions; needs the weights in --target)"})
+    last_state: str | None = field(default=None, metadata={"choices": LAST_STATES, "help":
+        "which side of the final norm the stored boundary-L state is on: pre-norm (the last layer's output, "
+        "boundary L as is) or post-norm (after the final norm, HF's hidden_states[-1]: mapped back through the "
+        "final norm, which needs the weights in --target). Default: the layout's (specforge post-norm, vllm and "
+        "speculators pre-norm)"})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -88,6 +97,16 @@ class ImportDataConfig:
         if storage.labels_mode == "topk" and self.no_last:
             raise ValueError(f"--labels {self.labels} computes the target's top-K from the boundary-L state, which "
                              "--no-last says the capture lacks; import with --labels hidden")
+        if self.last_state is not None and self.last_state not in LAST_STATES:
+            raise ValueError(f"--last-state {self.last_state!r} is not one of {', '.join(LAST_STATES)}")
+        if self.last_state is not None and self.no_last:
+            raise ValueError(f"--last-state {self.last_state} names the side of the final norm of a boundary-L "
+                             "state that --no-last says the capture lacks; pass one of them")
+
+    @property
+    def stored_last_state(self) -> str:
+        """The side of the final norm the capture's boundary-L state is on: --last-state, else the layout's."""
+        return self.last_state or LAYOUT_LAST_STATE[self.layout]
 
 
 @dataclass
@@ -96,8 +115,9 @@ class Plan:
 
     stored: list[int]  # boundary of each stored state
     aux_index: list[int]  # indices into stored, in the contract's aux order
-    last_index: int | None  # index of boundary L among the stored, None for a post-norm source or none
+    last_index: int | None  # index of boundary L among the stored, None for a separate final state or none
     absent: bool = False  # no boundary-L state at all (--no-last): zeros stand in
+    last_state: str = PRE_NORM  # the side of the final norm it was captured on (post-norm: mapped back)
 
 
 @dataclass
@@ -134,9 +154,9 @@ def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
     if n is None:
         raise ForeignDataError(f"sample {first.seq_id}: hidden states {list(first.states.shape)} are not "
                                "[T, n, H] (tokens, stored states, hidden)")
-    post_norm = first.post_norm_last is not None
+    separate = first.final_state is not None  # SpecForge: the boundaries name the aux states only
     if config.boundaries is None:
-        what = "aux states" if post_norm else "states"
+        what = "aux states" if separate else "states"
         raise ForeignDataError(f"{n} {what} stored per token, their layers not recorded: pass --boundaries "
                                f"with {n} values ({BOUNDARY_HELP})")
     stored = validate_boundaries(list(config.boundaries), num_layers)
@@ -144,9 +164,9 @@ def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
         raise ForeignDataError(f"--boundaries {stored} names {len(stored)} states but sample {first.seq_id} "
                                f"stores {n} per token")
     last_index, absent = None, False
-    if not post_norm and num_layers not in stored and config.no_last:
+    if not separate and num_layers not in stored and config.no_last:
         absent = True
-    elif not post_norm:
+    elif not separate:
         if num_layers not in stored:
             raise ForeignDataError(
                 f"--boundaries {stored}: none is boundary {num_layers} (the last layer's state before the final "
@@ -161,7 +181,8 @@ def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
     aux = validate_aux_boundaries(list(config.aux_boundaries or default), num_layers)
     if missing := [b for b in aux if b not in stored]:
         raise ForeignDataError(f"--aux-boundaries {aux}: {missing} are not stored (stored: {stored})")
-    return Plan(stored=stored, aux_index=[stored.index(b) for b in aux], last_index=last_index, absent=absent)
+    return Plan(stored=stored, aux_index=[stored.index(b) for b in aux], last_index=last_index, absent=absent,
+                last_state=config.stored_last_state)
 
 
 def shard_rows(sample: Sample, plan: Plan, hidden_size: int, scale: torch.Tensor | None
@@ -178,19 +199,22 @@ def shard_rows(sample: Sample, plan: Plan, hidden_size: int, scale: torch.Tensor
     if mask.shape != ids.shape or not ((mask == 0) | (mask == 1)).all():
         return Skip(sample.seq_id, "bad loss mask", f"loss mask {list(mask.shape)} {mask.dtype} for "
                     f"{ids.shape[0]} tokens; expected 0/1 per token")
-    if sample.post_norm_last is not None:
-        if scale is None:
-            raise ForeignDataError("a SpecForge capture stores the final state after the final norm; the import "
-                                   "maps it back through the target's final norm weight, so --target must hold "
-                                   "the weights (only the final norm, embedding and lm_head are read)")
-        if list(sample.post_norm_last.shape) != [ids.shape[0], hidden_size]:
-            return Skip(sample.seq_id, "wrong shape", f"hidden_state {list(sample.post_norm_last.shape)}; "
-                        f"expected [{ids.shape[0]}, {hidden_size}]")
-        last = sample.post_norm_last.float() / scale  # [T, H]
-    elif plan.absent:
+    if plan.absent:
         last = torch.zeros(ids.shape[0], hidden_size)  # [T, H] no signal: doctor --labels tokens only
+    elif sample.final_state is not None:
+        if list(sample.final_state.shape) != [ids.shape[0], hidden_size]:
+            return Skip(sample.seq_id, "wrong shape", f"hidden_state {list(sample.final_state.shape)}; "
+                        f"expected [{ids.shape[0]}, {hidden_size}]")
+        last = sample.final_state  # [T, H]
     else:
         last = s[:, plan.last_index]  # [T, H]
+    if not plan.absent and plan.last_state == POST_NORM:
+        if scale is None:
+            raise ForeignDataError("--last-state post-norm (SpecForge's default): the stored boundary-L state is "
+                                   "after the final norm; the import maps it back through the target's final norm "
+                                   "weight, so --target must hold the weights (only the final norm, embedding and "
+                                   "lm_head are read)")
+        last = last.float() / scale  # [T, H]
     aux = s[:, plan.aux_index].reshape(ids.shape[0], -1)  # [T, k*H]
     bad = ~(torch.isfinite(aux).all(-1) & torch.isfinite(last).all(-1))  # [T]
     if bad.any():
@@ -282,12 +306,25 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
              f"with --allow-target-mismatch {','.join(unknown)}"] if unknown else []
     if plan.absent:
         notes.append(f"no boundary-L state: last_hidden is {ABSENT_LAST}; use doctor --stored --labels tokens")
+    elif plan.last_state == POST_NORM:
+        notes.append(f"last_hidden holds the {config.layout} capture's post-norm state mapped back through the final "
+                     f"norm (--last-state post-norm{'' if config.last_state else ', the layout default'})")
     elif plan.last_index is None:
-        notes.append("last_hidden holds SpecForge's post-norm state mapped back through the final norm")
+        notes.append(f"last_hidden holds the {config.layout} capture's final state as boundary L, as stored "
+                     "(--last-state pre-norm)")
     if label_note:
         notes.append(label_note)
     return ImportSummary(out=out, contract=writer.contract, sequences=totals["sequences"], tokens=totals["tokens"],
                          skipped=dict(skipped), unknown=unknown, notes=notes)
+
+
+def _last_hidden_record(layout: str, plan: Plan, num_layers: int) -> str:
+    """The manifest's ``source.last_hidden``: where the shards' boundary-L state came from."""
+    if plan.absent:
+        return ABSENT_LAST
+    if plan.last_state == POST_NORM:
+        return f"{layout} post-norm state / norm(1) (head-equivalent to boundary L)"
+    return f"stored boundary {num_layers}" if plan.last_index is not None else f"{layout} final state as boundary L"
 
 
 def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: TargetFingerprint,
@@ -298,10 +335,10 @@ def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: Ta
     row_bytes = storage.token_bytes(contract)
     source: dict[str, Any] = {
         "imported_from": str(src.resolve()), "layout": config.layout, "stored_boundaries": plan.stored,
-        "last_hidden": (ABSENT_LAST if plan.absent else f"stored boundary {fingerprint.num_layers}"
-                        if plan.last_index is not None else
-                        "specforge post-norm state / norm(1) (head-equivalent to boundary L)"),
+        "last_hidden": _last_hidden_record(config.layout, plan, fingerprint.num_layers),
         "target": config.target, "tokens": config.tokens, "fingerprint_unknown": unknown}
+    if not plan.absent:
+        source["last_state"] = plan.last_state  # the label check reads it (label_check.stored_last_state)
     head = None if head_target is None else (lambda h: head_target.head(h.to(head_target.dtype)))  # [n, H] -> [n, V]
     return ShardWriter(partial, contract, source=source, dtype=config.dtype,
                        shard_tokens=max(1, config.shard_mb * 2**20 // row_bytes),
@@ -322,11 +359,12 @@ def _check_labels(config: ImportDataConfig, partial: Path, out: Path, head: Targ
     check = check_labels(ShardDataset(partial, verify=False), head, greedy=False, reference=False)
     log.info("label check (%s): %s", check.rule, check.message)
     if check.verdict == "fail":
-        error = LabelCheckError(check, f"import-data --boundaries {','.join(map(str, plan.stored))}")
-        error.add_note(
-            f"nothing was renamed to {out}: the imported shards are kept in {partial} to inspect. Delete {partial} "
-            f"and import again with the --boundaries that name the stored states (the one that is boundary "
-            f"{head.num_layers} last), or, if the target is not a language model of this text, with "
-            "--skip-label-check")
+        error = LabelCheckError(check, f"import-data --boundaries {','.join(map(str, plan.stored))} "
+                                       f"--last-state {plan.last_state}")
+        fix = reimport_fix(check.diagnosis, head.num_layers)
+        if not check.norm_side_wrong and plan.last_index is None:  # SpecForge: --boundaries names the aux only
+            fix = f"once the capture's final hidden_state is boundary {head.num_layers} (capture it again)"
+        error.add_note(f"nothing was renamed to {out}: the imported shards are kept in {partial} to inspect. Delete "
+                       f"{partial} and import again {fix}" + ("" if check.norm_side_wrong else f"; {SKIP_HINT}"))
         raise error
     return None if check.verdict == "ok" else f"label check: {check.message}"

@@ -28,7 +28,7 @@ from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.import_data import ABSENT_LAST
-from eaglewire.data.label_check import check_labels
+from eaglewire.data.label_check import check_labels, reimport_fix, stored_last_state
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
@@ -211,12 +211,13 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     if config.labels == "head" and ds.manifest["source"].get("last_hidden") == ABSENT_LAST:
         raise ValueError(f"--data {config.data} holds no boundary-L state (imported with --no-last): the head has "
                          "nothing to read; pass --labels tokens")
-    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False)
+    allow = set(config.allow_target_mismatch or ())
+    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False, allow=allow)
     if notes:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     summary = draft_cfg.get("training") or {}
     declared, stored, L = list(contract.aux_boundaries), list(ds.contract.aux_boundaries), ds.contract.num_layers
-    if not _identity(report, contract, ds, target, set(config.allow_target_mismatch or ())):
+    if not _identity(report, contract, ds, target, allow):
         return report
     _check_labels(report, config, ds, target)
     arch = config.target_arch or contract.target.architecture
@@ -309,11 +310,13 @@ def _check_labels(report: DoctorReport, config: DoctorConfig, ds: ShardDataset, 
         return
     check = check_labels(ds, target)
     if check.verdict == "fail":
-        stored = ds.manifest["source"].get("stored_boundaries")
+        source = ds.manifest["source"]
+        stored = source.get("stored_boundaries")
         boundaries = f" (imported with --boundaries {','.join(map(str, stored))})" if stored else ""
-        report.add(Check("label check", "fail", f"the stored last state{boundaries} does not give the target's own "
-                         "predictions: a draft trained on it learned wrong labels", [check.message],
-                         fix=f"re-import with --boundaries whose last value names the stored state that is boundary "
-                             f"{ds.contract.num_layers} (or capture it again), then retrain the draft on the new shards"))
+        side = f", as the {stored_last_state(source)} state" if check.norm_side_wrong else ""
+        fix = reimport_fix(check.diagnosis, ds.contract.num_layers)
+        report.add(Check("label check", "fail", f"the stored last state{boundaries}{side} does not give the target's "
+                         "own predictions: a draft trained on it learned wrong labels", [check.message],
+                         fix=f"re-import (eaglewire import-data) {fix}, then retrain the draft on the new shards"))
     else:
         report.add(Check("label check", check.verdict, check.message))
