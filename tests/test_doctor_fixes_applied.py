@@ -88,3 +88,49 @@ def test_a_foreign_drafts_other_embedding_is_allowed_by_the_flag_the_error_names
     assert any("allowed" in line for line in [checks["draft format"].summary, *checks["draft format"].evidence])
     assert checks["engine fields"].verdict == "fail" and "embed_tokens" in checks["engine fields"].summary
     assert "acc@0 as served" in report.accuracy  # measured with the checkpoint's own rows, as vLLM drafts
+
+
+# ---------------------------------------------------------------- launch-flag fixes, applied to the flags
+
+def _apply_flag_fix(flags: str, fix: str) -> str:
+    """``flags`` with a lint's fix applied the way a user reads it: ``"key": value`` into the JSON of
+    --speculative-config, ``[add] --flag value`` replacing that flag (or appended)."""
+    import shlex
+
+    tokens = shlex.split(flags)
+    if fix.startswith('"'):
+        i = tokens.index("--speculative-config") + 1
+        tokens[i] = json.dumps({**json.loads(tokens[i]), **json.loads("{" + fix + "}")})
+        return shlex.join(tokens)
+    new = shlex.split(fix.removeprefix("add "))
+    for name, value in zip(new[::2], new[1::2]):
+        if name in tokens:
+            tokens[tokens.index(name) + 1] = value
+        else:
+            tokens += [name, value]
+    return shlex.join(tokens)
+
+
+SPEC = '{"method": "eagle3", "model": "/served/draft"%s}'
+
+
+@pytest.mark.parametrize("engine, flags", [
+    ("sglang", "--speculative-draft-model-path /served/draft --speculative-num-steps 3"),
+    ("vllm", "--speculative-config '" + SPEC % ', "num_speculative_tokens": 0' + "'"),
+    ("vllm", "--speculative-config '" + SPEC % ', "num_speculative_tokens": -1' + "'"),
+    ("vllm", "--speculative-config '" + SPEC % "" + "'"),
+    ("llamacpp", "-md /served/draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 0"),
+    ("llamacpp", "-md /served/draft.gguf --spec-type draft-eagle3 --spec-draft-n-min 5"),
+])
+def test_each_launch_flag_fail_is_fixed_by_its_printed_fix(engine, flags):
+    from eaglewire.doctor.serving import lint_flags
+
+    def fails(f):
+        return [(what, fix) for verdict, what, fix in lint_flags(engine, f, DECLARED, L, "LlamaForCausalLM").problems
+                if verdict == "fail"]
+
+    found = fails(flags)
+    assert found, flags
+    for _, fix in found:
+        flags = _apply_flag_fix(flags, fix)
+    assert fails(flags) == [], flags
