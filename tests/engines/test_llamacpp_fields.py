@@ -67,6 +67,7 @@ def faults(exported):
         "norm_before_fc": rewrite_gguf(gguf, root / "nbf.gguf", fields={"eagle3.norm_before_fc": True}, tensors=norm),
         "norm_before_fc without its tensor": rewrite_gguf(gguf, root / "bare.gguf",
                                                           fields={"eagle3.norm_before_fc": True}),
+        "output": rewrite_gguf(gguf, root / "head.gguf", tensors={"output.weight": 0.5 * read_served(gguf).own_head.numpy()}),
         "both": rewrite_gguf(gguf, root / "both.gguf", fields={"eagle3.norm_before_fc": True},
                              tensors={**norm, "token_embd.weight": permuted}),
     }
@@ -102,6 +103,13 @@ def test_norm_before_fc_is_read_with_its_tensor_or_refused_without(faults, train
     [found] = read_gguf_fields(faults["norm_before_fc without its tensor"], trained,
                                emb_rows=_rows(chat_tiny_target)).found
     assert not found.measurable and "refuses to load" in found.meaning
+
+
+def test_output_rows_that_are_not_the_trained_head_are_read_and_measurable(faults, trained, chat_tiny_target):
+    reading = read_gguf_fields(faults["output"], trained, emb_rows=_rows(chat_tiny_target))
+    [found] = reading.found
+    assert found.field == "lm_head" and found.measurable and "output.weight" in found.meaning
+    assert torch.allclose(reading.lm_head, 0.5 * trained.lm_head.weight.detach())  # as written, in float32
 
 
 def test_the_served_norm_weight_is_the_one_applied(faults, trained):

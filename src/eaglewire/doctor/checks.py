@@ -332,7 +332,8 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     lines = [f"{f.field}: {served.engine} reads {f.served!r}, trained {f.trained!r}: {f.meaning}" for f in reading.found]
     measurable = [f for f in reading.found if f.measurable]
     if measurable and len(measurable) == len(reading.found):
-        built = as_served(m.draft, measurable, d2t=reading.d2t, norm_weights=reading.norm_weights)
+        built = as_served(m.draft, measurable, d2t=reading.d2t, norm_weights=reading.norm_weights,
+                          lm_head=reading.lm_head)
         batches = m.batches if reading.embedding is None else [served_embedding(x, reading.embedding) for x in m.batches]
         acc = isolation_accuracy(built, batches, m.declared, steps=1)[0].acc
         report.accuracy["acc@0 as served"] = acc

@@ -153,6 +153,7 @@ class FieldReading:
     notes: list[str] = field(default_factory=list)
     embedding: Any = None  # [V, H] the token embedding the engine drafts with, where it is not the target's
     norm_weights: dict[str, Any] = field(default_factory=dict)  # norm flag -> the weight the served file applies
+    lm_head: Any = None  # [Vd, H] the head rows the served file holds, where they are not the trained ones
 
 
 def field_readers() -> tuple[str, ...]:
@@ -261,7 +262,7 @@ def read_gguf_fields(path, draft, *, emb_rows=None) -> FieldReading:
     from dataclasses import replace
 
     from eaglewire.engines.llamacpp.served import REEXPORT_FIX, read_served, same_float32
-    from eaglewire.engines.served_draft import mismatches
+    from eaglewire.engines.served_draft import Mismatch, mismatches
 
     gguf = read_served(path)
     served = gguf.served
@@ -287,7 +288,22 @@ def read_gguf_fields(path, draft, *, emb_rows=None) -> FieldReading:
         out.embedding = gguf.own_embedding if measurable else None
     elif gguf.own_embedding is not None:
         served.embedding = "target"  # its own token_embd holds the target's rows
+    trained = draft.lm_head.weight.detach().float().cpu()  # [Vd, H]
+    if gguf.own_head is not None and _relative(gguf.own_head, trained) > EMBEDDING_TOLERANCE:
+        same_shape = tuple(gguf.own_head.shape) == tuple(trained.shape)
+        out.found.append(Mismatch("lm_head", "the GGUF's own output rows", "the trained lm_head",
+                                  f"{served.engine} scores the draft's tokens with the GGUF's output.weight "
+                                  f"{list(gguf.own_head.shape)}, which is not the trained lm_head "
+                                  f"{list(trained.shape)}", REEXPORT_FIX, measurable=same_shape))
+        out.lm_head = gguf.own_head if same_shape else None
     return out
+
+
+def _relative(a, b) -> float:
+    """Relative Frobenius difference of two weight matrices (inf for other shapes)."""
+    if tuple(a.shape) != tuple(b.shape):
+        return float("inf")
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def _same_rope_type(served: Any, trained: Any) -> bool:

@@ -132,11 +132,12 @@ def _rope(params: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def as_served(draft: Eagle3Draft, found: list[Mismatch], *, d2t: torch.Tensor | None = None,
-              norm_weights: dict[str, torch.Tensor] | None = None) -> Eagle3Draft:
+              norm_weights: dict[str, torch.Tensor] | None = None, lm_head: torch.Tensor | None = None) -> Eagle3Draft:
     """A copy of ``draft`` computing as the engine will (the measurable ``found``; ``d2t``: the
     offsets it will map draft ids with, when its directory holds other ones). The trained weights
     are kept; a norm the checkpoint has no weights for gets ones, as an engine initialises it, or the
-    weight the served file holds (``norm_weights``: norm flag -> weight, e.g. a GGUF's norm before fc)."""
+    weight the served file holds (``norm_weights``: norm flag -> weight, e.g. a GGUF's norm before fc);
+    ``lm_head`` [Vd, H]: the head rows the served file holds where they are not the trained ones."""
     served = copy.deepcopy(draft)
     by = {m.field: m for m in found if m.measurable}
     cfg = served.config
@@ -164,6 +165,8 @@ def as_served(draft: Eagle3Draft, found: list[Mismatch], *, d2t: torch.Tensor | 
         served.fuse = types.MethodType(lambda self, aux: self.fc(self.pre_fc(aux)), served)
     if d2t is not None:
         served.d2t.copy_(d2t.to(served.d2t))
+    if lm_head is not None:
+        served.lm_head.weight.data.copy_(lm_head.to(served.lm_head.weight))  # [Vd, H]
     return served
 
 

@@ -52,6 +52,7 @@ class GgufDraft:
 
     served: ServedDraft
     own_embedding: torch.Tensor | None  # [V, H] its token_embd, which llama.cpp uses instead of the target's
+    own_head: torch.Tensor | None = None  # [Vd, H] its output (lm_head) rows (None: it takes the target's head)
     norm_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # norm flag -> the weight applied
     missing: list[str] = field(default_factory=list)  # tensors its flags require and it lacks: it fails to load
 
@@ -114,7 +115,7 @@ def read_served(path: str | Path) -> GgufDraft:
         embedding="draft" if OWN_EMBEDDING_TENSOR in tensors else "target",
         lm_head="draft" if OWN_HEAD_TENSOR in tensors else "target",
         d2t="absolute target ids", cited=dict(CITED))
-    out = GgufDraft(served, own_embedding=_tensor(path, OWN_EMBEDDING_TENSOR))
+    out = GgufDraft(served, own_embedding=_tensor(path, OWN_EMBEDDING_TENSOR), own_head=_tensor(path, OWN_HEAD_TENSOR))
     if norms["norm_before_fc"]:
         weight = _tensor(path, NORM_BEFORE_FC_TENSOR)
         if weight is None:
