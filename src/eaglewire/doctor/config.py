@@ -55,6 +55,10 @@ class DoctorConfig:
     allow_target_mismatch: list[str] | None = field(default=None, metadata={
         "help": "target fingerprint fields allowed to differ from the draft's and the data's (a warning, then "
                 "measured), e.g. weights_sha256 for a requantized target or one recorded as unknown"})
+    temperature: float | None = field(default=None, metadata={
+        "help": "the temperature users sample at: the draft's expected acceptance there beside the greedy "
+                "figures (default: read from the --traffic requests, llama-server's --temp in --engine-flags, or "
+                "the target's generation_config.json where vLLM and SGLang apply it; else unknown)"})
     chat_template_kwargs: str | None = field(default=None, metadata={
         "help": "the chat template kwargs serving renders with by default, as JSON (e.g. '{\"enable_thinking\": "
                 "false}'; default: read from --engine-flags, else unknown), compared with those the draft's data "
@@ -73,6 +77,11 @@ class DoctorConfig:
                              f"eaglewire reads: use --engine {' or '.join(engine_registry.names('measure'))}")
         if self.traffic and self.stored:
             raise ValueError("--traffic needs the target to write replies; it cannot run with --stored")
+        if self.temperature is not None and not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.temperature is not None and self.stored:
+            raise ValueError("--temperature measures acceptance on the target's own distributions; it cannot "
+                             "run with --stored")
         for name in ("num_sequences", "max_length", "steps", "min_tokens", "traffic_prompts", "traffic_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -45,6 +45,7 @@ class DoctorReport:
     accuracy: dict[str, float] = field(default_factory=dict)  # acc@0, cond acc@j in isolation (JSON only; checks print them)
     served: dict[str, Any] = field(default_factory=dict)  # --engine-url: served τ, per position, the replay's (JSON)
     traffic: dict[str, Any] = field(default_factory=dict)  # --traffic: acceptance per slice of traffic (JSON)
+    sampling: dict[str, Any] = field(default_factory=dict)  # the temperature users sample at: τ there and greedy (JSON)
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
@@ -69,7 +70,7 @@ class DoctorReport:
         return {"draft": self.draft, "target": self.target, "ok": self.status == "passed", "status": self.status,
                 "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
                 "facts": self.facts, "accuracy": self.accuracy, RESOLVED_KEY: self.resolved_config} | \
-            {k: v for k, v in (("served", self.served), ("traffic", self.traffic)) if v}
+            {k: v for k, v in (("served", self.served), ("traffic", self.traffic), ("sampling", self.sampling)) if v}
 
     def render(self) -> str:
         lines = [f"eaglewire doctor: draft {self.draft} on target {self.target}"]

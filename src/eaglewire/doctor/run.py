@@ -19,6 +19,7 @@ from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.llamacpp import serving as llamacpp_serving
 from eaglewire.doctor.served import check_served
+from eaglewire.doctor.sampling import check_sampling
 from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.doctor.traffic import check_traffic, load_traffic
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
@@ -92,6 +93,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     _check_drift(report, m)
     check_alignment(report, m)
     _check_acceptance(report, m, target, contract, sequences, serving_steps)
+    check_sampling(report, config, target, draft, declared, sequences, serving_steps)  # doctor/sampling.py
     if config.engine_url:  # the running server against the replay on its own text (doctor/served.py)
         check_served(report, config, target, draft, declared, sequences, serving_steps)
     if config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)
