@@ -116,10 +116,19 @@ def local_dir(spec: str | None) -> Path | None:
 
 
 def verifier(config: ExportConfig, draft: DraftFiles) -> str | None:
-    """The target as the engine should load it: ``verifier_name``, else the recorded target
-    (an absolute path when it is a local directory)."""
+    """The target as the engine should load it: ``verifier_name``, else the recorded target (an absolute
+    path when it is a local directory; for a preset, the transformers directory eaglewire dequantized its
+    GGUF into, since an engine cannot load a preset's name: ``vllm serve smollm2-135m`` fails)."""
+    from eaglewire.core.presets import TARGET_PRESETS
+
     spec = draft.target_spec
-    return config.verifier_name or (str(local_dir(spec)) if local_dir(spec) else spec)
+    if config.verifier_name:
+        return config.verifier_name
+    if spec in TARGET_PRESETS:
+        from eaglewire.model.target import resolve_target_path
+
+        return str(resolve_target_path(spec))
+    return str(local_dir(spec)) if local_dir(spec) else spec
 
 
 def stored_dtype(spec: str | None) -> str | None:
