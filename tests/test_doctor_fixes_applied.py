@@ -134,3 +134,16 @@ def test_each_launch_flag_fail_is_fixed_by_its_printed_fix(engine, flags):
     for _, fix in found:
         flags = _apply_flag_fix(flags, fix)
     assert fails(flags) == [], flags
+
+
+def test_an_export_of_a_preset_target_names_a_directory_vllm_can_load(smollm2_target):
+    """SERVING.md said `vllm serve smollm2-135m`, a name vLLM cannot load: a preset is named by the transformers
+    directory its GGUF was dequantized into."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from eaglewire.engines.export import ExportConfig, verifier
+
+    named = verifier(ExportConfig(), SimpleNamespace(target_spec="smollm2-135m"))
+    assert Path(named).is_dir() and (Path(named) / "config.json").is_file() and named != "smollm2-135m"
+    assert verifier(ExportConfig(verifier_name="org/model"), SimpleNamespace(target_spec="smollm2-135m")) == "org/model"
