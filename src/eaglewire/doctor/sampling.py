@@ -51,7 +51,6 @@ raises the kept tokens' probabilities, and SGLang's ``--speculative-accept-thres
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +62,7 @@ from eaglewire import engines
 from eaglewire.acceptance.simulate import RoundShape, Shape, sampled_rounds, tau
 from eaglewire.acceptance.trace import DraftTrace, trace_blocks, trace_text
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.traffic import REQUEST_KEYS, parse_prompt
+from eaglewire.doctor.traffic import REQUEST_KEYS, parse_prompt, traffic_records
 from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.engines.sampling_defaults import LAUNCH_READERS, RULES, Temperature, temperature_value
@@ -77,24 +76,9 @@ NAME = "sampling"
 def traffic_temperature(path: str | Path, limit: int) -> Temperature | None:
     """The ``temperature`` the first ``limit`` requests of a traffic file send (as ``traffic.load_traffic``
     reads them): the most common value, the others and the silent requests named; None when none sends one."""
-    text = Path(path).read_text(errors="replace")
-    stripped, items = text.lstrip(), None
-    if stripped.startswith("["):
-        try:
-            items = json.loads(stripped)
-        except json.JSONDecodeError:
-            items = None
-    if not isinstance(items, list):
-        items = []
-        for line in text.splitlines():
-            if line.strip():
-                try:
-                    items.append(json.loads(line))
-                except json.JSONDecodeError:
-                    items.append(line)
     stated, silent, requests = Counter(), 0, 0
-    for i, item in enumerate(items):
-        if not isinstance(item, (dict, str)) or parse_prompt(item, f"{path} record {i + 1}") is None:
+    for item, where in traffic_records(path):
+        if not isinstance(item, (dict, str)) or parse_prompt(item, where) is None:
             continue  # no prompt: the traffic check refuses or skips it
         requests += 1
         request = item
@@ -104,7 +88,7 @@ def traffic_temperature(path: str | Path, limit: int) -> Temperature | None:
         if value is None:
             silent += 1
         else:
-            stated[temperature_value(value, f"--traffic {path} record {i + 1}")] += 1
+            stated[temperature_value(value, f"--traffic {where}")] += 1
         if requests >= limit:
             break
     if not stated:

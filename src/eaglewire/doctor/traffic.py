@@ -86,8 +86,9 @@ def parse_prompt(item: Any, where: str) -> TrafficPrompt | None:
     return None
 
 
-def load_traffic(path: str | Path, limit: int) -> list[TrafficPrompt]:
-    """The first ``limit`` prompts of a traffic file."""
+def traffic_records(path: str | Path) -> list[tuple[Any, str]]:
+    """Every record of a traffic file, (parsed JSON or a plain prompt line, where it is): a JSON array, else
+    JSONL, a line that is not JSON being a prompt."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--traffic {path} does not exist; pass a JSONL file of requests or prompts")
@@ -107,8 +108,13 @@ def load_traffic(path: str | Path, limit: int) -> list[TrafficPrompt]:
                 records.append((json.loads(line), f"{path}:{n}"))
             except json.JSONDecodeError:
                 records.append((line, f"{path}:{n}"))  # a plain prompt line
+    return records
+
+
+def load_traffic(path: str | Path, limit: int) -> list[TrafficPrompt]:
+    """The first ``limit`` prompts of a traffic file."""
     out = []
-    for item, where in records:
+    for item, where in traffic_records(path):
         prompt = parse_prompt(item, where)
         if prompt is not None:
             out.append(prompt)
