@@ -134,6 +134,14 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
     return reading.readings, steps, config
 
 
+def serving_fix(report: DoctorReport, m: Measured, arch: str | None = None) -> str:
+    """The config change that makes the serving engine feed the declared layout: the engine wiring check's fix
+    (the key its engine reads for this draft family, on this target's model file; llama.cpp's re-export), else
+    the engine's EAGLE-3 config fix."""
+    wiring = next((c.fix for c in report.checks if c.name == "engine wiring" and c.fix), None)
+    return wiring or config_fix(m.config.engine, m.declared, m.num_layers, arch)
+
+
 def check_evidence(report: DoctorReport, n: int, sequences: int, config: DoctorConfig, summary: dict) -> None:
     """Judged tokens against the minimum; below it nothing can pass, and the fix says where more come from."""
     what = f"{n:,} judged reply tokens on {sequences} held-out sequence(s) (minimum {config.min_tokens:,})"
@@ -218,10 +226,8 @@ def check_layouts(report: DoctorReport, m: Measured, layouts: dict[tuple[int, ..
         by_layout = {tuple(r.layout): r.acc0 for r in rows}
         lines = [f"{label} feeds {b}: acc@0 {by_layout.get(tuple(b), float('nan')):.3f} instead of {acc0:.3f}"
                  for label, b in bad.items()]
-        # the engine wiring check's fix: the key its engine reads for this family, on this target's model file
-        fix = next((c.fix for c in report.checks if c.name == "engine wiring" and c.fix), None)
         report.add(Check("layout sweep", "fail", f"the serving side feeds another layout than the declared {declared}",
-                         judged.evidence + lines, fix=fix or config_fix(m.config.engine, declared, m.num_layers)))
+                         judged.evidence + lines, fix=serving_fix(report, m)))
         return
     report.add(Check("layout sweep", "ok", judged.summary, judged.evidence))
 
@@ -293,7 +299,7 @@ def vocab_map_fault(m: Measured) -> str | None:
 
 
 def served_embedding(batch: EvalBatch, embedding) -> EvalBatch:
-    """``batch`` with its token embeddings taken from ``embedding`` [V, H] (a tensor) (an engine's own rows) instead of the
+    """``batch`` with its token embeddings taken from ``embedding`` [V, H] (an engine's own rows) instead of the
     target's: what the draft reads for the same tokens in that engine."""
     emb = embedding.to(batch.emb.device, batch.emb.dtype)[batch.input_ids.to(batch.emb.device)]  # [B, T, H]
     return dataclasses.replace(batch, emb=emb)

@@ -13,6 +13,7 @@ from typing import Any
 from eaglewire import engines
 from eaglewire.core.contract import ContractError, EngineConventionError, default_aux_boundaries, target_arch
 from eaglewire.engines.flags import Flags
+from eaglewire.engines.shared import SAME_WEIGHTS_TOLERANCE, relative_difference
 
 
 @dataclass
@@ -228,22 +229,25 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
     return out
 
 
-EMBEDDING_TOLERANCE = 1e-2  # relative difference above which an engine's own embedding is not the target's
+def embedding_comparable(embed, emb_rows) -> bool:
+    """Whether the target's rows ``emb_rows`` = (token ids [N], rows [N, H]) can be looked up in ``embed`` [V, H]."""
+    if embed is None or emb_rows is None:
+        return False
+    ids, rows = emb_rows
+    return int(ids.max()) < embed.shape[0] and embed.shape[-1] == rows.shape[-1]
 
 
 def embedding_differs(embed, emb_rows, what: str) -> tuple[bool, list[str]]:
     """(whether ``embed`` [V, H] is not the target's at ``emb_rows`` = (token ids [N], the target's rows [N, H]),
-    the note saying by how much). A requantized copy of the target's rows differs by far less than
-    ``EMBEDDING_TOLERANCE``; another model's rows (or the same rows permuted) by ~1."""
+    the note saying by how much)."""
     if embed is None or emb_rows is None:
         return False, []
     ids, rows = emb_rows
-    if int(ids.max()) >= embed.shape[0] or embed.shape[-1] != rows.shape[-1]:
+    if not embedding_comparable(embed, emb_rows):
         return True, [f"{what} is {list(embed.shape)}: not this target's embedding ({list(rows.shape)[-1]} wide, "
                       f"ids up to {int(ids.max())})"]
-    mine = embed.float()[ids]  # [N, H]
-    rel = float((mine - rows.float()).norm() / rows.float().norm().clamp_min(1e-12))
-    return rel > EMBEDDING_TOLERANCE, [f"{what} differs from the target's by {rel:.2e} (relative)"]
+    rel = relative_difference(embed.float()[ids], rows)  # [N, H] against [N, H]
+    return rel > SAME_WEIGHTS_TOLERANCE, [f"{what} differs from the target's by {rel:.2e} (relative)"]
 
 
 def own_embedding_mismatch(engine: str, fix: str, *, measurable: bool):
@@ -282,14 +286,13 @@ def read_gguf_fields(path, draft, *, emb_rows=None) -> FieldReading:
     notes += more
     out = FieldReading(served, found, notes=notes, norm_weights=gguf.norm_weights)
     if differs:
-        measurable = emb_rows is not None and gguf.own_embedding.shape[-1] == emb_rows[1].shape[-1] \
-            and int(emb_rows[0].max()) < gguf.own_embedding.shape[0]
+        measurable = embedding_comparable(gguf.own_embedding, emb_rows)
         out.found.append(own_embedding_mismatch(served.engine, REEXPORT_FIX, measurable=measurable))
         out.embedding = gguf.own_embedding if measurable else None
     elif gguf.own_embedding is not None:
         served.embedding = "target"  # its own token_embd holds the target's rows
     trained = draft.lm_head.weight.detach().float().cpu()  # [Vd, H]
-    if gguf.own_head is not None and _relative(gguf.own_head, trained) > EMBEDDING_TOLERANCE:
+    if gguf.own_head is not None and relative_difference(gguf.own_head, trained) > SAME_WEIGHTS_TOLERANCE:
         same_shape = tuple(gguf.own_head.shape) == tuple(trained.shape)
         out.found.append(Mismatch("lm_head", "the GGUF's own output rows", "the trained lm_head",
                                   f"{served.engine} scores the draft's tokens with the GGUF's output.weight "
@@ -297,13 +300,6 @@ def read_gguf_fields(path, draft, *, emb_rows=None) -> FieldReading:
                                   f"{list(trained.shape)}", REEXPORT_FIX, measurable=same_shape))
         out.lm_head = gguf.own_head if same_shape else None
     return out
-
-
-def _relative(a, b) -> float:
-    """Relative Frobenius difference of two weight matrices (inf for other shapes)."""
-    if tuple(a.shape) != tuple(b.shape):
-        return float("inf")
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def _same_rope_type(served: Any, trained: Any) -> bool:

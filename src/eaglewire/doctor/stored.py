@@ -32,11 +32,10 @@ from eaglewire.data.label_check import check_labels, reimport_fix, stored_last_s
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving)
+                                     check_serving, serving_fix)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, block_parts, coverage, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.serving import config_fix
 from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.engines.foreign_draft import load_any_draft
 from eaglewire.model.dflash_blocks import is_block_draft
@@ -295,8 +294,7 @@ def _check_served(report: DoctorReport, m: Measured, stored: list[int], arch: st
                    else f"retrain on boundaries {served} (capture them)")
         report.add(Check("trained vs served", "fail", f"trained on {declared}, {label} will feed {served}{measured}",
                          [f"stored boundaries: {stored}"],
-                         fix=f"either {config_fix(m.config.engine, declared, m.num_layers, arch)}"
-                             f", or {retrain}"))
+                         fix=f"either {serving_fix(report, m, arch)}, or {retrain}"))
 
 
 def _check_labels(report: DoctorReport, config: DoctorConfig, ds: ShardDataset, target: Target) -> None:

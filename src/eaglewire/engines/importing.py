@@ -94,8 +94,8 @@ def _check_embedding(embed: torch.Tensor | None, target: Target, allow: frozense
     if tuple(embed.shape) != tuple(ours.shape):
         raise ContractError(f"embed_tokens.weight is {tuple(embed.shape)} but target {target.spec}'s "
                             f"embedding is {tuple(ours.shape)}: the draft was made for another target")
-    rel = float((embed.float() - ours).norm() / ours.norm().clamp_min(1e-12))
-    if rel <= 1e-2:
+    rel = shared.relative_difference(embed, ours)
+    if rel <= shared.SAME_WEIGHTS_TOLERANCE:
         return []
     msg = (f"embed_tokens.weight differs from target {target.spec}'s embedding (relative difference "
            f"{rel:.3g}): the draft was trained on other target weights")

@@ -272,3 +272,15 @@ def read_d2t(d2t: torch.Tensor, t2d: torch.Tensor | None, *, vocab_size: int, wh
     if not ok["offsets"] or looks_absolute(d2t):
         return absolute
     return D2tReading("offsets", as_offsets)
+
+
+SAME_WEIGHTS_TOLERANCE = 1e-2  # relative difference above which a served copy is not the target's / trained weights
+
+
+def relative_difference(a, b) -> float:
+    """Relative Frobenius difference of ``a`` from ``b`` (same shapes; inf for other shapes). A requantized copy
+    (Q8_0, bf16) differs by far less than ``SAME_WEIGHTS_TOLERANCE``; another model's rows (or the same rows
+    permuted) by ~1."""
+    if tuple(a.shape) != tuple(b.shape):
+        return float("inf")
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))

@@ -320,12 +320,15 @@ def dflash_layout_problem(meta: dict[str, Any], boundaries: list[int], num_layer
     return None
 
 
+def reader_tensor(path: Path, name: str):
+    """gguf-py's ``ReaderTensor`` called ``name`` in a GGUF file (data, type, shape), None when absent."""
+    return next((t for t in gguf_reader(path).tensors if t.name == name), None)
+
+
 def gguf_tensor(path: Path, name: str):
     """One tensor of a GGUF file as a numpy array (in the file's own layout), None when absent."""
-    for t in gguf_reader(path).tensors:
-        if t.name == name:
-            return t.data
-    return None
+    t = reader_tensor(path, name)
+    return None if t is None else t.data
 
 
 def vocab_problem(path: Path, ids: torch.Tensor | None, *, where: str) -> str | None:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eaglewire.engines.llamacpp.gguf import gguf_reader, read_gguf_metadata
+from eaglewire.engines.llamacpp.gguf import read_gguf_metadata, reader_tensor
 from eaglewire.engines.llamacpp.installation import BUILD
 from eaglewire.engines.served_draft import ServedDraft
 
@@ -67,14 +67,14 @@ def _tensor(path: Path, name: str) -> torch.Tensor | None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    for t in gguf_reader(path).tensors:
-        if t.name == name:
-            data = np.asarray(t.data)
-            if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                data = dequantize(data, t.tensor_type)
-            rows = [int(n) for n in reversed(t.shape.tolist())]  # GGUF lists ne0 (the row length) first
-            return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(rows)  # [rows, cols] or [n]
-    return None
+    t = reader_tensor(path, name)
+    if t is None:
+        return None
+    data = np.asarray(t.data)
+    if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        data = dequantize(data, t.tensor_type)
+    rows = [int(n) for n in reversed(t.shape.tolist())]  # GGUF lists ne0 (the row length) first
+    return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(rows)  # [rows, cols] or [n]
 
 
 def _rope(meta: dict[str, Any], arch: str, tensors: set[str]) -> dict[str, Any]:
@@ -102,12 +102,12 @@ def read_served(path: str | Path) -> GgufDraft:
     hidden, heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length") or (int(hidden) // int(heads) if hidden and heads else None)
     eps = key("attention.layer_norm_rms_epsilon")
-    d2t = next((t for t in gguf_reader(path).tensors if t.name == "d2t"), None)
-    layers = key("target_layers")
+    d2t = reader_tensor(path, "d2t")
+    layers, target_hidden = key("target_layers"), key("target_hidden_size")
     served = ServedDraft(
         engine=f"llama.cpp build {BUILD}", norms=norms,
         draft_vocab_size=int(d2t.shape[0]) if d2t is not None else None,
-        target_hidden_size=int(key("target_hidden_size")) if key("target_hidden_size") is not None else None,
+        target_hidden_size=int(target_hidden) if target_hidden is not None else None,
         num_aux=len(layers) if layers is not None else 0,
         hidden_size=int(hidden) if hidden else None, head_dim=int(head_dim) if head_dim else None,
         rms_norm_eps=_float32(eps) if eps is not None else None,
