@@ -109,12 +109,8 @@ NORM_CAUSES = {
                "norm) but is boundary L = {L} BEFORE the final norm (the pre-norm state); read as pre-norm it "
                "gives {figures}. The layer is right, the norm is not"),
 }
-NORM_FIXES = {  # shards written by import-data
-    POST_NORM: ": re-import with `eaglewire import-data ... --last-state post-norm` (it maps the state back "
-               "through the final norm)",
-    PRE_NORM: ": re-import with `eaglewire import-data ... --last-state pre-norm` (it takes the state as "
-              "boundary L as stored)",
-}
+NORM_FIXES = {side: f": re-import with `eaglewire import-data ... --last-state {side}`"  # shards from import-data
+              for side in (POST_NORM, PRE_NORM)}
 NORM_CAPTURE_FIXES = {  # shards written by eaglewire's own capture (prepare)
     POST_NORM: ": the capture stored the state after the final norm; capture boundary L before it",
     PRE_NORM: ": the shards record their last state as post-norm but hold the pre-norm one",
