@@ -37,6 +37,9 @@ class DraftTrace:
     prob_top: torch.Tensor  # [S, T] the same renormalised over its top LLAMACPP_TOP_K
     target_prob: torch.Tensor  # [S, T] the target's probability of the drafted token (at the temperature)
     block: bool = False  # True: a DFlash block drafted every step in one pass (trace_blocks)
+    # [S, T] the drafted token is the target's argmax: its target_prob at temperature 0 (a trace at T > 0 holds
+    # both, so greedy and sampled acceptance come from one unroll); None where not traced
+    target_agrees: torch.Tensor | None = None
 
     @property
     def steps(self) -> int:
@@ -78,6 +81,7 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
     prob = torch.zeros(steps, T)
     prob_top = torch.zeros(steps, T)
     target_prob = torch.zeros(steps, T)
+    target_agrees = torch.zeros(steps, T, dtype=torch.bool)
     position_ids = torch.arange(T, device=emb.device)[None]  # [1, T]
     hidden = draft.fuse(aux.to(emb.dtype))  # [1, T, H]
     cache: list = []
@@ -90,9 +94,12 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
         prob[j, :n], prob_top[j, :n] = (x.cpu() for x in top_probs(logits))
         # the target judges step j at t with its distribution at t + 1 + j
         drafted = drafted.to(target_argmax.device)
+        agrees = target_argmax[1 + j:1 + j + n] == drafted  # [n]
+        target_agrees[j, :n] = agrees.cpu()
         target_prob[j, :n] = (target_probs[1 + j:1 + j + n].gather(1, drafted[:, None])[:, 0] if target_probs is not None
-                              else (target_argmax[1 + j:1 + j + n] == drafted).float()).cpu()
-    return DraftTrace(prompt_len=prompt_len, right=right, prob=prob, prob_top=prob_top, target_prob=target_prob)
+                              else agrees.float()).cpu()
+    return DraftTrace(prompt_len=prompt_len, right=right, prob=prob, prob_top=prob_top, target_prob=target_prob,
+                      target_agrees=target_agrees)
 
 
 def _captured(target: Target, layout: list[int], ids: torch.Tensor, temperature: float):
@@ -132,6 +139,7 @@ def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: li
         J = bs - 1
         right, prob, prob_top, target_prob = (torch.zeros(J, T, dtype=torch.bool), torch.zeros(J, T),
                                               torch.zeros(J, T), torch.zeros(J, T))
+        target_agrees = torch.zeros(J, T, dtype=torch.bool)
         for start, hidden in anchored_blocks(draft, emb, mask_emb, aux, block_len=bs):
             n = hidden.shape[1]
             token, inside = drafted_index(start, n, J, T, emb.device)  # [n, J] the predicted token's index
@@ -139,8 +147,8 @@ def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: li
             drafted = logits.argmax(-1).view(n, J)  # [n, J] target ids (-inf outside a pruned draft vocabulary)
             full, top = (x.view(n, J) for x in top_probs(logits))  # [n, J] each
             judged = token - 1  # [n, J] the target judges position j of anchor a at a + j - 1
-            tp = (target_probs[judged, drafted] if target_probs is not None
-                  else (target_argmax[judged] == drafted).float())  # [n, J]
+            agrees = target_argmax[judged] == drafted  # [n, J]
+            tp = target_probs[judged, drafted] if target_probs is not None else agrees.float()  # [n, J]
             ok = (drafted == text_ids[token]) & inside  # [n, J]
             cols = torch.arange(start - 1, start - 1 + n)  # [n] column t = anchor - 1
             first = int(start == 0)  # the block anchored at 0 has no column
@@ -148,7 +156,8 @@ def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: li
             right[:, cols] = ok[sl].T.cpu()
             prob[:, cols], prob_top[:, cols] = full[sl].T.cpu(), top[sl].T.cpu()
             target_prob[:, cols] = torch.where(inside[sl], tp[sl], torch.zeros_like(tp[sl])).T.cpu()
+            target_agrees[:, cols] = (agrees[sl] & inside[sl]).T.cpu()
         out[bs] = DraftTrace(prompt_len=prompt_len, right=right, prob=prob, prob_top=prob_top, target_prob=target_prob,
-                             block=True)
+                             block=True, target_agrees=target_agrees)
     return out
 

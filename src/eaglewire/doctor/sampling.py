@@ -148,7 +148,13 @@ def window(trace: DraftTrace, start: int, end: int, steps: int) -> DraftTrace:
     drafting none past ``end`` (a DFlash block traces block_size - 1 steps whatever the chain)."""
     rows, cols = slice(0, steps), slice(0, end)
     return dataclasses.replace(trace, prompt_len=start, right=trace.right[rows, cols], prob=trace.prob[rows, cols],
-                               prob_top=trace.prob_top[rows, cols], target_prob=trace.target_prob[rows, cols])
+                               prob_top=trace.prob_top[rows, cols], target_prob=trace.target_prob[rows, cols],
+                               target_agrees=trace.target_agrees[rows, cols])
+
+
+def at_zero(trace: DraftTrace) -> DraftTrace:
+    """``trace`` read at temperature 0: a drafted token is kept exactly when it is the target's argmax."""
+    return dataclasses.replace(trace, target_prob=trace.target_agrees.float())
 
 
 def _trace(target, draft, layout: list[int], text: list[int], prompt_len: int, steps: int, temperature: float,
@@ -169,19 +175,19 @@ def sampled_acceptance(target, draft, layout: list[int], sequences: list, *, ste
         steps = min(steps, draft.config.block_size - 1)
         block_len = steps + 1 if engines.canonical(engine) == LLAMACPP else draft.config.block_size
     shape = Shape(steps, block=block)
-    walked: dict[float, list[RoundShape]] = {temperature: [], 0.0: []}
+    sampled: list[RoundShape] = []
+    greedy: list[RoundShape] = []  # the same rounds at T = 0
     used = 0
     for seq in sequences:
         spans = [(s, e) for s, e in reply_spans(seq.loss_mask) if e - s > steps]
         if not spans:
             continue
         used += 1
-        text = seq.input_ids.tolist()
-        for t in walked:
-            trace = _trace(target, draft, layout, text, spans[0][0], steps, t, block_len)
-            for s, e in spans:  # p_min 0: every round drafts all ``steps`` (either rule)
-                walked[t] += sampled_rounds(window(trace, s, e, steps), shape, EAGLEWIRE)
-    sampled, greedy = walked[temperature], walked[0.0]
+        trace = _trace(target, draft, layout, seq.input_ids.tolist(), spans[0][0], steps, temperature, block_len)
+        for s, e in spans:  # p_min 0: every round drafts all ``steps`` (either rule)
+            at_t = window(trace, s, e, steps)
+            sampled += sampled_rounds(at_t, shape, EAGLEWIRE)
+            greedy += sampled_rounds(at_zero(at_t), shape, EAGLEWIRE)
     return SampledAcceptance(temperature, steps, tau(sampled), tau(greedy), len(sampled), used)
 
 
