@@ -160,7 +160,7 @@ def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_a
 def refusal(engine: str, arch: str | None) -> str | None:
     """Why ``engine`` serves no EAGLE-3 draft on this target at all, and which engines do (None: it serves one)."""
     e = _engine(engine)
-    why = e.module.refusal(arch) if e.per_model_file else None
+    why = e.module.refusal(arch) if e.per_model_file else None  # (llama.cpp's is the doctor's architecture check)
     return f"{why}; {served_elsewhere(arch, but=e.name)}" if why else None
 
 
@@ -183,15 +183,10 @@ def served_elsewhere(arch: str | None, *, but: str) -> Elsewhere:
     for e in ENGINES:
         if e.name == but or not e.can("lint"):
             continue
-        if e.per_model_file:
-            try:
-                why = e.module.refusal(arch) if arch is not None else None
-            except ContractError:  # a target family it has no reading of: nothing to say
-                continue
-        elif e.name == llamacpp.NAME:
-            why = _llamacpp_refusal(arch)
-        else:
-            why = None  # eaglewire captures any layer of any model it loads
+        try:
+            why = _why_not(e, arch)
+        except ContractError:  # a target family it has no reading of: nothing to say
+            continue
         if why:
             refuse.append((e.name, why))
         else:
@@ -201,18 +196,19 @@ def served_elsewhere(arch: str | None, *, but: str) -> Elsewhere:
 
 def _refuses(engine: Engine, arch: str | None) -> bool:
     try:
-        return bool(engine.module.refusal(arch))
+        return bool(_why_not(engine, arch))
     except ContractError:
         return False
 
 
-def _llamacpp_refusal(arch: str | None) -> str | None:
-    """Why llama.cpp (its pinned build) feeds no EAGLE-3 draft for ``arch`` (None: it does, or it cannot be told)."""
-    name = llamacpp.llamacpp_arch(arch) if arch else None
-    if name is None or name in llamacpp.EAGLE3_TARGET_ARCHS:
-        return None
-    return (f"llama.cpp build {llamacpp.BUILD} converts it to {name}, whose graph records no layer inputs "
-            "(t_layer_inp), and aborts at load")
+def _why_not(engine: Engine, arch: str | None) -> str | None:
+    """Why ``engine`` serves no EAGLE-3 draft for ``arch`` (None: it does, or it cannot be told); ContractError
+    for a target family it has no reading of."""
+    if engine.per_model_file:
+        return engine.module.refusal(arch) if arch is not None else None
+    if engine.module is llamacpp:
+        return llamacpp.refusal(arch)
+    return None  # eaglewire captures any layer of any model it loads
 
 
 def read_ids(engine: str, config: dict[str, Any], *, family: str = "eagle3"

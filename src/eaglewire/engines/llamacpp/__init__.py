@@ -30,7 +30,7 @@ from eaglewire.engines.llamacpp.lint import (DEFAULT_N_MAX, TEMPLATE_KWARGS_FLAG
                                             lint_dflash_flags, lint_flags, template_kwargs_fix)
 from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
                                                  NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
-                                                 dflash_to_boundaries, dflash_to_ids, reads_export, to_boundaries,
+                                                 dflash_to_boundaries, dflash_to_ids, reads_export, refusal, to_boundaries,
                                                  to_ids)
 from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_config, complete, free_port, metrics,
                                                parse_metrics, plain_server_config, server_args, spec_flags)
@@ -48,5 +48,5 @@ __all__ = [
     "layer_input_archs", "layout_problem", "lint_dflash_flags", "lint_flags", "llamacpp_arch", "metrics", "parse_metrics",
     "plain_server_config", "read_gguf_metadata", "reads_export", "require_server", "require_tree", "run_converter", "server_args",
     "server_build", "serving_md", "source_dir", "spec_flags", "target_architecture", "target_gguf", "to_boundaries",
-    "to_ids", "unpack_tree",
+    "to_ids", "unpack_tree", "refusal",
 ]

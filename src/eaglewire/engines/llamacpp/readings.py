@@ -110,6 +110,16 @@ def llamacpp_arch(architecture: str) -> str | None:
     return architecture if re.fullmatch(r"[a-z0-9_\-]+", architecture) else None
 
 
+def refusal(arch: str | None) -> str | None:
+    """Why llama.cpp (build 11434) feeds no EAGLE-3 draft for a target of ``arch`` (None: it does, or it cannot
+    be told which llama.cpp architecture the target converts to)."""
+    name = llamacpp_arch(arch) if arch else None
+    if name is None or name in EAGLE3_TARGET_ARCHS:
+        return None
+    return (f"llama.cpp build 11434 converts it to {name}, whose graph records no layer inputs (t_layer_inp), and "
+            "aborts at load")
+
+
 # What llama.cpp's converter (conversion/llama.py LlamaModel.set_gguf_parameters / prepare_tensors, build
 # BUILD) takes from an EAGLE-3 config.json and its tensors into the draft GGUF, which
 # src/models/eagle3.cpp then computes with: missing norm flags are false (as eaglewire trains), d2t
