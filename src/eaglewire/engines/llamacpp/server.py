@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import signal
 import subprocess
 import tempfile
 import time
@@ -132,7 +133,7 @@ class LlamaServer:
             if self._proc.poll() is not None:
                 rc = self._proc.returncode
                 hint = ("; rebuild it for this CPU: eaglewire engines install llamacpp (it reconfigures a build "
-                        "made for another CPU or by an earlier eaglewire)" if rc == -4 else "")
+                        "made for another CPU or by an earlier eaglewire)" if rc == -signal.SIGILL else "")
                 raise LlamaCppError(f"llama-server exited with {rc} ({exit_cause(rc)}) while starting "
                                     f"({' '.join(self.command)}){hint}:\n{self.log_tail()}")
             try:
