@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import eaglewire.doctor.serving as serving
