@@ -26,7 +26,8 @@ from eaglewire.engines.llamacpp import LlamaServer, chain_config, complete, requ
 from eaglewire.core.prompts import load_prompts
 from eaglewire.model.target import load_tokenizer
 from eaglewire.decode.text import encode_prompt
-from eaglewire.acceptance.probe import wait_draft_stats
+from eaglewire.engines.interface import Shape
+from eaglewire.engines.llamacpp.runtime import RunningLlamaServer
 
 # callers, outermost role first: a draft step's decode is still the draft's
 CALLERS = [("draft steps (draft())", ("eagle3::draft",)),
@@ -97,7 +98,9 @@ def main() -> int:
                           n_max=0 if args.plain else args.n_max, extra=["-lv", "4"])
     with tempfile.TemporaryDirectory() as tmp, LlamaServer(require_server(), config) as server:
         complete(server.url, prompts[0], n_predict=32)
-        before = None if args.plain else wait_draft_stats(server, 1)
+        running = RunningLlamaServer(server, Shape(0 if args.plain else args.n_max))
+        running.requests = 1
+        before = running.draft_totals()
         data = Path(tmp) / "perf.data"
         perf = subprocess.Popen(["perf", "record", "--call-graph", "dwarf,65528", "-F", str(args.freq), "-p",
                                  str(server._proc.pid), "-o", str(data)], stdout=subprocess.DEVNULL,
@@ -106,7 +109,8 @@ def main() -> int:
         answers = [complete(server.url, ids, n_predict=args.tokens) for ids in prompts]
         perf.send_signal(2)
         perf.wait()
-        after = None if args.plain else wait_draft_stats(server, 1 + len(prompts))
+        running.requests = 1 + len(prompts)
+        after = running.draft_totals()
         script = subprocess.run(["perf", "script", "-i", str(data), "-F", "comm,tid,ip,sym,dso"],
                                 capture_output=True, text=True).stdout
         pid = server._proc.pid
@@ -114,7 +118,7 @@ def main() -> int:
     total = sum(counts.values())
     gen_ms = sum(a["timings"]["predicted_ms"] for a in answers)
     tokens = sum(a["timings"]["predicted_n"] for a in answers)
-    rounds = tokens if args.plain else after[0] - before[0]
+    rounds = tokens if args.plain else after.rounds - before.rounds
     per = "token" if args.plain else "round"
     unit_ms = gen_ms / (tokens if args.plain else max(rounds, 1))
     print(f"{'plain' if args.plain else f'n-max {args.n_max}'}: {tokens} tokens in {gen_ms:.0f} ms, "

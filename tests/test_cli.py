@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eaglewire.engines import Ability
 from eaglewire.model.checkpoint import load_draft, read_draft_config, save_draft
 from eaglewire.cli import main
 
@@ -201,8 +202,8 @@ def test_defaults_and_choices_have_one_spelling():
         if name in ("generate", "bench", "prepare"):
             assert defaults["max_new_tokens"] == MAX_NEW_TOKENS, name
     flags = {cmd: {a.dest: a for a in subcommands()[cmd]._actions} for cmd in ("export", "import")}
-    assert tuple(flags["export"]["to"].choices) == engine_names("export")
-    assert tuple(flags["import"]["from"].choices) == engine_names("import")
+    assert tuple(flags["export"]["to"].choices) == engine_names(Ability.EXPORT)
+    assert tuple(flags["import"]["from"].choices) == engine_names(Ability.IMPORT)
 
 
 PREPARE = ["--max-length", "64", "--batch-tokens", "256", "--shard-tokens", "64", "--no-progress"]

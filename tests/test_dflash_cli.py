@@ -88,13 +88,14 @@ def test_bench_with_a_dflash_draft(tmp_path, target_dir, dflash_dir, capsys):
 def test_bench_launches_llama_server_with_a_dflash_gguf_as_draft_dflash(tmp_path):
     """bench --engine llamacpp on a DFlash draft: its chains run as llama.cpp's draft-dflash (a block of
     n_max + 1), an EAGLE-3 draft's as draft-eagle3, plain without a draft."""
-    from eaglewire.bench.run import llamacpp_server_config, parse_config
+    from eaglewire.bench.run import parse_config, shape_of
+    from eaglewire.engines.interface import RunSettings, ServedFiles
+    from eaglewire.engines.llamacpp.runtime import launch_config
     from eaglewire.engines.llamacpp.server import server_args
 
     def args(run, family):
-        cfg = llamacpp_server_config(run, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", threads=2,
-                                     family=family)
-        return server_args(cfg, port=1)
+        files = ServedFiles(tmp_path / "t.gguf", tmp_path / "d.gguf", family)
+        return server_args(launch_config(files, shape_of(run), RunSettings(threads=2)), port=1)
 
     chain = args(parse_config("1,3,1,4"), "dflash")
     assert chain[chain.index("--spec-type") + 1] == "draft-dflash" and chain[chain.index("--spec-draft-n-max") + 1] == "3"

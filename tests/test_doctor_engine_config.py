@@ -147,8 +147,7 @@ def test_wrapped_targets_are_read_through_the_wrappers_own_model_file(arch, engi
     from eaglewire.doctor.serving import read_engine_config
     from eaglewire.engines import get
 
-    module = get(engine).module
-    assert module.file_for(arch).path == path
+    assert get(engine).linter.file_for(arch).path == path
     config = ({"eagle_aux_hidden_state_layer_ids": [2, 15, 27]} if engine == "vllm"
               else {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}})
     reading = read_engine_config(engine, config, 30, [2, 15, 27] if served is None else served, arch)

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from eaglewire.engines import Ability
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.served import (Replayed, candidate_causes, chain_length, replay_chain, served_check)
 from eaglewire.engines.served_counts import ServedCounts, ServedError
@@ -81,7 +82,7 @@ def test_engine_url_is_taken_for_every_engine_that_can_be_measured():
     from eaglewire.doctor.config import DoctorConfig
     from eaglewire import engines
 
-    measured = engines.names("measure", aliases=False)
+    measured = engines.names(Ability.MEASURE, aliases=False)
     assert set(measured) == {"eaglewire", "sglang", "vllm", "llamacpp"}
     for name in measured:
         assert DoctorConfig(draft="d", engine=name, engine_url="http://x").engine_url == "http://x"

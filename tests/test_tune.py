@@ -10,7 +10,7 @@ import torch
 from eaglewire.cli import main
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.acceptance.costs import ChainProbe, EngineCosts, PlainProbe, fit_costs, stated_costs
-from eaglewire.acceptance.probe import draft_stats
+from eaglewire.engines.llamacpp.runtime import draft_stats
 from eaglewire.acceptance.recommend import predict, rank, recommend, shapes
 from eaglewire.acceptance.speed import SpeedQuery, measure
 from eaglewire.acceptance.simulate import Shape, drafted_tokens, greedy_rounds, sampled_rounds, tau
@@ -220,17 +220,21 @@ def test_tune_measures_what_its_flags_say():
     value, and the query tune hands the library carries each flag's value."""
     plain = TuneConfig(draft="x")
     for f in fields(SpeedQuery):
-        value = getattr(plain, f.name)
-        assert (tuple(value) if f.name == "p_mins" else value) == getattr(SpeedQuery(), f.name), f.name
+        if f.name != "stated":  # tune's --costs decides it (stated where the engine does not run here)
+            value = getattr(plain, f.name)
+            assert (tuple(value) if f.name == "p_mins" else value) == getattr(SpeedQuery(), f.name), f.name
     given = dict(engine="sglang", max_new_tokens=9, max_steps=2, p_mins=[0.2], temperature=0.5, seed=3,
                  verify_cost=0.1, draft_cost=0.2)
-    assert {f.name for f in fields(SpeedQuery)} == set(given)
-    assert TuneConfig(draft="x", **given).query() == SpeedQuery(**{**given, "p_mins": (0.2,)})
+    assert {f.name for f in fields(SpeedQuery)} == set(given) | {"stated"}
+    assert TuneConfig(draft="x", **given).query() == SpeedQuery(**{**given, "p_mins": (0.2,)}, stated=True)
+    assert not TuneConfig(draft="x").query().stated  # eaglewire's own engine is timed here
+    with pytest.raises(ValueError, match="sglang does not run here"):
+        TuneConfig(draft="x", engine="sglang", costs="measured").query()
 
 
 def test_the_speed_ranking_names_what_it_cannot_time():
     with pytest.raises(ValueError, match="engine 'tensorrt': the speed ranking knows eaglewire, llamacpp"):
         SpeedQuery(engine="tensorrt")
     target = tiny_target("llama", vocab_size=6)
-    with pytest.raises(ValueError, match="llamacpp=llamacpp_setup"):
+    with pytest.raises(ValueError, match="server=server_setup"):
         measure(SpeedQuery(engine="llamacpp"), target, None, None, [[1, 2]], lambda _: None)

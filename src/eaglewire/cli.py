@@ -243,7 +243,7 @@ def cmd_contract(args: argparse.Namespace) -> int:
     for engine in (n for n in engines.names() if n != "eaglewire"):  # eaglewire's own reads the contract
         e = engines.get(engine)
         if e.needs_target_arch and arch is None:  # the rule depends on the model file: show every one
-            result[engine] = {family: ids(engine, archs[0]) for family, archs in e.module.families().items()}
+            result[engine] = {family: ids(engine, archs[0]) for family, archs in e.eagle3.families().items()}
         else:
             result[engine] = ids(engine, arch if e.per_model_file else None)
     if arch is not None:

@@ -8,6 +8,8 @@ import json
 import sys
 from types import ModuleType, SimpleNamespace
 
+from pathlib import Path
+
 import pytest
 
 from eaglewire import engines
@@ -199,12 +201,14 @@ def test_llamacpp_clamps_to_the_block_and_appends_spec_types_as_the_lint_says():
 
 def test_tune_probes_a_dflash_gguf_with_one_spec_type():
     """tune's llama-server launches name --spec-type once: a second would add a type, not replace it."""
-    from eaglewire.acceptance.probe import probe_config
+    from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
     from eaglewire.engines.llamacpp import server_args
     from eaglewire.engines.llamacpp.lint import spec_types
+    from eaglewire.engines.llamacpp.runtime import launch_config
 
     for block, want in ((True, ["draft-dflash"]), (False, ["draft-eagle3"])):
-        launch = server_args(probe_config("t.gguf", "d.gguf", threads=2, n_max=3, flags=None, block=block), port=1)
+        files = ServedFiles(Path("t.gguf"), Path("d.gguf"), "dflash" if block else "eagle3")
+        launch = server_args(launch_config(files, Shape(3), RunSettings(), draft_timing=True), port=1)
         assert spec_types(" ".join(launch)) == want
     assert spec_types("-md d --spec-type draft-eagle3,ngram-mod --spec-type=draft-dflash") == [
         "draft-eagle3", "ngram-mod", "draft-dflash"]

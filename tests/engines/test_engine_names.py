@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 from eaglewire import engines
+from eaglewire.engines import Ability
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "eaglewire"
 
@@ -65,8 +66,8 @@ def test_allowed_files_exist_and_are_few():
 def test_registry_names_resolve_aliases():
     assert engines.get("speculators") is engines.get("vllm")
     assert engines.canonical("speculators") == "vllm"
-    assert engines.names("export") == ("sglang", "vllm", "speculators", "specforge", "zlab", "llamacpp")
-    assert "speculators" not in engines.names("export", aliases=False)
+    assert engines.names(Ability.EXPORT) == ("sglang", "vllm", "speculators", "specforge", "zlab", "llamacpp")
+    assert "speculators" not in engines.names(Ability.EXPORT, aliases=False)
     try:
         engines.get("tensorrt")
     except ValueError as e:

@@ -12,6 +12,8 @@ import os
 
 import pytest
 
+from eaglewire.engines.configs import EngineRunConfig
+
 from eaglewire.engines import llamacpp as engine
 
 pytestmark = pytest.mark.llamacpp
@@ -91,7 +93,8 @@ def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p, "chat": True}) + "\n" for p in PROMPTS[:2]))
     config = BenchConfig(dataset=str(prompts), draft="reference", engine=["llamacpp"], configs="1,0,0,0;1,3,1,4;1,6,4,24",
                          max_new_tokens=16, warmup=0, out=str(tmp_path / "bench"),
-                         llamacpp_target=str(out / "target-f32.gguf"), llamacpp_draft=str(out / "draft-q8_0.gguf"))
+                         run=EngineRunConfig(engine_target=str(out / "target-f32.gguf"),
+                                             engine_draft=str(out / "draft-q8_0.gguf")))
     result = run_bench(config, progress=False)
     assert [r.name for r in result.rows] == ["llamacpp 1,0,0,0", "llamacpp 1,3,1,4"]  # trees are eaglewire's alone
     plain, drafted = result.rows
@@ -107,8 +110,8 @@ def test_tune_times_llama_server_and_traces_its_own_text(exported, server_binary
     from eaglewire.tune.run import TuneConfig, run_tune
 
     out, _ = exported
-    config = TuneConfig(draft="reference", engine="llamacpp", llamacpp_target=str(out / "target-f32.gguf"),
-                        llamacpp_draft=str(out / "draft-q8_0.gguf"), max_steps=2, p_mins=[0.0, 0.5],
+    config = TuneConfig(draft="reference", engine="llamacpp", run=EngineRunConfig(
+                        engine_target=str(out / "target-f32.gguf"), engine_draft=str(out / "draft-q8_0.gguf")), max_steps=2, p_mins=[0.0, 0.5],
                         max_new_tokens=24, out=str(out / "tune" / "tune.json"))
     result = run_tune(config, target=smollm2_target, prompts=prompt_ids[:2])
     costs = result.costs

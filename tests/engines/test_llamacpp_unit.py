@@ -12,8 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglewire.bench.run import BenchConfig, Row, parse_config, llamacpp_runs, llamacpp_server_config, llamacpp_stats, \
-    same_output_as_plain, speedup, tau_per_request, tau_pooled, verified_per_pass
+from eaglewire.bench.run import BenchConfig, Row, parse_config, same_output_as_plain, server_runs, shape_of, speedup, \
+    tau_per_request, tau_pooled, verified_per_pass
+from eaglewire.engines.configs import EngineRunConfig
+from eaglewire.engines.interface import RunSettings, ServedFiles
+from eaglewire.engines.llamacpp.runtime import answer_stats as llamacpp_stats, launch_config
 from eaglewire.doctor import llamacpp as doctor
 from eaglewire.doctor.report import DoctorReport
 from eaglewire.engines import llamacpp as engine
@@ -174,26 +177,26 @@ def test_flag_lint_names_each_problem(flags, verdict, what):
 
 def test_bench_configs_map_to_llamacpp_flags(tmp_path):
     chain = parse_config("1,3,1,4,0.2")
-    cfg = llamacpp_server_config(chain, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", threads=3)
+    files = ServedFiles(tmp_path / "t.gguf", tmp_path / "d.gguf")
+    cfg = launch_config(files, shape_of(chain), RunSettings(threads=3))
     args = engine.server_args(cfg, port=1234)
     for flag, value in (("--spec-draft-n-max", "3"), ("--spec-draft-n-min", "0"), ("--spec-draft-p-min", "0.2"),
                         ("--spec-type", "draft-eagle3"), ("-md", str(tmp_path / "d.gguf")), ("-t", "3"),
                         ("-tb", "3"), ("-td", "3"), ("-tbd", "3"), ("--port", "1234")):
         assert args[args.index(flag) + 1] == value, flag
-    plain = engine.server_args(llamacpp_server_config(parse_config("1,0,0,0"), model=tmp_path / "t.gguf",
-                                                      draft=tmp_path / "d.gguf", threads=3), port=1)
+    plain = engine.server_args(launch_config(files, shape_of(parse_config("1,0,0,0")), RunSettings(threads=3)), port=1)
     assert "-md" not in plain and "--spec-type" not in plain and "--metrics" in plain
-    for run in (None, chain):  # --llamacpp-flags reach plain and speculative launches alike
-        flagged = engine.server_args(llamacpp_server_config(run, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf",
-                                                            threads=3, flags="-fa off --poll 0"), port=1)
+    for run in (None, chain):  # --engine-flags reach plain and speculative launches alike
+        flagged = engine.server_args(launch_config(files, shape_of(run), RunSettings(threads=3, flags=(
+            "-fa", "off", "--poll", "0"))), port=1)
         assert flagged[flagged.index("-fa") + 1] == "off" and flagged[flagged.index("--poll") + 1] == "0"
 
 
 def test_llamacpp_runs_drop_trees_and_refuse_only_trees():
     runs = [parse_config("1,0,0,0"), parse_config("1,3,1,4"), parse_config("1,6,4,24")]
-    assert llamacpp_runs(runs) == runs[:2]
+    assert server_runs(runs, "llamacpp") == runs[:2]
     with pytest.raises(ValueError, match="llama.cpp drafts chains only"):
-        llamacpp_runs([parse_config("1,0,0,0"), parse_config("1,6,4,24")])
+        server_runs([parse_config("1,0,0,0"), parse_config("1,6,4,24")], "llamacpp")
 
 
 def test_bench_config_checks_engines():
@@ -354,8 +357,8 @@ def test_bench_without_llama_server_says_how_to_install_it(tmp_path, monkeypatch
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi", "chat": True}) + "\n")
     config = BenchConfig(dataset=str(prompts), engine=["llamacpp"], configs="1,0,0,0", out=str(tmp_path / "b"),
-                         llamacpp_target=str(tmp_path / "t.gguf"))
-    with pytest.raises(engine.LlamaCppError, match="engines install llamacpp"):
+                         run=EngineRunConfig(engine_target=str(tmp_path / "t.gguf")))
+    with pytest.raises(ValueError, match="engines install llamacpp"):
         run_bench(config, target=chat_tiny_target, progress=False)
 
 

@@ -24,13 +24,18 @@ def _native(out, target, boundaries):
     return save_draft(out, Eagle3Draft(cfg), contract, {"target": "tiny-test"})
 
 
-def test_every_engine_module_names_itself_and_can_translate():
+def test_every_engine_is_one_spec_whose_abilities_are_its_fields():
+    """An ability is a field being set, so asking for one the spec lacks is impossible to get wrong by name."""
+    from eaglewire.engines import Ability
+
     for e in engines.ENGINES:
-        assert e.module.NAME == e.name and engines.get(e.name) is e
-        for capability, needs in (("import", ("parse_config", "read_ids")), ("export", ("export",)),
-                                  ("lint", ("lint_flags",))):
-            if e.can(capability):
-                assert all(hasattr(e.module, f) for f in needs), (e.name, capability)
+        assert engines.get(e.name) is e and all(engines.get(a) is e for a in e.aliases)
+        assert e.can(Ability.IMPORT) == (e.importer is not None) and e.can(Ability.EXPORT) == (e.exporter is not None)
+        if e.can(Ability.IMPORT):
+            assert e.eagle3 is not None and e.eagle3.read_ids is not None, e.name
+        assert e.can(Ability.RUN_HERE) == (e.runtime is not None or e.in_process), e.name
+    with pytest.raises(TypeError, match="engines.Ability"):
+        engines.get("vllm").can("export")
     assert engines.to_engine([2, 15, 27], 30, "speculators") == engines.to_engine([2, 15, 27], 30, "vllm")
 
 

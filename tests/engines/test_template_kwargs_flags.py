@@ -20,7 +20,7 @@ OFF, ON = {"enable_thinking": False}, {"enable_thinking": True}
     ("vllm", "vllm serve M", None),
 ])
 def test_each_engine_reads_its_launch_default(engine, flags, expected):
-    assert engines.get(engine).module.launch_template_kwargs(flags) == expected
+    assert engines.get(engine).linter.launch_template_kwargs(flags) == expected
 
 
 def test_the_wheels_take_the_flag_the_engine_modules_read(wheels):
@@ -34,19 +34,19 @@ def test_the_wheels_take_the_flag_the_engine_modules_read(wheels):
     fields = sglang.text("sglang/srt/arg_groups/fields/serving.py")
     assert "default_chat_template_kwargs: A[" in fields and "type_parser=json.loads" in fields
     assert "ctk.setdefault(k, v)" in sglang.text("sglang/srt/entrypoints/openai/serving_chat.py")
-    for module in (engines.get("vllm").module, engines.get("sglang").module):
-        assert module.TEMPLATE_KWARGS_FLAG == "--default-chat-template-kwargs"  # argparse's spelling of the field
+    for lint in (engines.get("vllm").linter, engines.get("sglang").linter):
+        assert lint.template_kwargs_flag == "--default-chat-template-kwargs"  # argparse's spelling of the field
 
 
 
 
 def test_an_unreadable_launch_default_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--default-chat-template-kwargs .* is not a JSON object"):
-        engines.get("sglang").module.launch_template_kwargs("--default-chat-template-kwargs true")
+        engines.get("sglang").linter.launch_template_kwargs("--default-chat-template-kwargs true")
 
 
 def test_the_fix_is_the_engine_s_own_flag():
-    assert engines.get("vllm").module.template_kwargs_fix(OFF) == \
+    assert engines.get("vllm").linter.template_kwargs_fix(OFF) == \
         "--default-chat-template-kwargs '{\"enable_thinking\": false}'"
-    assert engines.get("llamacpp").module.template_kwargs_fix(OFF) == "--reasoning off"
-    assert engines.get("llamacpp").module.template_kwargs_fix({"x": 1}) == "--chat-template-kwargs '{\"x\": 1}'"
+    assert engines.get("llamacpp").linter.template_kwargs_fix(OFF) == "--reasoning off"
+    assert engines.get("llamacpp").linter.template_kwargs_fix({"x": 1}) == "--chat-template-kwargs '{\"x\": 1}'"

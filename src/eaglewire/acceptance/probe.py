@@ -7,7 +7,6 @@ match those, not eaglewire's fp32 target's).
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.acceptance.costs import ChainProbe, PlainProbe
 
-WARMUP_TOKENS = 32  # the first request of a fresh llama-server runs several times slower
+WARMUP_TOKENS = 32  # the first request of a fresh server runs several times slower
 
 Progress = Callable[[str], None]
 
@@ -138,76 +137,48 @@ def probe_eaglewire_blocks(target, draft, contract, prompts: list[list[int]], *,
     return plain, time_block_round(target, draft, list(contract.aux_boundaries), first)
 
 
-# ------------------------------------------------------------------ llama.cpp
+# ------------------------------------------------------------------ an engine that runs here as a server
 
-_STATS = re.compile(r"draft-(?:eagle3|dflash): #calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*?dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+def probe_server(engine, files, settings, prompts: list[list[int]], *, steps: list[int], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int = 0, log_dir: Path | None = None,
+                 progress: Progress = _no_progress) -> ProbeResult:
+    """One server per shape of ``engine`` (an ``engines.EngineSpec`` with a runtime): plain, then chains of
+    1..N drafted tokens (no probability stop), each warmed up with one request; the rounds and the draft time
+    come from the engine's own account (``RunningServer.draft_totals``; an engine that does not time its drafting
+    apart leaves it on the verify side)."""
+    from eaglewire.engines.interface import Shape
 
+    runtime = engine.runtime
+    log_dir = Path(log_dir or ".")
 
-def draft_stats(log_text: str) -> tuple[int, float] | None:
-    """llama-server's last cumulative EAGLE-3 or DFlash statistics line (``-lv 4``) -> (draft calls, draft ms):
-    the time its ``common_speculative_draft`` spent drafting, one call per round."""
-    found = _STATS.findall(log_text)
-    if not found:
-        return None
-    last = found[-1]
-    return int(last[1]), float(last[4])
-
-
-def probe_config(model: Path, draft: Path, *, threads: int, n_max: int, flags: list[str] | None, block: bool):
-    """The llama-server launch of one probed shape: ``--spec-type`` once (llama.cpp keeps every type given, so a
-    second would run both drafts), statistics at ``-lv 4``."""
-    from eaglewire.engines.llamacpp import chain_config
-
-    return chain_config(model, draft, threads=threads, n_max=n_max, extra=[*(flags or []), "-lv", "4"],
-                        family="dflash" if block else "eagle3")
-
-
-def probe_llamacpp(server_bin: Path, model: Path, draft: Path, prompts: list[list[int]], *, steps: list[int],
-                   max_new_tokens: int, threads: int = 2, temperature: float = 0.0, seed: int = 0,
-                   log_dir: Path | None = None, flags: list[str] | None = None,
-                   progress: Progress = _no_progress, block: bool = False) -> ProbeResult:
-    """One llama-server per shape (plain, then n-max 1..N with n-min 0, p-min 0), each warmed up
-    with one request; the round count and draft time come from llama.cpp's own statistics.
-    ``block``: ``draft`` is a DFlash GGUF, run with ``--spec-type draft-dflash``: one draft pass per round."""
-    from eaglewire.engines.llamacpp import LlamaCppError, LlamaServer, complete
-
-    def run(n: int) -> tuple[list[dict], tuple[int, float] | None]:
-        config = probe_config(model, draft, threads=threads, n_max=n, flags=flags, block=block)
-        log_path = None if log_dir is None else Path(log_dir) / f"llama-server-tune-{n}.log"
-        answers = []
-        with LlamaServer(server_bin, config, log_path=log_path) as server:
-            complete(server.url, prompts[0], n_predict=WARMUP_TOKENS, temperature=temperature, seed=seed)
-            before = wait_draft_stats(server, 1) if n else None
+    def run(n: int):
+        shape = Shape(n_max=n)
+        with runtime.serve(files, shape, settings, log_path=log_dir / f"{engine.name}-tune-{n}.log",
+                           draft_timing=True) as server:
+            server.generate(prompts[0], max_new_tokens=WARMUP_TOKENS, temperature=temperature, seed=seed)
+            before = server.draft_totals()
+            answers = []
             for i, ids in enumerate(prompts):
-                progress(f"llama.cpp {'plain' if n == 0 else f'n-max {n}'}: prompt {i + 1}/{len(prompts)}")
-                answers.append(complete(server.url, ids, n_predict=max_new_tokens, temperature=temperature,
-                                        seed=seed + i))
-            after = wait_draft_stats(server, len(prompts) + 1) if n else None
+                progress(f"{runtime.label} {shape.label()}: prompt {i + 1}/{len(prompts)}")
+                answers.append(server.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                               seed=seed + i))
+            after = server.draft_totals()
         if n and (before is None or after is None):
-            raise LlamaCppError(f"llama-server printed no {'DFlash' if block else 'EAGLE-3'} statistics with -lv 4 (n-max {n}); "
-                                f"see {log_path or 'its log'}")
-        delta = None if not n else (after[0] - before[0], (after[1] - before[1]) / 1e3)
-        return answers, delta
+            raise RuntimeError(f"{runtime.label} gave no account of its drafting at {shape.label()}; see "
+                               f"{log_dir / f'{engine.name}-tune-{n}.log'}")
+        return answers, before, after
 
-    answers, _ = run(0)
-    tokens = sum(int(a["timings"]["predicted_n"]) for a in answers)
-    seconds = sum(float(a["timings"]["predicted_ms"]) for a in answers) / 1e3
-    outputs = [list(a.get("tokens") or []) for a in answers]
+    def decode_seconds(answers) -> float:
+        return sum(a.stats.total_seconds - a.stats.prefill_seconds for a in answers)
+
+    answers, _, _ = run(0)
+    tokens = sum(max(a.stats.new_tokens - 1, 0) for a in answers)  # the first token comes with the prefill
+    plain = PlainProbe(tokens, decode_seconds(answers))
+    outputs = [a.tokens for a in answers]
     chains = []
     for n in steps:
-        answers, (calls, draft_seconds) = run(n)
-        decode = sum(float(a["timings"]["predicted_ms"]) for a in answers) / 1e3
-        chains.append(ChainProbe(n=n, rounds=calls, decode_seconds=decode, draft_seconds=draft_seconds,
-                                 steps_per_round=1 if block else n))
-    return ProbeResult(PlainProbe(tokens, seconds), chains, outputs)
-
-
-def wait_draft_stats(server, requests: int, timeout: float = 10.0) -> tuple[int, float] | None:
-    """The statistics after the ``requests``-th request's line is in the log (it is written as
-    the slot is released, around the answer)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = server.log_path.read_text(errors="replace")
-        if len(_STATS.findall(text)) >= requests or time.monotonic() > deadline:
-            return draft_stats(text)
-        time.sleep(0.05)
+        answers, before, after = run(n)
+        drafted = (after.draft_seconds - before.draft_seconds) if after.draft_seconds is not None else 0.0
+        chains.append(ChainProbe(n=n, rounds=after.rounds - before.rounds, decode_seconds=decode_seconds(answers),
+                                 draft_seconds=drafted, steps_per_round=runtime.draft_steps(n, files.family)))
+    return ProbeResult(plain, chains, outputs)

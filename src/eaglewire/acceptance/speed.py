@@ -16,7 +16,6 @@ own from it).
 from __future__ import annotations
 
 import logging
-import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,22 +25,23 @@ from eaglewire.acceptance.recommend import (DEFAULT_P_MINS, Prediction, Recommen
                                             recommend, shapes)
 from eaglewire.acceptance.trace import trace_blocks, trace_text
 from eaglewire.model.dflash_blocks import is_block_draft
-from eaglewire.engines import names as engine_names
-from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
+from eaglewire.engines import Ability, get as engine, names as engine_names
+from eaglewire.engines.interface import RunSettings, ServedFiles
 
 log = logging.getLogger(__name__)
 
-MEASURED_ENGINES = engine_names("run_here")  # timed here
-STATED_ENGINES = engine_names("stated_costs", aliases=False)  # a stated cost model (GPU engines)
+EAGLEWIRE = "eaglewire"  # the engine in this process: timed directly, no server
+MEASURED_ENGINES = engine_names(Ability.RUN_HERE)  # timed here
+STATED_ENGINES = engine_names(Ability.STATED_COSTS, aliases=False)  # a stated cost model (GPU engines)
 DEFAULT_PROMPTS = 12  # τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68
+COSTS = ("auto", "measured", "stated")  # auto: measured where the engine runs here, else the stated model
 
 Progress = Callable[[str], None]
 
 
-def chain_rule(engine: str) -> str:
+def chain_rule(name: str) -> str:
     """Whose chain-stopping rule the shapes follow (SGLang and vLLM stop as eaglewire does)."""
-    return LLAMACPP if engine == LLAMACPP else EAGLEWIRE
+    return engine(name).chain_rule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,48 +57,58 @@ class SpeedQuery:
     seed: int = 0  # sampling seed of prompt i is seed + i
     verify_cost: float = 0.02  # stated: a verify pass costs 1 + this x (tokens - 1) plain steps
     draft_cost: float = 0.05  # stated: a draft step costs this many plain steps
+    stated: bool = False  # take the stated cost model even where the engine runs here
 
     def __post_init__(self) -> None:
         engines = MEASURED_ENGINES + STATED_ENGINES
         if self.engine not in engines:
             raise ValueError(f"engine {self.engine!r}: the speed ranking knows {', '.join(engines)}")
+        if self.stated and self.engine not in STATED_ENGINES:
+            raise ValueError(f"engine {self.engine!r} has no stated cost model; it is measured here")
+        if not self.stated and self.engine not in MEASURED_ENGINES:
+            raise ValueError(f"engine {self.engine!r} does not run here: rank it with the stated cost model")
 
     @property
     def rule(self) -> str:
         return chain_rule(self.engine)
 
 
+def measured_here(name: str, costs: str, settings: RunSettings) -> tuple[bool, str | None]:
+    """(whether ``--costs`` means timing engine ``name`` here, a note when auto fell back to the stated model)."""
+    if costs not in COSTS:
+        raise ValueError(f"--costs {costs!r} is not one of {', '.join(COSTS)}")
+    spec = engine(name)
+    if costs == "stated" or (costs == "auto" and not spec.can(Ability.RUN_HERE)):
+        return False, None
+    why_not = spec.runtime.available(settings) if spec.runtime is not None else None
+    if costs == "measured" and not spec.can(Ability.RUN_HERE):
+        raise ValueError(f"--costs measured: {name} does not run here; its costs can only be stated")
+    if why_not and costs == "auto" and spec.stated_costs:
+        return False, f"{why_not}; ranked with the stated cost model instead"
+    if why_not:
+        raise ValueError(why_not)
+    return True, None
+
+
 @dataclass(frozen=True)
-class LlamaCppSetup:
-    """The llama-server binary and the GGUFs the llama.cpp probes time."""
+class ServerSetup:
+    """What an engine's server probes launch: its files, how it runs, where its logs go."""
 
-    server: Path
-    model: Path  # target GGUF
-    draft: Path  # draft GGUF
-    threads: int
+    files: ServedFiles
+    settings: RunSettings
     log_dir: Path
-    flags: tuple[str, ...] = ()
 
 
-def llamacpp_setup(draft_dir: str, work_dir: Path, *, target_gguf: str | None, draft_gguf: str | None,
-                   llamacpp_dir: str | None, threads: int, flags: str | None) -> LlamaCppSetup:
-    """The GGUFs given, or ``draft_dir`` exported into ``work_dir``/llamacpp-export (the target in
-    f32) for those missing; server logs go to ``work_dir``."""
-    from eaglewire.engines.llamacpp import require_server
-
-    if target_gguf and draft_gguf:
-        model, draft = Path(target_gguf), Path(draft_gguf)
-    else:
-        from eaglewire.engines import export_draft
-
-        out = work_dir / "llamacpp-export"
-        report = export_draft(draft_dir, LLAMACPP, out, target_outtype="f32", llamacpp_dir=llamacpp_dir,
-                              threads=threads)
-        draft = Path(draft_gguf) if draft_gguf else out / next(f for f in report.files if f.startswith("draft-"))
-        model = Path(target_gguf) if target_gguf else out / "target-f32.gguf"
+def server_setup(name: str, draft_dir: str, target: str, work_dir: Path, settings: RunSettings, *,
+                 allow: frozenset[str] = frozenset()) -> ServerSetup:
+    """The files engine ``name`` serves (the user's own where ``settings`` names them, else exported into
+    ``work_dir``); server logs go to ``work_dir``."""
+    runtime = engine(name).runtime
+    why_not = runtime.available(settings)
+    if why_not:
+        raise ValueError(why_not)
     work_dir.mkdir(parents=True, exist_ok=True)
-    return LlamaCppSetup(server=require_server(llamacpp_dir), model=model, draft=draft, threads=threads,
-                         log_dir=work_dir, flags=tuple(shlex.split(flags or "")))
+    return ServerSetup(runtime.files(draft_dir, target, work_dir, settings, allow=allow), settings, work_dir)
 
 
 def encoded_prompts(tokenizer, dataset: str, offset: int, count: int) -> list[list[int]]:
@@ -115,27 +125,32 @@ def encoded_prompts(tokenizer, dataset: str, offset: int, count: int) -> list[li
 
 
 def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]], say: Progress,
-            llamacpp: LlamaCppSetup | None = None) -> tuple[EngineCosts, list[list[int]]]:
-    """(the engine's costs, its plain outputs per prompt): probed for eaglewire and llama.cpp, stated
-    for SGLang and vLLM (whose outputs eaglewire's engine stands in for: greedy text is the target's)."""
-    from eaglewire.acceptance.probe import probe_eaglewire, probe_llamacpp
+            server: ServerSetup | None = None) -> tuple[EngineCosts, list[list[int]]]:
+    """(the engine's costs, its plain outputs per prompt): probed for engines that run here, stated
+    otherwise (whose outputs eaglewire's engine stands in for: greedy text is the target's)."""
+    from eaglewire.acceptance.probe import probe_eaglewire, probe_server
     from eaglewire.core.tokens import stop_token_ids
 
-    if query.engine == LLAMACPP and llamacpp is None:
-        raise ValueError("engine 'llamacpp' is timed on its own GGUFs: pass llamacpp=llamacpp_setup(...)")
+    spec = engine(query.engine)
+    remote = not query.stated and spec.runtime is not None
+    if remote and server is None:
+        raise ValueError(f"engine {query.engine!r} is timed on its own files: pass server=server_setup(...)")
     stops = set(stop_token_ids(target.tokenizer, target.model))
     steps = list(range(1, query.max_steps + 1))
     common = dict(max_new_tokens=query.max_new_tokens, temperature=query.temperature, seed=query.seed,
                   progress=say)
     block = is_block_draft(draft)
-    if block:
-        steps = block_probe_sizes(draft.config.block_size) if query.engine == LLAMACPP else []
-    if query.engine == LLAMACPP:
-        probe = probe_llamacpp(llamacpp.server, llamacpp.model, llamacpp.draft, prompts, steps=steps,
-                               threads=llamacpp.threads, log_dir=llamacpp.log_dir, flags=list(llamacpp.flags),
-                               block=block, **common)
-        return (fit_block_costs if block else fit_costs)(LLAMACPP, probe.plain, probe.chains), probe.outputs
-    if query.engine == EAGLEWIRE and block:
+    if remote:
+        if block:
+            steps = block_probe_sizes(draft.config.block_size)
+        probe = probe_server(spec, server.files, server.settings, prompts, steps=steps, log_dir=server.log_dir,
+                             **common)
+        costs = (fit_block_costs if block else fit_costs)(spec.name, probe.plain, probe.chains)
+        if any(c.draft_seconds == 0 for c in probe.chains):
+            costs.notes.append(f"{spec.runtime.label} does not time its drafting apart: a round's whole time is on "
+                               "the verify side, exact for the chains probed (no probability stop)")
+        return costs, probe.outputs
+    if not query.stated and block:
         from eaglewire.acceptance.probe import probe_eaglewire_blocks
 
         probe, times = probe_eaglewire_blocks(target, draft, contract, prompts, stop_ids=stops, **common)
@@ -144,7 +159,7 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
                            notes=["DFlash: one block pass per round (the draft's forward and the target's lm_head "
                                   "over the block), timed directly beside the target runner's verify(k); the "
                                   "engine's own per-round bookkeeping is not in it"]), probe.outputs
-    if query.engine == EAGLEWIRE:
+    if not query.stated:
         probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, stop_ids=stops, **common)
         return fit_costs(EAGLEWIRE, probe.plain, probe.chains), probe.outputs
     probe = probe_eaglewire(target, None, None, prompts, steps=[], stop_ids=stops, **common)
@@ -187,11 +202,11 @@ class SpeedRanking:
 
 
 def rank_speed(query: SpeedQuery, target, draft, contract, prompts: list[list[int]], *,
-               llamacpp: LlamaCppSetup | None = None, progress: Progress | None = None) -> SpeedRanking:
+               server: ServerSetup | None = None, progress: Progress | None = None) -> SpeedRanking:
     """Measure ``query.engine`` on ``prompts``, trace ``draft`` along the engine's own outputs, and rank
     every shape up to ``query.max_steps`` (plain decoding included) by predicted tokens/s."""
     say = progress or (lambda msg: log.info("%s", msg))
-    costs, outputs = measure(query, target, draft, contract, prompts, say, llamacpp)
+    costs, outputs = measure(query, target, draft, contract, prompts, say, server)
     say("tracing the draft along the engine's outputs")
     sampled = query.temperature > 0
     layout = list(contract.aux_boundaries)
@@ -210,12 +225,13 @@ def _block_predictions(query: SpeedQuery, target, draft, layout: list[int], prom
     """Every block shape of a DFlash draft predicted on traces of the block length its engine runs:
     llama.cpp's n_max + 1, eaglewire's trained block."""
     bs = draft.config.block_size
-    lens = list(range(2, bs + 1)) if query.rule == LLAMACPP else [bs]
+    follows = engine(query.engine).block_follows_shape
+    lens = list(range(2, bs + 1)) if follows else [bs]
     by_len = [trace_blocks(target, draft, layout, ids + out, len(ids), temperature=query.temperature, block_lens=lens)
               for ids, out in zip(prompts, outputs)]
     out = []
     for shape in block_shapes(bs, query.rule, tuple(query.p_mins)):
-        length = shape.n_max + 1 if query.rule == LLAMACPP else bs
+        length = shape.n_max + 1 if follows else bs
         out.append(predict(shape, [t[length] for t in by_len] if not shape.plain else [],
                            costs, sampled=query.temperature > 0))
     return out

@@ -28,8 +28,9 @@ from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
-from eaglewire.engines import names as engine_names
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
+from eaglewire.engines import Ability, get as get_engine, names as engine_names
+from eaglewire.engines.configs import EngineRunConfig
+from eaglewire.engines.interface import Shape
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.core.prompts import Prompt, load_prompts
 from eaglewire.model.target import load_target
@@ -38,7 +39,8 @@ from eaglewire.model.target import load_target
 log = logging.getLogger(__name__)
 
 COMPARE_METHODS = ("hf", "hf-pld")
-ENGINES = engine_names("run_here")
+ENGINES = engine_names(Ability.RUN_HERE)
+IN_PROCESS = next(n for n in ENGINES if get_engine(n).in_process)  # eaglewire's own engine, run in this process
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
 HELDOUT = "sharegpt-heldout"
 SPECULATIVE_METHODS = tuple(FAMILY_CLASSES)  # a speculative row's method is its draft's family
@@ -60,27 +62,22 @@ class BenchConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed of prompt i is seed + i"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the draft's"})
-    engine: list[str] = field(default_factory=lambda: ["eaglewire"], metadata={"help": "eaglewire, llamacpp or eaglewire,llamacpp (side by side on the same prompts)"})
-    llamacpp_target: str | None = field(default=None, metadata={"help": "llama.cpp: target GGUF (default: an f32 GGUF of the weights eaglewire runs)"})
-    llamacpp_draft: str | None = field(default=None, metadata={"help": "llama.cpp: draft GGUF (default: --draft exported with llama.cpp's converter, q8_0)"})
-    llamacpp_threads: int = field(default=2, metadata={"help": "llama.cpp: -t/-tb/-td/-tbd, pinned"})
-    llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use (default: `eaglewire engines install llamacpp`'s)"})
-    llamacpp_flags: str | None = field(default=None, metadata={"help": "llama.cpp: more llama-server flags for every config, quoted (e.g. '-fa off')"})
+    engine: list[str] = field(default_factory=lambda: [IN_PROCESS], metadata={"help": f"{', '.join(ENGINES)}, or several comma-separated (side by side on the same prompts)"})
+    run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
 
     def __post_init__(self) -> None:
         runs = [] if self.configs == RECOMMENDED else parse_configs(self.configs)
         if self.configs == RECOMMENDED and len(self.engine) != 1:
-            raise ValueError(f"--configs {RECOMMENDED} is tuned for one engine; give --engine eaglewire or "
-                             f"--engine llamacpp, not {','.join(self.engine)}")
+            raise ValueError(f"--configs {RECOMMENDED} is tuned for one engine; give one of --engine "
+                             f"{', '.join(ENGINES)}, not {','.join(self.engine)}")
         if self.configs == RECOMMENDED and self.draft is None:
             raise ValueError(f"--configs {RECOMMENDED} tunes a draft: give --draft DIR")
         unknown_engines = sorted(set(self.engine) - set(ENGINES))
         if unknown_engines or not self.engine or len(set(self.engine)) < len(self.engine):
-            raise ValueError(f"--engine {','.join(self.engine)}: give {' or '.join(ENGINES)} or both, each once")
-        if LLAMACPP in self.engine:
-            llamacpp_runs(runs)  # a config llama.cpp cannot run is an error now, not after loading
-            if self.llamacpp_threads < 1:
-                raise ValueError(f"--llamacpp-threads must be >= 1, got {self.llamacpp_threads}")
+            raise ValueError(f"--engine {','.join(self.engine)}: give one or more of {', '.join(ENGINES)}, each once")
+        for name in self.engine:
+            if not get_engine(name).in_process:
+                server_runs(runs, name)  # a config the engine cannot run is an error now, not after loading
         unknown = sorted(set(self.compare or ()) - set(COMPARE_METHODS))
         if unknown:
             raise ValueError(f"--compare {','.join(unknown)}: unknown baseline; choose from {', '.join(COMPARE_METHODS)}")
@@ -111,10 +108,11 @@ class BenchConfig:
     def command_line(self) -> str:
         """The ``eaglewire bench`` command that reproduces this run (every value spelled out)."""
         parts = ["eaglewire", "bench"]
-        for f in fields(self):
-            value = getattr(self, f.name)
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
+        values.update({f.name: getattr(self.run, f.name) for f in fields(self.run)})
+        for name, value in values.items():
             if value is not None:
-                parts += ["--" + f.name.replace("_", "-"), ",".join(value) if isinstance(value, list) else str(value)]
+                parts += ["--" + name.replace("_", "-"), ",".join(value) if isinstance(value, list) else str(value)]
         return shlex.join(parts)
 
 
@@ -129,26 +127,26 @@ def config_label(spec: SpecConfig | None) -> str:
     return base if spec.min_prob == 0 else f"{base},{spec.min_prob:g}"
 
 
-def llamacpp_runs(runs: list[SpecConfig | None]) -> list[SpecConfig | None]:
-    """The configs llama.cpp runs: plain and chains (it drafts no trees). A chain of ``steps``
-    is ``--spec-draft-n-max steps --spec-draft-n-min 0``; min-prob, the probability a draft token
-    must reach, is ``--spec-draft-p-min``. Trees are eaglewire's alone; no chain left is an error."""
+def server_runs(runs: list[SpecConfig | None], engine: str, family: str = "eagle3") -> list[SpecConfig | None]:
+    """The configs a server engine runs: plain and chains (trees are eaglewire's alone). A chain of ``steps``
+    is the engine's chain of that many drafted tokens; min-prob, the probability a draft token must reach, is
+    its probability stop where it has one. No chain left, or a shape the engine cannot launch, is an error."""
+    spec = get_engine(engine)
     chains = [r for r in runs if r is None or r.topk == 1]
     if not any(r is not None for r in chains) and any(r is not None for r in runs):
         trees = ";".join(config_label(r) for r in runs if r is not None)
-        raise ValueError(f"--configs {trees}: llama.cpp drafts chains only (topk 1); add a chain such as "
-                         "1,3,1,4 for --engine llamacpp")
+        raise ValueError(f"--configs {trees}: {spec.runtime.label} drafts chains only (topk 1); add a chain such as "
+                         f"1,3,1,4 for --engine {engine}")
+    for run in chains:
+        why = spec.runtime.can_run(shape_of(run), family)
+        if why:
+            raise ValueError(f"config {config_label(run)}: {why}")
     return chains
 
 
-def llamacpp_server_config(run: SpecConfig | None, *, model, draft, threads: int, flags: str | None = None,
-                           family: str = "eagle3"):
-    """The llama-server launch for ``run`` (None: plain, ``draft`` unused); ``flags`` are added to every launch;
-    ``family``: the draft's (a DFlash GGUF runs as llama.cpp's draft-dflash)."""
-    from eaglewire.engines.llamacpp import chain_config
-
-    return chain_config(model, draft, threads=threads, n_max=0 if run is None else run.num_steps,
-                        p_min=0.0 if run is None else run.min_prob, extra=shlex.split(flags or ""), family=family)
+def shape_of(run: SpecConfig | None) -> Shape:
+    """A bench config as a server launch's shape (None: plain)."""
+    return Shape() if run is None else Shape(n_max=run.num_steps, p_min=run.min_prob)
 
 
 def parse_config(part: str) -> SpecConfig | None:
@@ -239,7 +237,7 @@ class Row:
     method: str  # plain | eagle3 | dflash | hf | hf-pld
     stats: list[GenerationStats]  # one per prompt
     outputs: list[list[int]]  # new token ids per prompt
-    engine_name: str = "eaglewire"  # who decoded: eaglewire (and the HF baselines) or llamacpp
+    engine_name: str = IN_PROCESS  # who decoded: eaglewire (and the HF baselines) or a server engine
 
     @property
     def engine(self) -> bool:
@@ -256,7 +254,7 @@ class Row:
 
 def plain_row(row: Row, rows: list[Row]) -> Row | None:
     """The plain (steps 0) row of the engine that decoded ``row`` (eaglewire's for HF baselines)."""
-    engine = row.engine_name if row.engine else "eaglewire"
+    engine = row.engine_name if row.engine else IN_PROCESS
     return next((r for r in rows if r.method == "plain" and r.engine_name == engine), None)
 
 
@@ -275,10 +273,10 @@ def same_output_as_plain(row: Row, rows: list[Row]) -> int | None:
 
 
 def same_output_across_engines(row: Row, rows: list[Row]) -> int | None:
-    """For a llama.cpp row: prompts whose output equals eaglewire's plain row's, up to the stop
-    token (eaglewire keeps it, llama.cpp drops it); None without both rows."""
-    ours = next((r for r in rows if r.method == "plain" and r.engine_name == "eaglewire"), None)
-    if row.engine_name != LLAMACPP or ours is None:
+    """For a server engine's row: prompts whose output equals eaglewire's plain row's, up to the stop
+    token (eaglewire keeps it, a server may drop it); None without both rows."""
+    ours = next((r for r in rows if r.method == "plain" and r.engine_name == IN_PROCESS), None)
+    if row.engine_name == IN_PROCESS or ours is None or not row.engine:
         return None
     return sum(a[:len(b)] == b and len(a) - len(b) <= 1 or b[:len(a)] == a and len(b) - len(a) <= 1
                for a, b in zip(ours.outputs, row.outputs))
@@ -362,7 +360,7 @@ def tune_for_bench(config: BenchConfig, *, target=None):
     """``--configs recommended``: the speed ranking ``eaglewire tune`` reports, for the bench's engine
     on other prompts of the same set (those after the bench's own), at its temperature and length;
     written to tune.json in the report directory."""
-    from eaglewire.acceptance.speed import DEFAULT_PROMPTS, SpeedQuery, encoded_prompts, llamacpp_setup, rank_speed
+    from eaglewire.acceptance.speed import DEFAULT_PROMPTS, SpeedQuery, encoded_prompts, rank_speed, server_setup
 
     dataset = config.dataset if config.dataset != HELDOUT else "mt-bench"
     offset = config.num_prompts if config.num_prompts else 0
@@ -371,12 +369,11 @@ def tune_for_bench(config: BenchConfig, *, target=None):
     target = target or load_target(config.target)
     draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
     prompts = encoded_prompts(target.tokenizer, dataset, offset, DEFAULT_PROMPTS)
-    llamacpp = None
-    if query.engine == LLAMACPP:
-        llamacpp = llamacpp_setup(config.draft, config.out_dir, target_gguf=config.llamacpp_target,
-                                  draft_gguf=config.llamacpp_draft, llamacpp_dir=config.llamacpp_dir,
-                                  threads=config.llamacpp_threads, flags=config.llamacpp_flags)
-    ranking = rank_speed(query, target, draft, contract, prompts, llamacpp=llamacpp)
+    server = None
+    if not get_engine(query.engine).in_process:
+        server = server_setup(query.engine, config.draft, config.target, config.out_dir, config.run.settings(),
+                              allow=frozenset(config.allow_target_mismatch or ()))
+    ranking = rank_speed(query, target, draft, contract, prompts, server=server)
     settings = {"draft": config.draft, "target": config.target, "dataset": dataset, "offset": offset,
                 "num_prompts": DEFAULT_PROMPTS, **asdict(query)}
     config.out_dir.mkdir(parents=True, exist_ok=True)
@@ -394,7 +391,7 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
 def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
     check_draft_family(config)
     if config.configs == RECOMMENDED:
-        if "eaglewire" in config.engine or config.compare:
+        if IN_PROCESS in config.engine or config.compare:
             target = target or load_target(config.target, device=config.device)
         tuned = tune_for_bench(config, target=target)
         log.info("tune: %s", tuned.recommendation.reason)
@@ -402,19 +399,20 @@ def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
         config = replace(config, configs="1,0,0,0" if choice.plain else f"1,0,0,0;{choice.bench_config()}")
     prompts = bench_prompts(config)
     rows: list[Row] = []
-    if "eaglewire" in config.engine or config.compare:  # the HF baselines need the target loaded too
+    if IN_PROCESS in config.engine or config.compare:  # the HF baselines need the target loaded too
         target = target or load_target(config.target, device=config.device)
         tok = target.tokenizer
         encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
-        runs = config.runs if "eaglewire" in config.engine else []
+        runs = config.runs if IN_PROCESS in config.engine else []
         rows += _run_eaglewire(config, target, encoded, runs, progress)
     else:
         from eaglewire.model.target import load_tokenizer
 
         tok = target.tokenizer if target is not None else load_tokenizer(config.target)
         encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
-    if LLAMACPP in config.engine:
-        rows += _run_llamacpp(config, encoded, progress)
+    for name in config.engine:
+        if not get_engine(name).in_process:
+            rows += _run_server(name, config, encoded, progress)
     return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
 
 
@@ -460,87 +458,37 @@ def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: 
             for (name, method, _), res in zip(jobs, results)]
 
 
-# ------------------------------------------------------------------ llama.cpp
+# ------------------------------------------------------------------ an engine launched here as a server
 
-def llamacpp_stats(answer: dict, verify_steps: int | None, num_steps: int) -> GenerationStats:
-    """GenerationStats of one llama-server answer, from its own counters.
-
-    llama.cpp reports per request only the drafted and accepted totals (``timings.draft_n``,
-    ``draft_n_accepted``); ``verify_steps`` (from /metrics) gives the rounds, else every round is
-    taken to draft the full chain. The rounds' accept lengths are spread evenly, so sums and
-    means (τ) are llama.cpp's own, per-round detail is not. Plain: one pass per token after
-    the first.
-    """
-    t = answer.get("timings") or {}
-    tokens = list(answer.get("tokens") or [])
-    drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
-    if drafted:
-        rounds = verify_steps if verify_steps else -(-drafted // max(num_steps, 1))
-        base, extra = divmod(accepted, max(rounds, 1))
-        accept = [1 + base + (1 if r < extra else 0) for r in range(rounds)]  # sums to rounds + accepted
-        vbase, vextra = divmod(drafted, max(rounds, 1))
-        verified = [1 + vbase + (1 if r < vextra else 0) for r in range(rounds)]
-    else:
-        accept = verified = [1] * max(len(tokens) - 1, 0)
-    prompt_s, gen_s = float(t.get("prompt_ms", 0.0)) / 1e3, float(t.get("predicted_ms", 0.0)) / 1e3
-    stopped = answer.get("stop_type") in ("eos", "word") or bool(answer.get("stopped_eos"))
-    return GenerationStats(prompt_tokens=int(t.get("prompt_n", 0)), new_tokens=len(tokens), accept_lengths=accept,
-                           verified_lengths=verified, prefill_seconds=prompt_s, total_seconds=prompt_s + gen_s,
-                           finish_reason="stop" if stopped else "length")
-
-
-def _llamacpp_files(config: BenchConfig) -> tuple[Path, Path | None]:
-    """(target GGUF, draft GGUF or None): given, or exported once into the report directory."""
-    needs_draft = any(r is not None for r in llamacpp_runs(config.runs))
-    if config.llamacpp_target and (config.llamacpp_draft or not needs_draft):
-        return Path(config.llamacpp_target), Path(config.llamacpp_draft) if config.llamacpp_draft else None
-    from eaglewire.engines.llamacpp import require_tree
-    from eaglewire.engines import export_draft
-    from eaglewire.engines.llamacpp import target_architecture, target_gguf
-    from eaglewire.model.target import resolve_target_path
-
-    if not needs_draft:
-        target_dir = resolve_target_path(config.target)
-        return target_gguf(target_dir, target_architecture(target_dir), "f32",
-                           tree=require_tree(config.llamacpp_dir)), None
-    out = config.out_dir / "llamacpp-export"
-    report = export_draft(config.draft, LLAMACPP, out, target_outtype="f32", llamacpp_dir=config.llamacpp_dir,
-                    threads=config.llamacpp_threads, allow=set(config.allow_target_mismatch or ()))
-    draft = Path(config.llamacpp_draft) if config.llamacpp_draft else out / next(
-        f for f in report.files if f.startswith("draft-"))
-    return Path(config.llamacpp_target) if config.llamacpp_target else out / "target-f32.gguf", draft
-
-
-def _run_llamacpp(config: BenchConfig, encoded: list[list[int]], progress: bool) -> list[Row]:
-    """One llama-server per config, started here (config-major: a server holds its own copy of
-    the target, so they do not run side by side); greedy, no prompt cache, threads pinned."""
-    from eaglewire.engines.llamacpp import LlamaServer, complete, metrics, require_server
-
-    server_bin = require_server(config.llamacpp_dir)
-    model, draft = _llamacpp_files(config)
+def _run_server(engine: str, config: BenchConfig, encoded: list[list[int]], progress: bool) -> list[Row]:
+    """One server of ``engine`` per config, started here (config-major: a server holds its own copy of the
+    target, so they do not run side by side); no prompt cache, threads pinned; each answer's own counters."""
+    spec = get_engine(engine)
+    runtime, settings = spec.runtime, config.run.settings()
+    why = runtime.available(settings)
+    if why:
+        raise ValueError(why)
     family = read_draft(config.draft).family if config.draft is not None else "eagle3"
+    runs = server_runs(config.runs, engine, family)
+    needs_draft = any(r is not None for r in runs)
+    files = runtime.files(config.draft if needs_draft else None, config.target, config.out_dir, settings,
+                          allow=frozenset(config.allow_target_mismatch or ()))
     rows = []
-    for run in llamacpp_runs(config.runs):
-        server_config = llamacpp_server_config(run, model=model, draft=draft, threads=config.llamacpp_threads,
-                                               flags=config.llamacpp_flags, family=family)
-        log_path = config.out_dir / f"llama-server-{config_label(run).replace(',', '_')}.log"
-        config.out_dir.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        log_path = config.out_dir / f"{engine}-{config_label(run).replace(',', '_')}.log"
         stats, outputs = [], []
-        with LlamaServer(server_bin, server_config, log_path=log_path) as server:
+        with runtime.serve(files, shape_of(run), settings, log_path=log_path) as server:
             for ids in encoded[:config.warmup]:
-                complete(server.url, ids, n_predict=min(16, config.max_new_tokens), temperature=config.temperature)
-            for i, ids in enumerate(tqdm(encoded, desc=f"llama.cpp {config_label(run)}", unit="prompt",
+                server.generate(ids, max_new_tokens=min(16, config.max_new_tokens), temperature=config.temperature,
+                                seed=config.seed)
+            for i, ids in enumerate(tqdm(encoded, desc=f"{runtime.label} {config_label(run)}", unit="prompt",
                                          disable=not progress)):
-                before = metrics(server.url)
-                answer = complete(server.url, ids, n_predict=config.max_new_tokens, temperature=config.temperature,
-                                  seed=config.seed + i)
-                after = metrics(server.url)
-                key = "spec_decode_num_drafts_total"
-                steps = int(after[key] - before[key]) if before and after and key in before else None
-                stats.append(llamacpp_stats(answer, steps, 0 if run is None else run.num_steps))
-                outputs.append(list(answer.get("tokens") or []))
-        rows.append(Row(f"llamacpp {config_label(run)}", "plain" if run is None else family, stats, outputs,
-                        engine_name=LLAMACPP))
+                answer = server.generate(ids, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                         seed=config.seed + i)
+                stats.append(answer.stats)
+                outputs.append(answer.tokens)
+        rows.append(Row(f"{engine} {config_label(run)}", "plain" if run is None else family, stats, outputs,
+                        engine_name=engine))
     return rows
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eaglewire import engines as engine_registry
+from eaglewire.engines import Ability
 from eaglewire.core.presets import DEFAULT_TARGET
 
 
@@ -21,7 +22,7 @@ class DoctorConfig:
     include_training: bool = field(default=False, metadata={"help": "measure on any sequences, not only those "
                                                                      "the draft held out from training"})
     steps: int = field(default=3, metadata={"help": "draft steps measured in isolation (acc@0, cond acc@1..)"})
-    engine: str = field(default="eaglewire", metadata={"help": "serving engine: " + ", ".join(engine_registry.names("lint"))})
+    engine: str = field(default="eaglewire", metadata={"help": "serving engine: " + ", ".join(engine_registry.names(Ability.LINT))})
     engine_config: str | None = field(default=None, metadata={"help": "the draft config.json the engine will load (llamacpp: the draft .gguf)"})
     engine_flags: str | None = field(default=None, metadata={"help": "the engine's launch flags, quoted"})
     target_arch: str | None = field(default=None, metadata={"help": "the target's architecture as the engine loads "
@@ -69,12 +70,12 @@ class DoctorConfig:
             raise ValueError("give --data (shards) or --conversations, not both")
         if not self.stored and (self.compare_data or self.labels != "head"):
             raise ValueError("--compare-data and --labels read stored states: add --stored")
-        engines = engine_registry.names("lint")
+        engines = engine_registry.names(Ability.LINT)
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r} is not one of {', '.join(engines)}")
-        if self.engine_url and not engine_registry.get(self.engine).can("measure"):
+        if self.engine_url and not engine_registry.get(self.engine).can(Ability.MEASURE):
             raise ValueError(f"--engine-url reads a running server's own counters; --engine {self.engine!r} has none "
-                             f"eaglewire reads: use --engine {' or '.join(engine_registry.names('measure'))}")
+                             f"eaglewire reads: use --engine {' or '.join(engine_registry.names(Ability.MEASURE))}")
         if self.traffic and self.stored:
             raise ValueError("--traffic needs the target to write replies; it cannot run with --stored")
         if self.temperature is not None and not 0 <= self.temperature < float("inf"):

@@ -27,6 +27,7 @@ from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, 
 from eaglewire.acceptance.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire import engines
+from eaglewire.engines import Ability
 from eaglewire.doctor.serving import predicted_tau
 from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.engines.foreign_draft import load_any_draft
@@ -215,7 +216,7 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
                              "--llamacpp-draft D.gguf"))
         return
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 2)]]
-    engine = engines.canonical(config.engine) if engines.get(config.engine).can("stated_costs") else "eaglewire"
+    engine = engines.canonical(config.engine) if engines.get(config.engine).can(Ability.STATED_COSTS) else "eaglewire"
     query = SpeedQuery(engine=engine, max_new_tokens=max(config.engine_tokens, 16), max_steps=4)
     result = rank_speed(query, target, draft, contract, prompts)
     choice = result.recommendation.choice

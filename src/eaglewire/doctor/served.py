@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglewire import engines
+from eaglewire.engines import Ability
 from eaglewire.acceptance.replay import accepted_after
 from eaglewire.doctor.evidence import wilson_bounds
 from eaglewire.doctor.measure import Sequence, capture_batches, step_rightness
@@ -173,9 +174,9 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
                  default_steps: int) -> Check:
     """Measure the server at ``config.engine_url`` on the held-out prompts and judge it."""
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]]
-    module = engines.get(config.engine, "measure", param="--engine").module
+    spec = engines.get(config.engine, Ability.MEASURE, param="--engine")
     try:
-        counts = module.measure_served(config.engine_url, prompts, max_new_tokens=config.engine_tokens)
+        counts = spec.measure(config.engine_url, prompts, max_new_tokens=config.engine_tokens)
     except ServedError as e:
         return report.add(Check("served acceptance", "fail", f"could not read the served acceptance: {e}",
                                 fix=f"check that --engine-url {config.engine_url} is the {config.engine} server "

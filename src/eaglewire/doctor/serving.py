@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eaglewire import engines
+from eaglewire.engines import Ability
 from eaglewire.core.contract import ContractError, EngineConventionError, default_aux_boundaries, target_arch
 from eaglewire.engines.flags import Flags
 from eaglewire.engines.shared import SAME_WEIGHTS_TOLERANCE, relative_difference
@@ -44,7 +45,7 @@ def _known_arch(arch: str | None, notes: list[str]) -> str | None:
 
 def _config_readers() -> tuple[str, ...]:
     """Engines whose draft config the doctor reads (their model file decides the ids)."""
-    return tuple(n for n in engines.names("lint") if engines.get(n).per_model_file)
+    return tuple(n for n in engines.names(Ability.LINT) if engines.get(n).per_model_file)
 
 
 def read_engine_config(engine: str, config: dict[str, Any], num_layers: int, declared: list[int],
@@ -63,7 +64,7 @@ def read_engine_config(engine: str, config: dict[str, Any], num_layers: int, dec
     refusal = engines.refusal(engine, arch)
     if refusal:
         out.problems.append(refusal)
-    module = e.module
+    lint = e.linter
     for label, ids in found.items():
         if ids is None:
             default = default_aux_boundaries(num_layers)
@@ -71,22 +72,22 @@ def read_engine_config(engine: str, config: dict[str, Any], num_layers: int, dec
                              f"(boundaries {default})")
             out.readings[f"{label}, its default layers"] = default
         elif e.needs_target_arch and arch is None:
-            for family, got in module.readings(ids, num_layers).items():
+            for family, got in lint.readings(ids, num_layers).items():
                 if isinstance(got, list):
                     out.readings[family] = got
                 else:
                     out.notes.append(f"{family}: {got}")
         else:
-            where = module.file_for(arch)
-            label = f"{e.name} {module.VERSION} ({where.path})" if e.needs_target_arch else label
+            where = lint.file_for(arch)
+            label = f"{e.name} {e.version} ({where.path})" if e.needs_target_arch else label
             try:
                 out.readings[label] = engines.from_engine(ids, num_layers, engine, target_arch=arch)
             except EngineConventionError as err:
                 out.problems.append(f"{label}: {err}")
-            cannot = module.cannot_feed(declared, num_layers, arch) if where.block_output else ""
+            cannot = lint.cannot_feed(declared, num_layers, arch) if where.block_output else ""
             if cannot and any(b > 0 for b in out.readings.get(label, [])):
                 out.problems.append(cannot)
-    fc = module.num_aux(config)
+    fc = lint.num_aux(config)
     if fc != len(declared):
         fix = ("set num_aux_hidden_states" if e.needs_target_arch else "set transformer_layer_config."
                "num_aux_hidden_states") + f" to {len(declared)} (or list {len(declared)} ids)"
@@ -111,9 +112,9 @@ def engine_refusal(engine: str, arch: str | None) -> tuple[str, tuple[str, ...]]
 def config_fix(engine: str, declared: list[int], num_layers: int, arch: str | None = None) -> str:
     """The exact config change that makes ``engine`` capture ``declared`` on this target."""
     arch = _known_arch(arch, [])
-    module = engines.get(engine).module if engine in engines.names() else None
-    if hasattr(module, "config_fix"):
-        return module.config_fix(declared, num_layers, arch)
+    lint = engines.get(engine).linter if engine in engines.names() else None
+    if lint is not None and lint.config_fix is not None:
+        return lint.config_fix(declared, num_layers, arch)
     return f"serve with boundaries {declared}"
 
 
@@ -122,13 +123,13 @@ def lint_flags(engine: str, flags: str, declared: list[int], num_layers: int, ar
     """Launch flags ``engine`` would silently change or cannot honour (``arch``: the target's
     architecture, for what its model file can capture); ``dflash_block``: the draft is a DFlash draft
     trained on blocks of that size (None: an EAGLE-3 draft)."""
-    module = engines.get(engine, "lint").module
+    lint = engines.get(engine, Ability.LINT).linter
     arch = _known_arch(arch, [])
     if dflash_block is None:
-        return module.lint_flags(flags, declared, num_layers, arch)
-    if not hasattr(module, "lint_dflash_flags"):
+        return lint.lint_flags(flags, declared, num_layers, arch)
+    if lint.lint_dflash_flags is None:
         raise ValueError(f"eaglewire has not read {engine}'s DFlash launch flags")
-    return module.lint_dflash_flags(flags, declared, num_layers, arch, dflash_block)
+    return lint.lint_dflash_flags(flags, declared, num_layers, arch, dflash_block)
 
 
 def predicted_tau(acc0: float, cond: list[float], num_steps: int) -> float:
@@ -159,7 +160,7 @@ class FieldReading:
 
 def field_readers() -> tuple[str, ...]:
     """Engines whose every computing field the doctor reads from their config."""
-    return tuple(n for n in _config_readers() if hasattr(engines.get(n).module, "read_served"))
+    return tuple(n for n in _config_readers() if engines.get(n).linter.read_served is not None)
 
 
 def _directory_tensors(directory) -> dict[str, Any]:
@@ -191,12 +192,12 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
     from eaglewire.engines.served_draft import Mismatch, mismatches
     from eaglewire.engines.shared import looks_absolute
 
-    module = engines.get(engine).module
+    lint = engines.get(engine).linter
     tensors = _directory_tensors(directory) if directory is not None else {}
     embed = tensors.get("embed_tokens.weight")
     differs, notes = embedding_differs(embed, emb_rows, "the checkpoint's embed_tokens.weight")
-    served = module.read_served(config, set(tensors) if tensors else None, own_embedding_differs=differs)
-    out = FieldReading(served, mismatches(served, draft.config, config_key=module.served_config_key(config)), notes=notes)
+    served = lint.read_served(config, set(tensors) if tensors else None, own_embedding_differs=differs)
+    out = FieldReading(served, mismatches(served, draft.config, config_key=lint.served_config_key(config)), notes=notes)
     if served.embedding == "draft":
         out.found.append(own_embedding_mismatch(served.engine, "write the target's embedding as embed_tokens.weight in "
                                                 "the target's stored dtype, or remove it (re-export with `eaglewire "
@@ -321,7 +322,7 @@ def read_dflash_engine_config(engine: str, config: dict[str, Any], num_layers: i
     for label, ids in found.items():
         if ids is None:
             out.problems.append(f"{label}: no ids where {engine} looks, so it falls back to a default of its own: "
-                                + e.module.dflash_config_fix(declared, num_layers, arch, config))
+                                + e.linter.dflash_config_fix(declared, num_layers, arch, config))
             continue
         try:
             out.readings[label] = engines.from_engine(ids, num_layers, engine, target_arch=arch, family="dflash")
@@ -332,7 +333,7 @@ def read_dflash_engine_config(engine: str, config: dict[str, Any], num_layers: i
 
 def dflash_config_fix(engine: str, declared: list[int], num_layers: int, arch: str | None,
                       config: dict[str, Any]) -> str:
-    module = engines.get(engine).module
-    if not hasattr(module, "dflash_config_fix"):
+    lint = engines.get(engine).linter
+    if lint is None or lint.dflash_config_fix is None:
         return f"serve with boundaries {declared}"
-    return module.dflash_config_fix(declared, num_layers, _known_arch(arch, []), config)
+    return lint.dflash_config_fix(declared, num_layers, _known_arch(arch, []), config)

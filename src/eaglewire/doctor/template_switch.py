@@ -55,15 +55,15 @@ def launch_switch(config: Any) -> tuple[ServingSwitch | None, str | None]:
         except (ValueError, ContractError) as e:
             return None, f"--chat-template-kwargs {config.chat_template_kwargs!r}: {e}"
         return ServingSwitch(kwargs, "--chat-template-kwargs"), None
-    module = engines.get(config.engine).module
-    if not config.engine_flags or not hasattr(module, "launch_template_kwargs"):
+    lint = engines.get(config.engine).linter
+    if not config.engine_flags or lint is None or lint.launch_template_kwargs is None:
         return None, None
     try:
-        found = module.launch_template_kwargs(config.engine_flags)
+        found = lint.launch_template_kwargs(config.engine_flags)
     except ValueError as e:
         return None, f"--engine-flags: {e}"
-    where = f"{config.engine}'s launch flags ({module.TEMPLATE_KWARGS_FLAG})" if found is not None else \
-        f"{config.engine}'s launch flags, which set no {module.TEMPLATE_KWARGS_FLAG}"
+    where = f"{config.engine}'s launch flags ({lint.template_kwargs_flag})" if found is not None else \
+        f"{config.engine}'s launch flags, which set no {lint.template_kwargs_flag}"
     return ServingSwitch(template_kwargs(found or {}), where), None
 
 
@@ -97,11 +97,11 @@ def renders_alike(tokenizer: Any, a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _fix(engine: str, trained: dict[str, Any], serving: dict[str, Any], traffic: bool) -> str:
-    module = engines.get(engine).module
-    launch = module.template_kwargs_fix(trained) if hasattr(module, "template_kwargs_fix") else \
-        f"serve with chat_template_kwargs {json.dumps(trained, sort_keys=True)}"
-    if hasattr(module, "template_kwargs_fix"):
-        launch = f"launch {engine} with {launch}"
+    lint = engines.get(engine).linter
+    if lint is not None and lint.template_kwargs_fix is not None:
+        launch = f"launch {engine} with {lint.template_kwargs_fix(trained)}"
+    else:
+        launch = f"serve with chat_template_kwargs {json.dumps(trained, sort_keys=True)}"
     requests = (f"; requests that send chat_template_kwargs override it: send {json.dumps(trained, sort_keys=True)}"
                 " or none" if traffic else "")
     return (f"{launch}{requests}; or prepare the data with {template_kwargs_flags(serving)} and retrain "

@@ -3,15 +3,17 @@ help, checked once (configs.py turns the fields into flags and ``--config`` keys
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 
 from eaglewire.engines import llamacpp
-from eaglewire.engines import names as engine_names
+from eaglewire.engines import Ability, names as engine_names
 from eaglewire.engines.export import ExportConfig
+from eaglewire.engines.interface import RunSettings
 from eaglewire.engines.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
 
-EXPORT_FORMATS = engine_names("export")
-IMPORT_FORMATS = engine_names("import")
+EXPORT_FORMATS = engine_names(Ability.EXPORT)
+IMPORT_FORMATS = engine_names(Ability.IMPORT)
 ENGINE_ACTIONS = ("install", "which")
 INSTALLABLE_ENGINES = (llamacpp.NAME,)  # third-party engines `eaglewire engines` installs or finds
 
@@ -78,3 +80,26 @@ class EnginesConfig:
         _choice("ENGINE", self.engine, INSTALLABLE_ENGINES)
         if self.jobs is not None and self.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
+
+
+@dataclass(kw_only=True)
+class EngineRunConfig:
+    """How bench and tune run an engine that is launched here as a server (``interface.RunSettings``)."""
+
+    engine_target: str | None = field(default=None, metadata={
+        "help": "the engine's own target file (llamacpp: a GGUF; default: the weights eaglewire runs, exported)"})
+    engine_draft: str | None = field(default=None, metadata={
+        "help": "the engine's own draft file or directory (default: --draft exported to the engine's format)"})
+    engine_threads: int = field(default=RunSettings.threads, metadata={"help": "threads the engine runs on, pinned"})
+    engine_dir: str | None = field(default=None, metadata={
+        "help": "the engine install to use (llamacpp: a build directory or llama-server; vllm: a python with vllm)"})
+    engine_flags: str | None = field(default=None, metadata={
+        "help": "more launch flags for every launch, quoted (e.g. '-fa off')"})
+
+    def __post_init__(self) -> None:
+        if self.engine_threads < 1:
+            raise ValueError(f"--engine-threads must be >= 1, got {self.engine_threads}")
+
+    def settings(self) -> RunSettings:
+        return RunSettings(threads=self.engine_threads, flags=tuple(shlex.split(self.engine_flags or "")),
+                           install=self.engine_dir, target_file=self.engine_target, draft_file=self.engine_draft)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from eaglewire.core.contract import EngineConventionError, default_aux_boundaries
+from eaglewire.engines.interface import EngineSpec, IdReading, Importer
 from eaglewire.engines.shared import parse_llama_layer
 
 NAME = "eagle"
@@ -51,3 +52,7 @@ def parse_config(d: dict[str, Any], *, where: str = "config.json") -> tuple[dict
                      "reads [2, L//2, L-3]; import with --from sglang or specforge to honour them")
     extra = {"draft_vocab_size": d.get("draft_vocab_size"), "target_hidden_size": d.get("target_hidden_size")}
     return {**layer, **extra}, None, notes
+
+
+SPEC = EngineSpec(name=NAME, eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids),
+                  importer=Importer(parse_config=parse_config, default_only=DEFAULT_ONLY))

@@ -7,6 +7,7 @@ error instead of a silent adjustment.
 from __future__ import annotations
 
 from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags
+from eaglewire.engines.interface import EngineSpec, IdReading, Linter
 
 NAME = "eaglewire"
 
@@ -51,3 +52,10 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
 
     return vllm.measure_served(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout,
                                prefix=METRICS_PREFIX, engine=NAME)
+
+
+SPEC = EngineSpec(
+    name=NAME, measure=measure_served, in_process=True,
+    eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
+    linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags),
+)

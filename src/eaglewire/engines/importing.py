@@ -123,7 +123,7 @@ def import_checkpoint(src_dir: str | Path, fmt: str, engine, target: Target, out
         raise ValueError(f"the output directory {out} is the checkpoint being imported; choose another")
     config, state = read_checkpoint(src)
     where = str(src / "config.json")
-    fields, ids, notes = engine.module.parse_config(config, where=where)
+    fields, ids, notes = engine.importer.parse_config(config, where=where)
     ht, vd = fields.pop("target_hidden_size"), fields.pop("draft_vocab_size")
     tensors, foreign = shared.split_state(state, where=str(src))
     cfg = shared.draft_config(fields, tensors, where=where, target_hidden_size=ht, draft_vocab_size=vd)
@@ -178,7 +178,7 @@ def import_dflash(src_dir: str | Path, fmt: str, engine, target: Target, out_dir
     src, out = Path(src_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise ValueError(f"the output directory {out} is the checkpoint being imported; choose another")
-    parse = getattr(engine.module, "parse_dflash_config", None)
+    parse = engine.importer.parse_dflash_config
     if parse is None:
         raise FormatError(f"{src} holds a DFlash draft, which --from {fmt} does not read; import it with --from zlab "
                           "(z-lab / SpecForge layout) or --from speculators")

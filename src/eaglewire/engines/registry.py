@@ -1,96 +1,38 @@
-"""The engines eaglewire speaks: one line each (name, aliases, what eaglewire can do with it), and
-the library entry points that pick an engine by name.
+"""The engines eaglewire speaks: one ``EngineSpec`` line each (``engines/interface.py`` declares what an
+engine can do in types), and the library entry points that pick an engine by name.
 
-Adding an engine: one module (its ids ``to_ids`` / ``to_boundaries``, and what its abilities
-need: ``read_ids`` + ``parse_config`` to import, ``export`` to export, ``lint_flags`` to lint,
-``reads_export`` for SERVING.md's "other engines" section) and one ``Engine`` line below.
-
-Abilities: ``export`` (``eaglewire export --to``), ``import`` (``eaglewire import --from``),
-``lint`` (``doctor --engine``: its config and launch flags checked), ``run_here`` (eaglewire runs
-it on this machine and times it: ``bench``, ``tune``), ``measure`` (eaglewire reads a running
-server's served counters: ``doctor --engine-url``), ``stated_costs`` (``tune`` predicts it from a
-stated GPU cost model).
+Adding an engine: one package ending in ``SPEC = EngineSpec(...)`` and one line in ``ENGINES``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from eaglewire.model.checkpoint import read_draft
 from eaglewire.core.contract import (FAMILIES, ContractError, EngineConventionError, default_aux_boundaries,
                                      validate_boundaries)
-import eaglewire.engines.eagle as eagle
-import eaglewire.engines.eaglewire as eaglewire
-import eaglewire.engines.llamacpp as llamacpp
-import eaglewire.engines.sglang as sglang
-import eaglewire.engines.specforge as specforge
-import eaglewire.engines.vllm as vllm
+from eaglewire.engines import eagle, eaglewire, llamacpp, sglang, specforge, vllm
 from eaglewire.engines.export import ExportConfig, ExportReport
 from eaglewire.engines.importing import ImportReport, import_checkpoint, import_dflash, is_dflash_dir
+from eaglewire.engines.interface import Ability, EngineSpec, IdReading
 from eaglewire.engines.shared import FormatError
 
-# export_pruned_dflash: its DFlash export carries a pruned vocabulary (d2t and the target head's rows)
-CAPABILITIES = frozenset({"export", "export_pruned_dflash", "import", "lint", "run_here", "measure", "stated_costs"})
+Engine = EngineSpec
 
-
-@dataclass(frozen=True)
-class Engine:
-    module: ModuleType  # its NAME is the engine's name
-    capabilities: frozenset[str]
-    aliases: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.module.NAME
-
-    def __post_init__(self) -> None:
-        unknown = self.capabilities - CAPABILITIES
-        if unknown:
-            raise ValueError(f"engine {self.name}: unknown capabilities {sorted(unknown)}; known: {sorted(CAPABILITIES)}")
-
-    def can(self, capability: str) -> bool:
-        return capability in self.capabilities
-
-    @property
-    def runs_here(self) -> bool:
-        return self.can("run_here")
-
-    @property
-    def per_model_file(self) -> bool:
-        """Its reading of the ids depends on the target's model file (needs ``target_arch``)."""
-        return bool(getattr(self.module, "PER_MODEL_FILE", False))
-
-    @property
-    def needs_target_arch(self) -> bool:
-        """It has no reading at all without the target's architecture."""
-        return bool(getattr(self.module, "NEEDS_TARGET_ARCH", False))
-
-
-ENGINES: tuple[Engine, ...] = (
-    Engine(eaglewire, frozenset({"lint", "run_here", "measure"})),
-    Engine(sglang, frozenset({"export", "import", "lint", "stated_costs", "measure"})),
-    Engine(vllm, frozenset({"export", "export_pruned_dflash", "import", "lint", "stated_costs", "measure"}),
-           aliases=(vllm.FORMAT_NAME,)),
-    Engine(specforge, frozenset({"import", "export"}), aliases=specforge.ALIASES),
-    Engine(llamacpp, frozenset({"export", "export_pruned_dflash", "lint", "run_here", "measure"})),
-    Engine(eagle, frozenset({"import"})),
-)
+ENGINES: tuple[EngineSpec, ...] = (eaglewire.SPEC, sglang.SPEC, vllm.SPEC, specforge.SPEC, llamacpp.SPEC, eagle.SPEC)
 _BY_NAME = {n: e for e in ENGINES for n in (e.name, *e.aliases)}
 
 
-def names(capability: str | None = None, *, aliases: bool = True) -> tuple[str, ...]:
+def names(capability: Ability | None = None, *, aliases: bool = True) -> tuple[str, ...]:
     """Engine names (each followed by its aliases unless ``aliases`` is false), in registry order;
     only those with ``capability`` when given."""
-    if capability is not None and capability not in CAPABILITIES:
-        raise ValueError(f"capability {capability!r} is not one of {', '.join(sorted(CAPABILITIES))}")
     return tuple(n for e in ENGINES if capability is None or e.can(capability)
                  for n in ((e.name, *e.aliases) if aliases else (e.name,)))
 
 
-def get(name: str, capability: str | None = None, *, param: str = "engine") -> Engine:
+def get(name: str, capability: Ability | None = None, *, param: str = "engine") -> EngineSpec:
     """The engine called ``name`` (an alias resolves to its engine); ValueError naming the valid
     names (those with ``capability``, when given)."""
     engine = _BY_NAME.get(name)
@@ -106,28 +48,27 @@ def canonical(name: str) -> str:
 
 # ---------------------------------------------------------------- ids
 
-def _engine(name: str) -> Engine:
+def _engine(name: str) -> EngineSpec:
     engine = _BY_NAME.get(name)
     if engine is None:
         raise ContractError(f"unknown engine {name!r}; known: {', '.join(names())}")
     return engine
 
 
-def _family_fn(e: Engine, family: str, eagle3: str, dflash: str):
-    """The engine module's function for ``family``: EngineConventionError where it serves none."""
+def _reading(e: EngineSpec, family: str) -> IdReading:
+    """The engine's reading of ``family``'s ids: EngineConventionError where it serves none."""
     if family not in FAMILIES:
         raise ContractError(f"draft family {family!r} is not one of {', '.join(FAMILIES)}")
-    fn = getattr(e.module, eagle3 if family == "eagle3" else dflash, None)
-    if fn is None:
+    reading = e.reading(family)
+    if reading is None:
         raise EngineConventionError(f"{e.name} serves no {family} draft (eaglewire knows no reading of its {family} "
                                     f"ids); engines that do: {', '.join(family_engines(family))}")
-    return fn
+    return reading
 
 
 def family_engines(family: str) -> tuple[str, ...]:
     """Engines with a reading of ``family``'s ids."""
-    fn = "to_ids" if family == "eagle3" else "dflash_to_ids"
-    return tuple(e.name for e in ENGINES if hasattr(e.module, fn))
+    return tuple(e.name for e in ENGINES if e.reading(family) is not None)
 
 
 def to_engine(boundaries: list[int], num_layers: int, engine: str, *, target_arch: str | None = None,
@@ -135,9 +76,9 @@ def to_engine(boundaries: list[int], num_layers: int, engine: str, *, target_arc
     """Layer ids that make ``engine`` capture exactly ``boundaries`` on a target of architecture
     ``target_arch`` (required for SGLang) for a ``family`` draft; EngineConventionError if it cannot."""
     e = _engine(engine)
-    fn = _family_fn(e, family, "to_ids", "dflash_to_ids")
+    reading = _reading(e, family)
     boundaries = validate_boundaries(list(boundaries), num_layers)
-    return fn(boundaries, num_layers, target_arch if e.per_model_file else None)
+    return reading.to_ids(boundaries, num_layers, target_arch if e.per_model_file else None)
 
 
 def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_arch: str | None = None,
@@ -146,21 +87,22 @@ def from_engine(ids: list[int] | None, num_layers: int, engine: str, *, target_a
     default depends on the draft, so None is refused there) on a target of architecture ``target_arch``
     (required for SGLang), in the order it feeds them."""
     e = _engine(engine)
-    fn = _family_fn(e, family, "to_boundaries", "dflash_to_boundaries")
+    reading = _reading(e, family)
     if ids is None:
         if family != "eagle3":
             raise ContractError(f"{e.name}: a {family} config without ids means a default that depends on the draft's "
                                 "layer count; read it with the engine module's read_dflash_ids")
         # Every engine falls back to [2, L//2, L-3] when the config carries no ids.
         return default_aux_boundaries(num_layers)
-    bounds = fn([int(i) for i in ids], num_layers, target_arch if e.per_model_file else None)
+    bounds = reading.to_boundaries([int(i) for i in ids], num_layers, target_arch if e.per_model_file else None)
     return validate_boundaries(bounds, num_layers)
 
 
 def refusal(engine: str, arch: str | None) -> str | None:
     """Why ``engine`` serves no EAGLE-3 draft on this target at all, and which engines do (None: it serves one)."""
     e = _engine(engine)
-    why = e.module.refusal(arch) if e.per_model_file else None  # (llama.cpp's is the doctor's architecture check)
+    why = e.linter.refusal(arch) if e.per_model_file and e.linter and e.linter.refusal else None  # (llama.cpp's
+    # is the doctor's architecture check)
     return f"{why}; {served_elsewhere(arch, but=e.name)}" if why else None
 
 
@@ -181,7 +123,7 @@ def served_elsewhere(arch: str | None, *, but: str) -> Elsewhere:
     does not: each engine's own reading (its model file; llama.cpp's graph), never a guess."""
     serve, refuse = [], []
     for e in ENGINES:
-        if e.name == but or not e.can("lint"):
+        if e.name == but or not e.can(Ability.LINT):
             continue
         try:
             why = _why_not(e, arch)
@@ -194,33 +136,33 @@ def served_elsewhere(arch: str | None, *, but: str) -> Elsewhere:
     return Elsewhere(tuple(serve), tuple(refuse))
 
 
-def _refuses(engine: Engine, arch: str | None) -> bool:
+def _refuses(engine: EngineSpec, arch: str | None) -> bool:
     try:
         return bool(_why_not(engine, arch))
     except ContractError:
         return False
 
 
-def _why_not(engine: Engine, arch: str | None) -> str | None:
+def _why_not(engine: EngineSpec, arch: str | None) -> str | None:
     """Why ``engine`` serves no EAGLE-3 draft for ``arch`` (None: it does, or it cannot be told); ContractError
     for a target family it has no reading of."""
-    if engine.per_model_file:
-        return engine.module.refusal(arch) if arch is not None else None
-    if engine.module is llamacpp:
-        return llamacpp.refusal(arch)
-    return None  # eaglewire captures any layer of any model it loads
+    refusal_of = engine.linter.refusal if engine.linter else None
+    if refusal_of is None:
+        return None  # eaglewire captures any layer of any model it loads
+    if engine.per_model_file and arch is None:
+        return None
+    return refusal_of(arch)
 
 
 def read_ids(engine: str, config: dict[str, Any], *, family: str = "eagle3"
              ) -> tuple[dict[str, list[int] | None], list[str]]:
     """Where ``engine`` finds its aux ids in ``config`` for a ``family`` draft: (label -> ids, None for
     its default; notes). The one reader of each engine's keys: import and the doctor both use it."""
-    fn = "read_ids" if family == "eagle3" else "read_dflash_ids"
+    reads = lambda e: e.reading(family) is not None and e.reading(family).read_ids is not None  # noqa: E731
     e = _BY_NAME.get(engine)
-    if e is None or not hasattr(e.module, fn):
-        valid = [n for n in names() if hasattr(_BY_NAME[n].module, fn)]
-        raise ValueError(f"engine {engine!r} is not one of {', '.join(valid)}")
-    return getattr(e.module, fn)(config)
+    if e is None or not reads(e):
+        raise ValueError(f"engine {engine!r} is not one of {', '.join(n for n in names() if reads(_BY_NAME[n]))}")
+    return e.reading(family).read_ids(config)
 
 
 def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
@@ -232,8 +174,8 @@ def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
     the target's model file (``target_arch``, required); a note names the target families
     on which SGLang reads them differently.
     """
-    e = get(fmt, "import", param="format")
-    default_only = getattr(e.module, "DEFAULT_ONLY", None)
+    e = get(fmt, Ability.IMPORT, param="format")
+    default_only = e.importer.default_only
     if ids is None or default_only:
         bounds = default_aux_boundaries(num_layers)
         why = default_only or "the config carries no aux layer ids"
@@ -245,7 +187,7 @@ def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
     except EngineConventionError as err:
         raise type(err)(f"config ids {ids} ({fmt} convention) do not fit this {num_layers}-layer target: {err}. "
                         "Was the draft made for another target?") from err
-    notes = e.module.read_notes(ids, bounds, num_layers, arch) if hasattr(e.module, "read_notes") else []
+    notes = e.eagle3.read_notes(ids, bounds, num_layers, arch) if e.eagle3.read_notes else []
     return bounds, notes
 
 
@@ -254,8 +196,8 @@ def infer_boundaries(fmt: str, ids: list[int] | None, num_layers: int, *,
 def other_readings(engine: str, *, boundaries: list[int], ids: list[int], num_layers: int,
                    target_arch: str | None) -> list[str]:
     """SERVING.md lines: how every other engine reads the directory ``engine``'s export wrote."""
-    return [line for e in ENGINES if e.name != engine and hasattr(e.module, "reads_export")
-            for line in e.module.reads_export(engine, boundaries=boundaries, ids=ids, num_layers=num_layers,
+    return [line for e in ENGINES if e.name != engine and e.reads_export is not None
+            for line in e.reads_export(engine, boundaries=boundaries, ids=ids, num_layers=num_layers,
                                               target_arch=target_arch)]
 
 
@@ -271,24 +213,24 @@ def export_draft(draft_dir: str | Path, to: str, out_dir: str | Path, *, target=
     embedding: ``target``, else loaded from the spec the draft records; checked against the
     contract, ``allow`` as in ``HiddenStateContract.check_target``.
     """
-    engine = get(to, "export", param="export format")
+    engine = get(to, Ability.EXPORT, param="export format")
     config = replace(config or ExportConfig(), **settings)
     draft, out = read_draft(draft_dir), Path(out_dir)
     if out.resolve() == draft.path.resolve():
         raise ValueError(f"the output directory {out} is the draft being exported; choose another")
     if draft.family == "dflash":
-        fn = getattr(engine.module, "export_dflash", None)
+        fn = engine.exporter.export_dflash
         if fn is None:
             raise FormatError(f"{engine.name} has no DFlash export; DFlash drafts export to "
-                              f"{', '.join(n for n in names('export') if hasattr(get(n).module, 'export_dflash'))}")
-        if draft.draft_config.pruned and not engine.can("export_pruned_dflash"):
+                              f"{', '.join(n for n in names(Ability.EXPORT) if get(n).exporter.export_dflash)}")
+        if draft.draft_config.pruned and not engine.can(Ability.EXPORT_PRUNED_DFLASH):
             raise FormatError(f"{draft.path} is a DFlash draft over {draft.draft_config.draft_vocab_size} of the target's "
                               f"{draft.draft_config.vocab_size} tokens (trained with --draft-vocab-size); {engine.name}'s export "
-                              f"carries no d2t yet: export it --to {' or --to '.join(names('export_pruned_dflash', aliases=False))}, or "
+                              f"carries no d2t yet: export it --to {' or --to '.join(names(Ability.EXPORT_PRUNED_DFLASH, aliases=False))}, or "
                               "train with the whole vocabulary (no --draft-vocab-size)")
         return fn(draft, to, out, config, target=target, allow=allow, others=other_readings)
     try:
-        return engine.module.export(draft, to, out, config, target=target, allow=allow, others=other_readings)
+        return engine.exporter.export(draft, to, out, config, target=target, allow=allow, others=other_readings)
     except EngineConventionError as e:
         arch = config.target_arch or draft.contract.target.architecture
         if engine.per_model_file and _refuses(engine, arch):  # this engine serves no draft on this target
@@ -300,7 +242,7 @@ def import_draft(src_dir: str | Path, from_: str, target, out_dir: str | Path, *
                  target_arch: str | None = None, allow: frozenset[str] | set[str] = frozenset()) -> ImportReport:
     """Convert a ``from_`` checkpoint directory into a native draft for ``target`` in ``out_dir``
     (``engines.importing.import_checkpoint``)."""
-    engine = get(from_, "import", param="import format")
+    engine = get(from_, Ability.IMPORT, param="import format")
     if is_dflash_dir(src_dir):
         return import_dflash(src_dir, from_, engine, target, out_dir, target_arch=target_arch, allow=allow,
                              from_engine=from_engine)

@@ -39,6 +39,7 @@ import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       record, serving_dtype, verifier, write_export)
 from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags, resolve_abbreviation
+from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer, Linter
 from eaglewire.engines.model_file import ModelFile
 from eaglewire.engines.shared import ARCHITECTURE, FormatError, llama_layer_config, parse_llama_layer
 
@@ -760,3 +761,18 @@ def launch_template_kwargs(flags: str) -> dict[str, Any] | None:
 def template_kwargs_fix(kwargs: dict[str, Any]) -> str:
     """The launch flag that makes SGLang render as ``kwargs`` says."""
     return f"{TEMPLATE_KWARGS_FLAG} '{json.dumps(kwargs, sort_keys=True)}'"
+
+
+SPEC = EngineSpec(
+    name=NAME, version=VERSION, stated_costs=True, measure=measure_served, reads_export=reads_export,
+    eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids, read_notes=read_notes,
+                     per_model_file=PER_MODEL_FILE, needs_target_arch=NEEDS_TARGET_ARCH, families=families),
+    dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries, read_ids=read_dflash_ids),
+    exporter=Exporter(export=export, export_dflash=export_dflash),
+    importer=Importer(parse_config=parse_config),
+    linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, config_fix=config_fix,
+                  dflash_config_fix=dflash_config_fix, read_served=read_served, served_config_key=served_config_key,
+                  launch_template_kwargs=launch_template_kwargs, template_kwargs_fix=template_kwargs_fix,
+                  template_kwargs_flag=TEMPLATE_KWARGS_FLAG, refusal=refusal, file_for=file_for,
+                  cannot_feed=cannot_feed, num_aux=num_aux, readings=readings),
+)

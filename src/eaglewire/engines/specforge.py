@@ -15,6 +15,7 @@ from typing import Any
 
 from eaglewire.core.contract import EngineConventionError
 import eaglewire.engines.sglang as sglang
+from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer
 from eaglewire.engines.shared import FormatError
 
 NAME = "specforge"
@@ -179,3 +180,13 @@ def export(draft, fmt, out, config, *, target=None, allow=frozenset(), others=No
     """SpecForge's (z-lab's) layout holds DFlash drafts; an EAGLE-3 draft for SpecForge is SGLang's layout."""
     raise FormatError("an EAGLE-3 draft has no z-lab export: SpecForge reads SGLang's EAGLE-3 layout, so export "
                       "it with --to sglang (z-lab's layout is for DFlash drafts)")
+
+
+SPEC = EngineSpec(
+    name=NAME, aliases=ALIASES, reads_export=reads_export,
+    eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids),
+    dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries, read_ids=read_dflash_ids),
+    exporter=Exporter(export=export, export_dflash=export_dflash),
+    importer=Importer(parse_config=parse_config, parse_dflash_config=parse_dflash_config),
+    linter=None,
+)

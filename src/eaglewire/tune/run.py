@@ -6,13 +6,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglewire.acceptance.speed import (DEFAULT_PROMPTS, SpeedQuery, SpeedRanking,
-                                        chain_rule, encoded_prompts, llamacpp_setup, rank_speed)
+from eaglewire.acceptance.speed import (COSTS, DEFAULT_PROMPTS, SpeedQuery, SpeedRanking, chain_rule, encoded_prompts,
+                                        measured_here, rank_speed, server_setup)
 from eaglewire.core.configs import RESOLVED_KEY, config_record
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
-from eaglewire.engines import names as engine_names
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
+from eaglewire.engines import Ability, get as get_engine, names as engine_names
+from eaglewire.engines.configs import EngineRunConfig
 from eaglewire.core.presets import DEFAULT_TARGET
 
 _QUERY = SpeedQuery()  # the defaults of what tune measures
@@ -22,7 +22,8 @@ _QUERY = SpeedQuery()  # the defaults of what tune measures
 class TuneConfig:
     draft: str = field(metadata={"help": "draft directory or `reference`"})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name or HF model directory (eaglewire's copy of the target)"})
-    engine: str = field(default=_QUERY.engine, metadata={"help": "eaglewire or llamacpp (measured here); sglang or vllm (stated cost model)"})
+    engine: str = field(default=_QUERY.engine, metadata={"help": "eaglewire, llamacpp or vllm (measured here); sglang (or vllm with --costs stated): a stated cost model"})
+    costs: str = field(default="auto", metadata={"choices": COSTS, "help": "measured: time the engine here; stated: the stated GPU cost model (--verify-cost, --draft-cost); auto: measured where the engine runs here"})
     dataset: str = field(default="mt-bench", metadata={"help": "mt-bench, humaneval or a JSONL file of prompts"})
     offset: int = field(default=40, metadata={"help": "prompts skipped first (bench measures the first ones: keep them apart)"})
     num_prompts: int = field(default=DEFAULT_PROMPTS, metadata={"help": "prompts timed and traced (τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68)"})
@@ -33,16 +34,12 @@ class TuneConfig:
     seed: int = field(default=_QUERY.seed, metadata={"help": "sampling seed of prompt i is seed + i"})
     top: int = field(default=8, metadata={"help": "ranked shapes printed"})
     out: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
-    llamacpp_target: str | None = field(default=None, metadata={"help": "llama.cpp: target GGUF (default: an f32 GGUF of eaglewire's weights)"})
-    llamacpp_draft: str | None = field(default=None, metadata={"help": "llama.cpp: draft GGUF (default: --draft exported, q8_0); a DFlash draft's runs with --spec-type draft-dflash"})
-    llamacpp_threads: int = field(default=2, metadata={"help": "llama.cpp: -t/-tb/-td/-tbd"})
-    llamacpp_dir: str | None = field(default=None, metadata={"help": "llama.cpp build to use"})
-    llamacpp_flags: str | None = field(default=None, metadata={"help": "llama.cpp: more llama-server flags, quoted (e.g. '-fa off')"})
+    run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
     verify_cost: float = field(default=_QUERY.verify_cost, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
     draft_cost: float = field(default=_QUERY.draft_cost, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
 
     def __post_init__(self) -> None:
-        engines = engine_names("run_here") + engine_names("stated_costs", aliases=False)
+        engines = engine_names(Ability.RUN_HERE) + engine_names(Ability.STATED_COSTS, aliases=False)
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r}: tune knows {', '.join(engines)}")
         for name, low in (("num_prompts", 1), ("max_new_tokens", 8), ("max_steps", 1), ("offset", 0), ("top", 1)):
@@ -58,8 +55,12 @@ class TuneConfig:
         """Whose chain-stopping rule the shapes follow (SGLang and vLLM stop as eaglewire does)."""
         return chain_rule(self.engine)
 
+    def measured(self) -> tuple[bool, str | None]:
+        """(whether the engine is timed here, a note when auto fell back to the stated model)."""
+        return measured_here(self.engine, self.costs, self.run.settings())
+
     def query(self) -> SpeedQuery:
-        return SpeedQuery(engine=self.engine, max_new_tokens=self.max_new_tokens, max_steps=self.max_steps,
+        return SpeedQuery(engine=self.engine, stated=not self.measured()[0], max_new_tokens=self.max_new_tokens, max_steps=self.max_steps,
                           p_mins=tuple(self.p_mins), temperature=self.temperature, seed=self.seed,
                           verify_cost=self.verify_cost, draft_cost=self.draft_cost)
 
@@ -129,12 +130,13 @@ def _run_tune(config: TuneConfig, *, target, prompts: list[list[int]] | None, pr
     target = target or load_target(config.target)
     draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
     prompts = prompts or tune_prompts(config, target.tokenizer)
-    llamacpp = None
-    if config.engine == LLAMACPP:
-        llamacpp = llamacpp_setup(config.draft, work_dir(config), target_gguf=config.llamacpp_target,
-                                  draft_gguf=config.llamacpp_draft, llamacpp_dir=config.llamacpp_dir,
-                                  threads=config.llamacpp_threads, flags=config.llamacpp_flags)
-    ranking = rank_speed(config.query(), target, draft, contract, prompts, llamacpp=llamacpp, progress=progress)
+    query, (_, fallback) = config.query(), config.measured()
+    server = None
+    if not query.stated and get_engine(config.engine).runtime is not None:
+        server = server_setup(config.engine, config.draft, config.target, work_dir(config), config.run.settings())
+    ranking = rank_speed(query, target, draft, contract, prompts, server=server, progress=progress)
+    if fallback:
+        ranking.costs.notes.append(fallback)
     result = TuneResult(config=config, **vars(ranking))
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)

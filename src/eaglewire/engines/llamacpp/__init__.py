@@ -14,6 +14,7 @@
 | served.py    | every field llama.cpp computes a draft GGUF with (its own token_embd, norm before fc, eps, RoPE) |
 """
 
+from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Linter
 from eaglewire.engines.llamacpp.dflash_export import export_dflash
 from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout_problem, draft_layers, export,
                                              gguf_tensor, layout_problem, vocab_problem,
@@ -50,3 +51,15 @@ __all__ = [
     "server_build", "serving_md", "source_dir", "spec_flags", "target_architecture", "target_gguf", "to_boundaries",
     "to_ids", "unpack_tree", "refusal",
 ]
+
+from eaglewire.engines.llamacpp.runtime import RUNTIME  # noqa: E402
+
+SPEC = EngineSpec(
+    name=NAME, version=BUILD, measure=measure_served, runtime=RUNTIME, block_follows_shape=True, reads_export=reads_export, chain_rule=NAME,
+    eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
+    dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries),
+    exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),
+    linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, launch_template_kwargs=launch_template_kwargs,
+                  template_kwargs_fix=template_kwargs_fix, template_kwargs_flag=TEMPLATE_KWARGS_FLAG,
+                  refusal=refusal),
+)

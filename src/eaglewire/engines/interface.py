@@ -1,0 +1,230 @@
+"""What an engine can do, declared in types: each engine package ends with one ``SPEC = EngineSpec(...)``
+and ``registry.py`` lists the specs. An ability is a field that is set (``spec.exporter``,
+``spec.runtime``), never a function found by name.
+
+| field      | ability                                                          | used by                     |
+|------------|------------------------------------------------------------------|-----------------------------|
+| eagle3     | its reading of EAGLE-3 ids (per version x target model file)     | export, import, doctor      |
+| dflash     | its reading of DFlash ids                                        | export, import, doctor      |
+| exporter   | writes a draft in its format                                     | ``eaglewire export --to``   |
+| importer   | reads a checkpoint in its format                                 | ``eaglewire import --from`` |
+| linter     | its config and launch flags checked, the fields it computes with | ``doctor --engine``         |
+| measure    | a running server's own account of what it accepted              | ``doctor --engine-url``     |
+| runtime    | eaglewire installs/finds it, launches it at a shape, stops it    | ``bench``, ``tune``         |
+| stated_costs | ranked from a stated cost model (GPU engines)                  | ``tune``                    |
+
+``Runtime`` and ``RunningServer`` are the protocol of an engine that runs on this machine; eaglewire's
+own engine runs in process and has none (bench and tune call it directly).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from eaglewire.decode.engine import GenerationStats
+
+IdsFn = Callable[[list[int], int, "str | None"], list[int]]  # (ids or boundaries, num layers, target arch)
+ReadIds = Callable[[dict[str, Any]], "tuple[dict[str, list[int] | None], list[str]]"]  # config -> (label -> ids, notes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdReading:
+    """How an engine turns a family's boundaries into config ids and back, and where its config keeps them."""
+
+    to_ids: IdsFn
+    to_boundaries: IdsFn
+    read_ids: ReadIds | None = None  # None: no config of its own keeps them (eaglewire reads the contract, llama.cpp a GGUF)
+    read_notes: Callable[[list[int], list[int], int, str | None], list[str]] | None = None  # what an import states
+    per_model_file: bool = False  # the reading depends on the target's model file (needs target_arch)
+    needs_target_arch: bool = False  # no reading at all without the target's architecture
+    families: Callable[[], dict[str, list[str]]] | None = None  # reading -> the target families that read ids so
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exporter:
+    export: Callable[..., Any]  # (draft, fmt, out, ExportConfig, *, target, allow, others) -> ExportReport
+    export_dflash: Callable[..., Any] | None = None  # same signature, a DFlash draft
+    pruned_dflash: bool = False  # its DFlash export carries a pruned vocabulary (d2t and the head's rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Importer:
+    parse_config: Callable[..., Any]  # (config dict, *, where) -> (DraftConfig, ids, ...)
+    parse_dflash_config: Callable[..., Any] | None = None
+    default_only: str | None = None  # its checkpoints always mean the default boundaries: the reason why
+
+
+@dataclass(frozen=True, kw_only=True)
+class Linter:
+    """``doctor --engine``: what the engine's config and launch flags make it do."""
+
+    lint_flags: Callable[..., Any]  # (flags, declared, num_layers, arch) -> Flags
+    lint_dflash_flags: Callable[..., Any] | None = None  # (..., block_size) -> Flags
+    config_fix: Callable[[list[int], int, str | None], str] | None = None  # the config line that feeds ``declared``
+    dflash_config_fix: Callable[..., str] | None = None  # (declared, num_layers, arch, config) -> the line
+    read_served: Callable[..., Any] | None = None  # (config, tensors, *, own_embedding_differs) -> ServedDraft
+    served_config_key: Callable[[dict[str, Any]], str] | None = None  # where read_served found the draft layer's config
+    launch_template_kwargs: Callable[[str], "dict[str, Any] | None"] | None = None  # chat-template kwargs in flags
+    template_kwargs_fix: Callable[[dict[str, Any]], str] | None = None  # the flag that sets them
+    template_kwargs_flag: str | None = None  # the launch flag that sets them
+    refusal: Callable[[str | None], "str | None"] | None = None  # why it serves no EAGLE-3 draft for a target
+    # its reading of a config, per target model file (engines whose model file decides the ids)
+    file_for: Callable[[str | None], Any] | None = None  # arch -> the ModelFile whose rule applies
+    readings: Callable[[list[int], int], dict[str, Any]] | None = None  # ids -> model-file family -> boundaries/why
+    cannot_feed: Callable[[list[int], int, str | None], str] | None = None  # why a block-output file cannot feed them
+    num_aux: Callable[[dict[str, Any]], int] | None = None  # aux states it sizes the draft's fc for
+
+
+# ---------------------------------------------------------------- engines that run here
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a launched server speculates: ``n_max`` drafted tokens a round (0: plain decoding), drafting stopped
+    below draft probability ``p_min`` where the engine has such a stop."""
+
+    n_max: int = 0
+    p_min: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return self.n_max == 0
+
+    def label(self) -> str:
+        return "plain" if self.plain else f"chain {self.n_max}" + (f", p-min {self.p_min:g}" if self.p_min else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """How eaglewire runs an engine here: bench's and tune's ``--engine-*`` options."""
+
+    threads: int = 2  # pinned, as measuring needs
+    flags: tuple[str, ...] = ()  # more launch flags for every launch
+    install: str | None = None  # a build or interpreter to use instead of eaglewire's install
+    target_file: str | None = None  # the engine's own target file (a GGUF) instead of one exported here
+    draft_file: str | None = None  # the engine's own draft file instead of one exported here
+
+
+@dataclass(frozen=True)
+class ServedFiles:
+    """What a launch loads: the target (a directory or file) and the draft (None: plain only)."""
+
+    target: Path
+    draft: Path | None
+    family: str = "eagle3"
+
+
+@dataclass(frozen=True)
+class DraftTotals:
+    """A running server's cumulative account of drafting: rounds (verify passes that had a draft) and the seconds
+    it spent drafting (None where the engine does not report them apart)."""
+
+    rounds: int
+    draft_seconds: float | None
+
+
+@dataclass
+class Answer:
+    tokens: list[int]  # new token ids
+    stats: "GenerationStats"  # the engine's own counters of this request
+
+
+class RunningServer(Protocol):
+    url: str
+
+    def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int) -> Answer: ...
+
+    def draft_totals(self) -> DraftTotals | None: ...
+
+
+class Runtime(Protocol):
+    """An engine eaglewire runs on this machine: found or installed, launched with or without a draft at a shape,
+    stopped on leaving the ``serve`` context."""
+
+    label: str  # how reports name it ("llama.cpp", "vLLM")
+    install_hint: str  # the command that installs it
+
+    def available(self, settings: RunSettings) -> str | None:
+        """None where it can run here, else why not (with the install command)."""
+
+    def version(self, settings: RunSettings) -> str: ...
+
+    def files(self, draft_dir: str | None, target: str, work_dir: Path, settings: RunSettings, *,
+              allow: frozenset[str] = frozenset()) -> ServedFiles:
+        """The files it serves: the user's own (``settings``) or ``draft_dir`` / ``target`` exported into ``work_dir``."""
+
+    def can_run(self, shape: Shape, family: str) -> str | None:
+        """None where it can launch ``shape`` for a ``family`` draft, else why not."""
+
+    def draft_steps(self, n_max: int, family: str) -> int:
+        """Draft forwards a round of ``n_max`` tokens runs (tune's cost fit)."""
+
+    def serve(self, files: ServedFiles, shape: Shape, settings: RunSettings, *, log_path: Path,
+              draft_timing: bool = False) -> AbstractContextManager[RunningServer]:
+        """A server at ``shape``, stopped on leaving the context; ``draft_timing``: so that ``draft_totals`` can
+        tell the drafting time apart (a log level that may cost speed: tune's probes, not bench)."""
+
+
+# ---------------------------------------------------------------- the spec
+
+
+class Ability(Enum):
+    """What ``names`` and ``get`` can ask an engine for; each is a field of ``EngineSpec`` being set."""
+
+    EXPORT = "export"
+    EXPORT_PRUNED_DFLASH = "export_pruned_dflash"  # its DFlash export carries a pruned vocabulary
+    IMPORT = "import"
+    LINT = "lint"
+    MEASURE = "measure"
+    RUN_HERE = "run_here"
+    STATED_COSTS = "stated_costs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    name: str
+    aliases: tuple[str, ...] = ()
+    version: str | None = None  # the release its readings were taken from
+    eagle3: IdReading | None = None
+    dflash: IdReading | None = None
+    exporter: Exporter | None = None
+    importer: Importer | None = None
+    linter: Linter | None = None
+    measure: Callable[..., Any] | None = None  # (url, prompts, *, max_new_tokens, timeout) -> ServedCounts
+    served_version: Callable[[str], "str | None"] | None = None  # a running server's own version, asked at its url
+    runtime: Runtime | None = None
+    stated_costs: bool = False
+    reads_export: Callable[..., list[str]] | None = None  # SERVING.md lines: how it reads another engine's export
+    chain_rule: str = "eaglewire"  # whose chain-stopping rule its shapes follow (llama.cpp stops its own way)
+    block_follows_shape: bool = False  # it runs a DFlash block of n_max + 1 tokens, not the trained block
+    in_process: bool = False  # eaglewire's own engine: run in this process (bench, tune), no server to launch
+
+    def can(self, ability: Ability) -> bool:
+        if not isinstance(ability, Ability):
+            raise TypeError(f"an engine ability is an engines.Ability, not {ability!r}")
+        return {Ability.EXPORT: self.exporter is not None,
+                Ability.EXPORT_PRUNED_DFLASH: self.exporter is not None and self.exporter.pruned_dflash,
+                Ability.IMPORT: self.importer is not None,
+                Ability.LINT: self.linter is not None,
+                Ability.MEASURE: self.measure is not None,
+                Ability.RUN_HERE: self.runtime is not None or self.in_process,
+                Ability.STATED_COSTS: self.stated_costs}[ability]
+
+    def reading(self, family: str) -> IdReading | None:
+        """Its reading of ``family``'s ids (None: it serves no such draft)."""
+        return self.eagle3 if family == "eagle3" else self.dflash
+
+    @property
+    def per_model_file(self) -> bool:
+        """Its reading of EAGLE-3 ids depends on the target's model file (needs ``target_arch``)."""
+        return self.eagle3 is not None and self.eagle3.per_model_file
+
+    @property
+    def needs_target_arch(self) -> bool:
+        """It has no reading at all without the target's architecture."""
+        return self.eagle3 is not None and self.eagle3.needs_target_arch
