@@ -106,7 +106,7 @@ def llamacpp(args: argparse.Namespace) -> None:
             bench_out = out / "llamacpp" / name / family
             configs = ";".join(["1,0,0,0"] + [f"1,{n},1,{n + 1}" for n in LLAMACPP_CHAINS])
             cmd = [*eaglewire(), "bench", "--target", args.target, "--draft", str(out / family), "--engine", "llamacpp",
-                   "--llamacpp-target", gguf, "--llamacpp-threads", str(args.threads), "--dataset", args.dataset,
+                   "--engine-target", gguf, "--engine-threads", str(args.threads), "--dataset", args.dataset,
                    "--configs", configs, "--max-new-tokens", str(args.max_new_tokens),
                    "--num-prompts", str(args.num_prompts), "--out", str(bench_out), "--no-progress"]
             subprocess.run(cmd, env=env, check=True)

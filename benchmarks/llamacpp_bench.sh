@@ -28,17 +28,17 @@ C="1,0,0,0;1,1,1,2;1,3,1,4"
 COMMON="--draft reference --dataset mt-bench --num-prompts $N --max-new-tokens 128 --configs $C --no-progress"
 
 # f32 target: eaglewire, llama.cpp and HF generate in one run (τ within ±0.05 of eaglewire's is the bar)
-$EW bench $COMMON --engine eaglewire,llamacpp --compare hf --llamacpp-threads "$THREADS" \
-  --llamacpp-target "$OUT/export-f32/target-f32.gguf" --llamacpp-draft "$DRAFT" --out "$OUT/f32" > "$OUT/f32.txt" 2>&1
+$EW bench $COMMON --engine eaglewire,llamacpp --compare hf --engine-threads "$THREADS" \
+  --engine-target "$OUT/export-f32/target-f32.gguf" --engine-draft "$DRAFT" --out "$OUT/f32" > "$OUT/f32.txt" 2>&1
 # f16 target, and the Q4_1 GGUF the preset ships (τ within ±0.1)
-$EW bench $COMMON --engine llamacpp --llamacpp-threads "$THREADS" \
-  --llamacpp-target "$OUT/export-f16/target-f16.gguf" --llamacpp-draft "$DRAFT" --out "$OUT/f16" > "$OUT/f16.txt" 2>&1
-$EW bench $COMMON --engine llamacpp --llamacpp-threads "$THREADS" \
-  --llamacpp-target "$Q41" --llamacpp-draft "$DRAFT" --out "$OUT/q4_1" > "$OUT/q4_1.txt" 2>&1
+$EW bench $COMMON --engine llamacpp --engine-threads "$THREADS" \
+  --engine-target "$OUT/export-f16/target-f16.gguf" --engine-draft "$DRAFT" --out "$OUT/f16" > "$OUT/f16.txt" 2>&1
+$EW bench $COMMON --engine llamacpp --engine-threads "$THREADS" \
+  --engine-target "$Q41" --engine-draft "$DRAFT" --out "$OUT/q4_1" > "$OUT/q4_1.txt" 2>&1
 # the draft unquantized too (f32 GGUF), to tell a q8_0 draft's loss of acceptance from the engine's
 $EW export --to llamacpp --draft reference --out "$OUT/export-f32-draft" --outtype f32 --target-outtype f32 --num-steps 3
-$EW bench $COMMON --engine llamacpp --llamacpp-threads "$THREADS" --llamacpp-target "$OUT/export-f32/target-f32.gguf" \
-  --llamacpp-draft "$OUT/export-f32-draft/draft-f32.gguf" --out "$OUT/f32-draft-f32" > "$OUT/f32-draft-f32.txt" 2>&1
+$EW bench $COMMON --engine llamacpp --engine-threads "$THREADS" --engine-target "$OUT/export-f32/target-f32.gguf" \
+  --engine-draft "$OUT/export-f32-draft/draft-f32.gguf" --out "$OUT/f32-draft-f32" > "$OUT/f32-draft-f32.txt" 2>&1
 
 # doctor against a running llama-server (f32 target, chain of 3): served τ vs eaglewire's engine
 SERVER=$($PY -c "from eaglewire.engines.llamacpp import require_server; print(require_server())")

@@ -24,8 +24,8 @@ ENGINE=${ENGINE:-llamacpp}
 ew() {
   cmd=$1; shift
   if [ "$ENGINE" = llamacpp ]; then
-    $EW --threads "$THREADS" "$cmd" --engine llamacpp --llamacpp-target "$TARGET" --llamacpp-draft "$DRAFT" \
-      --llamacpp-threads "$THREADS" --llamacpp-flags "$FLAGS" "$@"
+    $EW --threads "$THREADS" "$cmd" --engine llamacpp --engine-target "$TARGET" --engine-draft "$DRAFT" \
+      --engine-threads "$THREADS" --engine-flags "$FLAGS" "$@"
   else
     $EW --threads "$THREADS" "$cmd" --engine eaglewire "$@"
   fi

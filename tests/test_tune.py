@@ -57,8 +57,9 @@ def test_eaglewire_rule_stops_on_the_path_probability():
     trace = _trace([[1], [1], [1]], prob=[[0.9], [0.6], [0.9]])
     assert drafted_tokens(trace, 0, Shape(3, 0.5), "eaglewire") == (2, 2)  # 0.9, 0.54, 0.486 < 0.5
     assert drafted_tokens(trace, 0, Shape(3, 0.0), "eaglewire") == (3, 2)  # its first token needs no step
+    assert drafted_tokens(trace, 0, Shape(3, 0.5), "sglang") == (2, 2)  # SGLang's rule is eaglewire's
     with pytest.raises(ValueError, match="tune knows"):
-        drafted_tokens(trace, 0, Shape(3), "sglang")
+        drafted_tokens(trace, 0, Shape(3), "tensorrt")
 
 
 def test_greedy_rounds_move_on_by_accepted_plus_bonus():
@@ -233,7 +234,7 @@ def test_tune_measures_what_its_flags_say():
 
 
 def test_the_speed_ranking_names_what_it_cannot_time():
-    with pytest.raises(ValueError, match="engine 'tensorrt': the speed ranking knows eaglewire, llamacpp"):
+    with pytest.raises(ValueError, match="engine 'tensorrt': the speed ranking knows eaglewire, vllm, llamacpp, sglang$"):
         SpeedQuery(engine="tensorrt")
     target = tiny_target("llama", vocab_size=6)
     with pytest.raises(ValueError, match="server=server_setup"):

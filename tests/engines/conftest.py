@@ -16,6 +16,7 @@ import pytest
 
 from eaglewire.engines.sglang import VERSION as SGLANG_VERSION
 from eaglewire.engines.vllm import VERSION as VLLM_VERSION
+from eaglewire.engines.vllm.versions import READINGS as VLLM_READINGS
 from eaglewire.core.presets import cache_dir
 
 PINNED = {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}
@@ -70,6 +71,15 @@ class Wheel:
 def wheels() -> dict[str, Wheel]:
     into = cache_dir() / "engines" / "wheels"
     return {name: Wheel(_fetch(name, version, into)) for name, version in PINNED.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_wheels(wheels) -> dict[str, Wheel]:
+    """Every vLLM release with a recorded reading (engines/vllm/versions.py READINGS) -> its wheel, fetched
+    the same way; the pinned one is ``wheels["vllm"]`` itself."""
+    into = cache_dir() / "engines" / "wheels"
+    return {version: wheels["vllm"] if version == VLLM_VERSION else Wheel(_fetch("vllm", version, into))
+            for version in VLLM_READINGS}
 
 
 # The peers whose capture writers tests/data/test_foreign_writers.py runs (pure-Python wheels,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eaglewire.acceptance.costs import EngineCosts
-from eaglewire.acceptance.simulate import Shape, rounds, tau
+from eaglewire.acceptance.simulate import Shape, rounds, rule_of, tau
 from eaglewire.acceptance.trace import DraftTrace
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
+from eaglewire.engines.interface import ChainRule
 
 DEFAULT_P_MINS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9)
 MARGIN = 0.03  # a shape must be predicted this much above plain to be worth serving
@@ -24,18 +24,20 @@ class Prediction:
     break_even_tau: float  # the τ this shape's round cost needs to match plain
 
 
-def shapes(max_steps: int, p_mins: tuple[float, ...] = DEFAULT_P_MINS) -> list[Shape]:
+def shapes(max_steps: int, p_mins: tuple[float, ...] = DEFAULT_P_MINS, rule: ChainRule | None = None) -> list[Shape]:
+    """Plain and every chain up to ``max_steps`` at each probability stop (only p-min 0 where ``rule`` has none)."""
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    return [Shape(0)] + [Shape(n, p) for n in range(1, max_steps + 1) for p in p_mins]
+    stops = p_mins if rule is None or rule.p_min_stops else (0.0,)
+    return [Shape(0)] + [Shape(n, p) for n in range(1, max_steps + 1) for p in stops]
 
 
-def block_shapes(block_size: int, engine: str, p_mins: tuple[float, ...] = DEFAULT_P_MINS) -> list[Shape]:
-    """A DFlash draft's shapes: n = 1 .. block_size - 1 drafted tokens from one block (llama.cpp with its
-    p-min stops, eaglewire's chain of n without), and plain decoding."""
+def block_shapes(block_size: int, engine: ChainRule | str, p_mins: tuple[float, ...] = DEFAULT_P_MINS) -> list[Shape]:
+    """A DFlash draft's shapes: n = 1 .. block_size - 1 drafted tokens from one block (with p-min stops where the
+    engine's rule stops blocks, llama.cpp's; eaglewire's chain of n without), and plain decoding."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
-    stops = p_mins if engine == LLAMACPP else (0.0,)
+    stops = p_mins if rule_of(engine).block_stops else (0.0,)
     return [Shape(0)] + [Shape(n, p, block=True) for n in range(1, block_size) for p in stops]
 
 
@@ -63,7 +65,7 @@ class Recommendation:
     reason: str
 
 
-def recommend(ranked: list[Prediction], engine: str) -> Recommendation:
+def recommend(ranked: list[Prediction], engine: ChainRule | str) -> Recommendation:
     plain = next(p for p in ranked if p.shape.plain)
     best = next((p for p in ranked if not p.shape.plain), None)
     if best is not None and best.tau <= 1.0:  # nothing accepted: timing noise cannot make that pay

@@ -35,10 +35,19 @@ import torch
 
 from eaglewire.acceptance.replay import accepted_after
 from eaglewire.acceptance.trace import DraftTrace
-from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
+from eaglewire.engines.interface import ChainRule
 
-ENGINE_RULES = (LLAMACPP, EAGLEWIRE)
+
+def rule_of(engine: ChainRule | str) -> ChainRule:
+    """The chain rule itself, or the rule of the engine so named."""
+    if isinstance(engine, ChainRule):
+        return engine
+    from eaglewire import engines
+
+    try:
+        return engines.get(engine).chain_rule
+    except ValueError:
+        raise ValueError(f"engine {engine!r}: tune knows {', '.join(engines.names(aliases=False))}") from None
 
 
 @dataclass(frozen=True, order=True)
@@ -54,14 +63,9 @@ class Shape:
     def plain(self) -> bool:
         return self.n_max == 0
 
-    def label(self, engine: str) -> str:
-        if self.plain:
-            return "plain"
-        if engine == LLAMACPP:
-            return (("--spec-type draft-dflash " if self.block else "") + f"--spec-draft-n-max {self.n_max} --spec-draft-n-min {self.n_min} "
-                    f"--spec-draft-p-min {self.p_min:g}")
-        what = f"{self.n_max} drafted from one block" if self.block else f"chain of {self.n_max}"
-        return what + (f", --draft-min-prob {self.p_min:g}" if self.p_min else "")
+    def label(self, engine: ChainRule | str) -> str:
+        """The shape as the engine's launch spells it (``engine``: its chain rule or its name)."""
+        return "plain" if self.plain else rule_of(engine).label(self.n_max, self.p_min, self.n_min, self.block)
 
     def bench_config(self) -> str:
         """The shape as bench's --configs writes it (min-prob = p-min)."""
@@ -81,12 +85,12 @@ class RoundShape:
     gained: float
 
 
-def drafted_tokens(trace: DraftTrace, column: int, shape: Shape, engine: str) -> tuple[int, int]:
-    """(tokens a round drafts, draft steps it runs) for a round whose last verified position is ``column``."""
-    if engine not in ENGINE_RULES:
-        raise ValueError(f"engine {engine!r}: tune knows {', '.join(ENGINE_RULES)}")
+def drafted_tokens(trace: DraftTrace, column: int, shape: Shape, engine: ChainRule | str) -> tuple[int, int]:
+    """(tokens a round drafts, draft steps it runs) for a round whose last verified position is ``column``,
+    under ``engine``'s chain rule (the rule or the engine's name)."""
+    rule = rule_of(engine)
     n = min(shape.n_max, trace.steps)
-    if engine == LLAMACPP:
+    if rule.token_stop:
         probs = trace.prob_top[:n, column]  # [n]
         below = (probs < shape.p_min).nonzero()
         d = int(below[0]) if len(below) else n

@@ -26,12 +26,12 @@ from eaglewire.acceptance.recommend import (DEFAULT_P_MINS, Prediction, Recommen
 from eaglewire.acceptance.trace import trace_blocks, trace_text
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.engines import Ability, get as engine, names as engine_names
-from eaglewire.engines.interface import RunSettings, ServedFiles
+from eaglewire.engines.interface import ChainRule, RunSettings, ServedFiles
 
 log = logging.getLogger(__name__)
 
 EAGLEWIRE = "eaglewire"  # the engine in this process: timed directly, no server
-MEASURED_ENGINES = engine_names(Ability.RUN_HERE)  # timed here
+MEASURED_ENGINES = engine_names(Ability.RUN_HERE, aliases=False)  # timed here
 STATED_ENGINES = engine_names(Ability.STATED_COSTS, aliases=False)  # a stated cost model (GPU engines)
 DEFAULT_PROMPTS = 12  # τ varies from prompt to prompt: 6 MT-bench prompts read 1.47-1.68
 COSTS = ("auto", "measured", "stated")  # auto: measured where the engine runs here, else the stated model
@@ -39,8 +39,8 @@ COSTS = ("auto", "measured", "stated")  # auto: measured where the engine runs h
 Progress = Callable[[str], None]
 
 
-def chain_rule(name: str) -> str:
-    """Whose chain-stopping rule the shapes follow (SGLang and vLLM stop as eaglewire does)."""
+def chain_rule(name: str) -> ChainRule:
+    """How engine ``name`` stops a chain and spells a shape (SGLang stops as eaglewire does)."""
     return engine(name).chain_rule
 
 
@@ -60,7 +60,7 @@ class SpeedQuery:
     stated: bool = False  # take the stated cost model even where the engine runs here
 
     def __post_init__(self) -> None:
-        engines = MEASURED_ENGINES + STATED_ENGINES
+        engines = tuple(dict.fromkeys(MEASURED_ENGINES + STATED_ENGINES))
         if self.engine not in engines:
             raise ValueError(f"engine {self.engine!r}: the speed ranking knows {', '.join(engines)}")
         if self.stated and self.engine not in STATED_ENGINES:
@@ -69,7 +69,7 @@ class SpeedQuery:
             raise ValueError(f"engine {self.engine!r} does not run here: rank it with the stated cost model")
 
     @property
-    def rule(self) -> str:
+    def rule(self) -> ChainRule:
         return chain_rule(self.engine)
 
 
@@ -163,7 +163,7 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
         probe = probe_eaglewire(target, draft, contract, prompts, steps=steps, stop_ids=stops, **common)
         return fit_costs(EAGLEWIRE, probe.plain, probe.chains), probe.outputs
     probe = probe_eaglewire(target, None, None, prompts, steps=[], stop_ids=stops, **common)
-    costs = stated_costs(query.rule, verify_per_token=query.verify_cost, draft_step=query.draft_cost,
+    costs = stated_costs(query.engine, verify_per_token=query.verify_cost, draft_step=query.draft_cost,
                          max_k=draft.config.block_size - 1 if block else query.max_steps)
     if block:
         costs.notes.append(f"DFlash: a round runs one draft pass (--draft-cost {query.draft_cost:g} plain steps) "
@@ -188,7 +188,7 @@ class SpeedRanking:
     recommendation: Recommendation
     prompts: int
     traced_tokens: int
-    rule: str  # whose chain-stopping rule the shapes follow (labels)
+    rule: ChainRule  # how the engine stops a chain and spells a shape (labels)
 
     def report(self, settings: dict, key: str = "config") -> dict:
         """The JSON report (tune.json): the ``settings`` it ran with (under ``key``), the costs, every
@@ -215,7 +215,8 @@ def rank_speed(query: SpeedQuery, target, draft, contract, prompts: list[list[in
     else:
         traces = [trace_text(target, draft, layout, ids + out, len(ids), steps=query.max_steps,
                              temperature=query.temperature) for ids, out in zip(prompts, outputs)]
-        ranked = rank([predict(s, traces, costs, sampled=sampled) for s in shapes(query.max_steps, tuple(query.p_mins))])
+        ranked = rank([predict(s, traces, costs, sampled=sampled)
+                       for s in shapes(query.max_steps, tuple(query.p_mins), query.rule)])
     return SpeedRanking(costs=costs, ranked=ranked, recommendation=recommend(ranked, query.rule), prompts=len(prompts),
                         traced_tokens=sum(len(o) for o in outputs), rule=query.rule)
 

@@ -39,7 +39,7 @@ from eaglewire.model.target import load_target
 log = logging.getLogger(__name__)
 
 COMPARE_METHODS = ("hf", "hf-pld")
-ENGINES = engine_names(Ability.RUN_HERE)
+ENGINES = engine_names(Ability.RUN_HERE, aliases=False)
 IN_PROCESS = next(n for n in ENGINES if get_engine(n).in_process)  # eaglewire's own engine, run in this process
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld baseline
 HELDOUT = "sharegpt-heldout"

@@ -305,6 +305,22 @@ def served_embedding(batch: EvalBatch, embedding) -> EvalBatch:
     return dataclasses.replace(batch, emb=emb)
 
 
+def check_engine_version(report: DoctorReport, config: DoctorConfig) -> None:
+    """Ask the server at ``--engine-url`` which version it is and say which release's reading judges it (the
+    engine-fields and wiring lines then name that release)."""
+    from eaglewire import engines
+
+    spec = engines.get(config.engine)
+    if spec.served_version is None or spec.judged is None:
+        return
+    served = spec.served_version(config.engine_url)
+    report.engine_release, line = spec.judged(served)
+    exact = served is not None and line.startswith(f"judged with {report.engine_release}'s reading (the server says")
+    report.add(Check("engine version", "ok" if exact else "warn", line,
+                     fix=None if exact else f"compare the server's version with the releases eaglewire read "
+                                            f"({report.engine_release} is the nearest)"))
+
+
 def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     """Every field the serving engine reads from ``--engine-config`` that changes what the draft
     computes, against training; a field read otherwise is a FAIL with the key to write, and the draft
@@ -328,6 +344,8 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     else:
         return
     served = reading.served
+    if report.engine_release and served.engine.split()[0] == report.engine_release.split()[0]:
+        served = dataclasses.replace(served, engine=report.engine_release)  # the release that judges this server
     evidence = [f"{k}: {v}" for k, v in served.cited.items()] + reading.notes
     if not reading.found:
         report.add(Check("engine fields", "ok", f"{served.engine} computes the draft as trained: norm flags "

@@ -44,6 +44,7 @@ class DoctorReport:
     facts: dict[str, Any] = field(default_factory=dict)  # sequences, counted tokens, seconds
     accuracy: dict[str, float] = field(default_factory=dict)  # acc@0, cond acc@j in isolation (JSON only; checks print them)
     served: dict[str, Any] = field(default_factory=dict)  # --engine-url: served τ, per position, the replay's (JSON)
+    engine_release: str | None = None  # --engine-url: the release whose reading judges the server ("vLLM 0.32.0")
     traffic: dict[str, Any] = field(default_factory=dict)  # --traffic: acceptance per slice of traffic (JSON)
     sampling: dict[str, Any] = field(default_factory=dict)  # the temperature users sample at: τ there and greedy (JSON)
 

@@ -13,11 +13,10 @@ import torch
 
 from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
-from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
+from eaglewire.doctor.checks import (check_engine_version, Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
-from eaglewire.doctor.llamacpp import serving as llamacpp_serving
 from eaglewire.doctor.served import check_served
 from eaglewire.doctor.sampling import check_sampling
 from eaglewire.doctor.template_switch import check_template_switch
@@ -27,9 +26,7 @@ from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, 
 from eaglewire.acceptance.replay import RoundAgreement
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire import engines
-from eaglewire.engines import Ability
 from eaglewire.doctor.serving import predicted_tau
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.engines.foreign_draft import load_any_draft
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.target import Target, load_target
@@ -57,12 +54,15 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     L = target.num_layers
 
     identity_ok = _check_identity(report, contract, target, allow)
+    if config.engine_url:
+        check_engine_version(report, config)  # which release's reading judges the running server
     arch = config.target_arch or contract.target.architecture
     dflash_block = draft.config.block_size if is_block_draft(draft) else None
-    if config.engine == LLAMACPP:
+    own_checks = engines.get(config.engine).linter.serving_checks
+    if own_checks is not None:
         rows = draft.draft_to_target
-        serving, serving_steps = llamacpp_serving(report, config, declared, L, arch, dflash_block,
-                                                  vocab_ids=rows if len(rows) < target.vocab_size else None)
+        serving, serving_steps = own_checks(report, config, declared, L, arch, dflash_block,
+                                            vocab_ids=rows if len(rows) < target.vocab_size else None)
     else:
         serving, serving_steps, config = check_serving(report, config, declared, L, arch, dflash_block)
     check_template_switch(report, config, contract, target.tokenizer,
@@ -210,14 +210,17 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
     """What ``eaglewire tune`` recommends for the serving engine (its speed ranking), on the held-out prompts."""
     from eaglewire.acceptance.speed import SpeedQuery, rank_speed
 
-    if config.engine == LLAMACPP:
-        report.add(Check("speed", "skip", "llama.cpp's round costs are measured on its own GGUFs",
-                         fix=f"eaglewire tune --engine llamacpp --draft {config.draft} --llamacpp-target T.gguf "
-                             "--llamacpp-draft D.gguf"))
+    spec = engines.get(config.engine)
+    if not spec.stated_costs and not spec.in_process:
+        report.add(Check("speed", "skip", f"{spec.runtime.label}'s round costs are measured on its own files, in "
+                                          "servers tune launches",
+                         fix=f"eaglewire tune --engine {spec.name} --draft {config.draft}"))
         return
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 2)]]
-    engine = engines.canonical(config.engine) if engines.get(config.engine).can(Ability.STATED_COSTS) else "eaglewire"
-    query = SpeedQuery(engine=engine, max_new_tokens=max(config.engine_tokens, 16), max_steps=4)
+    in_process = next(e for e in engines.ENGINES if e.in_process).name
+    engine = spec.name if spec.stated_costs else in_process
+    query = SpeedQuery(engine=engine, stated=spec.stated_costs, max_new_tokens=max(config.engine_tokens, 16),
+                       max_steps=4)
     result = rank_speed(query, target, draft, contract, prompts)
     choice = result.recommendation.choice
     evidence = [f"{p.shape.label(result.rule)}: τ {p.tau:.2f}, {p.speedup:.2f}x plain "

@@ -64,7 +64,6 @@ from eaglewire.acceptance.trace import DraftTrace, trace_blocks, trace_text
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.traffic import REQUEST_KEYS, parse_prompt, traffic_records
 from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
 from eaglewire.engines.sampling_defaults import LAUNCH_READERS, RULES, Temperature, temperature_value
 from eaglewire.model.dflash_blocks import is_block_draft
 
@@ -173,7 +172,7 @@ def sampled_acceptance(target, draft, layout: list[int], sequences: list, *, ste
     block_len = None
     if block:
         steps = min(steps, draft.config.block_size - 1)
-        block_len = steps + 1 if engines.canonical(engine) == LLAMACPP else draft.config.block_size
+        block_len = steps + 1 if engines.get(engine).block_follows_shape else draft.config.block_size
     shape = Shape(steps, block=block)
     sampled: list[RoundShape] = []
     greedy: list[RoundShape] = []  # the same rounds at T = 0

@@ -54,8 +54,22 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
                                prefix=METRICS_PREFIX, engine=NAME)
 
 
+def served_version(url: str) -> str | None:
+    """The version ``eaglewire serve`` reports at ``/version`` (vLLM's route)."""
+    from eaglewire.engines.served_counts import version_at
+
+    return version_at(url, who="eaglewire server")
+
+
+def judged(served: str | None) -> tuple[str, str]:
+    from eaglewire import __version__
+
+    return f"eaglewire {__version__}", (f"judged with this eaglewire's own reading ({__version__}; the server says {served or 'nothing'})"
+            + ("" if served in (None, __version__) else ": another eaglewire version serves, whose reading may differ"))
+
+
 SPEC = EngineSpec(
-    name=NAME, measure=measure_served, in_process=True,
+    name=NAME, measure=measure_served, in_process=True, served_version=served_version, judged=judged,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags),
 )

@@ -78,6 +78,9 @@ class Linter:
     readings: Callable[[list[int], int], dict[str, Any]] | None = None  # ids -> model-file family -> boundaries/why
     cannot_feed: Callable[[list[int], int, str | None], str] | None = None  # why a block-output file cannot feed them
     num_aux: Callable[[dict[str, Any]], int] | None = None  # aux states it sizes the draft's fc for
+    # its serving checks are its own (llama.cpp reads a GGUF draft, not a config.json): (report, config, declared,
+    # num_layers, arch, dflash_block, *, vocab_ids) -> (label -> boundaries it captures, tokens drafted a round)
+    serving_checks: Callable[..., Any] | None = None
 
 
 # ---------------------------------------------------------------- engines that run here
@@ -170,6 +173,31 @@ class Runtime(Protocol):
         tell the drafting time apart (a log level that may cost speed: tune's probes, not bench)."""
 
 
+# ---------------------------------------------------------------- how an engine stops a chain
+
+
+def _path_label(n_max: int, p_min: float, n_min: int, block: bool) -> str:
+    what = f"{n_max} drafted from one block" if block else f"chain of {n_max}"
+    return what + (f", --draft-min-prob {p_min:g}" if p_min else "")
+
+
+@dataclass(frozen=True)
+class ChainRule:
+    """How an engine stops a drafted chain, and how its launch spells a shape (tune's labels).
+
+    ``token_stop``: a drafted token is kept while its own draft probability (renormalised over the sampler's top
+    tokens) reaches p-min, and a round runs one more draft forward than it keeps; otherwise the path probability
+    from the root is compared and a chain of n runs n - 1 forwards after the first (eaglewire, SGLang, vLLM)."""
+
+    token_stop: bool = False
+    block_stops: bool = False  # a DFlash draft's shapes have p-min stops too
+    p_min_stops: bool = True  # it has a probability stop at all (vLLM drafts a fixed k)
+    label: Callable[[int, float, int, bool], str] = _path_label  # (n_max, p_min, n_min, block) -> its spelling
+
+
+PATH_RULE = ChainRule()  # eaglewire's own, which SGLang shares
+
+
 # ---------------------------------------------------------------- the spec
 
 
@@ -197,10 +225,12 @@ class EngineSpec:
     linter: Linter | None = None
     measure: Callable[..., Any] | None = None  # (url, prompts, *, max_new_tokens, timeout) -> ServedCounts
     served_version: Callable[[str], "str | None"] | None = None  # a running server's own version, asked at its url
+    # served version -> (the release whose reading judges it, e.g. "vLLM 0.32.0"; the line that says so)
+    judged: Callable[["str | None"], "tuple[str, str]"] | None = None
     runtime: Runtime | None = None
     stated_costs: bool = False
     reads_export: Callable[..., list[str]] | None = None  # SERVING.md lines: how it reads another engine's export
-    chain_rule: str = "eaglewire"  # whose chain-stopping rule its shapes follow (llama.cpp stops its own way)
+    chain_rule: ChainRule = PATH_RULE  # how it stops a chain and spells a shape
     block_follows_shape: bool = False  # it runs a DFlash block of n_max + 1 tokens, not the trained block
     in_process: bool = False  # eaglewire's own engine: run in this process (bench, tune), no server to launch
 

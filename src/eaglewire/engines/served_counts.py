@@ -122,3 +122,15 @@ def by_label(rows: list[tuple[str, dict[str, str], float]], name: str, label: st
         if n == name and str(labels.get(label, "")).isdigit():
             out[int(labels[label])] = out.get(int(labels[label]), 0.0) + v
     return out
+
+
+def version_at(url: str, *, who: str, timeout: float = 30.0) -> str | None:
+    """The ``version`` a server reports at ``GET /version`` (vLLM's route, and eaglewire serve's); None when it
+    answers none."""
+    import json
+
+    try:
+        text = get_text(url.rstrip("/") + "/version", timeout=timeout, who=who)
+        return None if text is None else str(json.loads(text).get("version")) or None
+    except (ServedError, ValueError, AttributeError):
+        return None

@@ -456,6 +456,12 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
                 "max_model_len": max_context}
         return {"object": "list", "data": [card]}
 
+    @app.get("/version")
+    async def version():
+        from eaglewire import __version__
+
+        return {"version": __version__}  # what vLLM answers at /version: the doctor asks which engine it judges
+
     @app.get("/health")
     async def health():
         return JSONResponse({"status": "shutting down"}, 503) if worker.closing else {"status": "ok"}

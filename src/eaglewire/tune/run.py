@@ -39,7 +39,7 @@ class TuneConfig:
     draft_cost: float = field(default=_QUERY.draft_cost, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
 
     def __post_init__(self) -> None:
-        engines = engine_names(Ability.RUN_HERE) + engine_names(Ability.STATED_COSTS, aliases=False)
+        engines = tuple(dict.fromkeys(engine_names(Ability.RUN_HERE, aliases=False) + engine_names(Ability.STATED_COSTS, aliases=False)))
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r}: tune knows {', '.join(engines)}")
         for name, low in (("num_prompts", 1), ("max_new_tokens", 8), ("max_steps", 1), ("offset", 0), ("top", 1)):

@@ -14,7 +14,7 @@
 | served.py    | every field llama.cpp computes a draft GGUF with (its own token_embd, norm before fc, eps, RoPE) |
 """
 
-from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Linter
+from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Linter
 from eaglewire.engines.llamacpp.dflash_export import export_dflash
 from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout_problem, draft_layers, export,
                                              gguf_tensor, layout_problem, vocab_problem,
@@ -53,13 +53,40 @@ __all__ = [
 ]
 
 from eaglewire.engines.llamacpp.runtime import RUNTIME  # noqa: E402
+from eaglewire.engines.llamacpp.server import served_version  # noqa: E402
+
+
+def doctor_serving(*args, **kwargs):
+    """``doctor --engine llamacpp``'s serving checks (engines/llamacpp/doctor.py, imported when the doctor runs)."""
+    from eaglewire.engines.llamacpp.doctor import serving
+
+    return serving(*args, **kwargs)
+
+
+def _flags_label(n_max: int, p_min: float, n_min: int, block: bool) -> str:
+    return (("--spec-type draft-dflash " if block else "") + f"--spec-draft-n-max {n_max} --spec-draft-n-min {n_min} "
+            f"--spec-draft-p-min {p_min:g}")
+
+
+# common/speculative.cpp: each drafted token is kept while its top-10 renormalised probability reaches p-min
+CHAIN_RULE = ChainRule(token_stop=True, block_stops=True, label=_flags_label)
+
+
+def judged(served: str | None) -> tuple[str, str]:
+    """Which build's reading judges a llama-server of build ``served``."""
+    pinned = f"b{BUILD}" if not str(BUILD).startswith("b") else str(BUILD)
+    if served == pinned:
+        return f"llama.cpp {pinned}", f"judged with llama.cpp {pinned}'s reading (the server says {served})"
+    return f"llama.cpp {pinned}", (f"judged with llama.cpp {pinned}'s reading, the one eaglewire has; the server says "
+            f"{served or 'no build (no /props)'}: another build may read the GGUF otherwise")
+
 
 SPEC = EngineSpec(
-    name=NAME, version=BUILD, measure=measure_served, runtime=RUNTIME, block_follows_shape=True, reads_export=reads_export, chain_rule=NAME,
+    name=NAME, version=BUILD, measure=measure_served, runtime=RUNTIME, block_follows_shape=True, served_version=served_version, judged=judged, reads_export=reads_export, chain_rule=CHAIN_RULE,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries),
     exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, launch_template_kwargs=launch_template_kwargs,
                   template_kwargs_fix=template_kwargs_fix, template_kwargs_flag=TEMPLATE_KWARGS_FLAG,
-                  refusal=refusal),
+                  refusal=refusal, serving_checks=doctor_serving),
 )

@@ -268,3 +268,18 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
     out.notes.append(f"drafted and accepted tokens from each answer's timings; verify steps and per-position "
                      f"acceptance from the {OTHER_TRAFFIC}")
     return out
+
+
+def served_version(url: str, timeout: float = 30.0) -> str | None:
+    """The build a running llama-server reports (``/props`` ``build_info``, e.g. ``b11434-1a2b3c4``: the build number
+    kept, ``b11434``); None when it answers none."""
+    import json
+    import re
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/props", timeout=timeout) as r:
+            info = json.loads(r.read().decode()).get("build_info")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError, AttributeError):
+        return None
+    found = re.match(r"b?(\d+)", str(info or ""))
+    return f"b{found.group(1)}" if found else None

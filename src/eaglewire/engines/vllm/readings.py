@@ -61,6 +61,21 @@ FORMAT_NAME = "speculators"  # its checkpoint format's name: an alias of the eng
 VERSION = "0.33.0"  # the release these readings were taken from (tests/engines re-reads them)
 PER_MODEL_FILE = True  # whether it serves EAGLE-3 at all depends on the target's model file
 
+# The other release read (engines/vllm/versions.py READINGS): vLLM 0.32.0's code reads everything these readings
+# rely on as 0.33.0's does (the same files and functions, compared one by one; tests/engines/test_vllm_versions.py
+# re-reads them from its wheel); only these cited definitions live elsewhere in it, doing the same.
+CITED_BY_VERSION: dict[str, dict[str, str]] = {
+    "0.33.0": {
+        "template kwargs": "vllm/entrypoints/common/cli_args.py FrontendArgs.default_chat_template_kwargs",
+        "aux capture (V2 runner)": "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py requires_aux_hidden_states",
+    },
+    "0.32.0": {
+        "template kwargs": "vllm/entrypoints/launchers/cli_args.py FrontendArgs.default_chat_template_kwargs",
+        "aux capture (V2 runner)": "vllm/v1/worker/gpu/model_runner.py GPUModelRunner.__init__ "
+                                   "(speculative_config.method in eagle3, dflash, dspark, extract_hidden_states)",
+    },
+}
+
 
 def _file(path: str, model: str, *, unsupported: str | None = None) -> ModelFile:
     return ModelFile(engine="vllm", path=f"vllm/model_executor/models/{path}", ids="verbatim",
@@ -639,6 +654,9 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
 # update_dflash: eagle_aux_hidden_state_layer_ids := aux_hidden_state_layer_ids (required), dflash_config :=
 # {target_layer_ids: aux - 1, mask_token_id, causal: not sliding_window_non_causal (default true)}.
 # models/qwen3_dflash.py sizes fc for len(those ids) (else the draft's num_hidden_layers).
+# (vLLM 0.32.0's V2 runner decides it in v1/worker/gpu/model_runner.py GPUModelRunner.__init__: always for
+# "eagle3" and "dflash", not reading eagle_config.use_aux_hidden_state, which 0.33.0 reads for "eagle3" (default
+# true); CITED_BY_VERSION. The two functions cited below are the same in 0.32.0.)
 DFLASH_CITED = ("vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config; "
                 "vllm/transformers_utils/configs/speculators/algos.py update_dflash")
 
@@ -788,6 +806,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
 # ---------------------------------------------------------------- the chat template's switches at launch
 
 TEMPLATE_KWARGS_FLAG = "--default-chat-template-kwargs"  # vllm/entrypoints/common/cli_args.py FrontendArgs
+# (0.32.0: vllm/entrypoints/launchers/cli_args.py FrontendArgs, the same field and json.loads; CITED_BY_VERSION)
 
 
 def launch_template_kwargs(flags: str) -> dict[str, Any] | None:
