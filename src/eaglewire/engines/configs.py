@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from eaglewire.engines import llamacpp
+from eaglewire.engines import llamacpp, vllm
 from eaglewire.engines import Ability, names as engine_names
 from eaglewire.engines.export import ExportConfig
 from eaglewire.engines.interface import RunSettings
@@ -15,7 +15,7 @@ from eaglewire.engines.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
 EXPORT_FORMATS = engine_names(Ability.EXPORT)
 IMPORT_FORMATS = engine_names(Ability.IMPORT)
 ENGINE_ACTIONS = ("install", "which")
-INSTALLABLE_ENGINES = (llamacpp.NAME,)  # third-party engines `eaglewire engines` installs or finds
+INSTALLABLE_ENGINES = (llamacpp.NAME, vllm.NAME)  # third-party engines `eaglewire engines` installs or finds
 
 _ALLOW_HELP = ("target fingerprint fields allowed to differ from the draft's, e.g. weights_sha256 for a "
                "requantized target")
@@ -74,12 +74,18 @@ class EnginesConfig:
         "help": "use this llama.cpp build (directory or llama-server binary)"})
     jobs: int | None = field(default=None, metadata={"help": "parallel compile jobs (default: all cores)"})
     build: bool = field(default=False, metadata={"help": "build into the cache even when llama-server is on PATH"})
+    vllm_python: str | None = field(default=None, metadata={
+        "help": "vllm: use this python (any that can `import vllm`) instead of eaglewire's own venv"})
 
     def __post_init__(self) -> None:
         _choice("ACTION", self.action, ENGINE_ACTIONS)
         _choice("ENGINE", self.engine, INSTALLABLE_ENGINES)
         if self.jobs is not None and self.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
+        if self.engine != vllm.NAME and self.vllm_python is not None:
+            raise ValueError("--vllm-python is for `engines ... vllm`")
+        if self.engine == vllm.NAME and (self.llamacpp_dir or self.jobs or self.build):
+            raise ValueError("--llamacpp-dir, --jobs and --build are for `engines ... llamacpp`")
 
 
 @dataclass(kw_only=True)

@@ -59,10 +59,27 @@ from eaglewire.engines.vllm.readings import (
     launch_template_kwargs,
     template_kwargs_fix,
 )
-from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer, Linter  # noqa: E402
+from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Importer, Linter  # noqa: E402
+from eaglewire.engines.vllm.server import RUNTIME, served_version  # noqa: E402
+from eaglewire.engines.vllm.versions import reading_for, version_line  # noqa: E402
+
+
+def _speculative_label(n_max: int, p_min: float, n_min: int, block: bool) -> str:
+    return f'--speculative-config \'{{"num_speculative_tokens": {n_max}}}\'' + (" (a DFlash block)" if block else "")
+
+
+CHAIN_RULE = ChainRule(p_min_stops=False, label=_speculative_label)  # a fixed k drafted a round, no probability stop
+
+
+def judged(served: str | None) -> tuple[str, str]:
+    """Which release's reading judges a vLLM server that says it is ``served`` (engines/vllm/versions.py)."""
+    reading = reading_for(served)
+    return reading.engine, version_line(reading, served)
+
 
 SPEC = EngineSpec(
-    name=NAME, aliases=(FORMAT_NAME,), version=VERSION, stated_costs=True, measure=measure_served,
+    name=NAME, aliases=(FORMAT_NAME,), version=VERSION, stated_costs=True, measure=measure_served, runtime=RUNTIME,
+    served_version=served_version, judged=judged, chain_rule=CHAIN_RULE,
     reads_export=reads_export,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids, read_notes=read_notes,
                      per_model_file=PER_MODEL_FILE),

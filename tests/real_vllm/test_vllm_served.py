@@ -1,0 +1,174 @@
+"""The real vLLM serving the reference EAGLE-3 draft on SmolLM2 (three server starts for the module: plain,
+the export as written, the export with the seeds' fault in its config).
+
+(a) greedy outputs with the draft are vLLM's plain outputs; (b) the τ vLLM's own counters report is the
+doctor's replay of the same draft on those outputs; (c) an export whose ``eagle_aux_hidden_state_layer_ids``
+names other layers ([0, 2, 15]) is served far below the replay, and the doctor's served check says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
+
+pytestmark = [pytest.mark.vllm, pytest.mark.real]
+
+NEW_TOKENS = 48
+CHAIN = 3
+FAULTY_IDS = [0, 2, 15]  # the seeds' fault: the config names layers the draft was not trained on
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _serve(installation, files: ServedFiles, shape: Shape, log: Path, work):
+    """Start, run ``work(server)``, stop; the result, after checking no process of the server is left."""
+    from eaglewire.engines.vllm.server import VllmServer
+
+    with VllmServer(installation, files, shape, threads=2, log_path=log) as server:
+        pgid = server._proc.pid
+        record = server.record
+        result = work(server)
+    assert _group_gone(pgid), f"vLLM's processes (group {pgid}) outlived the server: see {log}"
+    assert json.loads(log.with_name(log.name + ".json").read_text())["seconds_to_ready"] > 0
+    return result, record
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed(vllm_installation):
+    """Skip before any other fixture loads the target, where vLLM is absent."""
+    return vllm_installation
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    from eaglewire.core.prompts import load_prompts
+    from eaglewire.decode.text import encode_prompt
+
+    return [encode_prompt(smollm2_tokenizer, p.text, chat=p.chat) for p in load_prompts("mt-bench", limit=4)]
+
+
+@pytest.fixture(scope="module")
+def served_files(tmp_path_factory, vllm_installation):
+    from eaglewire.engines.vllm.server import RUNTIME
+
+    work = tmp_path_factory.mktemp("vllm")
+    files = RUNTIME.files("reference", "smollm2-135m", work, RunSettings(install=str(vllm_installation.python)))
+    return work, files
+
+
+@pytest.fixture(scope="module")
+def plain(vllm_installation, served_files, prompts):
+    work, files = served_files
+    answers, record = _serve(vllm_installation, ServedFiles(target=files.target, draft=None), Shape(),
+                             work / "plain.log",
+                             lambda s: [s.generate(p, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0)
+                                        for p in prompts])
+    return answers, record
+
+
+def _measured(server, prompts):
+    from eaglewire.engines.vllm import measure_served
+
+    counts = measure_served(server.url, prompts, max_new_tokens=NEW_TOKENS)
+    answer = server.generate(prompts[0], max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0)
+    return counts, answer, server.draft_totals()
+
+
+@pytest.fixture(scope="module")
+def drafted(vllm_installation, served_files, prompts):
+    work, files = served_files
+    return _serve(vllm_installation, files, Shape(n_max=CHAIN), work / "eagle3.log", lambda s: _measured(s, prompts))
+
+
+@pytest.fixture(scope="module")
+def faulty(vllm_installation, served_files, prompts):
+    work, files = served_files
+    bad = work / "vllm-export-faulty"
+    shutil.copytree(files.draft, bad)
+    config = json.loads((bad / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    config["eagle_aux_hidden_state_layer_ids"] = FAULTY_IDS
+    (bad / "config.json").write_text(json.dumps(config, indent=2))
+    return _serve(vllm_installation, ServedFiles(target=files.target, draft=bad), Shape(n_max=CHAIN),
+                  work / "faulty.log", lambda s: _measured(s, prompts))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_target):
+    from eaglewire.core.presets import resolve_draft
+    from eaglewire.model.checkpoint import load_draft
+
+    draft, contract, _ = load_draft(resolve_draft("reference"), target=smollm2_target)
+    return draft, list(contract.aux_boundaries)
+
+
+def _replay(smollm2_target, reference, prompts, counts):
+    from eaglewire.doctor.served import chain_length, replay_served
+
+    draft, layout = reference
+    return replay_served(smollm2_target, draft, layout, prompts, counts.outputs, chain_length(counts, CHAIN))
+
+
+def test_the_export_loads_in_vllm_and_plain_decoding_counts_one_token_a_round(served_files, plain):
+    work, files = served_files
+    answers, record = plain
+    assert files.family == "eagle3" and files.target.name.startswith("SmolLM2-135M")
+    assert all(len(a.tokens) == NEW_TOKENS or a.stats.finish_reason == "stop" for a in answers)
+    assert all(a.stats.accept_lengths == [1] * (len(a.tokens) - 1) for a in answers)
+    assert all(0 < a.stats.prefill_seconds < a.stats.total_seconds for a in answers)
+    assert record["cpus"] == "0-1" and "vllm.entrypoints.openai.api_server" in " ".join(record["command"])
+
+
+def test_greedy_outputs_with_the_draft_are_vllms_plain_outputs(plain, drafted, served_files):
+    answers, _ = plain
+    (counts, answer, totals), _ = drafted
+    assert counts.outputs == [a.tokens for a in answers]  # speculation is lossless
+    assert answer.tokens == answers[0].tokens
+    assert "Using auxiliary layers from speculative config: (2, 15, 27)" in (served_files[0] / "eagle3.log").read_text()
+    assert counts.source == "per-request" and counts.drafts > 0
+    # the server's cumulative count is the measured requests' steps and the last request's drafted rounds
+    assert totals is not None and totals.draft_seconds is None
+    assert totals.rounds == counts.drafts + sum(1 for v in answer.stats.verified_lengths if v > 1)
+    # the request's own stats: its rounds make its tokens (the last round may overshoot max_tokens)
+    assert sum(answer.stats.accept_lengths) >= len(answer.tokens) - 1
+    assert set(answer.stats.verified_lengths) <= {1, CHAIN + 1}
+
+
+def test_served_tau_is_the_replay_of_the_same_draft(smollm2_target, reference, prompts, drafted):
+    from eaglewire.doctor.report import DoctorReport
+    from eaglewire.doctor.served import served_check
+
+    (counts, _, _), _ = drafted
+    replayed = _replay(smollm2_target, reference, prompts, counts)
+    print(f"served τ {counts.tau:.3f} ({counts.drafts} steps), replayed τ {replayed.tau:.3f} "
+          f"({replayed.drafts} rounds)")
+    assert replayed.text_agreement >= 0.98  # vLLM's fp32 target is eaglewire's
+    assert counts.tau == pytest.approx(replayed.tau, abs=0.05), (counts.tau, replayed.tau, counts.accepted_per_pos,
+                                                                 replayed.accepted_per_pos)
+    assert served_check(counts, replayed, DoctorReport(draft="reference", target="smollm2-135m")).verdict == "ok"
+
+
+def test_the_seeds_fault_is_served_far_below_the_replay(smollm2_target, reference, prompts, drafted, faulty):
+    from eaglewire.doctor.report import DoctorReport
+    from eaglewire.doctor.served import served_check
+
+    (good, _, _), _ = drafted
+    (counts, _, _), _ = faulty
+    replayed = _replay(smollm2_target, reference, prompts, counts)
+    print(f"ids {FAULTY_IDS}: served τ {counts.tau:.3f}, replayed τ {replayed.tau:.3f}; as exported: {good.tau:.3f}")
+    assert counts.tau < replayed.tau - 0.2, (counts.tau, replayed.tau)
+    assert counts.tau < good.tau - 0.2
+    check = served_check(counts, replayed, DoctorReport(draft="reference", target="smollm2-135m"))
+    assert check.verdict == "fail" and "serving-side fault" in check.summary
