@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from eaglewire.doctor.serving import read_gguf_fields
+from eaglewire.doctor.serving import read_file_fields as read_gguf_fields
 from eaglewire.engines import llamacpp as engine
 from eaglewire.engines.llamacpp.served import NORM_BEFORE_FC_TENSOR, REEXPORT_FIX, read_served
 from gguf_edit import rewrite_gguf

@@ -325,7 +325,8 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     """Every field the serving engine reads from ``--engine-config`` that changes what the draft
     computes, against training; a field read otherwise is a FAIL with the key to write, and the draft
     rebuilt as the engine builds it is measured on the same tokens (acc@0 as served)."""
-    from eaglewire.doctor.serving import field_readers, read_fields, read_gguf_fields
+    from eaglewire import engines
+    from eaglewire.doctor.serving import field_readers, read_fields, read_file_fields
     from eaglewire.engines import canonical
     from eaglewire.engines.served_draft import as_served
 
@@ -336,8 +337,8 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     b = m.batches[0]
     real = b.loss_mask.new_ones(b.input_ids.shape, dtype=bool)  # [B, T]
     rows = (b.input_ids[real].cpu(), b.emb[real].cpu())  # [N], [N, H]
-    if path.suffix == ".gguf":  # the file says what reads it: llama.cpp's loader
-        reading = read_gguf_fields(path, m.draft, emb_rows=rows)
+    if engines.file_readers(path.suffix):  # the file says what reads it (a .gguf: llama.cpp's loader)
+        reading = read_file_fields(path, m.draft, emb_rows=rows)
     elif config.engine in field_readers():
         reading = read_fields(canonical(config.engine), read_json_object(path, ENGINE_CONFIG_FIX), path.parent,
                               m.draft, emb_rows=rows)

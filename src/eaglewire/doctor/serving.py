@@ -14,7 +14,7 @@ from eaglewire import engines
 from eaglewire.engines import Ability
 from eaglewire.core.contract import ContractError, EngineConventionError, default_aux_boundaries, target_arch
 from eaglewire.engines.flags import Flags
-from eaglewire.engines.shared import SAME_WEIGHTS_TOLERANCE, relative_difference
+from eaglewire.engines.served_draft import FieldReading, embedding_differs, own_embedding_mismatch
 
 
 @dataclass
@@ -145,17 +145,12 @@ def predicted_tau(acc0: float, cond: list[float], num_steps: int) -> float:
 
 # ---------------------------------------------------------------- every field, as the engine reads it
 
-@dataclass
-class FieldReading:
-    """What ``engine`` computes the draft with from its config directory, against training."""
+def read_file_fields(path, draft, *, emb_rows=None) -> FieldReading:
+    """``read_fields`` for a draft file whose suffix says which engine loads it (a ``.gguf``: llama.cpp's
+    loader): every field that engine reads from it that changes what ``draft`` computes, against training."""
+    from pathlib import Path
 
-    served: Any  # engines.served_draft.ServedDraft
-    found: list  # engines.served_draft.Mismatch: each field read otherwise than trained
-    d2t: Any = None  # [Vd] long offsets the engine maps draft ids with, where they differ from the draft's
-    notes: list[str] = field(default_factory=list)
-    embedding: Any = None  # [V, H] the token embedding the engine drafts with, where it is not the target's
-    norm_weights: dict[str, Any] = field(default_factory=dict)  # norm flag -> the weight the served file applies
-    lm_head: Any = None  # [Vd, H] the head rows the served file holds, where they are not the trained ones
+    return engines.file_reader(Path(path).suffix).linter.read_draft_file(path, draft, emb_rows=emb_rows)
 
 
 def field_readers() -> tuple[str, ...]:
@@ -228,84 +223,6 @@ def read_fields(engine: str, config: dict[str, Any], directory, draft, *, emb_ro
                               what, fix, measurable=measurable))
     out.d2t = (mapped - torch.arange(vd)) if measurable else None
     return out
-
-
-def embedding_comparable(embed, emb_rows) -> bool:
-    """Whether the target's rows ``emb_rows`` = (token ids [N], rows [N, H]) can be looked up in ``embed`` [V, H]."""
-    if embed is None or emb_rows is None:
-        return False
-    ids, rows = emb_rows
-    return int(ids.max()) < embed.shape[0] and embed.shape[-1] == rows.shape[-1]
-
-
-def embedding_differs(embed, emb_rows, what: str) -> tuple[bool, list[str]]:
-    """(whether ``embed`` [V, H] is not the target's at ``emb_rows`` = (token ids [N], the target's rows [N, H]),
-    the note saying by how much)."""
-    if embed is None or emb_rows is None:
-        return False, []
-    ids, rows = emb_rows
-    if not embedding_comparable(embed, emb_rows):
-        return True, [f"{what} is {list(embed.shape)}: not this target's embedding ({list(rows.shape)[-1]} wide, "
-                      f"ids up to {int(ids.max())})"]
-    rel = relative_difference(embed.float()[ids], rows)  # [N, H] against [N, H]
-    return rel > SAME_WEIGHTS_TOLERANCE, [f"{what} differs from the target's by {rel:.2e} (relative)"]
-
-
-def own_embedding_mismatch(engine: str, fix: str, *, measurable: bool):
-    """The field reading of an engine that drafts with the checkpoint's own token embedding, not the target's."""
-    from eaglewire.engines.served_draft import Mismatch
-
-    return Mismatch("embed_tokens", "the checkpoint's own", "the target's",
-                    f"{engine} uses the checkpoint's own embedding rows, which are not this target's", fix,
-                    measurable=measurable)
-
-
-def read_gguf_fields(path, draft, *, emb_rows=None) -> FieldReading:
-    """``read_fields`` for a llama.cpp draft GGUF: every field llama.cpp reads from it that changes what ``draft``
-    computes (``engines/llamacpp/served.py``), against training; the draft's vocabulary map (``d2t``) is the
-    llama.cpp vocabulary check's."""
-    from dataclasses import replace
-
-    from eaglewire.engines.llamacpp.served import REEXPORT_FIX, read_served, same_float32
-    from eaglewire.engines.served_draft import Mismatch, mismatches
-
-    gguf = read_served(path)
-    served = gguf.served
-    found, notes = [], []
-    for m in mismatches(served, draft.config):
-        if m.field == "rope_scaling" and _same_rope_type(m.served, m.trained):
-            notes.append(f"RoPE scaling {m.trained.get('rope_type')}: llama.cpp's GGUF names its type; compared by "
-                         "type only")
-            continue
-        if m.field in ("rms_norm_eps", "rope_theta") and same_float32(m.served, m.trained):
-            continue  # the converter wrote the trained value in float32
-        if m.field == "norm_before_fc" and gguf.missing:
-            m = replace(m, meaning=f"{m.meaning}; the GGUF lacks {', '.join(gguf.missing)}, so llama.cpp refuses to "
-                                   "load it", measurable=False)
-        found.append(replace(m, fix=REEXPORT_FIX))
-    differs, more = embedding_differs(gguf.own_embedding, emb_rows, "the GGUF's token_embd.weight")
-    notes += more
-    out = FieldReading(served, found, notes=notes, norm_weights=gguf.norm_weights)
-    if differs:
-        measurable = embedding_comparable(gguf.own_embedding, emb_rows)
-        out.found.append(own_embedding_mismatch(served.engine, REEXPORT_FIX, measurable=measurable))
-        out.embedding = gguf.own_embedding if measurable else None
-    elif gguf.own_embedding is not None:
-        served.embedding = "target"  # its own token_embd holds the target's rows
-    trained = draft.lm_head.weight.detach().float().cpu()  # [Vd, H]
-    if gguf.own_head is not None and relative_difference(gguf.own_head, trained) > SAME_WEIGHTS_TOLERANCE:
-        same_shape = tuple(gguf.own_head.shape) == tuple(trained.shape)
-        out.found.append(Mismatch("lm_head", "the GGUF's own output rows", "the trained lm_head",
-                                  f"{served.engine} scores the draft's tokens with the GGUF's output.weight "
-                                  f"{list(gguf.own_head.shape)}, which is not the trained lm_head "
-                                  f"{list(trained.shape)}", REEXPORT_FIX, measurable=same_shape))
-        out.lm_head = gguf.own_head if same_shape else None
-    return out
-
-
-def _same_rope_type(served: Any, trained: Any) -> bool:
-    return isinstance(served, dict) and isinstance(trained, dict) and \
-        served.get("rope_type") == trained.get("rope_type") is not None
 
 
 def read_dflash_engine_config(engine: str, config: dict[str, Any], num_layers: int, declared: list[int],

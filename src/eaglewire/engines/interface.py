@@ -81,6 +81,7 @@ class Linter:
     # its serving checks are its own (llama.cpp reads a GGUF draft, not a config.json): (report, config, declared,
     # num_layers, arch, dflash_block, *, vocab_ids) -> (label -> boundaries it captures, tokens drafted a round)
     serving_checks: Callable[..., Any] | None = None
+    read_draft_file: Callable[..., Any] | None = None  # (path, draft, *, emb_rows) -> FieldReading of its own file
 
 
 # ---------------------------------------------------------------- engines that run here
@@ -231,6 +232,7 @@ class EngineSpec:
     stated_costs: bool = False
     reads_export: Callable[..., list[str]] | None = None  # SERVING.md lines: how it reads another engine's export
     chain_rule: ChainRule = PATH_RULE  # how it stops a chain and spells a shape
+    draft_file_suffix: str | None = None  # the suffix of the draft files it loads (".gguf"), where it has its own
     block_follows_shape: bool = False  # it runs a DFlash block of n_max + 1 tokens, not the trained block
     in_process: bool = False  # eaglewire's own engine: run in this process (bench, tune), no server to launch
 

@@ -41,6 +41,19 @@ def get(name: str, capability: Ability | None = None, *, param: str = "engine") 
     return engine
 
 
+def file_readers(suffix: str) -> tuple[EngineSpec, ...]:
+    """The engines that load draft files of their own ending in ``suffix`` (``.gguf``: llama.cpp)."""
+    return tuple(e for e in ENGINES if suffix and e.draft_file_suffix == suffix and e.linter and e.linter.read_draft_file)
+
+
+def file_reader(suffix: str) -> EngineSpec:
+    """The engine that loads draft files ending in ``suffix`` (``.gguf``: llama.cpp); ValueError where none does."""
+    found = file_readers(suffix)
+    if not found:
+        raise ValueError(f"no engine eaglewire knows loads a {suffix or 'suffix-less'} draft file")
+    return found[0]
+
+
 def canonical(name: str) -> str:
     """``speculators`` -> ``vllm``: the engine an alias names."""
     return get(name).name

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from eaglewire.engines.shared import SAME_WEIGHTS_TOLERANCE, relative_difference
 from eaglewire.model.draft import DraftConfig, Eagle3Draft, RMSNorm, Rotary
 
 # flag -> what a true value makes the engine compute; an eaglewire draft trains with all false
@@ -186,3 +187,53 @@ class _ChunkNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([n(c) for n, c in zip(self.norms, x.chunk(self.k, dim=-1))], dim=-1)  # [.., k*Ht]
+
+
+# ---------------------------------------------------------------- what the doctor reads an engine's files into
+
+@dataclass
+class FieldReading:
+    """What ``engine`` computes the draft with from its config directory, against training."""
+
+    served: Any  # engines.served_draft.ServedDraft
+    found: list  # engines.served_draft.Mismatch: each field read otherwise than trained
+    d2t: Any = None  # [Vd] long offsets the engine maps draft ids with, where they differ from the draft's
+    notes: list[str] = field(default_factory=list)
+    embedding: Any = None  # [V, H] the token embedding the engine drafts with, where it is not the target's
+    norm_weights: dict[str, Any] = field(default_factory=dict)  # norm flag -> the weight the served file applies
+    lm_head: Any = None  # [Vd, H] the head rows the served file holds, where they are not the trained ones
+
+
+def embedding_comparable(embed, emb_rows) -> bool:
+    """Whether the target's rows ``emb_rows`` = (token ids [N], rows [N, H]) can be looked up in ``embed`` [V, H]."""
+    if embed is None or emb_rows is None:
+        return False
+    ids, rows = emb_rows
+    return int(ids.max()) < embed.shape[0] and embed.shape[-1] == rows.shape[-1]
+
+
+def embedding_differs(embed, emb_rows, what: str) -> tuple[bool, list[str]]:
+    """(whether ``embed`` [V, H] is not the target's at ``emb_rows`` = (token ids [N], the target's rows [N, H]),
+    the note saying by how much)."""
+    if embed is None or emb_rows is None:
+        return False, []
+    ids, rows = emb_rows
+    if not embedding_comparable(embed, emb_rows):
+        return True, [f"{what} is {list(embed.shape)}: not this target's embedding ({list(rows.shape)[-1]} wide, "
+                      f"ids up to {int(ids.max())})"]
+    rel = relative_difference(embed.float()[ids], rows)  # [N, H] against [N, H]
+    return rel > SAME_WEIGHTS_TOLERANCE, [f"{what} differs from the target's by {rel:.2e} (relative)"]
+
+
+def own_embedding_mismatch(engine: str, fix: str, *, measurable: bool):
+    """The field reading of an engine that drafts with the checkpoint's own token embedding, not the target's."""
+    return Mismatch("embed_tokens", "the checkpoint's own", "the target's",
+                    f"{engine} uses the checkpoint's own embedding rows, which are not this target's", fix,
+                    measurable=measurable)
+
+
+def same_rope_type(served: Any, trained: Any) -> bool:
+    return isinstance(served, dict) and isinstance(trained, dict) and \
+        served.get("rope_type") == trained.get("rope_type") is not None
+
+

@@ -72,6 +72,13 @@ def _flags_label(n_max: int, p_min: float, n_min: int, block: bool) -> str:
 CHAIN_RULE = ChainRule(token_stop=True, block_stops=True, label=_flags_label)
 
 
+def doctor_fields(*args, **kwargs):
+    """The doctor's reading of every field a draft GGUF makes llama.cpp compute with (engines/llamacpp/served.py)."""
+    from eaglewire.engines.llamacpp.served import read_fields
+
+    return read_fields(*args, **kwargs)
+
+
 def judged(served: str | None) -> tuple[str, str]:
     """Which build's reading judges a llama-server of build ``served``."""
     pinned = f"b{BUILD}" if not str(BUILD).startswith("b") else str(BUILD)
@@ -82,11 +89,11 @@ def judged(served: str | None) -> tuple[str, str]:
 
 
 SPEC = EngineSpec(
-    name=NAME, version=BUILD, measure=measure_served, runtime=RUNTIME, block_follows_shape=True, served_version=served_version, judged=judged, reads_export=reads_export, chain_rule=CHAIN_RULE,
+    name=NAME, version=BUILD, measure=measure_served, runtime=RUNTIME, block_follows_shape=True, draft_file_suffix=".gguf", served_version=served_version, judged=judged, reads_export=reads_export, chain_rule=CHAIN_RULE,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries),
     exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, launch_template_kwargs=launch_template_kwargs,
                   template_kwargs_fix=template_kwargs_fix, template_kwargs_flag=TEMPLATE_KWARGS_FLAG,
-                  refusal=refusal, serving_checks=doctor_serving),
+                  refusal=refusal, serving_checks=doctor_serving, read_draft_file=doctor_fields),
 )

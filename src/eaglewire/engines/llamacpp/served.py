@@ -134,3 +134,47 @@ REEXPORT_FIX = ("re-export the draft with `eaglewire export --draft DRAFT --to l
 def same_float32(a: float, b: float) -> bool:
     """Whether two values are one float32 value (GGUF stores eps and theta in float32)."""
     return bool(np.float32(a) == np.float32(b))
+
+
+def read_fields(path, draft, *, emb_rows=None):
+    """The doctor's field reading of a llama.cpp draft GGUF (``FieldReading``): every field llama.cpp reads from it that changes what ``draft``
+    computes (``engines/llamacpp/served.py``), against training; the draft's vocabulary map (``d2t``) is the
+    llama.cpp vocabulary check's."""
+    from dataclasses import replace
+
+    from eaglewire.engines.served_draft import (FieldReading, Mismatch, embedding_comparable, embedding_differs,
+                                                mismatches, own_embedding_mismatch, same_rope_type)
+    from eaglewire.engines.shared import SAME_WEIGHTS_TOLERANCE, relative_difference
+
+    gguf = read_served(path)
+    served = gguf.served
+    found, notes = [], []
+    for m in mismatches(served, draft.config):
+        if m.field == "rope_scaling" and same_rope_type(m.served, m.trained):
+            notes.append(f"RoPE scaling {m.trained.get('rope_type')}: llama.cpp's GGUF names its type; compared by "
+                         "type only")
+            continue
+        if m.field in ("rms_norm_eps", "rope_theta") and same_float32(m.served, m.trained):
+            continue  # the converter wrote the trained value in float32
+        if m.field == "norm_before_fc" and gguf.missing:
+            m = replace(m, meaning=f"{m.meaning}; the GGUF lacks {', '.join(gguf.missing)}, so llama.cpp refuses to "
+                                   "load it", measurable=False)
+        found.append(replace(m, fix=REEXPORT_FIX))
+    differs, more = embedding_differs(gguf.own_embedding, emb_rows, "the GGUF's token_embd.weight")
+    notes += more
+    out = FieldReading(served, found, notes=notes, norm_weights=gguf.norm_weights)
+    if differs:
+        measurable = embedding_comparable(gguf.own_embedding, emb_rows)
+        out.found.append(own_embedding_mismatch(served.engine, REEXPORT_FIX, measurable=measurable))
+        out.embedding = gguf.own_embedding if measurable else None
+    elif gguf.own_embedding is not None:
+        served.embedding = "target"  # its own token_embd holds the target's rows
+    trained = draft.lm_head.weight.detach().float().cpu()  # [Vd, H]
+    if gguf.own_head is not None and relative_difference(gguf.own_head, trained) > SAME_WEIGHTS_TOLERANCE:
+        same_shape = tuple(gguf.own_head.shape) == tuple(trained.shape)
+        out.found.append(Mismatch("lm_head", "the GGUF's own output rows", "the trained lm_head",
+                                  f"{served.engine} scores the draft's tokens with the GGUF's output.weight "
+                                  f"{list(gguf.own_head.shape)}, which is not the trained lm_head "
+                                  f"{list(trained.shape)}", REEXPORT_FIX, measurable=same_shape))
+        out.lm_head = gguf.own_head if same_shape else None
+    return out
