@@ -510,18 +510,25 @@ def server_urls(remote: RemoteConfig, *, ctx_per_slot: int) -> Iterator[list[str
     if not remote.llamacpp_gguf:
         yield list(remote.server or [])
         return
-    from eaglewire.engines.llamacpp.installation import require_server
-    from eaglewire.engines.llamacpp.server import LlamaServer, plain_server_config
+    import tempfile
+
+    from eaglewire import engines
+    from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
 
     gguf = Path(remote.llamacpp_gguf).expanduser()
     if not gguf.is_file():
         raise FileNotFoundError(f"--llamacpp-gguf {gguf}: no such file; give the target's GGUF")
+    runtime = engines.file_reader(gguf.suffix).runtime  # the engine that loads such a file
     if remote.concurrency < remote.slots:
         log.warning("--concurrency %d < --slots %d: %d slot(s) stay idle", remote.concurrency, remote.slots,
                     remote.slots - remote.concurrency)
-    launch = plain_server_config(gguf, slots=remote.slots, threads=remote.server_threads or os.cpu_count() or 1,
-                                 ctx_per_slot=ctx_per_slot)
-    with LlamaServer(require_server(remote.llamacpp_dir), launch) as server:
+    settings = RunSettings(threads=remote.server_threads or os.cpu_count() or 1, install=remote.llamacpp_dir,
+                           slots=remote.slots, ctx_per_slot=ctx_per_slot)
+    why = runtime.available(settings)
+    if why:
+        raise FileNotFoundError(why)
+    with tempfile.TemporaryDirectory(prefix="eaglewire-regenerate-") as logs, \
+            runtime.serve(ServedFiles(gguf, None), Shape(), settings, log_path=Path(logs) / "server.log") as server:
         yield [server.url]
 
 

@@ -112,6 +112,8 @@ class RunSettings:
     install: str | None = None  # a build or interpreter to use instead of eaglewire's install
     target_file: str | None = None  # the engine's own target file (a GGUF) instead of one exported here
     draft_file: str | None = None  # the engine's own draft file instead of one exported here
+    slots: int = 1  # requests it decodes together (regeneration serves many; measuring, one)
+    ctx_per_slot: int = 4096  # tokens of context each slot holds
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -14,7 +15,7 @@ from eaglewire.engines.interface import Answer, DraftTotals, RunSettings, Served
 from eaglewire.engines.llamacpp.errors import LlamaCppError
 from eaglewire.engines.llamacpp.installation import BUILD, INSTALL_HINT, find_server, require_server, server_build
 from eaglewire.engines.llamacpp.readings import NAME
-from eaglewire.engines.llamacpp.server import LlamaServer, chain_config, complete, metrics
+from eaglewire.engines.llamacpp.server import LlamaServer, chain_config, complete, metrics, plain_server_config
 
 WARMUP_TOKENS = 32  # the first request of a fresh llama-server runs several times slower
 STATS_VERBOSITY = ["-lv", "4"]  # the level at which llama-server prints its drafting statistics
@@ -99,8 +100,12 @@ def launch_config(files: ServedFiles, shape: Shape, settings: RunSettings, *, dr
     if not shape.plain and files.draft is None:
         raise LlamaCppError(f"a {shape.label()} launch needs a draft GGUF")
     extra = [*settings.flags, *(STATS_VERBOSITY if draft_timing and not shape.plain else [])]
-    return chain_config(files.target, files.draft, threads=settings.threads, n_max=shape.n_max, p_min=shape.p_min,
-                        extra=extra, family=files.family)
+    if shape.plain and settings.slots > 1:  # llama-server splits -c over its slots
+        return plain_server_config(files.target, slots=settings.slots, threads=settings.threads,
+                                   ctx_per_slot=settings.ctx_per_slot, extra=extra)
+    config = chain_config(files.target, files.draft, threads=settings.threads, n_max=shape.n_max, p_min=shape.p_min,
+                          extra=extra, family=files.family)
+    return replace(config, ctx_size=max(config.ctx_size, settings.ctx_per_slot))
 
 
 class LlamaCppRuntime:

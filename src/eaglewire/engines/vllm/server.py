@@ -83,7 +83,8 @@ def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127
                 flags: Sequence[str] = ()) -> list[str]:
     """The api_server's arguments for serving ``files`` at ``shape``: fp32 (as eaglewire measures the draft),
     eager (torch.compile's Dynamo overflowed the stack at start in 2 of 5 EAGLE-3 launches on this CPU),
-    per-request metrics on; ``flags`` last (they override)."""
+    per-request metrics on, no prefix cache (every request prefills alike, as llama.cpp's runs with cache_prompt
+    off); ``flags`` last (they override)."""
     if shape.plain:
         spec: list[str] = []
     else:
@@ -92,7 +93,7 @@ def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127
         spec = ["--speculative-config", json.dumps(speculative_config(files.draft, shape, files.family)),
                 *PER_REQUEST_FLAGS]
     args = ["--model", str(files.target), "--dtype", "float32", "--max-model-len", str(max_model_len),
-            "--host", host, "--port", str(port), "--seed", "0", TIMING_FLAG, *spec]
+            "--host", host, "--port", str(port), "--seed", "0", "--no-enable-prefix-caching", TIMING_FLAG, *spec]
     if enforce_eager:
         args.append("--enforce-eager")
     return args + list(flags)
