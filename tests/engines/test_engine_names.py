@@ -74,3 +74,42 @@ def test_registry_names_resolve_aliases():
         assert "'tensorrt' is not one of eaglewire, sglang, vllm, speculators" in str(e)
     else:
         raise AssertionError("an unknown engine must be refused")
+
+
+ENGINE_PACKAGES = {f"eaglewire.engines.{e.name}" for e in engines.ENGINES if e.name != "eaglewire"} | {
+    "eaglewire.engines.eaglewire"}
+IMPORTS_ALLOWED = {"cli.py"}  # the CLI's engines command installs and finds them by name
+
+
+def engine_imports(root: Path) -> list[str]:
+    """``path:line: module`` for every import of one engine's package outside engines/ (and the CLI): the house
+    talks to engines through the registry's types only."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("engines/") or rel in IMPORTS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            hit = [n for n in names if any(n == p or n.startswith(p + ".") for p in ENGINE_PACKAGES)]
+            if hit:
+                found.append(f"{rel}:{node.lineno}: {hit[0]}")
+    return found
+
+
+def test_no_engine_code_outside_the_engines_package():
+    found = engine_imports(SRC)
+    assert not found, ("engine packages imported outside src/eaglewire/engines (talk to engines.get(name)'s spec "
+                       "instead):\n" + "\n".join(found))
+
+
+def test_the_import_scan_sees_an_engine_import(tmp_path):
+    (tmp_path / "bench.py").write_text("from eaglewire.engines.llamacpp.server import LlamaServer\n"
+                                       "from eaglewire.engines import interface\nimport eaglewire.engines.vllm\n")
+    assert engine_imports(tmp_path) == ["bench.py:1: eaglewire.engines.llamacpp.server",
+                                        "bench.py:3: eaglewire.engines.vllm"]

@@ -63,8 +63,8 @@ from eaglewire.acceptance.simulate import RoundShape, Shape, sampled_rounds, tau
 from eaglewire.acceptance.trace import DraftTrace, trace_blocks, trace_text
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.traffic import REQUEST_KEYS, parse_prompt, traffic_records
-from eaglewire.engines.eaglewire import NAME as EAGLEWIRE
-from eaglewire.engines.sampling_defaults import LAUNCH_READERS, RULES, Temperature, temperature_value
+from eaglewire.engines.interface import PATH_RULE
+from eaglewire.engines.sampling_defaults import LAUNCH_READERS, Temperature, acceptance_rule, temperature_value
 from eaglewire.model.dflash_blocks import is_block_draft
 
 NAME = "sampling"
@@ -165,14 +165,14 @@ def _trace(target, draft, layout: list[int], text: list[int], prompt_len: int, s
 
 
 def sampled_acceptance(target, draft, layout: list[int], sequences: list, *, steps: int, temperature: float,
-                       engine: str = EAGLEWIRE) -> SampledAcceptance:
+                       engine: str | None = None) -> SampledAcceptance:
     """Expected τ of a greedy chain of ``steps`` at ``temperature`` and at 0 on ``sequences`` (the module's
     text); a DFlash draft: ``steps`` drafted from one block (llama.cpp runs a block of steps + 1)."""
     block = is_block_draft(draft)
     block_len = None
     if block:
         steps = min(steps, draft.config.block_size - 1)
-        block_len = steps + 1 if engines.get(engine).block_follows_shape else draft.config.block_size
+        block_len = steps + 1 if engine and engines.get(engine).block_follows_shape else draft.config.block_size
     shape = Shape(steps, block=block)
     sampled: list[RoundShape] = []
     greedy: list[RoundShape] = []  # the same rounds at T = 0
@@ -185,8 +185,8 @@ def sampled_acceptance(target, draft, layout: list[int], sequences: list, *, ste
         trace = _trace(target, draft, layout, seq.input_ids.tolist(), spans[0][0], steps, temperature, block_len)
         for s, e in spans:  # p_min 0: every round drafts all ``steps`` (either rule)
             at_t = window(trace, s, e, steps)
-            sampled += sampled_rounds(at_t, shape, EAGLEWIRE)
-            greedy += sampled_rounds(at_zero(at_t), shape, EAGLEWIRE)
+            sampled += sampled_rounds(at_t, shape, PATH_RULE)
+            greedy += sampled_rounds(at_zero(at_t), shape, PATH_RULE)
     return SampledAcceptance(temperature, steps, tau(sampled), tau(greedy), len(sampled), used)
 
 
@@ -212,13 +212,13 @@ def check_sampling(report: DoctorReport, config: Any, target, draft, layout: lis
     engine = engines.canonical(config.engine)
     report.sampling = {"temperature": found.value, "source": found.source, "chain": got.chain,
                        "sampled_tau": got.tau, "greedy_tau": got.greedy_tau, "rounds": got.rounds,
-                       "sequences": got.sequences, "rule": RULES.get(engine, RULES[EAGLEWIRE])}
+                       "sequences": got.sequences, "rule": acceptance_rule(engine)}
     if got.rounds == 0:
         return report.add(Check(NAME, "skip", f"users sample at T {found.value:g} (from {found.source}); no "
                                 f"held-out reply is long enough for a chain of {got.chain}", notes,
                                 fix="raise --max-length"))
     evidence = [f"expected τ 1 + Σ_k Π_(j<=k) p_T(x_j) of a greedy chain of {got.chain}, accepted by "
-                f"{RULES.get(engine, RULES[EAGLEWIRE])}, over {got.rounds:,} round starts on the training-time "
+                f"{acceptance_rule(engine)}, over {got.rounds:,} round starts on the training-time "
                 f"unroll of {got.sequences} held-out sequences; greedy: the same rounds at T 0",
                 *notes,
                 "acc@0, the acceptance check's τ, --engine-url's served τ and the speed ranking are greedy; "

@@ -122,3 +122,12 @@ RULES = {  # canonical engine -> how it accepts a drafted token when sampling (t
     LLAMACPP: "llama.cpp b11434's common_sampler_sample_and_accept_n (the target samples, accepted when equal)",
     EAGLEWIRE: "eaglewire's sampling_verify (a chain's token accepted with p_T(x))",
 }
+
+
+def acceptance_rule(engine: str) -> str:
+    """How ``engine`` (any name or alias) accepts a drafted token when sampling; eaglewire's rule for an engine
+    whose rule was not read."""
+    from eaglewire.engines.registry import canonical
+
+    return RULES.get(canonical(engine), RULES[EAGLEWIRE])
+
