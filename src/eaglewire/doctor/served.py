@@ -6,7 +6,8 @@ them, else its Prometheus counters before and after), and replays the same greed
 training-time unroll of the server's own output text (``acceptance/replay.py``): greedy decoding
 is lossless, so a server wired as trained accepts exactly what the replay accepts on its text. A
 served acceptance below the replay beyond binomial noise is a serving-side fault, not a weak
-draft; the fix names the causes the other checks did not rule out.
+draft; the fix names the causes the other checks did not rule out, and the served-wiring check
+(``diagnosis.py``) replays every wiring eaglewire knows on that text to name the one the server feeds.
 
 Shapes: S draft steps, T tokens.
 """
@@ -187,4 +188,9 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
     report.served = {"engine": counts.engine, "source": counts.source, "tau": counts.tau,
                      "per_position": counts.per_position, "replayed_tau": replayed.tau,
                      "replayed_per_position": replayed.per_position, "chain": steps}
+    if check.verdict == "fail" and counts.draft_tokens and replayed.judged:  # a serving-side fault: which wiring?
+        from eaglewire.doctor.diagnosis import diagnose
+
+        report.add(diagnose(report, config, target, draft, layout, prompts, counts, replayed, steps,
+                            candidate_causes(report, replayed)))
     return check

@@ -82,6 +82,13 @@ class Linter:
     # num_layers, arch, dflash_block, *, vocab_ids) -> (label -> boundaries it captures, tokens drafted a round)
     serving_checks: Callable[..., Any] | None = None
     read_draft_file: Callable[..., Any] | None = None  # (path, draft, *, emb_rows) -> FieldReading of its own file
+    draft_file_layers: Callable[[Any], "list[int] | None"] | None = None  # path -> the boundaries its file feeds
+    # (engine config, declared, num_layers, the layout served or None, dflash) -> the fix, for an engine whose layout
+    # lives in a draft file of its own (llama.cpp's GGUF); None: config_fix's line in the draft's config.json
+    layout_fix: Callable[..., str] | None = None
+    norm_flags: tuple[str, ...] = ()  # the norm flags it reads from a draft's config (it computes with those only)
+    d2t_reading: str | None = None  # how it reads d2t: "offsets" (target id = draft id + d2t) or "ids" (absolute)
+    field_fix: str | None = None  # the one fix for any field it reads otherwise (llama.cpp: re-export the GGUF)
 
 
 # ---------------------------------------------------------------- engines that run here

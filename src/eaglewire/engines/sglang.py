@@ -774,5 +774,6 @@ SPEC = EngineSpec(
                   dflash_config_fix=dflash_config_fix, read_served=read_served, served_config_key=served_config_key,
                   launch_template_kwargs=launch_template_kwargs, template_kwargs_fix=template_kwargs_fix,
                   template_kwargs_flag=TEMPLATE_KWARGS_FLAG, refusal=refusal, file_for=file_for,
-                  cannot_feed=cannot_feed, num_aux=num_aux, readings=readings),
+                  cannot_feed=cannot_feed, num_aux=num_aux, norm_flags=("norm_before_fc", "fc_norm", "norm_output"),
+                  d2t_reading="offsets", readings=readings),
 )

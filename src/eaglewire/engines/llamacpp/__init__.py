@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 from eaglewire.engines.llamacpp.runtime import RUNTIME  # noqa: E402
+from eaglewire.engines.llamacpp.served import REEXPORT_FIX  # noqa: E402
 from eaglewire.engines.llamacpp.server import served_version  # noqa: E402
 
 
@@ -79,6 +80,18 @@ def doctor_fields(*args, **kwargs):
     return read_fields(*args, **kwargs)
 
 
+def doctor_layers(path) -> list[int] | None:
+    from eaglewire.engines.llamacpp.doctor import draft_file_layers
+
+    return draft_file_layers(path)
+
+
+def doctor_layout_fix(*args, **kwargs) -> str:
+    from eaglewire.engines.llamacpp.doctor import layout_fix
+
+    return layout_fix(*args, **kwargs)
+
+
 def judged(served: str | None) -> tuple[str, str]:
     """Which build's reading judges a llama-server of build ``served``."""
     pinned = f"b{BUILD}" if not str(BUILD).startswith("b") else str(BUILD)
@@ -95,5 +108,7 @@ SPEC = EngineSpec(
     exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, launch_template_kwargs=launch_template_kwargs,
                   template_kwargs_fix=template_kwargs_fix, template_kwargs_flag=TEMPLATE_KWARGS_FLAG,
-                  refusal=refusal, serving_checks=doctor_serving, read_draft_file=doctor_fields),
+                  refusal=refusal, serving_checks=doctor_serving, read_draft_file=doctor_fields,
+                  draft_file_layers=doctor_layers, layout_fix=doctor_layout_fix, field_fix=REEXPORT_FIX,
+                  norm_flags=("norm_before_residual", "norm_before_fc"), d2t_reading="ids"),
 )

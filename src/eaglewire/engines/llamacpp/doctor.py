@@ -94,3 +94,29 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
     readings = {LLAMACPP: [int(x) for x in layers]} if layers and len(layers) == 3 and \
         all(0 <= x <= num_layers for x in layers) and len(set(layers)) == 3 else {}
     return readings, steps
+
+
+def draft_file_layers(path) -> list[int] | None:
+    """The boundaries a draft GGUF makes llama.cpp feed (its ``extract_layers`` / DFlash ``target_layers``)."""
+    layers = engine.draft_layers(engine.read_gguf_metadata(path))
+    return [int(x) for x in layers] if layers else None
+
+
+def layout_fix(engine_config: str | None, declared: list[int], num_layers: int, served_layout: list[int] | None,
+               dflash: bool) -> str:
+    """The fix that makes llama-server feed ``declared``: ``layout_problem`` on the GGUF given, or on a GGUF holding
+    ``served_layout`` where the one given is wired as trained (the server loads another one)."""
+    meta, where = None, "the GGUF llama-server loads"
+    if engine_config and str(engine_config).endswith(".gguf"):
+        try:
+            meta, where = engine.read_gguf_metadata(engine_config), engine_config
+        except Exception:  # noqa: BLE001 - the engine checks report an unreadable GGUF
+            meta = None
+    shown = list(served_layout or [])
+    if (meta is None or engine.draft_layers(meta) == list(declared)) and shown and min(shown) >= 0:
+        meta, where = {"general.architecture": engine.GGUF_ARCH, f"{engine.GGUF_ARCH}.target_layers": shown}, \
+            "the GGUF llama-server loads"
+    problem = (engine.layout_problem(meta, declared, num_layers, where=where, family="dflash" if dflash else "eagle3")
+               if meta is not None else None)
+    return problem or (f"re-export with `eaglewire export --to llamacpp --draft DRAFT --out DIR`: its GGUF's "
+                       f"extract_layers are {declared}, which llama.cpp feeds as the boundaries trained")

@@ -90,7 +90,9 @@ SPEC = EngineSpec(
                   dflash_config_fix=dflash_config_fix, read_served=read_served, served_config_key=served_config_key,
                   launch_template_kwargs=launch_template_kwargs, template_kwargs_fix=template_kwargs_fix,
                   template_kwargs_flag=TEMPLATE_KWARGS_FLAG, refusal=refusal, file_for=file_for,
-                  cannot_feed=cannot_feed, num_aux=num_aux),
+                  cannot_feed=cannot_feed, num_aux=num_aux,
+                  norm_flags=("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"),
+                  d2t_reading="offsets"),
 )
 
 __all__ = ["NAME", "FORMAT_NAME", "VERSION", "PER_MODEL_FILE", "FILES", "WRAPPER_FILES", "file_for", "refusal", "to_ids", "to_boundaries", "read_notes", "cannot_feed", "config_fix", "ARCHITECTURE", "MODEL_TYPE", "NORM_FLAGS", "build_config", "parse_config", "read_ids", "id_readings", "num_aux", "to_speculators_names", "check_vocab_maps", "verifier_notes", "serving_md", "export_arch", "export", "reads_export", "FLAG_ALIASES", "detect_method", "lint_flags", "SERVED_CITED", "read_served", "served_config_key", "METRICS_PREFIX", "SPEC_DRAFTS", "SPEC_DRAFT_TOKENS", "SPEC_ACCEPTED", "SPEC_PER_POS", "PER_REQUEST_FLAG", "spec_counters", "request_spec_metrics", "complete_ids", "measure_served", "DFLASH_CITED", "dflash_to_ids", "dflash_to_boundaries", "lint_dflash_flags", "read_dflash_ids", "dflash_config_fix", "parse_dflash_config", "export_dflash", "TEMPLATE_KWARGS_FLAG", "launch_template_kwargs", "template_kwargs_fix", "SPEC"]

@@ -1,0 +1,515 @@
+"""``doctor --engine-url``, when the server accepts less than the replay: which wiring it feeds the draft.
+
+Greedy decoding is lossless, so a server accepts exactly what the draft accepts on the server's own
+text *as that server runs it*. The doctor already holds that text; it replays the draft along it
+under every wiring it knows an engine may run instead of the trained one, and names the one whose
+per-position acceptance is the server's:
+
+- layouts: ``layouts.candidate_layouts`` (what the engine reads from ``--engine-config``, each
+  boundary off by one, all of them off by one, the first/last k of k+1 captured states: the
+  embedding output or the last state swapped in) and the last state after the target's final norm
+  where a layout feeds boundary L;
+- field readings (EAGLE-3): each norm flag the serving engine reads (``served_draft.TRAINED_NORMS``,
+  built by ``served_draft.as_served``; ``norm_output`` here), d2t read in the other convention or
+  missing, the target's lm_head over its whole vocabulary, and the engine's own reading of
+  ``--engine-config`` (``serving.read_fields`` / ``read_file_fields``) with each of its layouts.
+
+A wiring matches when each position's acceptance and τ replayed under it agree with the server's
+counters within binomial noise over the server's drafts (``fit``). The pure part (``fit``,
+``judge``, ``diagnosis_check``) takes replayed counts; ``diagnose`` captures the text once at every
+boundary any candidate reads and replays each candidate on it (a draft unroll per candidate: cheap).
+
+Shapes: S draft steps, T tokens, H hidden size, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+import types
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from eaglewire import engines
+from eaglewire.core.contract import default_aux_boundaries
+from eaglewire.doctor.evidence import MIN_LEAD, Z
+from eaglewire.doctor.layouts import candidate_layouts
+from eaglewire.doctor.report import Check
+from eaglewire.engines.served_counts import AcceptanceRates
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LAYERS = "default layers"  # the candidate of an engine that finds no ids in its config
+POST_NORM = -1  # a layout entry: boundary L after the target's final norm (what HF's hidden_states[-1] holds)
+SHOWN = 6  # candidates listed in the evidence, closest first
+
+# The norm flags an engine reads from a draft's config (a server can only compute with those) and how it reads
+# d2t are its linter's (``Linter.norm_flags`` / ``d2t_reading``); eaglewire's server runs the draft as trained.
+
+
+# ---------------------------------------------------------------- candidates
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """One way a server may run the draft: the boundaries it feeds and the fields it reads otherwise."""
+
+    layout: tuple[int, ...]  # boundaries fed, in order (POST_NORM: boundary L after the final norm)
+    label: str  # short: "[0, 2, 15]", "norm_before_residual true"
+    what: str  # what the server does: "feeds boundaries [0, 2, 15] (...)"
+    trained: str  # what training did instead: "on [2, 15, 27]", "without it"
+    fix: str | None = None  # the config line that gives the trained wiring back
+    from_config: bool = False  # what the engine reads from --engine-config: first among equally good matches
+    # () -> (the draft as the server runs it, a batch transform or None); None: the trained draft
+    build: Callable[[], tuple[Any, Callable | None]] | None = field(default=None, compare=False, repr=False)
+
+
+def show_layout(layout, num_layers: int) -> str:
+    return "[" + ", ".join(f"{num_layers} post-norm" if b == POST_NORM else str(b) for b in layout) + "]"
+
+
+def _reason(label: str) -> str:
+    """layouts.candidate_layouts' reason, as the diagnosis says it."""
+    if label == f"served by {DEFAULT_LAYERS}":
+        return "the engine's default layers, what it feeds where its config holds no ids"
+    if label.startswith("served by "):
+        return f"what {label.removeprefix('served by ')} reads from its config"
+    if label.startswith("boundary "):
+        a, b = label.removeprefix("boundary ").split(" -> ")
+        return f"boundary {a} read as {b}"
+    if label in ("all -1", "all +1"):
+        return f"every boundary one layer {'earlier' if label == 'all -1' else 'later'}: ids in another convention"
+    if label.startswith(("first ", "last ")):
+        end, k, _, union = label.split(" ", 3)
+        return f"the {end} {k} of {len(json.loads(union))} states captured, {union}"
+    return label
+
+
+def layout_wirings(declared: list[int], num_layers: int, readings: dict[str, list[int]], fix: str | None,
+                   *, post_norm: bool = True) -> list[Wiring]:
+    """Every layout but the declared one the sweep knows (``candidate_layouts``; ``readings``: label -> the
+    boundaries the engine reads from its config), and each of those that feeds boundary L (the declared
+    first) with L's state taken after the final norm."""
+    out = []
+    readings = dict(readings)
+    try:
+        readings.setdefault(DEFAULT_LAYERS, default_aux_boundaries(num_layers))
+    except ValueError:
+        pass
+    layouts = candidate_layouts(declared, num_layers, readings)
+    for layout, why in layouts.items():
+        if list(layout) != declared and len(layout) == len(declared):
+            shown = show_layout(layout, num_layers)
+            read = [w for w in why if w.startswith("served by") and DEFAULT_LAYERS not in w]
+            reasons = "; ".join(map(_reason, read or why))
+            out.append(Wiring(tuple(layout), shown, f"feeds boundaries {shown} ({reasons})", f"on {declared}", fix,
+                              from_config=bool(read)))
+    if post_norm:
+        for layout, why in layouts.items():
+            if num_layers in layout and (list(layout) == declared or any(w.startswith("served by") for w in why
+                                                                         if DEFAULT_LAYERS not in w)):
+                normed = tuple(POST_NORM if b == num_layers else b for b in layout)
+                shown = show_layout(normed, num_layers)
+                out.append(Wiring(normed, shown, f"feeds boundaries {shown} (boundary {num_layers} after the "
+                                  "target's final norm, as transformers' hidden_states[-1] holds it)",
+                                  f"on {declared} (boundary {num_layers} before the final norm)", fix))
+    return out
+
+
+def _served_mismatch(engine: str, cfg, **served):
+    """``served_draft.mismatches`` of a draft as ``engine`` would read it with ``served`` changed (its one
+    field read otherwise, with the meaning and the fix the engines' readings give it)."""
+    from eaglewire.engines.served_draft import ServedDraft, mismatches
+
+    base = dict(engine=engine, norms={}, draft_vocab_size=cfg.draft_vocab_size,
+                target_hidden_size=cfg.target_hidden_size, num_aux=cfg.num_aux, hidden_size=cfg.hidden_size,
+                head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                rope_parameters=dict(cfg.rope_parameters or {}), embedding="target", lm_head="draft")
+    found = mismatches(ServedDraft(**(base | served)), cfg)
+    return found[0] if found else None
+
+
+def feeds_post_norm_state(draft):
+    """A copy of ``draft`` that feeds each step the previous step's post-norm state (``norm_output``:
+    the residual and the next step read norm(h) instead of h; the logits are the same)."""
+    served = copy.deepcopy(draft)
+    step = served.forward_ttt
+
+    def forward_ttt(self, emb, hidden, position_ids, cache):
+        return step(emb, self.norm(hidden) if cache else hidden, position_ids, cache)  # cache: an earlier step ran
+
+    served.forward_ttt = types.MethodType(forward_ttt, served)
+    return served
+
+
+def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wiring]:
+    """The field readings ``engine`` may compute the draft with other than trained, each at the declared
+    layout: its norm flags, d2t in the other convention or missing, the target's lm_head."""
+    from eaglewire import engines
+    from eaglewire.engines.served_draft import TRAINED_NORMS, as_served
+
+    cfg = draft.config
+    spec = engines.get(engine) if engine in engines.names() else None
+    lint = spec.linter if spec is not None else None
+    name = engine if spec is not None else "the engine"
+    layout, out = tuple(declared), []
+    refix = lint.field_fix if lint is not None else None  # a fix that replaces every field's (llama.cpp: re-export)
+    if spec is not None and spec.in_process:
+        return out  # it runs the draft directory as trained
+    for flag in (lint.norm_flags if lint is not None else tuple(TRAINED_NORMS)):
+        m = _served_mismatch(name, cfg, norms={flag: True})
+        fix = refix or (m.fix.replace("config.json", "the draft's config.json") if m else None)
+        build = ((lambda: (feeds_post_norm_state(draft), None)) if flag == "norm_output" else
+                 (lambda m=m: (as_served(draft, [replace(m, measurable=True)]), None)))
+        out.append(Wiring(layout, f"{flag} true", f"reads {flag} as true ({TRAINED_NORMS[flag]})", "without it",
+                          fix, build=build))
+    V, Vd = cfg.vocab_size, cfg.draft_vocab_size
+    trained = draft.draft_to_target.cpu()  # [Vd]
+    offsets = draft.d2t.cpu().long()  # [Vd]
+    reading = lint.d2t_reading if lint is not None else None
+    variants = []
+    if bool(offsets.any()):  # a pruned vocabulary: the map matters
+        variants.append(("no d2t: draft id i read as target id i", torch.arange(Vd),
+                         refix or "write the draft's d2t (offsets: target id - draft id) "
+                         "beside the weights, or re-export with `eaglewire export`"))
+        if reading in ("ids", None):
+            variants.append(("d2t's offsets read as absolute target ids", offsets,
+                             refix or "write d2t as absolute target ids, or re-export"))
+        if reading in ("offsets", None):
+            variants.append(("d2t written as absolute target ids, read as offsets", torch.arange(Vd) + trained,
+                             "rewrite d2t as d2t - arange(draft_vocab_size) (offsets), or re-export with "
+                             "`eaglewire export`"))
+    seen = [trained]
+    for what, mapped, fix in variants:
+        if int(mapped.min()) >= 0 and int(mapped.max()) < V and not any(torch.equal(mapped, m) for m in seen):
+            seen.append(mapped)
+            out.append(Wiring(layout, what.split(":")[0], f"maps the draft's ids with {what}",
+                              "with d2t as offsets (target id = draft id + d2t)", fix,
+                              build=lambda mapped=mapped: (as_served(draft, [], d2t=mapped - torch.arange(Vd)), None)))
+    head = target.model.get_output_embeddings().weight
+    if tuple(head.shape) == (V, cfg.hidden_size):
+        m = _served_mismatch(name, cfg, lm_head="target")
+        fix = (refix or
+               f"{m.fix} in the draft's config.json, and keep the trained lm_head.weight in its checkpoint (re-export "
+               "with `eaglewire export`)" if m else None)
+        out.append(Wiring(layout, "the target's lm_head", "scores the draft's tokens with the target's lm_head over "
+                          f"its whole vocabulary ({V:,} ids)", f"with its own lm_head over {Vd:,} draft ids", fix,
+                          build=lambda: target_head_draft(draft, target)))
+    return out
+
+
+def target_head_draft(draft, target):
+    """(``draft`` scoring with the target's lm_head over the whole vocabulary, the batch transform that
+    judges it there: the target's signal over every id)."""
+    from eaglewire.model.draft import Eagle3Draft
+    from eaglewire.model.ttt import signal_positions, target_signal
+
+    V = draft.config.vocab_size
+    full = Eagle3Draft(replace(draft.config, draft_vocab_size=V))
+    keep = {k: v for k, v in draft.state_dict().items() if not k.startswith("lm_head.") and k not in ("d2t", "t2d")}
+    full.load_state_dict(keep, strict=False)
+    with torch.no_grad():
+        full.lm_head.weight.copy_(target.model.get_output_embeddings().weight.float())  # [V, H]
+    full.set_vocab(torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    full = full.to(draft.fc.weight.device, draft.fc.weight.dtype).eval()
+    L = target.num_layers
+    ids = torch.arange(V, device=target.device)
+    every = torch.ones(V, dtype=torch.bool, device=target.device)
+
+    def judged_over_every_id(batch):
+        last = batch.states[L].to(target.device, target.dtype)  # [B, T, H]
+        return replace(batch, signal=target_signal(target.head, last, ids, every,
+                                                   needed=signal_positions(batch.loss_mask.to(target.device))))
+
+    return full, judged_over_every_id
+
+
+def config_wirings(config, draft, declared: list[int], num_layers: int, arch: str | None, emb_rows,
+                   layout_fix: str | None, dflash: bool) -> tuple[dict[str, list[int]], list[Wiring], list[str]]:
+    """What the engine reads from ``--engine-config``: (label -> the boundaries it feeds, the wirings of its
+    field reading at each of its layouts, notes). Nothing without an engine config."""
+    from eaglewire import engines
+    from eaglewire.core.errors import read_json_object
+    from eaglewire.doctor import serving
+    from eaglewire.engines import canonical
+    from eaglewire.engines.served_draft import as_served
+
+    if not config.engine_config:
+        return {}, [], []
+    path, engine = Path(config.engine_config), canonical(config.engine)
+    readings: dict[str, list[int]] = {}
+    try:
+        readers = engines.file_readers(path.suffix)
+        if readers:  # a draft file of the engine's own (a .gguf): its layers and fields as that engine reads them
+            own = readers[0]
+            layers = own.linter.draft_file_layers(path)
+            if layers and all(0 <= b <= num_layers for b in layers) and len(set(layers)) == len(layers):
+                readings = {own.runtime.label if own.runtime else own.name: list(layers)}
+            reading = None if dflash else serving.read_file_fields(path, draft, emb_rows=emb_rows)
+        else:
+            cfg = read_json_object(path, "pass --engine-config the draft's config.json")
+            reader = serving.read_dflash_engine_config if dflash else serving.read_engine_config
+            readings = dict(reader(engine, cfg, num_layers, declared, arch).readings)
+            reading = (serving.read_fields(engine, cfg, path.parent, draft, emb_rows=emb_rows)
+                       if not dflash and engine in serving.field_readers() else None)
+    except Exception as e:  # the engine checks said what is wrong with it; the diagnosis goes on without it
+        return readings, [], [f"--engine-config {path} not read as the engine reads it: {e}"]
+    if reading is None or not reading.found or not all(f.measurable for f in reading.found):
+        return readings, [], []
+    names = ", ".join(f.field for f in reading.found)
+    fields_fix = "; ".join(dict.fromkeys(f.fix for f in reading.found))
+
+    def build():
+        from eaglewire.doctor.checks import served_embedding
+
+        built = as_served(draft, reading.found, d2t=reading.d2t, norm_weights=reading.norm_weights,
+                          lm_head=reading.lm_head)
+        return built, (None if reading.embedding is None else lambda b: served_embedding(b, reading.embedding))
+
+    out = []
+    for label, layout in {"as trained": declared, **readings}.items():
+        if label != "as trained" and list(layout) == declared:
+            continue
+        where = "" if list(layout) == declared else f" and feeds boundaries {layout} ({_reason('served by ' + label)})"
+        fix = fields_fix if list(layout) == declared else f"{layout_fix}; {fields_fix}"
+        shown = f"{reading.served.engine}'s reading of --engine-config" + ("" if where == "" else f" at {layout}")
+        out.append(Wiring(tuple(layout), shown, f"reads {names} from its config as {reading.served.engine} does "
+                          f"(" + "; ".join(f.meaning for f in reading.found) + ")" + where,
+                          f"on {declared} with {names} as trained", fix, from_config=True, build=build))
+    return readings, out, []
+
+
+# ---------------------------------------------------------------- matching
+
+
+@dataclass
+class Fit:
+    """One wiring's replay on the server's text against the server's own counters."""
+
+    wiring: Wiring
+    replayed: AcceptanceRates
+    served_per_position: list[float]
+    per_position: list[float]  # replayed, as many as served
+    noise: list[float]  # each position's half-width
+    tau_noise: float
+    score: float  # the largest |served - replayed| over positions and τ, in units of its noise
+
+    @property
+    def matches(self) -> bool:
+        return self.score <= 1.0
+
+    @property
+    def widest(self) -> float:
+        return max(self.noise, default=0.0)
+
+
+def rate_noise(p: float, n: int) -> float:
+    """Half-width of a per-draft rate ``p`` over ``n`` drafts: Z binomial standard errors, at least MIN_LEAD."""
+    return max(MIN_LEAD, Z * math.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
+
+
+def tau_noise(per_position: list[float], n: int) -> float:
+    """Half-width of τ over ``n`` drafts whose position i is accepted at rate ``per_position[i]``: Z standard
+    errors of the accepted count per draft (P(A > i) = per_position[i]), at least SERVED_TAU_TOLERANCE."""
+    from eaglewire.doctor.served import SERVED_TAU_TOLERANCE
+
+    mean = sum(per_position)
+    square = sum((2 * i + 1) * p for i, p in enumerate(per_position))
+    return max(SERVED_TAU_TOLERANCE, Z * math.sqrt(max(square - mean * mean, 0.0) / max(n, 1)))
+
+
+def _padded(values: list[float], n: int) -> list[float]:
+    return list(values[:n]) + [0.0] * (n - len(values))
+
+
+def fit(served: AcceptanceRates, wiring: Wiring, replayed: AcceptanceRates) -> Fit:
+    """How far ``replayed`` (``wiring``'s replay on the server's text) is from the server's counters, per
+    position (where the server counts them) and in τ, each in units of its noise over the server's drafts."""
+    n = served.drafts
+    positions = max(len(served.accepted_per_pos), len(replayed.accepted_per_pos)) if served.accepted_per_pos else 0
+    mine = _padded(replayed.per_position, positions)
+    theirs = _padded(served.per_position, positions)
+    noise = [rate_noise(p, n) for p in mine]
+    tau_half = tau_noise(_padded(replayed.per_position, len(replayed.accepted_per_pos)), n)
+    gaps = [abs(s - r) / h for s, r, h in zip(theirs, mine, noise)] + [abs(served.tau - replayed.tau) / tau_half]
+    return Fit(wiring, replayed, theirs, mine, noise, tau_half, max(gaps))
+
+
+def judge(served: AcceptanceRates, replays: list[tuple[Wiring, AcceptanceRates]]) -> tuple[Fit | None, list[Fit]]:
+    """(the wiring that reproduces the server's counters within noise, or None; every fit, closest first): the
+    closest of those within noise, what the engine reads from its config before any other."""
+    ranked = sorted((fit(served, w, r) for w, r in replays), key=lambda f: f.score)
+    matches = sorted((f for f in ranked if f.matches), key=lambda f: not f.wiring.from_config)
+    return (matches[0] if matches else None), ranked
+
+
+def _rates(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def _row(f: Fit) -> str:
+    shown = _rates(f.per_position) if f.per_position else f"τ {f.replayed.tau:.2f}"
+    verdict = "within noise" if f.matches else f"{f.score:.1f}x the noise away"
+    return f"{f.wiring.label}: {shown}, τ {f.replayed.tau:.2f}: {verdict}"
+
+
+def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], trained: AcceptanceRates,
+                    best: Fit | None, ranked: list[Fit], causes: list[str], *, seconds: float = 0.0,
+                    tokens: int = 0) -> Check:
+    """The served-wiring Check: the wiring whose replay is the server's acceptance (``best``, with the config
+    line that restores training's), or none, saying so and what else remains (``causes``)."""
+    name = "served wiring"
+    n = served.drafts
+    as_trained = fit(served, Wiring(tuple(declared), f"as trained {declared}", "", ""), trained)
+    evidence = [f"{len(ranked)} wirings replayed on the server's own {tokens:,} output tokens in {seconds:.1f} s; "
+                f"noise: {Z:g} binomial standard errors of each position's rate over the server's {n:,} drafts, "
+                f"at least {MIN_LEAD}; of τ, {Z:g} standard errors of the tokens accepted per draft",
+                f"served: {_rates(as_trained.served_per_position) or '-'} per position, τ {served.tau:.2f}",
+                _row(as_trained)]
+    evidence += [_row(f) for f in ranked[:SHOWN]]
+    if best is None:
+        closest = ranked[0] if ranked else None
+        summary = ("no wiring eaglewire knows reproduces the served acceptance: "
+                   f"{_rates(as_trained.served_per_position) or f'τ {served.tau:.2f}'} served per position")
+        if closest is not None:
+            summary += (f"; the closest, {closest.wiring.label}, replays {_rates(closest.per_position)} "
+                        f"(±{closest.widest:.2f}); as trained {_rates(as_trained.per_position)}")
+        return Check(name, "inconclusive", summary, evidence,
+                     fix="other issues remain: " + "; ".join(causes) if causes else None)
+    matches = [best] + [f for f in ranked if f.matches and f is not best]
+    per_pos = (f"per-position acceptance {_rates(best.served_per_position)} served vs "
+               f"{_rates(best.per_position)} replayed" if best.per_position else
+               f"τ {served.tau:.2f} served vs {best.replayed.tau:.2f} replayed")
+    noise = f"±{best.widest:.2f} over {n:,} drafts; τ {served.tau:.2f} vs {best.replayed.tau:.2f}"
+    fixes = list(dict.fromkeys(f.wiring.fix for f in matches if f.wiring.fix))
+    if len(fixes) > 1:  # wirings this text cannot tell apart, with different fixes
+        evidence.append("within noise, closest first: " + "; ".join(f"{f.wiring.label} (fix: {f.wiring.fix})"
+                                                                   for f in matches))
+        return Check(name, "fail", f"the {engine} server's acceptance is what {len(matches)} wirings eaglewire knows "
+                     f"give on its text, which it cannot tell apart: {', '.join(f.wiring.label for f in matches)}; "
+                     f"the closest: the server {best.wiring.what}, the draft was trained {best.wiring.trained}: "
+                     f"{per_pos} with {best.wiring.label} ({noise})", evidence,
+                     fix="one of, closest first: " + "; or ".join(fixes))
+    if len(matches) > 1:
+        evidence.append("also within noise (the same fix): " + ", ".join(f.wiring.label for f in matches[1:]))
+    summary = (f"the {engine} server {best.wiring.what}, the draft was trained {best.wiring.trained}: {per_pos} with "
+               f"{best.wiring.label} ({noise})")
+    return Check(name, "fail", summary, evidence, fix=best.wiring.fix)
+
+
+# ---------------------------------------------------------------- replaying
+
+
+def layout_fix(report, config, declared: list[int], num_layers: int, arch: str | None, dflash: bool,
+               served_layout: list[int] | None = None) -> str:
+    """The config line that makes the serving engine feed ``declared``: the engine wiring check's fix where it
+    failed, else the engine's own fix text (``serving.config_fix``; llama.cpp's ``layout_problem`` on the GGUF,
+    or a GGUF holding ``served_layout``; eaglewire: its draft's contract)."""
+    from eaglewire import engines
+    from eaglewire.doctor import serving
+    from eaglewire.engines import canonical
+
+    wiring = next((c.fix for c in report.checks if c.name == "engine wiring" and c.fix), None)
+    if wiring:
+        return wiring
+    engine = canonical(config.engine)
+    spec = engines.get(engine)
+    if spec.in_process:
+        return (f"serve the draft whose contract declares {declared}: eaglewire's server feeds the boundaries "
+                "its draft's contract declares (`eaglewire serve --draft DRAFT`, the trained draft's directory)")
+    if spec.linter.layout_fix is not None:  # an engine that reads the layout from a draft file of its own
+        return spec.linter.layout_fix(config.engine_config, declared, num_layers, served_layout, dflash)
+    if dflash:
+        cfg = {}
+        if config.engine_config and str(config.engine_config).endswith(".json"):
+            try:
+                cfg = json.loads(Path(config.engine_config).read_text())
+            except (OSError, ValueError):
+                cfg = {}
+        return serving.dflash_config_fix(engine, declared, num_layers, arch, cfg)
+    return serving.config_fix(engine, declared, num_layers, arch)
+
+
+def capture_texts(target, draft, prompts: list[list[int]], outputs: list[list[int]], boundaries: set[int]) -> list:
+    """The (prompt, server output) pairs as ``measure.EvalBatch``es (right-padded, a few sequences each),
+    captured once at ``boundaries`` (POST_NORM: L after the final norm); a row's reply (loss mask) is the output."""
+    from eaglewire.doctor.measure import Sequence, capture_batches
+
+    sequences = []
+    for prompt, output in zip(prompts, outputs):
+        if output:
+            text = torch.tensor(list(prompt) + list(output))  # [T]
+            sequences.append(Sequence("served output", text, torch.arange(len(text)) >= len(prompt)))
+    if not sequences:
+        return []
+    batches = capture_batches(target, draft, sequences, sorted(b for b in boundaries if b >= 0))
+    if POST_NORM in boundaries:
+        for batch in batches:
+            with torch.no_grad():
+                last = batch.states[target.num_layers].to(target.device, target.dtype)  # [B, T, H]
+                batch.states[POST_NORM] = target.decoder.norm(last).float()
+    return batches
+
+
+def replay_wiring(wiring: Wiring, draft, batches: list, steps: int):
+    """``wiring``'s replay of the greedy chain on every captured text (``served.replay_chain``'s rounds)."""
+    from eaglewire.doctor.measure import step_rightness
+    from eaglewire.doctor.served import Replayed, replay_chain
+
+    served, transform = wiring.build() if wiring.build is not None else (draft, None)
+    total = Replayed(accepted_per_pos=[0] * steps)
+    for batch in batches:
+        judged = batch if transform is None else transform(batch)
+        right = step_rightness(served, judged, list(wiring.layout), steps=steps)  # [B, S, T]
+        for row, length in enumerate(batch.lengths):
+            prompt_len = int(batch.loss_mask[row].int().argmax())
+            total.add(replay_chain(right[row, :, :length], prompt_len))
+    return total
+
+
+def diagnose(report, config, target, draft, declared: list[int], prompts: list[list[int]], counts, replayed,
+             steps: int, causes: list[str]) -> Check:
+    """The served-wiring Check for a server whose ``counts`` fall below the ``replayed`` (as trained) on its own
+    ``counts.outputs``: every candidate wiring replayed on that text, the one that reproduces the counters named."""
+    from eaglewire.engines import canonical
+    from eaglewire.model.dflash_blocks import is_block_draft
+
+    start = time.perf_counter()
+    engine, L = canonical(config.engine), target.num_layers  # the engine's name; counts.engine: as the server says
+    arch = config.target_arch or target.fingerprint.architecture
+    dflash = is_block_draft(draft)
+    emb_rows = None
+    if prompts:
+        ids = torch.tensor(sorted({i for p in prompts for i in p}))  # [N]
+        with torch.no_grad():
+            emb_rows = (ids, target.embed_tokens(ids.to(target.device)).float().cpu())  # [N], [N, H]
+    fix = layout_fix(report, config, declared, L, arch, dflash)
+    readings, from_config, notes = config_wirings(config, draft, declared, L, arch, emb_rows, fix, dflash)
+    wirings = layout_wirings(declared, L, readings, fix, post_norm=not dflash) + from_config
+    if not dflash:
+        wirings += field_wirings(engine, draft, target, declared)
+    if engines.get(engine).linter.layout_fix is not None:  # its fix names the layout it was fed
+        wirings = [replace(w, fix=layout_fix(report, config, declared, L, arch, dflash, list(w.layout)))
+                   if w.fix == fix else w for w in wirings]
+    texts = capture_texts(target, draft, prompts, counts.outputs, {b for w in wirings for b in w.layout})
+    replays = [(w, replay_wiring(w, draft, texts, steps)) for w in wirings]
+    best, ranked = judge(counts, replays)
+    seconds = time.perf_counter() - start
+    check = diagnosis_check(counts, counts.engine, declared, replayed, best, ranked, causes, seconds=seconds,
+                            tokens=sum(len(o) for o in counts.outputs))
+    check.evidence += notes
+    report.served["diagnosis"] = {
+        "match": None if best is None else {"label": best.wiring.label, "layout": list(best.wiring.layout),
+                                            "fix": best.wiring.fix},
+        "within_noise": [f.wiring.label for f in ranked if f.matches],
+        "seconds": round(seconds, 1),
+        "candidates": [{"label": f.wiring.label, "layout": list(f.wiring.layout), "tau": f.replayed.tau,
+                        "per_position": f.per_position, "score": round(f.score, 2)} for f in ranked]}
+    log.info("served wiring: %d candidates in %.1f s", len(ranked), seconds)
+    return check

@@ -1,0 +1,462 @@
+"""``doctor --engine-url``, when the server accepts less than the replay: the served-wiring check replays every
+wiring eaglewire knows on the server's own text and names the one whose per-position acceptance is the server's.
+
+Pure pieces first (the match within binomial noise, the messages), then the real target with the reference
+draft behind a stub vLLM server whose counters come from a wrong wiring: a layout the sweep knows (replayed
+with ``served.replay_served``), a norm flag (decoded by eaglewire's own engine with the flag applied), and
+counters no wiring gives. A tiny random target is no use here: its drafts accept next to nothing under every
+wiring, so no wiring can be told from another. Last, the real llama-server fed a GGUF with edited
+``extract_layers``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from eaglewire.doctor.diagnosis import (POST_NORM, Wiring, diagnosis_check, feeds_post_norm_state, field_wirings,
+                                        fit, judge, layout_fix, layout_wirings, rate_noise, tau_noise)
+from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.served import Replayed
+from eaglewire.engines.served_counts import ServedCounts
+
+DECLARED = [2, 15, 27]
+L = 30
+
+# ------------------------------------------------------------------ pure pieces
+
+
+def _counts(per_pos, drafts=400, **kw):
+    return ServedCounts("vllm", drafts=drafts, draft_tokens=3 * drafts, accepted=sum(per_pos),
+                        accepted_per_pos=list(per_pos), **kw)
+
+
+def _replayed(per_pos, drafts=400):
+    return Replayed(drafts, 3 * drafts, sum(per_pos), list(per_pos), judged=1000, agreeing=1000)
+
+
+def _wiring(label, fix="fix it", **kw):
+    return Wiring(tuple(DECLARED), label, f"feeds {label}", f"on {DECLARED}", fix, **kw)
+
+
+def test_noise_is_binomial_over_the_servers_drafts_with_a_floor():
+    assert rate_noise(0.3, 400) == pytest.approx(2 * (0.21 / 400) ** 0.5)  # 0.046
+    assert rate_noise(0.0, 400) == 0.02 and rate_noise(0.3, 10 ** 6) == 0.02
+    # τ: the accepted count per draft A with P(A > i) = p_i; E A = 0.4, E A^2 = 0.3 + 3 * 0.1 = 0.6
+    assert tau_noise([0.3, 0.1], 400) == pytest.approx(2 * ((0.6 - 0.16) / 400) ** 0.5)
+    assert tau_noise([0.0, 0.0], 400) == 0.05  # SERVED_TAU_TOLERANCE
+
+
+def test_the_wiring_within_noise_of_every_position_is_named():
+    served = _counts([120, 32, 12])  # 0.30/0.08/0.03
+    close, far = _wiring("[0, 2, 15]", "the layout fix"), _wiring("norm_output true", "the flag fix")
+    best, ranked = judge(served, [(far, _replayed([200, 40, 10])), (close, _replayed([124, 36, 12]))])
+    assert best.wiring is close and best.matches and [f.wiring for f in ranked] == [close, far]
+    assert best.served_per_position == pytest.approx([0.30, 0.08, 0.03])
+    assert not fit(served, far, _replayed([200, 40, 10])).matches  # 0.50 against 0.30: far beyond ±0.05
+    # one position out of noise is enough to rule a wiring out, though τ agrees
+    assert not fit(served, far, _replayed([164, 0, 0])).matches
+
+
+def test_what_the_engine_reads_from_its_config_comes_first_among_equal_matches():
+    served = _counts([120, 32, 12])
+    exact, read = _wiring("[2, 27, 15]"), _wiring("[2, 15, 22]", from_config=True)
+    best, _ = judge(served, [(exact, _replayed([120, 32, 12])), (read, _replayed([126, 30, 12]))])
+    assert best.wiring is read
+
+
+def test_the_check_names_the_wiring_its_noise_and_the_config_line():
+    served = _counts([120, 32, 12])
+    wiring = Wiring((0, 2, 15), "[0, 2, 15]", "feeds boundaries [0, 2, 15] (the ids in its config)",
+                    f"on {DECLARED}", '"eagle_aux_hidden_state_layer_ids": [2, 15, 27]')
+    best, ranked = judge(served, [(wiring, _replayed([124, 36, 12]))])
+    check = diagnosis_check(served, "vllm", DECLARED, _replayed([160, 60, 20]), best, ranked, ["x"], seconds=1.0)
+    assert check.verdict == "fail" and check.fix == '"eagle_aux_hidden_state_layer_ids": [2, 15, 27]'
+    assert check.summary.startswith("the vllm server feeds boundaries [0, 2, 15] (the ids in its config), the draft "
+                                    "was trained on [2, 15, 27]: per-position acceptance 0.30/0.08/0.03 served vs "
+                                    "0.31/0.09/0.03 replayed with [0, 2, 15] (±0.05 over 400 drafts")
+    assert any("2 binomial standard errors" in e and "400 drafts" in e for e in check.evidence)
+
+
+def test_no_match_says_so_and_what_remains():
+    served = _counts([80, 70, 60])  # deeper positions almost as often as the first: no chain of these
+    fits = [(_wiring("[0, 2, 15]"), _replayed([8, 2, 0])), (_wiring("norm_output true"), _replayed([150, 4, 0]))]
+    best, ranked = judge(served, fits)
+    check = diagnosis_check(served, "sglang", DECLARED, _replayed([150, 50, 12]), best, ranked,
+                            ["launch flags", "the decoding path"])
+    assert best is None and check.verdict == "inconclusive"
+    assert check.summary.startswith("no wiring eaglewire knows reproduces the served acceptance: 0.20/0.17/0.15 "
+                                    "served per position; the closest")
+    assert check.fix == "other issues remain: launch flags; the decoding path"
+
+
+def test_wirings_the_text_cannot_tell_apart_are_all_named_with_their_fixes():
+    served = _counts([8, 2, 0])  # the server accepts next to nothing, as several wirings would
+    fits = [(_wiring("[0, 2, 15]", "the layout fix"), _replayed([8, 2, 0])),
+            (_wiring("no d2t", "the d2t fix"), _replayed([4, 0, 0]))]
+    best, ranked = judge(served, fits)
+    check = diagnosis_check(served, "vllm", DECLARED, _replayed([150, 50, 12]), best, ranked, [])
+    assert check.verdict == "fail" and "2 wirings eaglewire knows give on its text" in check.summary
+    assert "cannot tell apart: [0, 2, 15], no d2t" in check.summary
+    assert check.fix == "one of, closest first: the layout fix; or the d2t fix"
+
+
+def test_candidate_layouts_are_the_sweeps_and_the_post_norm_last_state():
+    wirings = {w.layout: w for w in layout_wirings(DECLARED, L, {"vLLM (config)": [1, 14, 26]}, "F")}
+    assert (0, 2, 15) in wirings and (15, 27, 30) in wirings and (3, 16, 28) in wirings and (2, 15, 28) in wirings
+    assert tuple(DECLARED) not in wirings and all(w.fix == "F" for w in wirings.values())
+    assert "the first 3 of 4 states captured, [0, 2, 15, 27]" in wirings[(0, 2, 15)].what
+    assert wirings[(1, 14, 26)].from_config and "what vLLM (config) reads from its config" in wirings[(1, 14, 26)].what
+    assert not any(POST_NORM in layout for layout in wirings)  # nothing reads boundary L
+    with_last = {w.layout: w for w in layout_wirings([2, 4, 8], 8, {}, "F")}
+    assert (2, 4, POST_NORM) in with_last and with_last[(2, 4, POST_NORM)].label == "[2, 4, 8 post-norm]"
+    assert len(layout_wirings(DECLARED, L, {}, "F")) <= 16  # the sweep stays small: a draft unroll each
+
+
+@pytest.fixture(scope="module")
+def tiny_draft():
+    from eaglewire.model.draft import DraftConfig, Eagle3Draft
+    from tiny import tiny_target
+
+    target = tiny_target("llama", num_layers=4, hidden_size=64, vocab_size=128)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=3, draft_vocab_size=64, vocab_size=128))
+    ids = torch.arange(1, 128, 2)  # a pruned vocabulary: the odd ids
+    draft.set_vocab(ids - torch.arange(64), torch.zeros(128, dtype=torch.bool).index_fill_(0, ids, True))
+    return target, draft.eval()
+
+
+def test_field_variants_are_those_each_engine_reads(tiny_draft):
+    target, draft = tiny_draft
+    labels = {e: [w.label for w in field_wirings(e, draft, target, [1, 2, 3])] for e in ("vllm", "sglang", "llamacpp",
+                                                                                          "eaglewire")}
+    assert labels["eaglewire"] == []  # its server runs the draft directory as trained
+    assert labels["vllm"] == ["norm_before_residual true", "norm_before_fc true", "fc_norm true", "norm_output true",
+                              "no d2t", "the target's lm_head"]
+    assert "norm_before_residual true" not in labels["sglang"]  # SGLang never reads it
+    assert labels["llamacpp"] == ["norm_before_residual true", "norm_before_fc true", "no d2t",
+                                  "d2t's offsets read as absolute target ids", "the target's lm_head"]
+    vllm = {w.label: w for w in field_wirings("vllm", draft, target, [1, 2, 3])}
+    assert vllm["norm_before_residual true"].fix == ('write "norm_before_residual": false at the top level of the '
+                                                     "draft's config.json")
+    assert all("re-export" in w.fix for w in field_wirings("llamacpp", draft, target, [1, 2, 3]))
+
+
+def test_the_post_norm_state_fed_back_changes_only_the_later_steps(tiny_draft):
+    from eaglewire.model.ttt import ttt_unroll
+
+    target, draft = tiny_draft
+    torch.manual_seed(1)
+    emb, aux = torch.randn(1, 12, 64), torch.randn(1, 12, 3 * 64)
+    seen = {}
+
+    def run(d, key):
+        signal = type("S", (), {"in_vocab": torch.ones(1, 12, dtype=torch.bool), "probs": torch.zeros(1, 12, 64),
+                                "argmax": torch.zeros(1, 12, dtype=torch.long)})()
+        ttt_unroll(d, emb, aux, torch.ones(1, 12, dtype=torch.bool), signal, ttt_steps=2,
+                   observe=lambda j, logits, right, cond: seen.setdefault(key, []).append(logits))
+
+    with torch.no_grad():
+        run(draft, "trained")
+        run(feeds_post_norm_state(draft), "norm_output")
+    assert torch.equal(seen["trained"][0], seen["norm_output"][0])
+    assert not torch.allclose(seen["trained"][1], seen["norm_output"][1])
+
+
+def test_llamacpps_layout_fix_names_what_it_was_fed():
+    from eaglewire.doctor.config import DoctorConfig
+
+    config = DoctorConfig(draft="reference", engine="llamacpp", engine_url="http://x")
+    fix = layout_fix(DoctorReport("d", "t"), config, DECLARED, L, "LlamaForCausalLM", False, [2, 15, 22])
+    assert "extract_layers [2, 15, 22]" in fix and "needs extract_layers [2, 15, 27]" in fix and "re-export" in fix
+    report = DoctorReport("d", "t")
+    report.add(Check("engine wiring", "fail", "x", fix="the wiring check's fix"))
+    assert layout_fix(report, config, DECLARED, L, None, False, [2, 15, 22]) == "the wiring check's fix"
+
+
+# ------------------------------------------------------------------ the real target behind a stub vLLM server
+
+PROMPTS = ["Name three primary colors.", "What is the capital of France?", "Write a haiku about rain.",
+           "Give me two tips for better sleep.", "Explain photosynthesis briefly.", "Write a short poem about the sea."]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def served_text(smollm2_target):
+    """The reference draft, the held-out prompts and the target's greedy outputs on them (what any server
+    wired any way returns: greedy decoding is lossless)."""
+    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+    from eaglewire.decode.text import encode_prompt
+    from eaglewire.engines.foreign_draft import load_any_draft
+
+    draft, contract, _, _ = load_any_draft("reference", target=smollm2_target)
+    prompts = [encode_prompt(smollm2_target.tokenizer, p, chat=True) for p in PROMPTS]
+    decoder = SpecDecoder(smollm2_target, draft, contract, SpecConfig.chain(3))
+    outputs = [decoder.generate(p, max_new_tokens=NEW_TOKENS)[0] for p in prompts]
+    return draft, contract, prompts, outputs
+
+
+def _vllm_metrics(drafts, tokens, accepted, per_pos):
+    lines = []
+    for name, value in (("drafts", drafts), ("draft_tokens", tokens), ("accepted_tokens", accepted)):
+        lines += [f"# TYPE vllm:spec_decode_num_{name}_total counter",
+                  f'vllm:spec_decode_num_{name}_total{{engine="0",model_name="m"}} {value}']
+    lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter")
+    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {v}'
+              for i, v in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def vllm_stub(outputs, drafts, draft_tokens, accepted, per_pos):
+    """A loopback server speaking vLLM's completions and Prometheus counters: it answers the prompts with
+    ``outputs`` and counts, between two reads of /metrics, the given drafts."""
+    metrics = [_vllm_metrics(0, 0, 0, [0] * len(per_pos)), _vllm_metrics(drafts, draft_tokens, accepted, per_pos)]
+    answers = [{"choices": [{"text": "x", "token_ids": list(o)}]} for o in outputs]
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, body):
+            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._answer(metrics.pop(0))
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer(answers.pop(0))
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+def _doctor_against(target, served_text, drafts, draft_tokens, accepted, per_pos, **config):
+    """check_served against a stub vLLM server reporting those counters: (report, checks by name)."""
+    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.measure import Sequence
+    from eaglewire.doctor.served import check_served
+
+    draft, _, prompts, outputs = served_text
+    sequences = [Sequence(f"p{i}", torch.tensor(p + [0]), torch.arange(len(p) + 1) >= len(p))
+                 for i, p in enumerate(prompts)]
+    report = DoctorReport("reference", "smollm2-135m")
+    with vllm_stub(outputs, drafts, draft_tokens, accepted, per_pos) as url:
+        config = DoctorConfig(draft="reference", engine="vllm", engine_url=url, engine_prompts=len(prompts),
+                              engine_tokens=NEW_TOKENS, **config)
+        check_served(report, config, target, draft, DECLARED, sequences, 3)
+    return report, {c.name: c for c in report.checks}
+
+
+@pytest.mark.real
+def test_a_server_fed_a_layout_the_sweep_knows_is_named_with_the_config_line(smollm2_target, served_text):
+    """Counters of the reference draft fed [15, 27, 30] (the last 3 of [2, 15, 27, 30]: the last state captured
+    too and the wrong end kept): the served check fails, and the diagnosis names exactly that layout."""
+    from eaglewire.doctor.served import replay_served
+    from eaglewire.doctor.serving import config_fix
+
+    draft, _, prompts, outputs = served_text
+    wrong = replay_served(smollm2_target, draft, [15, 27, 30], prompts, outputs, 3)
+    report, checks = _doctor_against(smollm2_target, served_text, wrong.drafts, wrong.draft_tokens, wrong.accepted,
+                                     wrong.accepted_per_pos)
+    assert checks["served acceptance"].verdict == "fail", report.render()
+    check = checks["served wiring"]
+    print(report.render())
+    assert check.verdict == "fail", report.render()
+    assert check.summary.startswith("the vllm server feeds boundaries [15, 27, 30] (the last 3 of 4 states captured, "
+                                    "[2, 15, 27, 30]), the draft was trained on [2, 15, 27]: per-position acceptance ")
+    assert "cannot tell apart" not in check.summary and "with [15, 27, 30] (±" in check.summary
+    assert check.fix == config_fix("vllm", DECLARED, L, "LlamaForCausalLM")
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 15, 27]' in check.fix
+    diagnosis = report.to_dict()["served"]["diagnosis"]
+    assert diagnosis["match"]["layout"] == [15, 27, 30] and diagnosis["within_noise"] == ["[15, 27, 30]"]
+    assert len(diagnosis["candidates"]) <= 24 and diagnosis["seconds"] < 120
+
+
+@pytest.mark.real
+def test_the_layout_the_engine_reads_from_its_config_is_a_candidate(smollm2_target, served_text, tmp_path):
+    """--engine-config holding ids [2, 15, 22], which vLLM takes verbatim: a layout no sweep would guess, named
+    as what vLLM reads from its config."""
+    from eaglewire.doctor.served import replay_served
+
+    draft, _, prompts, outputs = served_text
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 15, 22],
+                                  "transformer_layer_config": {"num_aux_hidden_states": 3}}))
+    wrong = replay_served(smollm2_target, draft, [2, 15, 22], prompts, outputs, 3)
+    report, checks = _doctor_against(smollm2_target, served_text, wrong.drafts, wrong.draft_tokens, wrong.accepted,
+                                     wrong.accepted_per_pos, engine_config=str(config))
+    check = checks["served wiring"]
+    assert check.verdict == "fail", report.render()
+    assert check.summary.startswith("the vllm server feeds boundaries [2, 15, 22] (what vllm 0.33.0 reads from its "
+                                    "config"), report.render()
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 15, 27]' in check.fix
+
+
+@pytest.mark.real
+def test_a_server_feeding_the_post_norm_state_back_is_named_by_its_flag(smollm2_target, served_text):
+    """eaglewire's own decoder with the draft's later steps fed the post-norm state (vLLM's norm_output): its
+    rounds are the stub's counters, and the diagnosis names the flag and the key to write."""
+    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+
+    draft, contract, prompts, outputs = served_text
+    served = feeds_norm_output_in_decoding(draft)
+    decoder = SpecDecoder(smollm2_target, served, contract, SpecConfig.chain(3))
+    rounds, per_pos, accepted = 0, [0, 0, 0], 0
+    for p, expected in zip(prompts, outputs):
+        out, stats = decoder.generate(p, max_new_tokens=NEW_TOKENS)
+        assert out == expected  # lossless: only the acceptance differs
+        rounds += stats.rounds
+        accepted += sum(stats.accept_lengths) - stats.rounds
+        per_pos = [a + b for a, b in zip(per_pos, stats.position_accepts + [0] * 3)]
+    report, checks = _doctor_against(smollm2_target, served_text, rounds, 3 * rounds, accepted, per_pos)
+    check = checks["served wiring"]
+    print(report.render())
+    assert check.verdict == "fail", report.render()
+    assert check.summary.startswith("the vllm server reads norm_output as true (the post-norm state is fed to the "
+                                    "next step"), report.render()
+    assert "cannot tell apart" not in check.summary
+    assert check.fix == 'write "norm_output": false at the top level of the draft\'s config.json'
+
+
+def feeds_norm_output_in_decoding(draft):
+    """A copy of ``draft`` whose decoding steps after the first read the previous step's post-norm state (the
+    tree steps pass a mask; the context extension, fed the target's fused states, passes none)."""
+    import copy
+    import types
+
+    served = copy.deepcopy(draft)
+    cached = served.forward_cached
+
+    def forward_cached(self, emb, hidden, position_ids, past_k, past_v, attn_mask):
+        return cached(emb, hidden if attn_mask is None else self.norm(hidden), position_ids, past_k, past_v, attn_mask)
+
+    served.forward_cached = types.MethodType(forward_cached, served)
+    return served
+
+
+@pytest.mark.real
+def test_counters_no_wiring_gives_are_said_to_match_nothing(smollm2_target, served_text):
+    rng = random.Random(0)
+    drafts = 300
+    # ~0.12/0.10/0.08: below the replay (0.30/0.08/0.02), and deeper positions almost as often as the first
+    per_pos = [rng.randint(33, 40), rng.randint(27, 32), rng.randint(22, 26)]
+    report, checks = _doctor_against(smollm2_target, served_text, drafts, 3 * drafts, sum(per_pos), per_pos)
+    assert checks["served acceptance"].verdict == "fail", report.render()
+    check = checks["served wiring"]
+    assert check.verdict == "inconclusive", report.render()
+    assert check.summary.startswith("no wiring eaglewire knows reproduces the served acceptance:")
+    assert check.fix.startswith("other issues remain: ") and "decoding path" in check.fix
+    assert report.to_dict()["served"]["diagnosis"]["match"] is None
+
+
+# ------------------------------------------------------------------ the real llama-server
+
+
+def _with_target_layers(src, dst, layers):
+    """The GGUF at ``src`` copied to ``dst`` with ``eagle3.target_layers`` (llama.cpp's extract_layers) set to
+    ``layers``: what an edited config converted again gives (tests/gguf_edit.py's rewrite sets scalars only)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for f in reader.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = list(layers) if f.name == f"{arch}.target_layers" else f.contents()
+        writer.add_key_value(f.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.llamacpp
+@pytest.mark.real
+def test_llama_server_fed_other_layers_is_named(smollm2_target, tmp_path):
+    """The reference draft's GGUF with extract_layers [2, 15, 22] served by llama-server: the doctor (given the
+    GGUF it serves) fails the served acceptance and names [2, 15, 22] as what the server feeds."""
+    from eaglewire.engines import llamacpp as engine
+
+    if engine.find_server() is None or engine.find_tree() is None:
+        pytest.skip(f"llama-server is not installed: {engine.INSTALL_HINT}")
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece (eaglewire[llamacpp])")
+    from eaglewire.doctor import run_doctor
+    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.engines import export_draft
+
+    out = tmp_path / "export"
+    export_draft("reference", "llamacpp", out, outtype="q8_0", target_outtype="f32", num_steps=3)
+    edited = _with_target_layers(out / "draft-q8_0.gguf", tmp_path / "draft-edited.gguf", [2, 15, 22])
+    assert engine.draft_layers(engine.read_gguf_metadata(edited)) == [2, 15, 22]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p},
+                                                                     {"role": "assistant", "content": "Sure."}]}) + "\n"
+                             for i, p in enumerate(PROMPTS)))
+    config = engine.ServerConfig(model=out / "target-f32.gguf", draft=edited, n_max=3)
+    with engine.LlamaServer(engine.require_server(), config, log_path=tmp_path / "server.log") as server:
+        doctor = DoctorConfig(draft="reference", conversations=str(chats), engine="llamacpp", engine_url=server.url,
+                              engine_config=str(edited), engine_prompts=len(PROMPTS), engine_tokens=NEW_TOKENS,
+                              num_sequences=len(PROMPTS), tune=False)
+        report = run_doctor(doctor, target=smollm2_target)
+    checks = {c.name: c for c in report.checks}
+    print(report.render())
+    assert checks["served acceptance"].verdict == "fail", report.render()
+    check = checks["served wiring"]
+    assert check.verdict == "fail", report.render()
+    assert check.summary.startswith("the llamacpp server feeds boundaries [2, 15, 22] (what llama.cpp reads from "
+                                    "its config"), report.render()
+    assert "re-export" in check.fix and "[2, 15, 27]" in check.fix
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_the_diagnosis_runs_every_candidate_of_either_family(family, tiny_draft):
+    """``diagnose`` end to end on a tiny target (a random draft: every wiring accepts next to nothing, so this
+    checks the plumbing, not the naming): each candidate is built and replayed, the check and its JSON made."""
+    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.diagnosis import diagnose
+    from eaglewire.doctor.served import replay_served
+    from tiny import random_dflash_draft
+
+    target, draft = tiny_draft
+    declared = [1, 2, 4]  # boundary L = 4 among them: its post-norm state is a candidate too
+    if family == "dflash":  # a DFlash draft reads states below L only
+        declared = [1, 2, 3]
+        draft, _ = random_dflash_draft(target, declared, block_size=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (5,), generator=g).tolist() for _ in range(2)]
+    outputs = [torch.randint(0, 128, (12,), generator=g).tolist() for _ in range(2)]
+    trained = replay_served(target, draft, declared, prompts, outputs, 3)
+    counts = ServedCounts("vllm", drafts=trained.drafts, draft_tokens=trained.draft_tokens, accepted=0,
+                          accepted_per_pos=[0, 0, 0], outputs=outputs)
+    report = DoctorReport("d", "t")
+    check = diagnose(report, DoctorConfig(draft="d", engine="vllm", engine_url="http://x"), target, draft, declared,
+                     prompts, counts, trained, 3, ["the decoding path"])
+    labels = [c["label"] for c in report.served["diagnosis"]["candidates"]]
+    assert check.name == "served wiring" and check.verdict in ("fail", "inconclusive")
+    assert "[0, 1, 2]" in labels and ("[1, 2, 4 post-norm]" in labels) == (family == "eagle3")
+    assert all(POST_NORM not in c["layout"] for c in report.served["diagnosis"]["candidates"]) == (family == "dflash")
+    assert ("norm_output true" in labels) == (family == "eagle3")  # field readings are EAGLE-3's
