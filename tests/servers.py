@@ -40,3 +40,16 @@ def live_server(app, graceful: float = 5.0):
         server.should_exit = True
         thread.join(20)
         assert not thread.is_alive(), "the server did not stop"
+
+
+def vllm_metrics(drafts: int, tokens: int, accepted: int, per_pos: list[int]) -> str:
+    """vLLM's speculative counters as its /metrics writes them (Prometheus text), for stub servers."""
+    lines = []
+    for name, value in (("drafts", drafts), ("draft_tokens", tokens), ("accepted_tokens", accepted)):
+        lines += [f"# TYPE vllm:spec_decode_num_{name}_total counter",
+                  f'vllm:spec_decode_num_{name}_total{{engine="0",model_name="m"}} {value}']
+    lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter")
+    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {v}'
+              for i, v in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+

@@ -25,6 +25,7 @@ from eaglewire.doctor.diagnosis import (POST_NORM, Wiring, diagnosis_check, feed
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.served import Replayed
 from eaglewire.engines.served_counts import ServedCounts
+from servers import vllm_metrics
 
 DECLARED = [2, 15, 27]
 L = 30
@@ -202,22 +203,11 @@ def served_text(smollm2_target):
     return draft, contract, prompts, outputs
 
 
-def _vllm_metrics(drafts, tokens, accepted, per_pos):
-    lines = []
-    for name, value in (("drafts", drafts), ("draft_tokens", tokens), ("accepted_tokens", accepted)):
-        lines += [f"# TYPE vllm:spec_decode_num_{name}_total counter",
-                  f'vllm:spec_decode_num_{name}_total{{engine="0",model_name="m"}} {value}']
-    lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter")
-    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {v}'
-              for i, v in enumerate(per_pos)]
-    return "\n".join(lines) + "\n"
-
-
 @contextmanager
 def vllm_stub(outputs, drafts, draft_tokens, accepted, per_pos):
     """A loopback server speaking vLLM's completions and Prometheus counters: it answers the prompts with
     ``outputs`` and counts, between two reads of /metrics, the given drafts."""
-    metrics = [_vllm_metrics(0, 0, 0, [0] * len(per_pos)), _vllm_metrics(drafts, draft_tokens, accepted, per_pos)]
+    metrics = [vllm_metrics(0, 0, 0, [0] * len(per_pos)), vllm_metrics(drafts, draft_tokens, accepted, per_pos)]
     answers = [{"choices": [{"text": "x", "token_ids": list(o)}]} for o in outputs]
 
     class Handler(BaseHTTPRequestHandler):

@@ -20,7 +20,7 @@ from eaglewire.engines import Ability
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.served import (Replayed, candidate_causes, chain_length, replay_chain, served_check)
 from eaglewire.engines.served_counts import ServedCounts, ServedError
-from servers import live_server
+from servers import live_server, vllm_metrics
 
 # ------------------------------------------------------------------ pure pieces
 
@@ -128,22 +128,11 @@ def stub_server(routes: dict[str, list]):
         thread.join(5)
 
 
-def _vllm_metrics(drafts, tokens, accepted, per_pos):
-    lines = []
-    for name, value in (("drafts", drafts), ("draft_tokens", tokens), ("accepted_tokens", accepted)):
-        lines += [f"# TYPE vllm:spec_decode_num_{name}_total counter",
-                  f'vllm:spec_decode_num_{name}_total{{engine="0",model_name="m"}} {value}']
-    lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter")
-    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {v}'
-              for i, v in enumerate(per_pos)]
-    return "\n".join(lines) + "\n"
-
-
 def test_vllm_counters_are_a_difference_and_say_other_traffic_counts():
     from eaglewire.engines import vllm
 
     answer = {"choices": [{"text": "x", "token_ids": [5, 6, 7]}]}
-    routes = {"/metrics": [_vllm_metrics(10, 30, 12, [6, 4, 2]), _vllm_metrics(14, 42, 17, [8, 6, 3])],
+    routes = {"/metrics": [vllm_metrics(10, 30, 12, [6, 4, 2]), vllm_metrics(14, 42, 17, [8, 6, 3])],
               "/v1/completions": [answer, answer]}
     with stub_server(routes) as (url, calls):
         got = vllm.measure_served(url, [[1, 2], [3]], max_new_tokens=4)
@@ -159,7 +148,7 @@ def test_vllm_per_request_metrics_win_over_counters():
     spec = {"mean_acceptance_length": 2.0, "draft_acceptance_rate": 0.33, "acceptance_histogram": [1, 1, 1, 1],
             "num_spec_steps": 4, "num_accepted_draft_tokens": 6, "num_draft_tokens": 12, "num_spec_tokens": 3}
     answer = {"choices": [{"text": "x", "token_ids": [5]}], "metrics": {"speculative_decoding": spec}}
-    routes = {"/metrics": [_vllm_metrics(10, 30, 12, [6, 4, 2]), _vllm_metrics(99, 99, 99, [9, 9, 9])],
+    routes = {"/metrics": [vllm_metrics(10, 30, 12, [6, 4, 2]), vllm_metrics(99, 99, 99, [9, 9, 9])],
               "/v1/completions": [answer]}
     with stub_server(routes) as (url, _):
         got = vllm.measure_served(url, [[1]], max_new_tokens=4)

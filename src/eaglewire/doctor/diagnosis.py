@@ -388,6 +388,11 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
                f"τ {served.tau:.2f} served vs {best.replayed.tau:.2f} replayed")
     noise = f"±{best.widest:.2f} over {n:,} drafts; τ {served.tau:.2f} vs {best.replayed.tau:.2f}"
     fixes = list(dict.fromkeys(f.wiring.fix for f in matches if f.wiring.fix))
+    if len(fixes) > 1 and best.wiring.from_config:  # the config the server loads says which of them it is
+        evidence.append("also within noise on this text (the served counters alone cannot tell them apart; the "
+                        "config the server loads says the one named): "
+                        + "; ".join(f.wiring.label for f in matches[1:]))
+        fixes = [best.wiring.fix] if best.wiring.fix else fixes
     if len(fixes) > 1:  # wirings this text cannot tell apart, with different fixes
         evidence.append("within noise, closest first: " + "; ".join(f"{f.wiring.label} (fix: {f.wiring.fix})"
                                                                    for f in matches))
@@ -396,7 +401,7 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
                      f"the closest: the server {best.wiring.what}, the draft was trained {best.wiring.trained}: "
                      f"{per_pos} with {best.wiring.label} ({noise})", evidence,
                      fix="one of, closest first: " + "; or ".join(fixes))
-    if len(matches) > 1:
+    if len(matches) > 1 and not best.wiring.from_config:
         evidence.append("also within noise (the same fix): " + ", ".join(f.wiring.label for f in matches[1:]))
     summary = (f"the {engine} server {best.wiring.what}, the draft was trained {best.wiring.trained}: {per_pos} with "
                f"{best.wiring.label} ({noise})")
@@ -491,9 +496,17 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
             emb_rows = (ids, target.embed_tokens(ids.to(target.device)).float().cpu())  # [N], [N, H]
     fix = layout_fix(report, config, declared, L, arch, dflash)
     readings, from_config, notes = config_wirings(config, draft, declared, L, arch, emb_rows, fix, dflash)
+    spec = engines.get(engine)
+    if report.engine_release and spec.version and spec.version != report.engine_release.split()[-1]:
+        release = report.engine_release.split()[-1]  # the release whose reading judges this server
+        readings = {k.replace(spec.version, release): v for k, v in readings.items()}
     wirings = layout_wirings(declared, L, readings, fix, post_norm=not dflash) + from_config
-    if not dflash:
+    fields_as_trained = any(c.name == "engine fields" and c.verdict == "ok" for c in report.checks)
+    if not dflash and not fields_as_trained:
         wirings += field_wirings(engine, draft, target, declared)
+    elif fields_as_trained:  # the config the server loads states every field as trained: only its layout can differ
+        notes.append("field variants not replayed: the engine-fields check read every field of --engine-config as "
+                     "trained")
     if engines.get(engine).linter.layout_fix is not None:  # its fix names the layout it was fed
         wirings = [replace(w, fix=layout_fix(report, config, declared, L, arch, dflash, list(w.layout)))
                    if w.fix == fix else w for w in wirings]
@@ -504,6 +517,11 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
     check = diagnosis_check(counts, counts.engine, declared, replayed, best, ranked, causes, seconds=seconds,
                             tokens=sum(len(o) for o in counts.outputs))
     check.evidence += notes
+    if report.engine_release and spec.version and spec.runtime is not None:  # name the release that judged it
+        stale = f"{spec.runtime.label} {spec.version}"
+        check = replace(check, summary=check.summary.replace(stale, report.engine_release),
+                        evidence=[e.replace(stale, report.engine_release) for e in check.evidence],
+                        fix=check.fix.replace(stale, report.engine_release) if check.fix else None)
     report.served["diagnosis"] = {
         "match": None if best is None else {"label": best.wiring.label, "layout": list(best.wiring.layout),
                                             "fix": best.wiring.fix},

@@ -134,3 +134,26 @@ def version_at(url: str, *, who: str, timeout: float = 30.0) -> str | None:
         return None if text is None else str(json.loads(text).get("version")) or None
     except (ServedError, ValueError, AttributeError):
         return None
+
+
+def wait_healthy(url: str, *, exited, timeout: float, interval: float = 0.2, on_exit, on_timeout) -> None:
+    """Poll ``url``/health until it answers 200: ``on_exit(returncode)`` raises when the process ends first
+    (``exited()`` gives its return code, None while it runs), ``on_timeout()`` once ``timeout`` seconds pass."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rc = exited()
+        if rc is not None:
+            on_exit(rc)
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(interval)
+    on_timeout()
+

@@ -11,7 +11,6 @@ import socket
 import signal
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from eaglewire.engines.llamacpp.errors import LlamaCppError, exit_cause
-from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json
+from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json, wait_healthy
 
 log = logging.getLogger(__name__)
 
@@ -128,22 +127,18 @@ class LlamaServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                rc = self._proc.returncode
-                hint = ("; rebuild it for this CPU: eaglewire engines install llamacpp (it reconfigures a build "
-                        "made for another CPU or by an earlier eaglewire)" if rc == -signal.SIGILL else "")
-                raise LlamaCppError(f"llama-server exited with {rc} ({exit_cause(rc)}) while starting "
-                                    f"({' '.join(self.command)}){hint}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise LlamaCppError(f"llama-server did not become ready within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+        def exited(rc: int) -> None:
+            hint = ("; rebuild it for this CPU: eaglewire engines install llamacpp (it reconfigures a build "
+                    "made for another CPU or by an earlier eaglewire)" if rc == -signal.SIGILL else "")
+            raise LlamaCppError(f"llama-server exited with {rc} ({exit_cause(rc)}) while starting "
+                                f"({' '.join(self.command)}){hint}:\n{self.log_tail()}")
+
+        def timed_out() -> None:
+            raise LlamaCppError(f"llama-server did not become ready within {self.startup_timeout:.0f} s:\n"
+                                f"{self.log_tail()}")
+
+        wait_healthy(self.url, exited=self._proc.poll, timeout=self.startup_timeout, on_exit=exited,
+                     on_timeout=timed_out)
 
     @property
     def returncode(self) -> int | None:

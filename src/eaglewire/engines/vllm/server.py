@@ -24,15 +24,13 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eaglewire.engines.interface import Answer, DraftTotals, RunSettings, ServedFiles, Shape
-from eaglewire.engines.served_counts import ServedError, get_text, post_json, samples, total
+from eaglewire.engines.served_counts import ServedError, get_text, post_json, samples, total, wait_healthy
 from eaglewire.engines.vllm.installation import INSTALL_HINT, Installation, VllmError, find, require
 from eaglewire.engines.vllm.readings import METRICS_PREFIX, spec_counters
 
@@ -361,21 +359,16 @@ class VllmServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            rc = self._proc.poll()
-            if rc is not None:
-                raise VllmError(f"vLLM exited with {rc} while starting ({' '.join(self.command)}); "
-                                f"log {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise VllmError(f"vLLM did not become ready within {self.startup_timeout:.0f} s; log {self.log_path}:\n"
-                        f"{self.log_tail()}")
+        def exited(rc: int) -> None:
+            raise VllmError(f"vLLM exited with {rc} while starting ({' '.join(self.command)}); "
+                            f"log {self.log_path}:\n{self.log_tail()}")
+
+        def timed_out() -> None:
+            raise VllmError(f"vLLM did not become ready within {self.startup_timeout:.0f} s; log {self.log_path}:\n"
+                            f"{self.log_tail()}")
+
+        wait_healthy(self.url, exited=self._proc.poll, timeout=self.startup_timeout, interval=0.5, on_exit=exited,
+                     on_timeout=timed_out)
 
     @property
     def returncode(self) -> int | None:
