@@ -48,9 +48,9 @@ METRICS_PREFIX = "eaglewire_"
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy completions of ``prompts`` from ``eaglewire serve`` at ``url`` and what it accepted."""
-    import eaglewire.engines.vllm as vllm
+    from eaglewire.engines.vllm.readings import measure_served as vllm_measure_served
 
-    return vllm.measure_served(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout,
+    return vllm_measure_served(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout,
                                prefix=METRICS_PREFIX, engine=NAME)
 
 

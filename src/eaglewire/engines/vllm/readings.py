@@ -330,7 +330,15 @@ def serving_md(*, draft_path: str, target_name: str, boundaries: list[int], num_
         f"    --speculative-config '{spec}'",
         "```", "",
         "vLLM drafts chains (`num_speculative_tokens` tokens per step). Add "
-        "`--tensor-parallel-size N` to shard the target over N GPUs.", "",
+        "`--tensor-parallel-size N` to shard the target over N GPUs, `--port P` for another port than 8000 (vLLM's "
+        "API server reads it from no environment variable).", "",
+        "On a CPU (vLLM's CPU build; `eaglewire engines install vllm` installs one): set "
+        "`VLLM_CPU_KVCACHE_SPACE=GIB` (without it vLLM reserves `--gpu-memory-utilization`, 0.92, of the machine's "
+        "RAM and refuses to start where less is free), `VLLM_CPU_OMP_THREADS_BIND=0-N` for the worker's threads (its "
+        "default keeps a core for the scheduler), `LD_PRELOAD` tcmalloc and Intel OpenMP (`eaglewire engines which "
+        "vllm` prints it; vLLM warns that speculative decoding is much slower without), and add `--enforce-eager` "
+        "(torch.compile takes minutes to start on a few cores). With `--dtype auto` vLLM runs a float32 target in "
+        "bfloat16; `--dtype float32` keeps the precision the draft's contract records.", "",
         f"The target must be the very one the draft was trained for ({target_name}); a requantized "
         "or fine-tuned target lowers acceptance. `embed_tokens.weight` is that target's embedding in its "
         "stored dtype, so vLLM shares the target's own (it does only when the two are exactly equal).", "",
