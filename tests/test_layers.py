@@ -72,7 +72,6 @@ KNOWN_UPWARD = {
     ("eaglewire.engines.llamacpp.runtime", "eaglewire.engines"),
     ("eaglewire.engines.vllm.installation", "eaglewire.engines.vllm.server"),  # the smoke run serves once
     ("eaglewire.engines.llamacpp", "eaglewire.engines.llamacpp.doctor"),  # the spec's doctor hooks, when called
-    ("eaglewire.doctor.diagnosis", "eaglewire.doctor.served"),  # the served check calls the diagnosis on a FAIL
 }
 
 

@@ -317,7 +317,7 @@ def rate_noise(p: float, n: int) -> float:
 def tau_noise(per_position: list[float], n: int) -> float:
     """Half-width of τ over ``n`` drafts whose position i is accepted at rate ``per_position[i]``: Z standard
     errors of the accepted count per draft (P(A > i) = per_position[i]), at least SERVED_TAU_TOLERANCE."""
-    from eaglewire.doctor.served import SERVED_TAU_TOLERANCE
+    from eaglewire.doctor.served_replay import SERVED_TAU_TOLERANCE
 
     mean = sum(per_position)
     square = sum((2 * i + 1) * p for i, p in enumerate(per_position))
@@ -465,7 +465,7 @@ def capture_texts(target, draft, prompts: list[list[int]], outputs: list[list[in
 def replay_wiring(wiring: Wiring, draft, batches: list, steps: int):
     """``wiring``'s replay of the greedy chain on every captured text (``served.replay_chain``'s rounds)."""
     from eaglewire.doctor.measure import step_rightness
-    from eaglewire.doctor.served import Replayed, replay_chain
+    from eaglewire.doctor.served_replay import Replayed, replay_chain
 
     served, transform = wiring.build() if wiring.build is not None else (draft, None)
     total = Replayed(accepted_per_pos=[0] * steps)

@@ -15,72 +15,21 @@ Shapes: S draft steps, T tokens.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-
 import torch
 
 from eaglewire import engines
 from eaglewire.engines import Ability
-from eaglewire.acceptance.replay import accepted_after
 from eaglewire.doctor.evidence import wilson_bounds
 from eaglewire.doctor.measure import Sequence, capture_batches, step_rightness
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.engines.served_counts import AcceptanceRates, ServedCounts, ServedError, add_lists
+from eaglewire.doctor.served_replay import SERVED_TAU_TOLERANCE, Replayed, replay_chain  # noqa: F401 (re-exported)
+from eaglewire.engines.served_counts import ServedCounts, ServedError
 
 log = logging.getLogger(__name__)
 
 # The served text is the target's own greedy text at fewer positions than this: the server runs
 # another target (precision, quantization, weights) or does not decode greedily.
 MIN_TEXT_AGREEMENT = 0.98
-# A server wired as trained accepts what the replay accepts on its own text, up to the last round
-# of each answer (a server may draft past the tokens it returns) and near-ties that its verify
-# and the doctor's capture round apart: served τ this far from the replay is no fault by itself.
-SERVED_TAU_TOLERANCE = 0.05
-
-
-@dataclass
-class Replayed(AcceptanceRates):
-    """The greedy chain replayed on the training-time unroll of a text, round by round."""
-
-    drafts: int = 0  # rounds that drafted
-    draft_tokens: int = 0
-    accepted: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    judged: int = 0  # output tokens whose target argmax was compared with the text
-    agreeing: int = 0  # ... and equal to it
-
-    def add(self, other: "Replayed") -> None:
-        self.drafts += other.drafts
-        self.draft_tokens += other.draft_tokens
-        self.accepted += other.accepted
-        self.accepted_per_pos = add_lists(self.accepted_per_pos, other.accepted_per_pos)
-        self.judged += other.judged
-        self.agreeing += other.agreeing
-
-    @property
-    def text_agreement(self) -> float:
-        return self.agreeing / self.judged if self.judged else 1.0
-
-
-def replay_chain(right: torch.Tensor, prompt_len: int) -> Replayed:
-    """right [S, T] bool over prompt + a greedy output -> the rounds a greedy chain of S drafts
-    there: each drafts at most the tokens left in the text (llama.cpp caps a draft at the tokens
-    remaining, tools/server/server-context.cpp get_n_draft_max) and accepts its leading right steps."""
-    S, T = right.shape
-    out = Replayed(accepted_per_pos=[0] * S)
-    p = prompt_len  # the round's root: the last token the target produced
-    while (room := T - p - 1) > 0:
-        k = min(S, room)
-        a = accepted_after(right[:k], p - 1)
-        out.drafts += 1
-        out.draft_tokens += k
-        out.accepted += a
-        for i in range(a):
-            out.accepted_per_pos[i] += 1
-        p += a + 1
-    return out
-
-
 def replay_served(target, draft, layout: list[int], prompts: list[list[int]], outputs: list[list[int]],
                   num_steps: int) -> Replayed:
     """The replay on every (prompt, server output) pair, fed the declared ``layout``."""

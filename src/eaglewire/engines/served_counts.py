@@ -157,3 +157,12 @@ def wait_healthy(url: str, *, exited, timeout: float, interval: float = 0.2, on_
         time.sleep(interval)
     on_timeout()
 
+
+def log_tail(path, lines: int) -> str:
+    """The last ``lines`` lines of a launched server's log ("" before it exists): what a start failure quotes."""
+    from pathlib import Path
+
+    if path is None or not Path(path).exists():
+        return ""
+    return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-lines:])
+

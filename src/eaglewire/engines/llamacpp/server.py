@@ -19,7 +19,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from eaglewire.engines.llamacpp.errors import LlamaCppError, exit_cause
-from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json, wait_healthy
+from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json, log_tail, wait_healthy
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,7 @@ class LlamaServer:
         return None if self._proc is None else self._proc.poll()
 
     def log_tail(self, lines: int = 20) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        return log_tail(self.log_path, lines)
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eaglewire.engines.interface import Answer, DraftTotals, RunSettings, ServedFiles, Shape
-from eaglewire.engines.served_counts import ServedError, get_text, post_json, samples, total, wait_healthy
+from eaglewire.engines.served_counts import ServedError, get_text, post_json, samples, total, log_tail, wait_healthy
 from eaglewire.engines.vllm.installation import INSTALL_HINT, Installation, VllmError, find, require
 from eaglewire.engines.vllm.readings import METRICS_PREFIX, spec_counters
 
@@ -375,9 +375,7 @@ class VllmServer:
         return None if self._proc is None else self._proc.poll()
 
     def log_tail(self, lines: int = 25) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        return log_tail(self.log_path, lines)
 
     def _group_alive(self, pgid: int) -> bool:
         try:
