@@ -59,7 +59,7 @@ def main() -> int:
         print(why, file=sys.stderr)
         return 2
     args.work.mkdir(parents=True, exist_ok=True)
-    base = runtime.files("reference", "smollm2-135m", args.work, settings)
+    base = runtime.files("reference", "smollm2-135m", args.work, settings, export=export_draft)
     export = Path(base.draft)
     if not (export / "config.json").exists():
         export_draft("reference", "vllm", export)

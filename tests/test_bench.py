@@ -9,7 +9,8 @@ from eaglewire.bench.run import (BenchConfig, Row, config_label, heldout_prompts
                              tau_per_request, tau_pooled, time_split)
 from eaglewire.model.checkpoint import save_draft
 from eaglewire.cli import main
-from eaglewire.decode.engine import GenerationStats, SpecConfig
+from eaglewire.core.generation import GenerationStats
+from eaglewire.decode.engine import SpecConfig
 
 
 def stats(accept_lengths, position_accepts=(), seconds=1.0, **kw):

@@ -324,6 +324,8 @@ def test_files_refuse_a_gguf_target_and_take_a_given_draft(tmp_path):
         srv.RUNTIME.files(None, str(target), tmp_path, RunSettings(target_file=str(tmp_path / "t.gguf")))
     plain = srv.RUNTIME.files(None, str(target), tmp_path, RunSettings())
     assert plain.draft is None
+    with pytest.raises(ValueError, match="export=eaglewire.engines.export_draft"):  # a draft to export, no exporter
+        srv.RUNTIME.files("some-draft", str(target), tmp_path, RunSettings())
 
 
 def test_a_failed_smoke_run_leaves_no_record_and_a_rerun_completes_it(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 
+from eaglewire.engines import export_draft
 from eaglewire.engines.interface import RunSettings, Shape
 from real_vllm.test_vllm_served import _group_gone
 
@@ -97,7 +98,7 @@ def served(tmp_path_factory, vllm_installation, trained):
     draft_dir, prompts = trained
     work = tmp_path_factory.mktemp("vllm-dflash-served")
     settings = RunSettings(install=str(vllm_installation.python))
-    files = RUNTIME.files(str(draft_dir), "smollm2-135m", work, settings)
+    files = RUNTIME.files(str(draft_dir), "smollm2-135m", work, settings, export=export_draft)
     log = work / "dflash.log"
     with RUNTIME.serve(files, Shape(n_max=CHAIN), settings, log_path=log) as server:
         pgid, record = server._proc.pid, server.record

@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 
+from eaglewire.engines import export_draft
 from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
 from real_vllm.test_vllm_served import _serve
 
@@ -39,7 +40,8 @@ def flagged(tmp_path_factory, vllm_installation):
     from eaglewire.engines.vllm.server import RUNTIME
 
     work = tmp_path_factory.mktemp("vllm-fields")
-    files = RUNTIME.files("reference", "smollm2-135m", work, RunSettings(install=str(vllm_installation.python)))
+    files = RUNTIME.files("reference", "smollm2-135m", work, RunSettings(install=str(vllm_installation.python)),
+                          export=export_draft)
     bad = work / "vllm-export-norm-flag"
     shutil.copytree(files.draft, bad)
     config = json.loads((bad / "config.json").read_text())

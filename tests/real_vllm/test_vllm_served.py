@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from eaglewire.engines import export_draft
 from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real]
@@ -64,7 +65,8 @@ def served_files(tmp_path_factory, vllm_installation):
     from eaglewire.engines.vllm.server import RUNTIME
 
     work = tmp_path_factory.mktemp("vllm")
-    files = RUNTIME.files("reference", "smollm2-135m", work, RunSettings(install=str(vllm_installation.python)))
+    files = RUNTIME.files("reference", "smollm2-135m", work, RunSettings(install=str(vllm_installation.python)),
+                          export=export_draft)
     return work, files
 
 

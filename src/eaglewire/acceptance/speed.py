@@ -25,7 +25,7 @@ from eaglewire.acceptance.recommend import (DEFAULT_P_MINS, Prediction, Recommen
                                             recommend, shapes)
 from eaglewire.acceptance.trace import trace_blocks, trace_text
 from eaglewire.model.dflash_blocks import is_block_draft
-from eaglewire.engines import Ability, get as engine, names as engine_names
+from eaglewire.engines import Ability, export_draft, get as engine, names as engine_names
 from eaglewire.engines.interface import ChainRule, RunSettings, ServedFiles
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ def server_setup(name: str, draft_dir: str, target: str, work_dir: Path, setting
     if why_not:
         raise ValueError(why_not)
     work_dir.mkdir(parents=True, exist_ok=True)
-    return ServerSetup(runtime.files(draft_dir, target, work_dir, settings, allow=allow), settings, work_dir)
+    files = runtime.files(draft_dir, target, work_dir, settings, export=export_draft, allow=allow)
+    return ServerSetup(files, settings, work_dir)
 
 
 def encoded_prompts(tokenizer, dataset: str, offset: int, count: int) -> list[list[int]]:

@@ -23,12 +23,13 @@ from tqdm.auto import tqdm
 
 from eaglewire.core.configs import RESOLVED_KEY
 from eaglewire.model.checkpoint import FAMILY_CLASSES, load_draft, read_draft, read_draft_config
-from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
+from eaglewire.core.generation import GenerationStats
+from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
-from eaglewire.engines import Ability, get as get_engine, names as engine_names
+from eaglewire.engines import Ability, export_draft, get as get_engine, names as engine_names
 from eaglewire.engines.configs import EngineRunConfig
 from eaglewire.engines.interface import Shape
 from eaglewire.core.presets import DEFAULT_TARGET
@@ -472,7 +473,7 @@ def _run_server(engine: str, config: BenchConfig, encoded: list[list[int]], prog
     runs = server_runs(config.runs, engine, family)
     needs_draft = any(r is not None for r in runs)
     files = runtime.files(config.draft if needs_draft else None, config.target, config.out_dir, settings,
-                          allow=frozenset(config.allow_target_mismatch or ()))
+                          export=export_draft, allow=frozenset(config.allow_target_mismatch or ()))
     rows = []
     for run in runs:
         log_path = config.out_dir / f"{engine}-{config_label(run).replace(',', '_')}.log"

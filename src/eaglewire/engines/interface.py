@@ -23,11 +23,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:
-    from eaglewire.decode.engine import GenerationStats
+from eaglewire.core.generation import GenerationStats
 
+# engines.export_draft, handed to a runtime that exports its own draft: (draft_dir, to, out_dir, **settings)
+ExportDraft = Callable[..., Any]
 IdsFn = Callable[[list[int], int, "str | None"], list[int]]  # (ids or boundaries, num layers, target arch)
 ReadIds = Callable[[dict[str, Any]], "tuple[dict[str, list[int] | None], list[str]]"]  # config -> (label -> ids, notes)
 
@@ -144,7 +145,7 @@ class DraftTotals:
 @dataclass
 class Answer:
     tokens: list[int]  # new token ids
-    stats: "GenerationStats"  # the engine's own counters of this request
+    stats: GenerationStats  # the engine's own counters of this request
 
 
 class RunningServer(Protocol):
@@ -168,8 +169,9 @@ class Runtime(Protocol):
     def version(self, settings: RunSettings) -> str: ...
 
     def files(self, draft_dir: str | None, target: str, work_dir: Path, settings: RunSettings, *,
-              allow: frozenset[str] = frozenset()) -> ServedFiles:
-        """The files it serves: the user's own (``settings``) or ``draft_dir`` / ``target`` exported into ``work_dir``."""
+              export: ExportDraft | None = None, allow: frozenset[str] = frozenset()) -> ServedFiles:
+        """The files it serves: the user's own (``settings``) or ``draft_dir`` / ``target`` exported into ``work_dir``
+        with ``export`` (the registry's ``export_draft``: an engine package never calls back into the registry)."""
 
     def can_run(self, shape: Shape, family: str) -> str | None:
         """None where it can launch ``shape`` for a ``family`` draft, else why not."""
@@ -269,3 +271,11 @@ class EngineSpec:
     def needs_target_arch(self) -> bool:
         """It has no reading at all without the target's architecture."""
         return self.eagle3 is not None and self.eagle3.needs_target_arch
+
+
+def needs_exporter(export: ExportDraft | None) -> ExportDraft:
+    """``export`` where a runtime must export a draft; without one, say what to pass."""
+    if export is None:
+        raise ValueError("exporting the draft needs the exporter: pass export=eaglewire.engines.export_draft, or "
+                         "name the draft file the engine serves")
+    return export

@@ -45,7 +45,8 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eaglewire.decode.engine import GenerationStats, SpecConfig, SpecDecoder
+from eaglewire.core.generation import GenerationStats
+from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream
 from eaglewire.decode.load import load_decoder

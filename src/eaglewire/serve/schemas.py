@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tokenizers import decoders
 
-from eaglewire.decode.engine import GenerationStats
+from eaglewire.core.generation import GenerationStats
 from eaglewire.decode.text import encode_prompt
 
 MAX_STOP_STRINGS = 16

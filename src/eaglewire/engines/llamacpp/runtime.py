@@ -11,7 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
-from eaglewire.engines.interface import Answer, DraftTotals, RunSettings, ServedFiles, Shape
+from eaglewire.core.generation import GenerationStats
+from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSettings, ServedFiles, Shape,
+                                         needs_exporter)
 from eaglewire.engines.llamacpp.errors import LlamaCppError
 from eaglewire.engines.llamacpp.installation import BUILD, INSTALL_HINT, find_server, require_server, server_build
 from eaglewire.engines.llamacpp.readings import NAME
@@ -42,8 +44,6 @@ def answer_stats(answer: dict, verify_steps: int | None, num_steps: int):
     means (τ) are llama.cpp's own, per-round detail is not. Plain: one pass per token after
     the first.
     """
-    from eaglewire.decode.engine import GenerationStats
-
     t = answer.get("timings") or {}
     tokens = list(answer.get("tokens") or [])
     drafted, accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
@@ -119,7 +119,7 @@ class LlamaCppRuntime:
         return server_build(require_server(settings.install)) or BUILD
 
     def files(self, draft_dir: str | None, target: str, work_dir: Path, settings: RunSettings, *,
-              allow: frozenset[str] = frozenset()) -> ServedFiles:
+              export: ExportDraft | None = None, allow: frozenset[str] = frozenset()) -> ServedFiles:
         """The GGUFs given (``settings.target_file`` / ``draft_file``), else exported into ``work_dir``/llamacpp-export
         (the target in f32, the draft with llama.cpp's converter); no draft: the target alone."""
         from eaglewire.model.checkpoint import read_draft
@@ -137,8 +137,7 @@ class LlamaCppRuntime:
             target_dir = resolve_target_path(target)
             return ServedFiles(target_gguf(target_dir, target_architecture(target_dir), "f32",
                                            tree=require_tree(settings.install)), None, family)
-        from eaglewire.engines import export_draft
-
+        export_draft = needs_exporter(export)
         out = Path(work_dir) / "llamacpp-export"
         report = export_draft(draft_dir, NAME, out, target_outtype="f32", llamacpp_dir=settings.install,
                               threads=settings.threads, allow=set(allow))

@@ -27,15 +27,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from eaglewire.engines.interface import Answer, DraftTotals, RunSettings, ServedFiles, Shape
+from eaglewire.core.generation import GenerationStats
+from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSettings, ServedFiles, Shape,
+                                         needs_exporter)
 from eaglewire.engines.served_counts import ServedError, get_text, post_json, samples, total, log_tail, wait_healthy
 from eaglewire.engines.vllm.installation import INSTALL_HINT, Installation, VllmError, find, require
 from eaglewire.engines.vllm.readings import METRICS_PREFIX, spec_counters
-
-if TYPE_CHECKING:
-    from eaglewire.decode.engine import GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +182,7 @@ def rounds_from_counts(drafts: int, draft_tokens: int, per_pos: Sequence[int]) -
 
 def request_stats(*, prompt_tokens: int, tokens: Sequence[int], finish_reason: str | None,
                   response_metrics: Mapping[str, Any] | None, before: Counters | None, after: Counters | None,
-                  wall_seconds: float) -> "GenerationStats":
+                  wall_seconds: float) -> GenerationStats:
     """One request's ``GenerationStats`` from vLLM's own account of it.
 
     Rounds: the response's ``metrics.speculative_decoding`` where vLLM serves it (``--per-request-spec-decode-
@@ -196,8 +195,6 @@ def request_stats(*, prompt_tokens: int, tokens: Sequence[int], finish_reason: s
     last token), else the difference of the ``vllm:request_prefill_time_seconds`` and ``..._decode_...``
     histograms' sums when exactly this request was added to them, else the wall time around the HTTP request
     (prefill then unknown: 0). vLLM does not time drafting apart, so draft_seconds and verify_seconds stay 0."""
-    from eaglewire.decode.engine import GenerationStats
-
     new = len(tokens)
     stats = GenerationStats(prompt_tokens=prompt_tokens, new_tokens=new, finish_reason=finish_reason or "length")
     spec = (response_metrics or {}).get("speculative_decoding") or None
@@ -473,15 +470,14 @@ class VllmRuntime:
         return self._installation(settings).version or "unknown"
 
     def files(self, draft_dir: str | None, target: str, work_dir: Path, settings: RunSettings, *,
-              allow: frozenset[str] = frozenset()) -> ServedFiles:
+              export: ExportDraft | None = None, allow: frozenset[str] = frozenset()) -> ServedFiles:
         target_dir = served_target(settings.target_file or target)
         if settings.draft_file:
             draft = Path(settings.draft_file).expanduser().resolve()
             return ServedFiles(target=target_dir, draft=draft, family=_draft_family(draft))
         if draft_dir is None:
             return ServedFiles(target=target_dir, draft=None)
-        from eaglewire.engines import export_draft
-
+        export_draft = needs_exporter(export)
         out = Path(work_dir) / "vllm-export"
         export_draft(draft_dir, "vllm", out, allow=allow, verifier_name=str(target_dir))
         return ServedFiles(target=target_dir, draft=out, family=_draft_family(out))
