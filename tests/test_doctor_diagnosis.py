@@ -386,8 +386,6 @@ def _with_target_layers(src, dst, layers):
 
 @pytest.mark.llamacpp
 @pytest.mark.real
-@pytest.mark.skip(reason="regressed when the served-wiring check began naming the config's own reading first "
-                         "(issue 39, last change): to fix next session")
 def test_llama_server_fed_other_layers_is_named(smollm2_target, tmp_path):
     """The reference draft's GGUF with extract_layers [2, 15, 22] served by llama-server: the doctor (given the
     GGUF it serves) fails the served acceptance and names [2, 15, 22] as what the server feeds."""

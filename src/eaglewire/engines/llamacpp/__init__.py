@@ -102,7 +102,7 @@ def judged(served: str | None) -> tuple[str, str]:
 
 
 SPEC = EngineSpec(
-    name=NAME, version=BUILD, measure=measure_served, runtime=RUNTIME, block_follows_shape=True, draft_file_suffix=".gguf", served_version=served_version, judged=judged, reads_export=reads_export, chain_rule=CHAIN_RULE,
+    name=NAME, version=f"b{BUILD}", measure=measure_served, runtime=RUNTIME, block_follows_shape=True, draft_file_suffix=".gguf", served_version=served_version, judged=judged, reads_export=reads_export, chain_rule=CHAIN_RULE,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries),
     exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),
