@@ -10,6 +10,7 @@ import hashlib
 import logging
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -61,6 +62,11 @@ class PrepareConfig:
     overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # --regenerate through servers: its flags
     state_dtype: str | None = field(default=None, metadata={"choices": STATE_DTYPES, "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary, half the bytes), or bf16/fp16 (default: --storage-dtype)"})
+    capture: str = field(default="here", metadata={"help": "where the states are computed: here (the target in this process) or an engine that captures them (vllm: launched here, or the one at --capture-url); the first sequences are captured both ways and compared per boundary"})
+    capture_url: str | None = field(default=None, metadata={"help": "a running engine with state extraction on (the launch line `prepare --capture vllm` logs); its storage path must be readable here"})
+    capture_tensor_parallel: int = field(default=1, metadata={"help": "--tensor-parallel-size of the vLLM launched to capture"})
+    capture_python: str | None = field(default=None, metadata={"help": "the python of the vLLM to launch (default: `eaglewire engines install vllm`'s)"})
+    capture_threads: int = field(default=2, metadata={"help": "threads of the engine launched to capture"})
     labels: str = field(default="hidden", metadata={"help": "the target's signal on disk: hidden (the last hidden state) or topk:K (the target's K most likely tokens and log-probabilities at reply positions, e.g. topk:32)"})
 
     def __post_init__(self) -> None:
@@ -83,9 +89,19 @@ class PrepareConfig:
             raise ValueError("--server / --llamacpp-gguf give the server to regenerate replies through: add "
                              "--regenerate (or drop them to keep the data's own replies)")
         Storage(dtype=self.storage_dtype, state_dtype=self.state_dtype, labels=self.labels)  # names the bad flag
+        if self.capture != HERE:
+            from eaglewire.engines import Ability, get
+
+            try:
+                get(self.capture, Ability.CAPTURE, param="--capture")
+            except ValueError as e:
+                raise ValueError(f"{e}, or {HERE} (the target in this process)") from None
+        elif self.capture_url is not None:
+            raise ValueError("--capture-url names a running engine's server: add --capture ENGINE (e.g. vllm)")
 
 
 TEMPLATES = ("chat", "plain")
+HERE = "here"  # --capture: the target in this process
 _HASH_WHOLE = 64 << 20  # files up to this size are hashed whole; larger ones by size + ends
 _PREPARED = re.compile(r"(manifest(\.rank\d+-of-\d+)?\.json|shard-(r\d+-)?\d+\.safetensors|"
                        r"regenerated\.rank\d+\.jsonl(\.meta\.json)?)(\.tmp)?")
@@ -265,6 +281,44 @@ def capture_batch(target: Target, contract: HiddenStateContract, batch: list[Tok
         yield s, out.aux_hidden[row, :n], out.last_hidden[row, :n]
 
 
+@contextmanager
+def _engine_capture(config: PrepareConfig, target: Target, contract: HiddenStateContract, out: Path):
+    """The engine that captures (``--capture``), launched here or at ``--capture-url``; None: in process."""
+    if config.capture == HERE:
+        yield None
+        return
+    from eaglewire.engines import Ability, get
+    from eaglewire.engines.interface import CaptureSettings
+
+    capturer = get(config.capture, Ability.CAPTURE, param="--capture").capturer
+    settings = CaptureSettings(dtype=str(target.dtype).removeprefix("torch."), threads=config.capture_threads,
+                               tensor_parallel=config.capture_tensor_parallel, install=config.capture_python,
+                               max_model_len=max(config.max_length + 16, 256))
+    boundaries, L = list(contract.aux_boundaries), target.num_layers
+    arch = target.fingerprint.architecture
+    log.info("a target that needs many GPUs: serve it yourself with\n  %s\nand pass --capture-url",
+             capturer.launch_line(config.target, boundaries, L, arch, settings, out.resolve() / "engine-states"))
+    with capturer.capture(config.target, boundaries, L, arch, settings, work_dir=out,
+                          url=config.capture_url) as engine:
+        yield engine
+
+
+def engine_batch(engine, target: Target, contract: HiddenStateContract, batch: list[TokenizedConversation],
+                 checked: list[int]):
+    """``capture_batch`` through ``engine``: (seq, aux [T, kH], last [T, H]) per sequence; the first
+    CHECKED_SEQUENCES of the run (``checked[0]`` counts them) compared with the states here per boundary."""
+    from eaglewire.data.engine_capture import CHECKED_SEQUENCES, require_same_states, split_states
+
+    for s in batch:
+        states = engine.states(list(s.input_ids))  # [T, n, H]
+        if checked[0] < CHECKED_SEQUENCES:
+            require_same_states(states, engine.boundaries, target, list(s.input_ids), engine.version,
+                                sequence=f"conversation {s.id}")
+            checked[0] += 1
+        aux, last = split_states(states, engine.boundaries, list(contract.aux_boundaries), target.num_layers)
+        yield s, aux, last
+
+
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
     chunk = []
     for item in items:
@@ -338,7 +392,9 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     truncated = 0
     dropped: list[str] = []
     bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
-    with writer:
+    with writer, _engine_capture(config, target, contract, out) as engine:
+        writer.set_status(capture=engine.version if engine is not None else HERE)
+        checked = [0]  # sequences of this run captured both ways
         for chunk in _chunks(conversations, 64):
             todo = []
             for conv in chunk:
@@ -354,7 +410,9 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                     continue
                 todo.append(seq)
             for batch in batches_by_tokens(todo, config.batch_tokens):
-                for seq, aux, last in capture_batch(target, contract, batch):
+                captured = (capture_batch(target, contract, batch) if engine is None else
+                            engine_batch(engine, target, contract, batch, checked))
+                for seq, aux, last in captured:
                     writer.add(seq.id, torch.tensor(seq.input_ids, dtype=torch.int32),
                                torch.tensor(seq.loss_mask, dtype=torch.uint8), aux, last)
                 bar.update(len(batch))

@@ -185,6 +185,46 @@ class Runtime(Protocol):
         tell the drafting time apart (a log level that may cost speed: tune's probes, not bench)."""
 
 
+# ---------------------------------------------------------------- capturing states through an engine
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """How ``prepare --capture ENGINE`` runs the engine that captures (defaults in ``PrepareConfig``)."""
+
+    dtype: str = "float32"  # the dtype the engine computes the target in (its own spelling)
+    threads: int = 2
+    tensor_parallel: int = 1
+    install: str | None = None  # the engine's installation (vLLM: its python)
+    max_model_len: int = 2048
+
+
+class CapturedStates(Protocol):
+    """A running engine that hands back the target's hidden states of a token sequence."""
+
+    version: str  # the engine's release, as the manifest records it ("vllm 0.32.0")
+    boundaries: list[int]  # what each captured slot holds, in order
+
+    def states(self, token_ids: list[int]) -> Any:
+        """The states of ``token_ids`` through the target: a float tensor [T, len(boundaries), H]."""
+
+
+class Capturer(Protocol):
+    """An engine that captures hidden states (its ``extract_hidden_states`` or the like)."""
+
+    label: str
+
+    def launch_line(self, target: str, boundaries: list[int], num_layers: int, arch: str | None,
+                    settings: CaptureSettings, storage: Path) -> str:
+        """The command a user runs to serve ``target`` with capture at ``boundaries`` (``--capture-url``)."""
+
+    def capture(self, target: str, boundaries: list[int], num_layers: int, arch: str | None,
+                settings: CaptureSettings, *, work_dir: Path, url: str | None = None,
+                ) -> AbstractContextManager[CapturedStates]:
+        """States of ``boundaries`` (boundary ``num_layers`` included) from a server launched here, or the one the
+        user runs at ``url``; stopped on leaving the context where launched."""
+
+
 # ---------------------------------------------------------------- how an engine stops a chain
 
 
@@ -223,6 +263,7 @@ class Ability(Enum):
     MEASURE = "measure"
     RUN_HERE = "run_here"
     STATED_COSTS = "stated_costs"
+    CAPTURE = "capture"  # it captures hidden states (prepare --capture)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +287,7 @@ class EngineSpec:
     draft_file_suffix: str | None = None  # the suffix of the draft files it loads (".gguf"), where it has its own
     block_follows_shape: bool = False  # it runs a DFlash block of n_max + 1 tokens, not the trained block
     in_process: bool = False  # eaglewire's own engine: run in this process (bench, tune), no server to launch
+    capturer: Capturer | None = None  # it captures hidden states for prepare
 
     def can(self, ability: Ability) -> bool:
         if not isinstance(ability, Ability):
@@ -256,7 +298,8 @@ class EngineSpec:
                 Ability.LINT: self.linter is not None,
                 Ability.MEASURE: self.measure is not None,
                 Ability.RUN_HERE: self.runtime is not None or self.in_process,
-                Ability.STATED_COSTS: self.stated_costs}[ability]
+                Ability.STATED_COSTS: self.stated_costs,
+                Ability.CAPTURE: self.capturer is not None}[ability]
 
     def reading(self, family: str) -> IdReading | None:
         """Its reading of ``family``'s ids (None: it serves no such draft)."""

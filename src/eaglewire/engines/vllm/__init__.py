@@ -60,6 +60,7 @@ from eaglewire.engines.vllm.readings import (
     template_kwargs_fix,
 )
 from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Importer, Linter  # noqa: E402
+from eaglewire.engines.vllm.capture import CAPTURER  # noqa: E402
 from eaglewire.engines.vllm.server import RUNTIME, served_version  # noqa: E402
 from eaglewire.engines.vllm.versions import reading_for, version_line  # noqa: E402
 
@@ -79,6 +80,7 @@ def judged(served: str | None) -> tuple[str, str]:
 
 SPEC = EngineSpec(
     name=NAME, aliases=(FORMAT_NAME,), version=VERSION, stated_costs=True, measure=measure_served, runtime=RUNTIME,
+    capturer=CAPTURER,
     served_version=served_version, judged=judged, chain_rule=CHAIN_RULE,
     reads_export=reads_export,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids, read_notes=read_notes,

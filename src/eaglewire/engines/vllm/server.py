@@ -304,7 +304,8 @@ class VllmServer:
     def __init__(self, installation: Installation, files: ServedFiles, shape: Shape, *, threads: int = 2,
                  flags: Sequence[str] = (), log_path: Path | None = None, startup_timeout: float = STARTUP_TIMEOUT,
                  stop_timeout: float = 30.0, max_model_len: int = MAX_MODEL_LEN, kv_space_gib: int = KV_SPACE_GIB,
-                 enforce_eager: bool = True, preload: Sequence[str | Path] | None = None) -> None:
+                 enforce_eager: bool = True, preload: Sequence[str | Path] | None = None,
+                 pythonpath: Sequence[str | Path] = ()) -> None:
         why = refusal(shape, files.family)
         if why:
             raise ValueError(why)
@@ -317,6 +318,8 @@ class VllmServer:
         self.args = launch_args(files, shape, port=self.port, max_model_len=max_model_len,
                                 enforce_eager=enforce_eager, flags=flags)
         self.env = launch_env(threads, preload=self.preload, cpus=allowed_cpus(), kv_space_gib=kv_space_gib)
+        if pythonpath:  # modules the server imports from outside its venv (capture's connector)
+            self.env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), *filter(None, [self.env.get("PYTHONPATH")])])
         self.threads = threads
         self.seconds_to_ready: float | None = None
         self._proc: subprocess.Popen | None = None

@@ -1,0 +1,105 @@
+"""States captured through a serving engine (``prepare --capture ENGINE``), checked against eaglewire's own.
+
+An engine's "layer id i" and "the last layer" are its own convention, and engines have been wrong about it
+(an off-by-one last slot, a post-norm last state). So the first sequences of every capture run are captured
+both ways, and each of the engine's states is compared with the in-process state of *every* boundary: a state
+that is not its own boundary's within the dtype's tolerance stops the run, naming the boundary it matches
+instead, if any.
+
+Shapes: T tokens, n captured slots, k aux boundaries, H hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaglewire.model.capture import capture
+from eaglewire.model.target import Target
+
+# Relative error (Frobenius norm of the difference over the in-process state's) within which an engine's state is
+# the same state. fp32: the engines' kernels sum in another order (measured 4e-7..8e-7 for vLLM 0.32.0 on
+# SmolLM2-135M); bf16: each layer's output is rounded to 2^-8 relative, and the rounding compounds over layers.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+CHECKED_SEQUENCES = 4  # sequences captured both ways on every run
+
+
+class EngineCaptureError(RuntimeError):
+    """The engine's states are not the boundaries they are said to be: nothing is written from them."""
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def states_here(target: Target, token_ids: list[int]) -> dict[int, torch.Tensor]:
+    """Every boundary 0..L of ``token_ids`` in process: {boundary: [T, H]} (L before the final norm)."""
+    L = target.num_layers
+    out = capture(target, torch.tensor([token_ids]), list(range(L)))
+    H = out.last_hidden.shape[-1]
+    every = out.aux_hidden[0].reshape(len(token_ids), L, H)  # [T, L*H] -> [T, L, H]
+    return {b: every[:, b] for b in range(L)} | {L: out.last_hidden[0]}
+
+
+@dataclass(frozen=True)
+class SlotCheck:
+    boundary: int  # what the engine says the slot holds
+    own: float  # its relative error against that boundary here
+    closest: int  # the boundary here it is closest to
+    closest_error: float
+
+    def ok(self, tolerance: float) -> bool:
+        return self.own <= tolerance
+
+
+def check_slots(engine: torch.Tensor, slots: list[int], here: dict[int, torch.Tensor]) -> list[SlotCheck]:
+    """Each engine slot ([T, n, H], slot j said to hold boundary ``slots[j]``) against every boundary here."""
+    out = []
+    for j, b in enumerate(slots):
+        errors = {k: relative_error(engine[:, j], state) for k, state in here.items()}
+        closest = min(errors, key=errors.get)
+        out.append(SlotCheck(b, errors[b], closest, errors[closest]))
+    return out
+
+
+def problems(checks: list[SlotCheck], tolerance: float, engine: str, num_layers: int) -> list[str]:
+    """What is wrong with the slots, in words (empty: every slot is its own boundary within ``tolerance``)."""
+    out = []
+    for c in checks:
+        if c.ok(tolerance):
+            continue
+        said = f"boundary {c.boundary}" + (" (the label state, before the final norm)" if c.boundary == num_layers
+                                           else "")
+        if c.closest != c.boundary and c.closest_error <= tolerance:
+            out.append(f"{engine}'s state for {said} is boundary {c.closest} here (relative error "
+                       f"{c.closest_error:.1e}; {c.own:.1e} from its own)")
+        else:
+            out.append(f"{engine}'s state for {said} is no boundary here: relative error {c.own:.1e} from its own, "
+                       f"{c.closest_error:.1e} from the closest (boundary {c.closest})")
+    return out
+
+
+def require_same_states(engine_states: torch.Tensor, slots: list[int], target: Target, token_ids: list[int],
+                        engine: str, *, sequence: str) -> list[SlotCheck]:
+    """The cross-check of one sequence; raises EngineCaptureError naming each slot that is another boundary."""
+    tolerance = TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16])
+    checks = check_slots(engine_states, slots, states_here(target, token_ids))
+    found = problems(checks, tolerance, engine, target.num_layers)
+    if found:
+        raise EngineCaptureError(
+            f"the states {engine} captured for {sequence} are not the boundaries it was asked for (tolerance "
+            f"{tolerance:g} relative error, from the {str(target.dtype).removeprefix('torch.')} capture): "
+            + "; ".join(found) + ". Nothing was written from them: the engine numbers its layers otherwise than "
+            "its reading eaglewire holds (engines/<engine>/readings.py), or its capture is broken; report it with "
+            "this message")
+    return checks
+
+
+def split_states(states: torch.Tensor, slots: list[int], aux_boundaries: list[int],
+                 num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [T, k*H] in the contract's order, last [T, H]) from the engine's [T, n, H] slots."""
+    T, _, H = states.shape
+    index = [slots.index(b) for b in aux_boundaries]
+    aux = states[:, index].reshape(T, len(index) * H)  # [T, k, H] -> [T, k*H]
+    return aux, states[:, slots.index(num_layers)]
