@@ -59,7 +59,8 @@ def main() -> None:
     result = {"machine": summary_line(), "threads": args.threads,
               "dtype": args.dtype, "conversations": args.conversations, "runs": runs,
               "vllm_vs_here": round(runs["vllm"]["tokens_per_s_after_start"] / runs["here"]["tokens_per_s"], 2),
-              "stored_state_gap_max": {k: max(v) for k, v in gaps.items()}}
+              "stored_state_gap_max": {k: max(v) for k, v in gaps.items()},
+              "capture_check": json.loads((work / "vllm" / "manifest.json").read_text())["status"]["capture_check"]}
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

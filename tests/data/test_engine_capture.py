@@ -110,14 +110,15 @@ def test_engine_batch_checks_the_first_sequences_only_and_splits_the_rest(target
     L = target.num_layers
     contract = HiddenStateContract(aux_boundaries=(1, 3), target=target.fingerprint)
     engine = FakeEngine(target, [1, 3, L])
-    checked = [0]
+    checked = {}
     out = list(engine_batch(engine, target, contract, _seqs(6), checked))
-    assert checked == [4] and len(out) == 6
+    assert checked[-1] == 4 and len(out) == 6 and sorted(checked) == [-1, 1, 3, L]
+    assert all(checked[b] == 0.0 for b in (1, 3, L))  # the same states: no error
     seq, aux, last = out[5]
     here = states_here(target, list(seq.input_ids))
     assert torch.equal(aux, torch.cat([here[1], here[3]], dim=-1)) and torch.equal(last, here[L])
     with pytest.raises(EngineCaptureError, match="boundary 1 is boundary 2 here"):
-        list(engine_batch(FakeEngine(target, [1, 3, L], shift=1), target, contract, _seqs(2), [0]))
+        list(engine_batch(FakeEngine(target, [1, 3, L], shift=1), target, contract, _seqs(2), {}))
 
 
 def test_vllm_capture_ids_flags_and_launch_line():

@@ -36,6 +36,9 @@ def test_states_through_vllm_are_the_states_here(tmp_path, smollm2_target, vllm_
     assert through.sequences == here.sequences > 4  # some beyond the run's own check
     manifest = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert manifest["status"]["capture"] == f"vllm {vllm_installation.version}"
+    check = manifest["status"]["capture_check"]
+    assert check["sequences"] == 4 and sorted(map(int, check["max_relative_error"])) == BOUNDARIES + [30]
+    assert max(check["max_relative_error"].values()) <= check["tolerance"]
     a, b = ShardDataset(tmp_path / "here"), ShardDataset(tmp_path / "vllm")
     assert len(a) == len(b)
     for i in range(len(a)):

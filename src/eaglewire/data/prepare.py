@@ -304,19 +304,29 @@ def _engine_capture(config: PrepareConfig, target: Target, contract: HiddenState
 
 
 def engine_batch(engine, target: Target, contract: HiddenStateContract, batch: list[TokenizedConversation],
-                 checked: list[int]):
+                 checked: dict[int, float]):
     """``capture_batch`` through ``engine``: (seq, aux [T, kH], last [T, H]) per sequence; the first
-    CHECKED_SEQUENCES of the run (``checked[0]`` counts them) compared with the states here per boundary."""
+    CHECKED_SEQUENCES of the run compared with the states here per boundary (``checked``: boundary -> the largest
+    relative error so far, with the count under key -1)."""
     from eaglewire.data.engine_capture import CHECKED_SEQUENCES, require_same_states, split_states
 
     for s in batch:
         states = engine.states(list(s.input_ids))  # [T, n, H]
-        if checked[0] < CHECKED_SEQUENCES:
-            require_same_states(states, engine.boundaries, target, list(s.input_ids), engine.version,
-                                sequence=f"conversation {s.id}")
-            checked[0] += 1
+        if checked.get(-1, 0) < CHECKED_SEQUENCES:
+            for c in require_same_states(states, engine.boundaries, target, list(s.input_ids), engine.version,
+                                         sequence=f"conversation {s.id}"):
+                checked[c.boundary] = max(checked.get(c.boundary, 0.0), c.own)
+            checked[-1] = checked.get(-1, 0) + 1
         aux, last = split_states(states, engine.boundaries, list(contract.aux_boundaries), target.num_layers)
         yield s, aux, last
+
+
+def _check_record(checked: dict[int, float], target: Target) -> dict[str, Any]:
+    """The manifest's ``status.capture_check``: sequences compared, the tolerance, each boundary's largest error."""
+    from eaglewire.data.engine_capture import TOLERANCE
+
+    return {"sequences": int(checked.get(-1, 0)), "tolerance": TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16]),
+            "max_relative_error": {str(b): float(f"{e:.3g}") for b, e in sorted(checked.items()) if b >= 0}}
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -394,7 +404,7 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
     with writer, _engine_capture(config, target, contract, out) as engine:
         writer.set_status(capture=engine.version if engine is not None else HERE)
-        checked = [0]  # sequences of this run captured both ways
+        checked: dict[int, float] = {}  # boundary -> the largest relative error of the sequences captured both ways
         for chunk in _chunks(conversations, 64):
             todo = []
             for conv in chunk:
@@ -417,6 +427,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                                torch.tensor(seq.loss_mask, dtype=torch.uint8), aux, last)
                 bar.update(len(batch))
         totals = writer.close()
+        if engine is not None:
+            writer.set_status(capture_check=_check_record(checked, target))
         writer.set_status(complete=True, conversations=len(conversations), dropped_no_reply=dropped,
                           truncated_to_max_length_this_run=truncated)
     bar.close()
