@@ -375,3 +375,11 @@ def test_serve_builds_the_launch_without_starting_it(tmp_path):
     with pytest.raises(ValueError, match="no draft-probability stop"):
         runtime.serve(ServedFiles(target=TARGET, draft=DRAFT), Shape(n_max=2, p_min=0.1), RunSettings(),
                       log_path=tmp_path / "w.log")
+
+
+def test_thread_bind_gives_each_tensor_parallel_rank_its_own_cpus():
+    assert srv.thread_bind([0, 1]) == "0-1"
+    assert srv.thread_bind([0, 1], 2) == "0|1"
+    assert srv.thread_bind([0, 1, 2, 3], 2) == "0-1|2-3"
+    with pytest.raises(inst.VllmError, match="do not split evenly over 2"):
+        srv.thread_bind([0, 1, 2], 2)

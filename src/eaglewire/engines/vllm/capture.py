@@ -148,10 +148,10 @@ class VllmCapturer:
         storage = Path(work_dir) / "vllm-states"
         storage.mkdir(parents=True, exist_ok=True)
         files = ServedFiles(target=served_target(target), draft=None)
-        flags = ["--dtype", settings.dtype, *capture_flags(ids, storage, connector=self.connector,
-                                                            tensor_parallel=settings.tensor_parallel)]
+        flags = ["--dtype", settings.dtype, *capture_flags(ids, storage, connector=self.connector)]
         with VllmServer(installation, files, Shape(n_max=0), threads=settings.threads, flags=flags,
                         max_model_len=settings.max_model_len, pythonpath=[CONNECTOR_DIR],
+                        tensor_parallel=settings.tensor_parallel,
                         log_path=Path(work_dir) / "vllm-capture.log") as server:
             log.info("vLLM %s captures ids %s (boundaries %s) at %s", installation.version, ids, slots, server.url)
             yield VllmCapturedStates(server.url, f"{NAME} {installation.version}", slots, ids)

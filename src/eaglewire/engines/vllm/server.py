@@ -111,8 +111,19 @@ def cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(out)
 
 
+def thread_bind(cpus: Sequence[int], ranks: int = 1) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``ranks`` tensor-parallel workers on ``cpus``: one CPU list per rank, joined by
+    "|" (vllm/utils/ompmultiprocessing.py splits it so, one list per local rank)."""
+    if ranks < 1 or len(cpus) % ranks:
+        raise VllmError(f"{len(cpus)} threads do not split evenly over {ranks} tensor-parallel ranks: give a "
+                        f"multiple of {ranks} threads")
+    per = len(cpus) // ranks
+    return "|".join(cpu_list(cpus[r * per:(r + 1) * per]) for r in range(ranks))
+
+
 def launch_env(threads: int, *, preload: Sequence[str | Path], cpus: Sequence[int],
-               kv_space_gib: int = KV_SPACE_GIB, base: Mapping[str, str] | None = None) -> dict[str, str]:
+               kv_space_gib: int = KV_SPACE_GIB, base: Mapping[str, str] | None = None,
+               ranks: int = 1) -> dict[str, str]:
     """The server's environment: ``base`` (default: this process's) with the worker pinned to the first
     ``threads`` of ``cpus`` (the CPUs this process may run on), ``preload`` before any LD_PRELOAD already
     set, the KV cache size, the CPU platform named, and nothing sent anywhere. OMP_NUM_THREADS is removed:
@@ -129,7 +140,7 @@ def launch_env(threads: int, *, preload: Sequence[str | Path], cpus: Sequence[in
     ours = [str(p) for p in preload]
     env.update({
         "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(sorted(cpus)[:threads]),
+        "VLLM_CPU_OMP_THREADS_BIND": thread_bind(sorted(cpus)[:threads], ranks),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",  # no usage report
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",  # everything served is local
@@ -305,7 +316,7 @@ class VllmServer:
                  flags: Sequence[str] = (), log_path: Path | None = None, startup_timeout: float = STARTUP_TIMEOUT,
                  stop_timeout: float = 30.0, max_model_len: int = MAX_MODEL_LEN, kv_space_gib: int = KV_SPACE_GIB,
                  enforce_eager: bool = True, preload: Sequence[str | Path] | None = None,
-                 pythonpath: Sequence[str | Path] = ()) -> None:
+                 pythonpath: Sequence[str | Path] = (), tensor_parallel: int = 1) -> None:
         why = refusal(shape, files.family)
         if why:
             raise ValueError(why)
@@ -315,11 +326,15 @@ class VllmServer:
         self.log_path = log_path
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.preload = [str(p) for p in (installation.preload if preload is None else preload)]
+        if tensor_parallel > 1:
+            flags = [*flags, "--tensor-parallel-size", str(tensor_parallel)]
         self.args = launch_args(files, shape, port=self.port, max_model_len=max_model_len,
                                 enforce_eager=enforce_eager, flags=flags)
-        self.env = launch_env(threads, preload=self.preload, cpus=allowed_cpus(), kv_space_gib=kv_space_gib)
+        self.env = launch_env(threads, preload=self.preload, cpus=allowed_cpus(), kv_space_gib=kv_space_gib,
+                              ranks=tensor_parallel)
         if pythonpath:  # modules the server imports from outside its venv (capture's connector)
-            self.env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), *filter(None, [self.env.get("PYTHONPATH")])])
+            paths = [*map(str, pythonpath), *filter(None, [self.env.get("PYTHONPATH")])]
+            self.env["PYTHONPATH"] = os.pathsep.join(paths)
         self.threads = threads
         self.seconds_to_ready: float | None = None
         self._proc: subprocess.Popen | None = None
