@@ -1,5 +1,5 @@
 """prepare --capture vllm on the real target through the real vLLM (three server starts: the connector as
-shipped on one rank and tensor parallel over two, and a faulty one that hands each slot the next layer's state).
+shipped, tensor parallel over two processes on a random 4-head Llama, and a faulty one that hands each slot the next layer's state).
 
 (a) the shards' states equal `prepare`'s in-process capture of the same conversations, per boundary (boundary L,
 the label state, included), at tensor parallel 1 and 2, and the manifest says vLLM captured them; (b) the fault
@@ -26,8 +26,8 @@ STORED = 1e-2  # both runs store bf16: a state 1e-6 apart may round to the neigh
 
 
 def _config(out, **kwargs):
-    return PrepareConfig(out=str(out), num_conversations=CONVERSATIONS, aux_boundaries=BOUNDARIES, max_length=384,
-                         batch_tokens=1536, dtype="fp32", **kwargs)
+    return PrepareConfig(out=str(out), **({"num_conversations": CONVERSATIONS, "aux_boundaries": BOUNDARIES,
+                                           "max_length": 384, "batch_tokens": 1536, "dtype": "fp32"} | kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +50,41 @@ def _same_as_here(here, out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())["status"]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_states_through_vllm_are_the_states_here(ranks, here, tmp_path, smollm2_target, vllm_installation):
-    """Tensor parallel over 2 processes (each rank on its own core) is the same path: the same states."""
-    out = tmp_path / f"vllm-tp{ranks}"
-    prepare(_config(out, capture="vllm", capture_python=str(vllm_installation.python), capture_tensor_parallel=ranks),
-            target=smollm2_target, progress=False)
-    status = _same_as_here(here, out)
-    assert status["capture"] == f"vllm {vllm_installation.version}"
+def _check_status(status: dict, version: str, boundaries: list[int]) -> None:
+    assert status["capture"] == f"vllm {version}"
     check = status["capture_check"]
-    assert check["sequences"] == 4 and sorted(map(int, check["max_relative_error"])) == BOUNDARIES + [30]
+    assert check["sequences"] == 4 and sorted(map(int, check["max_relative_error"])) == boundaries
     assert max(check["max_relative_error"].values()) <= check["tolerance"]
+
+
+def test_states_through_vllm_are_the_states_here(here, tmp_path, smollm2_target, vllm_installation):
+    out = tmp_path / "vllm"
+    prepare(_config(out, capture="vllm", capture_python=str(vllm_installation.python)), target=smollm2_target,
+            progress=False)
+    _check_status(_same_as_here(here, out), vllm_installation.version, BOUNDARIES + [30])
+
+
+def test_tensor_parallel_over_two_processes_gives_the_same_states(tmp_path, smollm2_tokenizer, vllm_installation):
+    """vLLM on CPU runs tensor parallel across processes (one core each here): the same path, the same states.
+    SmolLM2's 9 heads do not split over 2 ranks, so a random Llama with 4 heads (2 key/value heads, head size 64)
+    and SmolLM2's tokenizer and chat template stands in."""
+    from eaglewire.model.target import load_target
+    from tiny import tiny_target
+
+    tiny = tiny_target("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer, num_layers=4,
+                       hidden_size=256, initializer_range=0.2)
+    target_dir = tmp_path / "target"
+    tiny.model.save_pretrained(target_dir)
+    smollm2_tokenizer.save_pretrained(target_dir)
+    target = load_target(str(target_dir), device="cpu", dtype="fp32")
+    boundaries = [1, 2, 3]
+    prepare(_config(tmp_path / "here", target=str(target_dir), aux_boundaries=boundaries), target=target,
+            progress=False)
+    out = tmp_path / "vllm-tp2"
+    prepare(_config(out, target=str(target_dir), aux_boundaries=boundaries, capture="vllm",
+                    capture_python=str(vllm_installation.python), capture_tensor_parallel=2),
+            target=target, progress=False)
+    _check_status(_same_as_here(ShardDataset(tmp_path / "here"), out), vllm_installation.version, boundaries + [4])
 
 
 def test_an_engine_handing_the_next_layer_stops_the_run_naming_the_boundary(tmp_path, smollm2_target,
