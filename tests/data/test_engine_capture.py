@@ -161,3 +161,102 @@ def test_prepare_refuses_an_engine_that_does_not_capture_and_a_url_without_an_en
     with pytest.raises(ValueError, match="--capture-url names a running engine's server: add --capture ENGINE"):
         PrepareConfig(out=str(tmp_path), capture_url="http://127.0.0.1:8000")
     PrepareConfig(out=str(tmp_path), capture="vllm")
+
+
+class LastSlotFrom(FakeEngine):
+    """An engine whose label slot (boundary L) holds boundary ``L - back``'s state: its last layer one off."""
+
+    def __init__(self, target, slots, back):
+        super().__init__(target, slots)
+        self.back = back
+
+    def states(self, ids):
+        states = super().states(ids)  # [T, n, H]
+        here = states_here(self.target, ids)
+        states[:, -1] = here[self.target.num_layers - self.back]
+        return states
+
+
+def _capture_with(monkeypatch, engine):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def capture(self, target, boundaries, num_layers, arch, settings, *, work_dir, url=None):
+        assert boundaries + [num_layers] == engine.boundaries  # head-only: boundary L-1 asked for too
+        yield engine
+
+    monkeypatch.setattr(vcap.VllmCapturer, "capture", capture)
+
+
+def test_head_only_capture_loads_the_last_layer_only_and_checks_the_label_slot_with_it(tmp_path, smollm2_target,
+                                                                                          monkeypatch):
+    """A target too large for this process: only its last layer is read, the engine is asked for boundary L-1
+    too, its label slot is checked as that layer applied to its boundary L-1, the manifest says so, and a label
+    slot one layer early stops the run (the label check on the head alone lets SmolLM2's boundary 29 pass). The
+    real SmolLM2 (in process, behind a fake engine): a random target's head cannot pass the label check's
+    calibration rule."""
+    import eaglewire.data.prepare as prepare_module
+    from eaglewire.data.prepare import prepare
+    from eaglewire.data.shards import ShardDataset
+
+    data = tmp_path / "a.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+        {"role": "assistant", "content": f"It is {2 * i}, since {i} and {i} make {2 * i}. " * 3}]}) + "\n"
+        for i in range(6)))
+
+    def config(out, **kw):
+        return PrepareConfig(**{"out": str(tmp_path / out), "data": str(data), "aux_boundaries": [2, 15], "max_length": 128, "batch_tokens": 256, "dtype": "fp32",
+                                "device": "cpu", **kw})
+
+    prepare(config("here"), target=smollm2_target, progress=False)
+    L = smollm2_target.num_layers
+    monkeypatch.setattr(prepare_module, "load_target", lambda *a, **k: pytest.fail("--head-only loaded the layers"))
+    _capture_with(monkeypatch, FakeEngine(smollm2_target, [2, 15, L - 1, L]))
+    prepare(config("engine", capture="vllm", head_only=True), progress=False)
+    status = json.loads((tmp_path / "engine" / "manifest.json").read_text())["status"]
+    check = status["capture_check"]
+    assert check["sequences"] == 4 and list(check["max_relative_error"]) == [str(L)]
+    assert check["max_relative_error"][str(L)] < 1e-4 and "last layer applied to its boundary L-1" in check["instead"]
+    here, engine = ShardDataset(tmp_path / "here"), ShardDataset(tmp_path / "engine")
+    assert len(engine) == len(here) == 6
+    for a, b in zip(here, engine):  # batched (padded) here, one sequence at a time there: another summation order
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        gap = (a["aux_hidden"].float() - b["aux_hidden"].float()).norm() / a["aux_hidden"].float().norm()
+        assert gap < 1e-2, gap  # bf16 on disk: a state 1e-6 apart may round to the neighbouring bf16 value
+
+    _capture_with(monkeypatch, LastSlotFrom(smollm2_target, [2, 15, L - 1, L], back=1))
+    with pytest.raises(EngineCaptureError, match=f"state for boundary {L} .* is its own boundary {L - 1}"):
+        prepare(config("wrong-last", capture="vllm", head_only=True), progress=False)
+    assert not list((tmp_path / "wrong-last").glob("*.safetensors"))
+
+
+def test_the_head_only_check_runs_the_last_layer_on_the_engines_own_boundary_before_it(target):
+    """require_last_layer needs the embedding and the last layer only: a right engine passes, a label slot that
+    is boundary L-1, a post-norm label slot and a boundary-0 slot that is not the embedding output stop it."""
+    from eaglewire.data.engine_capture import require_last_layer
+
+    L = target.num_layers
+    slots = [0, 2, L - 1, L]
+    states = engine_slots(target, slots)
+    checks = require_last_layer(states + 1e-7, slots, target, TOKENS, "vllm 0.32.0", sequence="c1")
+    assert [c.boundary for c in checks] == [L, 0] and all(c.own < 1e-5 for c in checks)
+    early = states.clone()
+    early[:, 3] = early[:, 2]
+    with pytest.raises(EngineCaptureError, match=f"boundary {L} .* is its own boundary {L - 1}: the last layer was"):
+        require_last_layer(early, slots, target, TOKENS, "vllm 0.32.0", sequence="c1")
+    normed = states.clone()
+    with torch.no_grad():
+        normed[:, 3] = target.decoder.norm(normed[:, 3])
+    with pytest.raises(EngineCaptureError, match=f"is not layer {L - 1} applied to its boundary {L - 1}"):
+        require_last_layer(normed, slots, target, TOKENS, "vllm 0.32.0", sequence="c1")
+    shifted = engine_slots(target, slots, shift=1)
+    with pytest.raises(EngineCaptureError, match="boundary 0 is not the embedding output"):
+        require_last_layer(shifted, slots, target, TOKENS, "vllm 0.32.0", sequence="c1")
+
+
+def test_head_only_needs_an_engine_and_a_server_to_regenerate_through(tmp_path):
+    with pytest.raises(ValueError, match="--head-only loads only the target's last layer.*add --capture ENGINE"):
+        PrepareConfig(out=str(tmp_path), head_only=True)
+    with pytest.raises(ValueError, match="--regenerate --head-only cannot generate here.*--server URL"):
+        PrepareConfig(out=str(tmp_path), head_only=True, capture="vllm", regenerate=True)

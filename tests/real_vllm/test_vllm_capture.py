@@ -1,5 +1,6 @@
-"""prepare --capture vllm on the real target through the real vLLM (three server starts: the connector as
-shipped, tensor parallel over two processes on a random 4-head Llama, and a faulty one that hands each slot the next layer's state).
+"""prepare --capture vllm on the real target through the real vLLM (four server starts: the connector as
+shipped, a head-only target, tensor parallel over two processes on a random 4-head Llama, and a faulty one that
+hands each slot the next layer's state).
 
 (a) the shards' states equal `prepare`'s in-process capture of the same conversations, per boundary (boundary L,
 the label state, included), at tensor parallel 1 and 2, and the manifest says vLLM captured them; (b) the fault
@@ -62,6 +63,19 @@ def test_states_through_vllm_are_the_states_here(here, tmp_path, smollm2_target,
     prepare(_config(out, capture="vllm", capture_python=str(vllm_installation.python)), target=smollm2_target,
             progress=False)
     _check_status(_same_as_here(here, out), vllm_installation.version, BOUNDARIES + [30])
+
+
+def test_a_head_only_target_captures_the_same_states_through_vllm(here, tmp_path, vllm_installation):
+    """prepare --head-only --capture vllm: the target is never loaded whole here (its last layer checks vLLM's
+    label slot on vLLM's own boundary L-1), and the shards are the in-process capture's."""
+    out = tmp_path / "head-only"
+    prepare(_config(out, capture="vllm", head_only=True, capture_python=str(vllm_installation.python)),
+            progress=False)
+    status = _same_as_here(here, out)
+    assert status["capture"] == f"vllm {vllm_installation.version}"
+    check = status["capture_check"]
+    assert check["sequences"] == 4 and list(check["max_relative_error"]) == ["30"]
+    assert check["max_relative_error"]["30"] <= check["tolerance"] and "boundary L-1" in check["instead"]
 
 
 def test_tensor_parallel_over_two_processes_gives_the_same_states(tmp_path, smollm2_tokenizer, vllm_installation):

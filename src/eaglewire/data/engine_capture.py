@@ -103,3 +103,42 @@ def split_states(states: torch.Tensor, slots: list[int], aux_boundaries: list[in
     index = [slots.index(b) for b in aux_boundaries]
     aux = states[:, index].reshape(T, len(index) * H)  # [T, k, H] -> [T, k*H]
     return aux, states[:, slots.index(num_layers)]
+
+
+def require_last_layer(engine_states: torch.Tensor, slots: list[int], target: Target, token_ids: list[int],
+                       engine: str, *, sequence: str) -> list[SlotCheck]:
+    """The cross-check of a head-only target (``prepare --head-only``), which holds its embedding and its last
+    decoder layer but not the others: the engine's label slot (boundary L) must be the last layer applied to the
+    engine's own boundary L-1, and a boundary-0 slot the embedding output. An off-by-one label slot (boundary L-1
+    handed as L) or a post-norm one fails this as it fails the full cross-check. Raises EngineCaptureError."""
+    from eaglewire.model.target_head import boundary_zero, through_layer
+
+    L = target.num_layers
+    tolerance = TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16])
+    before = engine_states[:, slots.index(L - 1)]  # [T, H]
+    last = engine_states[:, slots.index(L)]  # [T, H]
+    expected = through_layer(target, L - 1, before)
+    checks = [SlotCheck(L, relative_error(last, expected), L, relative_error(last, expected))]
+    found = []
+    if not checks[0].ok(tolerance):
+        if relative_error(last, before) <= tolerance:
+            found.append(f"{engine}'s state for boundary {L} (the label state, before the final norm) is its own "
+                         f"boundary {L - 1}: the last layer was not applied (relative error {checks[0].own:.1e} "
+                         f"from layer {L - 1} applied to its boundary {L - 1})")
+        else:
+            found.append(f"{engine}'s state for boundary {L} (the label state, before the final norm) is not layer "
+                         f"{L - 1} applied to its boundary {L - 1}: relative error {checks[0].own:.1e} (a post-norm "
+                         "state, or another layer)")
+    if 0 in slots:
+        error = relative_error(engine_states[:, slots.index(0)], boundary_zero(target, token_ids))
+        checks.append(SlotCheck(0, error, 0, error))
+        if not checks[-1].ok(tolerance):
+            found.append(f"{engine}'s state for boundary 0 is not the embedding output: relative error {error:.1e}")
+    if found:
+        raise EngineCaptureError(
+            f"the states {engine} captured for {sequence} are not the boundaries it was asked for (tolerance "
+            f"{tolerance:g} relative error, from the {str(target.dtype).removeprefix('torch.')} head-only target, "
+            "which holds the embedding and the last layer): " + "; ".join(found) + ". Nothing was written from "
+            "them: the engine numbers its layers otherwise than its reading eaglewire holds "
+            "(engines/<engine>/readings.py), or its capture is broken; report it with this message")
+    return checks

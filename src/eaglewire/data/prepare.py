@@ -67,6 +67,7 @@ class PrepareConfig:
     capture_tensor_parallel: int = field(default=1, metadata={"help": "--tensor-parallel-size of the vLLM launched to capture"})
     capture_python: str | None = field(default=None, metadata={"help": "the python of the vLLM to launch (default: `eaglewire engines install vllm`'s)"})
     capture_threads: int = field(default=2, metadata={"help": "threads of the engine launched to capture"})
+    head_only: bool = field(default=False, metadata={"help": "a target too large for this process: read only its tokenizer, embedding, last decoder layer, final norm and lm_head; the states come from --capture ENGINE, checked with the last layer on the engine's boundary L-1 instead of a whole in-process capture"})
     labels: str = field(default="hidden", metadata={"help": "the target's signal on disk: hidden (the last hidden state) or topk:K (the target's K most likely tokens and log-probabilities at reply positions, e.g. topk:32)"})
 
     def __post_init__(self) -> None:
@@ -98,6 +99,12 @@ class PrepareConfig:
                 raise ValueError(f"{e}, or {HERE} (the target in this process)") from None
         elif self.capture_url is not None:
             raise ValueError("--capture-url names a running engine's server: add --capture ENGINE (e.g. vllm)")
+        if self.head_only and self.capture == HERE:
+            raise ValueError("--head-only loads only the target's last layer, so the states must come from an "
+                             "engine: add --capture ENGINE (e.g. vllm, with --capture-url for one you run)")
+        if self.head_only and self.regenerate and not self.remote.remote:
+            raise ValueError("--regenerate --head-only cannot generate here (the target's layers are not "
+                             "loaded): add --server URL to regenerate through your serving engine")
 
 
 TEMPLATES = ("chat", "plain")
@@ -295,6 +302,8 @@ def _engine_capture(config: PrepareConfig, target: Target, contract: HiddenState
                                tensor_parallel=config.capture_tensor_parallel, install=config.capture_python,
                                max_model_len=max(config.max_length + 16, 256))
     boundaries, L = list(contract.aux_boundaries), target.num_layers
+    if config.head_only:  # the head-only check runs the last layer on the engine's boundary L-1
+        boundaries = sorted(set(boundaries) | {L - 1})
     arch = target.fingerprint.architecture
     log.info("a target that needs many GPUs: serve it yourself with\n  %s\nand pass --capture-url",
              capturer.launch_line(config.target, boundaries, L, arch, settings, out.resolve() / "engine-states"))
@@ -304,29 +313,44 @@ def _engine_capture(config: PrepareConfig, target: Target, contract: HiddenState
 
 
 def engine_batch(engine, target: Target, contract: HiddenStateContract, batch: list[TokenizedConversation],
-                 checked: dict[int, float]):
+                 checked: dict[int, float], *, cross_check: bool = True):
     """``capture_batch`` through ``engine``: (seq, aux [T, kH], last [T, H]) per sequence; the first
     CHECKED_SEQUENCES of the run compared with the states here per boundary (``checked``: boundary -> the largest
-    relative error so far, with the count under key -1)."""
-    from eaglewire.data.engine_capture import CHECKED_SEQUENCES, require_same_states, split_states
+    relative error so far, with the count under key -1). ``cross_check=False``: a head-only target cannot compute
+    the states here; its last layer is checked on the engine's boundary L-1 instead (and the label check after the
+    run)."""
+    from eaglewire.data.engine_capture import (CHECKED_SEQUENCES, require_last_layer, require_same_states,
+                                               split_states)
 
+    require = require_same_states if cross_check else require_last_layer
     for s in batch:
         states = engine.states(list(s.input_ids))  # [T, n, H]
         if checked.get(-1, 0) < CHECKED_SEQUENCES:
-            for c in require_same_states(states, engine.boundaries, target, list(s.input_ids), engine.version,
-                                         sequence=f"conversation {s.id}"):
+            for c in require(states, engine.boundaries, target, list(s.input_ids), engine.version,
+                             sequence=f"conversation {s.id}"):
                 checked[c.boundary] = max(checked.get(c.boundary, 0.0), c.own)
             checked[-1] = checked.get(-1, 0) + 1
         aux, last = split_states(states, engine.boundaries, list(contract.aux_boundaries), target.num_layers)
         yield s, aux, last
 
 
-def _check_record(checked: dict[int, float], target: Target) -> dict[str, Any]:
-    """The manifest's ``status.capture_check``: sequences compared, the tolerance, each boundary's largest error."""
+def _check_record(checked: dict[int, float], target: Target, *, head_only: bool = False) -> dict[str, Any]:
+    """The manifest's ``status.capture_check``: sequences compared, the tolerance, each boundary's largest error;
+    with ``head_only`` only boundary L (and 0) were compared, and it says how."""
     from eaglewire.data.engine_capture import TOLERANCE
 
-    return {"sequences": int(checked.get(-1, 0)), "tolerance": TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16]),
-            "max_relative_error": {str(b): float(f"{e:.3g}") for b, e in sorted(checked.items()) if b >= 0}}
+    record = {"sequences": int(checked.get(-1, 0)),
+              "tolerance": TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16]),
+              "max_relative_error": {str(b): float(f"{e:.3g}") for b, e in sorted(checked.items()) if b >= 0}}
+    if head_only:
+        record["instead"] = HEAD_ONLY_CHECK
+    return record
+
+
+HEAD_ONLY_CHECK = ("--head-only: the target's layers but the last are not here to compute the states; the engine's "
+                   "label state is checked as the last layer applied to its boundary L-1 (and boundary 0 as the "
+                   "embedding output), and the label check (the target's head on the stored boundary-L states gives "
+                   "its own next tokens) runs after")
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -377,7 +401,7 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     log.info("%s", report.summary())
     out.mkdir(parents=True, exist_ok=True)
     precision = _capture_precision(config, target)
-    target = target or load_target(config.target, device=config.device, dtype=precision.dtype)
+    target = target or _load(config, precision.dtype)
     if getattr(target.tokenizer, "chat_template", None) != template[1]:
         target.tokenizer.chat_template = template[1]  # the fingerprint records what is used
         target._fingerprint = None
@@ -421,14 +445,14 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                 todo.append(seq)
             for batch in batches_by_tokens(todo, config.batch_tokens):
                 captured = (capture_batch(target, contract, batch) if engine is None else
-                            engine_batch(engine, target, contract, batch, checked))
+                            engine_batch(engine, target, contract, batch, checked, cross_check=not config.head_only))
                 for seq, aux, last in captured:
                     writer.add(seq.id, torch.tensor(seq.input_ids, dtype=torch.int32),
                                torch.tensor(seq.loss_mask, dtype=torch.uint8), aux, last)
                 bar.update(len(batch))
         totals = writer.close()
         if engine is not None:
-            writer.set_status(capture_check=_check_record(checked, target))
+            writer.set_status(capture_check=_check_record(checked, target, head_only=config.head_only))
         writer.set_status(complete=True, conversations=len(conversations), dropped_no_reply=dropped,
                           truncated_to_max_length_this_run=truncated)
     bar.close()
@@ -439,6 +463,17 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
         tokens=totals["tokens"], loss_tokens=totals["loss_tokens"], bytes_on_disk=totals["bytes"],
         truncated_sequences=truncated, dropped_no_loss_tokens=len(dropped), resumed_sequences=resumed,
         seconds=time.perf_counter() - start, skipped=dict(report.skipped))
+
+
+def _load(config: PrepareConfig, dtype: torch.dtype) -> Target:
+    """The target as this run needs it: whole, or (``--head-only``) its tokenizer, embedding, final norm and
+    lm_head with the layers left unread."""
+    if not config.head_only:
+        return load_target(config.target, device=config.device, dtype=dtype)
+    from eaglewire.model.target_head import load_target_head
+
+    log.info("%s", HEAD_ONLY_CHECK)
+    return load_target_head(config.target, device=resolve_device(config.device), dtype=dtype, layers=(-1,))
 
 
 def _capture_precision(config: PrepareConfig, target: Target | None) -> Precision:

@@ -6,6 +6,10 @@ few GB, read from the safetensors files with ``safe_open`` (headers, then only t
 tensors). The model is built on the meta device from its config, so its layers exist as
 shapes only; the fingerprint hashes the very tensors a full load would hash (read by name),
 so a head-only target and a full load of the same directory have equal fingerprints.
+
+``layers=`` also reads whole decoder layers by index, and ``through_layer`` runs one of them on stored
+states: a capture through an engine (``prepare --capture vllm --head-only``) checks the engine's last state
+as the last layer applied to its boundary L-1, with one layer in memory instead of all of them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -75,11 +80,13 @@ def read_tensors(names: list[str], locations: dict[str, Path], *, where: Path) -
     return out
 
 
-def load_target_head(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Target:
-    """A Target whose embedding, final norm and lm_head are real and whose layers are meta.
+def load_target_head(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                     layers: tuple[int, ...] = ()) -> Target:
+    """A Target whose embedding, final norm and lm_head are real and whose layers are meta, but for the
+    decoder layers ``layers`` (0-based; negative counts from the end), read whole.
 
-    ``head``, ``embed_tokens``, ``fingerprint`` and the size properties work; running the
-    model does not (its layers hold no data). ``spec`` is a model directory or preset.
+    ``head``, ``embed_tokens``, ``fingerprint``, the size properties and ``through_layer`` on the layers read
+    work; running the model does not. ``spec`` is a model directory or preset.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -97,6 +104,10 @@ def load_target_head(spec: str, *, device: str | torch.device = "cpu", dtype: to
     head_weight = model.get_output_embeddings().weight
     if id(head_weight) in by_id:
         wanted.add(by_id[id(head_weight)])
+    decoder_layers = model.get_decoder().layers
+    read_layers = sorted({i % len(decoder_layers) for i in layers})
+    for i in read_layers:
+        wanted |= {by_id[id(p)] for p in decoder_layers[i].parameters()}
     locations = tensor_locations(path)
     if not locations:
         raise HeadOnlyError(f"target {path} holds no *.safetensors weights; the head-only target reads "
@@ -105,13 +116,85 @@ def load_target_head(spec: str, *, device: str | torch.device = "cpu", dtype: to
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
     if model.get_output_embeddings().weight.is_meta:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied
-    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()):
-        module.to(device)  # the layers stay on meta
-    log.info("target %s: head only (%d of %d tensors read)", path, len(tensors), len(locations))
+    for module in (model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings(),
+                   *(decoder_layers[i] for i in read_layers)):
+        module.to(device)  # the other layers stay on meta
+    if read_layers:  # its buffers (inv_freq) were made on meta and are not in the files
+        rotary = model.get_decoder().rotary_emb
+        with torch.device(device):
+            model.get_decoder().rotary_emb = type(rotary)(config=rotary.config)
+    log.info("target %s: head only%s (%d of %d tensors read)", path,
+             f" and layers {read_layers}" if read_layers else "", len(tensors), len(locations))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     target = Target(model=model, tokenizer=tokenizer, spec=spec)
     target._fingerprint = fingerprint_target(model, tokenizer)
     return target
+
+
+class _Skipped(torch.nn.Module):
+    """A decoder layer left out of a forward: hands its input on (and keeps it in ``seen``, when given)."""
+
+    def __init__(self, seen: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.seen is not None:
+            self.seen.append(hidden_states)
+        return hidden_states
+
+
+@contextmanager
+def _only_layer(target: Target, layer: int | None, seen: list[torch.Tensor]):
+    """The decoder with every layer but ``layer`` skipped (all, for None); ``seen`` gets layer ``layer``'s output,
+    or (for None) layer 0's input. The decoder's own forward then builds the masks (causal, sliding window by layer
+    type), rotary positions and input scaling that a full forward uses."""
+    decoder = target.decoder
+    kept = decoder.layers
+    hook = None
+    if layer is not None:
+        hook = kept[layer].register_forward_hook(lambda module, args, output: seen.append(
+            output[0] if isinstance(output, tuple) else output))
+    decoder.layers = torch.nn.ModuleList([
+        m if i == layer else _Skipped(seen if layer is None and i == 0 else None) for i, m in enumerate(kept)])
+    try:
+        with torch.no_grad():
+            yield decoder
+    finally:
+        decoder.layers = kept
+        if hook is not None:
+            hook.remove()
+
+
+def through_layer(target: Target, layer: int, before: torch.Tensor) -> torch.Tensor:
+    """Decoder layer ``layer`` (0-based) applied to one sequence's states ``before`` [T, H] (boundary ``layer``,
+    positions 0..T-1): boundary ``layer + 1``, [T, H], before any final norm. Needs only that layer's weights.
+    ``before`` is handed to the layer itself (a pre-hook), so a decoder that scales its input embeddings (Gemma)
+    does not scale it."""
+    seen: list[torch.Tensor] = []
+    state = before.to(target.dtype).unsqueeze(0)  # [T, H] -> [1, T, H]
+
+    def feed(module, args, kwargs):
+        if args:
+            return (state, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": state}
+
+    handle = target.decoder.layers[layer].register_forward_pre_hook(feed, with_kwargs=True)
+    try:
+        with _only_layer(target, layer, seen) as decoder:
+            decoder(inputs_embeds=state, use_cache=False)
+    finally:
+        handle.remove()
+    return seen[0][0]  # [1, T, H] -> [T, H]
+
+
+def boundary_zero(target: Target, token_ids: list[int]) -> torch.Tensor:
+    """Boundary 0 of ``token_ids``, [T, H]: what the decoder hands its first layer (the embedding, scaled where
+    the model scales it). Needs only the embedding."""
+    seen: list[torch.Tensor] = []
+    with _only_layer(target, None, seen) as decoder:
+        decoder(input_ids=torch.tensor([token_ids], device=target.device), use_cache=False)
+    return seen[0][0]  # [1, T, H] -> [T, H]
 
 
 def unnorm_weight(target: Target) -> torch.Tensor:
