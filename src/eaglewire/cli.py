@@ -82,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from eaglewire.core.tokens import stop_token_ids
 
     config = config_from_args(GenerateConfig, args)
-    decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
+    decoder = load_decoder(config.target, config.draft, config.spec, device=config.device, dtype=config.dtype)
     tok = decoder.target.tokenizer
     prompt_ids = encode_prompt(tok, config.prompt, chat=config.chat)
     text = TextStream(tok, config.stop or [])

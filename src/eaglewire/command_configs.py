@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from eaglewire.decode.engine import SpecConfig
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
+from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
 from eaglewire.core.presets import DEFAULT_TARGET
 
 _TARGET_HELP = "preset name, HF model directory or .gguf file"
@@ -26,6 +27,7 @@ class GenerateConfig:
     seed: int | None = field(default=None, metadata={"help": "sampling seed (none: unseeded)"})
     stop: list[str] | None = field(default=None, metadata={"repeat": True, "help": "stop string (repeatable)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": DECODE_DTYPE_HELP})
     spec: SpecConfig = field(default_factory=SpecConfig)  # its fields are the --speculative-* flags
 
     def __post_init__(self) -> None:

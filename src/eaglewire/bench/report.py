@@ -34,7 +34,8 @@ def row_dict(row: Row, rows: list[Row], greedy: bool) -> dict:
     split = time_split(row.stats)
     same = same_output_as_plain(row, rows) if greedy else None
     return {
-        "name": row.name, "engine": row.engine_name, "method": row.method, "prompts": len(row.stats),
+        "name": row.name, "engine": row.engine_name, "method": row.method, "dtype": row.dtype or None,
+        "prompts": len(row.stats),
         "new_tokens": row.new_tokens,
         "tokens_per_second": round(row.tokens_per_second, 2), "speedup": _round(speedup(row, rows), 3),
         "tau_pooled": _round(tau_pooled(row.stats) if row.engine else None, 3),

@@ -32,9 +32,11 @@ from eaglewire.core.locks import directory_lock
 from eaglewire.engines import Ability, export_draft, get as get_engine, names as engine_names
 from eaglewire.engines.configs import EngineRunConfig
 from eaglewire.engines.interface import Shape
+from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES, dtype_name
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.core.prompts import Prompt, load_prompts
-from eaglewire.model.target import load_target
+from eaglewire.decode.load import decode_precision
+from eaglewire.model.target import Target, load_target
 
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,9 @@ class BenchConfig:
     warmup: int = field(default=1, metadata={"help": "untimed prompts run first for every config (kernels, caches)"})
     seed: int = field(default=0, metadata={"help": "sampling seed of prompt i is seed + i"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    dtype: list[str] = field(default_factory=lambda: ["auto"], metadata={
+        "help": DECODE_DTYPE_HELP + "; several comma-separated (e.g. fp32,bf16) run eaglewire's configs once per "
+                "dtype, side by side on the same prompts, each compared with its own dtype's plain row"})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the draft's"})
     engine: list[str] = field(default_factory=lambda: [IN_PROCESS], metadata={"help": f"{', '.join(ENGINES)}, or several comma-separated (side by side on the same prompts)"})
     run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
@@ -90,6 +95,8 @@ class BenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not self.dtype or len(set(self.dtype)) < len(self.dtype) or set(self.dtype) - set(DTYPE_CHOICES):
+            raise ValueError(f"--dtype {','.join(self.dtype)}: give one or more of {', '.join(DTYPE_CHOICES)}, each once")
         speculative = [config_label(r) for r in runs if r is not None]
         if self.draft is None and speculative:
             raise ValueError(f"config {speculative[0]} speculates and needs a draft: give --draft DIR "
@@ -239,6 +246,7 @@ class Row:
     stats: list[GenerationStats]  # one per prompt
     outputs: list[list[int]]  # new token ids per prompt
     engine_name: str = IN_PROCESS  # who decoded: eaglewire (and the HF baselines) or a server engine
+    dtype: str = ""  # what eaglewire's engine decoded in (fp32 | bf16); "" for a server engine
 
     @property
     def engine(self) -> bool:
@@ -256,7 +264,7 @@ class Row:
 def plain_row(row: Row, rows: list[Row]) -> Row | None:
     """The plain (steps 0) row of the engine that decoded ``row`` (eaglewire's for HF baselines)."""
     engine = row.engine_name if row.engine else IN_PROCESS
-    return next((r for r in rows if r.method == "plain" and r.engine_name == engine), None)
+    return next((r for r in rows if r.method == "plain" and r.engine_name == engine and r.dtype == row.dtype), None)
 
 
 def speedup(row: Row, rows: list[Row]) -> float | None:
@@ -276,7 +284,7 @@ def same_output_as_plain(row: Row, rows: list[Row]) -> int | None:
 def same_output_across_engines(row: Row, rows: list[Row]) -> int | None:
     """For a server engine's row: prompts whose output equals eaglewire's plain row's, up to the stop
     token (eaglewire keeps it, a server may drop it); None without both rows."""
-    ours = next((r for r in rows if r.method == "plain" and r.engine_name == IN_PROCESS), None)
+    ours = next((r for r in rows if r.method == "plain" and r.engine_name == IN_PROCESS), None)  # the first dtype's
     if row.engine_name == IN_PROCESS or ours is None or not row.engine:
         return None
     return sum(a[:len(b)] == b and len(a) - len(b) <= 1 or b[:len(a)] == a and len(b) - len(a) <= 1
@@ -367,8 +375,10 @@ def tune_for_bench(config: BenchConfig, *, target=None):
     offset = config.num_prompts if config.num_prompts else 0
     query = SpeedQuery(engine=config.engine[0], max_new_tokens=min(config.max_new_tokens, 128),
                        temperature=config.temperature, seed=config.seed)
-    target = target or load_target(config.target)
-    draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
+    if target is None:
+        target = load_target(config.target, device=config.device,
+                             dtype=decode_precision(config.dtype[0], config.device).dtype)
+    draft, contract = load_draft(config.draft, target=target, device=target.device, dtype=target.dtype)[:2]
     prompts = encoded_prompts(target.tokenizer, dataset, offset, DEFAULT_PROMPTS)
     server = None
     if not get_engine(query.engine).in_process:
@@ -391,21 +401,21 @@ def run_bench(config: BenchConfig, *, target=None, progress: bool = True) -> Ben
 
 def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
     check_draft_family(config)
+    targets: list[tuple[str, Target]] = []
+    if IN_PROCESS in config.engine or config.compare:  # the HF baselines need the target loaded too
+        targets = decode_targets(config, target)
     if config.configs == RECOMMENDED:
-        if IN_PROCESS in config.engine or config.compare:
-            target = target or load_target(config.target, device=config.device)
-        tuned = tune_for_bench(config, target=target)
+        tuned = tune_for_bench(config, target=targets[0][1] if targets else None)
         log.info("tune: %s", tuned.recommendation.reason)
         choice = tuned.recommendation.choice.shape
         config = replace(config, configs="1,0,0,0" if choice.plain else f"1,0,0,0;{choice.bench_config()}")
     prompts = bench_prompts(config)
     rows: list[Row] = []
-    if IN_PROCESS in config.engine or config.compare:  # the HF baselines need the target loaded too
-        target = target or load_target(config.target, device=config.device)
-        tok = target.tokenizer
+    if targets:
+        tok = targets[0][1].tokenizer
         encoded = [encode_prompt(tok, p.text, chat=p.chat) for p in prompts]
         runs = config.runs if IN_PROCESS in config.engine else []
-        rows += _run_eaglewire(config, target, encoded, runs, progress)
+        rows += _run_eaglewire(config, targets, encoded, runs, progress)
     else:
         from eaglewire.model.target import load_tokenizer
 
@@ -417,46 +427,75 @@ def _run_bench(config: BenchConfig, *, target, progress: bool) -> BenchResult:
     return BenchResult(config=config, prompts=prompts, rows=rows, command=config.command_line())
 
 
-def _run_eaglewire(config: BenchConfig, target, encoded: list[list[int]], runs: list[SpecConfig | None],
-                   progress: bool) -> list[Row]:
-    draft = contract = None
-    method = "eagle3"
-    if any(r is not None for r in runs):
-        method = read_draft(config.draft).family
-        draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
-                                        device=target.device)
-    tok = target.tokenizer
-    stops = stop_token_ids(tok, target.model)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+def decode_targets(config: BenchConfig, target: Target | None) -> list[tuple[str, Target]]:
+    """(precision, target) per ``--dtype``, in order: each dtype resolved on this machine and the target loaded in
+    it once; a target handed in (tests, quickstart) is used as it is, for one dtype."""
+    if target is not None:
+        if len(config.dtype) > 1:
+            raise ValueError(f"--dtype {','.join(config.dtype)}: a target handed in decodes in its own dtype only")
+        return [(dtype_name(target.dtype), target)]
+    out: list[tuple[str, Target]] = []
+    for requested in config.dtype:
+        precision = decode_precision(requested, config.device)
+        if precision.name in (name for name, _ in out):
+            raise ValueError(f"--dtype {','.join(config.dtype)}: {requested} is {precision.name} on this machine, "
+                             "listed already; give each precision once")
+        out.append((precision.name, load_target(config.target, device=config.device, dtype=precision.dtype)))
+    return out
 
-    def engine(decoder: SpecDecoder, i: int, ids: list[int], max_new: int):
-        sampling = SamplingParams(temperature=config.temperature, seed=config.seed + i)
-        return decoder.generate(ids, max_new_tokens=max_new, sampling=sampling, stop_token_ids=set(stops))
+
+def _run_eaglewire(config: BenchConfig, targets: list[tuple[str, Target]], encoded: list[list[int]],
+                   runs: list[SpecConfig | None], progress: bool) -> list[Row]:
+    """Every config once per dtype (row names prefixed with it when there are several) and the HF baselines (on
+    the first dtype's target), prompt-major."""
+    jobs = []  # (row name, method, dtype, generate(prompt index, ids, max new tokens) -> (tokens, stats))
+    for dtype, target in targets:
+        jobs += _engine_jobs(config, target, runs, dtype=dtype, prefix=f"{dtype} " if len(targets) > 1 else "")
+    first = targets[0][1]
+    stops = stop_token_ids(first.tokenizer, first.model)
+    pad_id = first.tokenizer.pad_token_id if first.tokenizer.pad_token_id is not None else stops[0]
 
     def hf(pld: bool, i: int, ids: list[int], max_new: int):
-        return _hf_generate(target, ids, _hf_config(config, stops, pad_id, pld, max_new), config.seed + i)
+        return _hf_generate(first, ids, _hf_config(config, stops, pad_id, pld, max_new), config.seed + i)
 
-    jobs = []  # (row name, method, generate(prompt index, ids, max new tokens) -> (tokens, stats))
-    for run in runs:
-        try:
-            decoder = SpecDecoder(target) if run is None else SpecDecoder(target, draft, contract, run)
-        except ValueError as e:  # a shape the draft cannot draft (a DFlash block's length)
-            raise ValueError(f"config {config_label(run)} ({CONFIG_FORMAT}): {e}") from None
-        jobs.append((config_label(run), "plain" if run is None else method, partial(engine, decoder)))
     for method in config.compare or ():
-        jobs.append((method, method, partial(hf, method == "hf-pld")))
+        jobs.append((method, method, "", partial(hf, method == "hf-pld")))
 
-    for _, _, generate in jobs:
+    for *_, generate in jobs:
         for i, ids in enumerate(encoded[:config.warmup]):
             generate(i, ids, min(16, config.max_new_tokens))
     # Prompt-major: every config runs each prompt back to back, so a busy neighbour or a
     # thermal drift on a shared machine hits all configs alike (ratios stay honest).
     results: list[list[tuple[list[int], GenerationStats]]] = [[] for _ in jobs]
     for i, ids in enumerate(tqdm(encoded, desc="bench", unit="prompt", disable=not progress)):
-        for j, (_, _, generate) in enumerate(jobs):
+        for j, (*_, generate) in enumerate(jobs):
             results[j].append(generate(i, ids, config.max_new_tokens))
-    return [Row(name, method, [st for _, st in res], [toks for toks, _ in res])
-            for (name, method, _), res in zip(jobs, results)]
+    return [Row(name, method, [st for _, st in res], [toks for toks, _ in res], dtype=dtype)
+            for (name, method, dtype, _), res in zip(jobs, results)]
+
+
+def _engine_jobs(config: BenchConfig, target: Target, runs: list[SpecConfig | None], *, dtype: str, prefix: str):
+    """eaglewire's engine on ``target`` (and the draft, in the target's dtype) for every config: the jobs."""
+    draft = contract = None
+    method = "eagle3"
+    if any(r is not None for r in runs):
+        method = read_draft(config.draft).family
+        draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
+                                        device=target.device, dtype=target.dtype)
+    stops = stop_token_ids(target.tokenizer, target.model)
+
+    def engine(decoder: SpecDecoder, i: int, ids: list[int], max_new: int):
+        sampling = SamplingParams(temperature=config.temperature, seed=config.seed + i)
+        return decoder.generate(ids, max_new_tokens=max_new, sampling=sampling, stop_token_ids=set(stops))
+
+    jobs = []
+    for run in runs:
+        try:
+            decoder = SpecDecoder(target) if run is None else SpecDecoder(target, draft, contract, run)
+        except ValueError as e:  # a shape the draft cannot draft (a DFlash block's length)
+            raise ValueError(f"config {config_label(run)} ({CONFIG_FORMAT}): {e}") from None
+        jobs.append((prefix + config_label(run), "plain" if run is None else method, dtype, partial(engine, decoder)))
+    return jobs
 
 
 # ------------------------------------------------------------------ an engine launched here as a server

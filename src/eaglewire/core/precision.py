@@ -24,6 +24,10 @@ import torch
 log = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16")
+# The one help text of the decoding commands' ``--dtype`` (generate, serve, bench, tune, doctor, quickstart).
+DECODE_DTYPE_HELP = ("the target's and the draft's precision when decoding: auto (bf16 where the CPU computes bf16 "
+                     "natively, i.e. avx512_bf16 or AMX with oneDNN, and on CUDA; fp32 elsewhere), fp32, bf16; logits "
+                     "and sampling stay fp32, and greedy speculative output equals plain decoding in the same dtype")
 _NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -93,9 +97,14 @@ def log_precision(precision: Precision, what: str) -> None:
     log.log(level, "%s computes in %s", what, precision.describe())
 
 
-def precision_of(dtype: torch.dtype, device: torch.device | str, *, requested: str, reason: str) -> Precision:
-    """The record of a model already loaded in ``dtype`` (e.g. a target handed to ``prepare``)."""
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32 | bf16 | fp16: how eaglewire names ``dtype`` in flags, reports and records."""
     names = {v: k for k, v in _DTYPES.items()}
     if dtype not in names:
         raise ValueError(f"dtype {dtype} is not one of {', '.join(map(str, names))}")
-    return Precision(name=names[dtype], requested=requested, device_type=torch.device(device).type, reason=reason)
+    return names[dtype]
+
+
+def precision_of(dtype: torch.dtype, device: torch.device | str, *, requested: str, reason: str) -> Precision:
+    """The record of a model already loaded in ``dtype`` (e.g. a target handed to ``prepare``)."""
+    return Precision(name=dtype_name(dtype), requested=requested, device_type=torch.device(device).type, reason=reason)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 ROWS_HINT = 8  # oneDNN picks its blocking for this many rows; 8 is as fast as 1 at N=1 and best to N=64
+MIN_EXACT_ROWS = 2  # row-exact calls run at least this many rows (see PackedLinear.exact_rows)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -30,8 +31,13 @@ class PackedLinear:
     """``y = x @ weight.T (+ bias)`` with the weight prepared for few-row calls; no autograd."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 dtype: torch.dtype | None = None, onednn: bool | None = None) -> None:
+                 dtype: torch.dtype | None = None, onednn: bool | None = None, exact_rows: bool = False) -> None:
+        """``exact_rows``: a row's result does not depend on how many rows the call has. oneDNN's bf16 GEMM takes
+        another kernel for one row than for 2-64 when K is large (K >= 1536 measured on AMD AVX-512 BF16: the
+        down projection), one bf16 ulp apart, and an ulp flips later greedy tokens: a verify of N rows would not
+        be N plain steps. So one row runs as two (the same row twice; as fast at one thread, measured)."""
         weight = weight.detach().to(dtype or weight.dtype)  # [M, K]
+        self.exact_rows = exact_rows
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias = None if bias is None else bias.detach().to(weight.dtype)  # [M]
         self.onednn = onednn_available(weight.device, weight.dtype) if onednn is None else onednn
@@ -42,6 +48,9 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., M]."""
+        if self.exact_rows and x.numel() == x.shape[-1]:  # one row
+            rows = x.reshape(1, -1).expand(MIN_EXACT_ROWS, -1).contiguous()  # [2, K]: the row twice
+            return self(rows)[:1].reshape(*x.shape[:-1], -1)  # [..., M]
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         y = x @ self.weight

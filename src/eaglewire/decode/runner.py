@@ -22,6 +22,7 @@ from eaglewire.decode.kv_cache import compact_target_cache
 from eaglewire.model.target import Target
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MAX_EXACT_ROWS = 64  # a block at most this long is a verify (row by row in bf16); a longer one is a prefill
 
 
 class HFRunner:
@@ -102,19 +103,63 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.reshape(*lead, nH, n, hd)
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, rows: list[torch.Tensor | None],
+                scale: float) -> torch.Tensor:
+    """Attention of a block's rows one query at a time, each exactly as plain decoding computes it: q [nH, N, hd];
+    k/v [nKV, S, hd] (the cache, block rows at ``prefix``..); ``rows[r]`` the block rows that row r sees besides
+    the prefix, in order (None: rows 0..r, a chain) -> [nH, N, hd].
+
+    Why: in bf16 the fused attention kernel's result for a row depends on how many rows it is computed with (one
+    bf16 ulp apart, measured), and a bf16 ulp in a state flips later greedy tokens: a verify of N tokens would not
+    be N plain steps. One query with its keys, unmasked, is the plain step's own call, so greedy speculative
+    output equals plain decoding's in bf16 too (the projections are row-exact: tests/decode/test_gemm.py)."""
+    out = []
+    for r, seen in enumerate(rows):
+        if seen is None:
+            keys, values = k[:, :prefix + r + 1], v[:, :prefix + r + 1]  # [nKV, P+r+1, hd]
+        else:
+            keys = torch.cat([k[:, :prefix], k[:, prefix + seen]], dim=1)  # [nKV, P+len(seen), hd]
+            values = torch.cat([v[:, :prefix], v[:, prefix + seen]], dim=1)
+        out.append(attend(q[:, r:r + 1], keys, values, None, scale))  # [nH, 1, hd]
+    return torch.cat(out, dim=1)  # [nH, N, hd]
+
+
+def block_rows(mask: torch.Tensor | None, prefix: int, n: int) -> list[torch.Tensor | None]:
+    """What each of a block's ``n`` rows sees of the block, from its mask [n, prefix+n] (None: causal): None for a
+    row that sees rows 0..r (a chain's), else the indices it sees, ascending (a tree node's ancestors and itself)."""
+    if mask is None:
+        return [None] * n
+    block = mask[:, prefix:].cpu()  # [n, n]
+    rows: list[torch.Tensor | None] = []
+    for r in range(n):
+        seen = block[r].nonzero().flatten()
+        rows.append(None if torch.equal(seen, torch.arange(r + 1)) else seen.to(mask.device))
+    return rows
+
+
+def exact_rows(dtype: torch.dtype) -> bool:
+    """Whether a verify of N tokens must compute each row exactly as a plain step does (row-exact GEMMs, attention
+    row by row): in bf16 a kernel's row-to-row difference is an ulp, which flips later greedy tokens; fp32's
+    (1e-7 relative) flipped none in the lossless tests."""
+    return dtype != torch.float32
+
+
 class _Layer:
     """One decoder layer's weights, fused and packed: qkv [H -> (nH+2nKV)*hd], gate_up [H -> 2I]."""
 
     def __init__(self, layer, dtype: torch.dtype) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         bias = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        exact = exact_rows(dtype)
         self.qkv_proj = PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                                     torch.cat(bias) if all(b is not None for b in bias) else None, dtype=dtype)
-        self.o_proj = PackedLinear(attn.o_proj.weight, dtype=dtype)
+                                     torch.cat(bias) if all(b is not None for b in bias) else None, dtype=dtype,
+                                     exact_rows=exact)
+        self.o_proj = PackedLinear(attn.o_proj.weight, dtype=dtype, exact_rows=exact)
         self.q_norm = _norm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None  # Qwen3
         self.k_norm = _norm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
-        self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype=dtype)
-        self.down = PackedLinear(mlp.down_proj.weight, dtype=dtype)
+        self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype=dtype,
+                                    exact_rows=exact)
+        self.down = PackedLinear(mlp.down_proj.weight, dtype=dtype, exact_rows=exact)
         self.ln1, self.ln2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nH: int, nKV: int, hd: int):
@@ -161,7 +206,8 @@ class LeanWeights:
         self.embed = target.embed_tokens
         self.rotary = target.decoder.rotary_emb
         self.norm = target.decoder.norm
-        self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=self.dtype)  # H -> V
+        self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=self.dtype,
+                                    exact_rows=exact_rows(self.dtype))  # H -> V
 
     def head(self, last: torch.Tensor) -> torch.Tensor:
         """[n, H] pre-norm -> logits [n, V]."""
@@ -177,6 +223,7 @@ class LeanRunner:
         self.k_cache = torch.zeros(len(w.layers), w.nKV, max_length, w.hd, dtype=w.dtype, device=w.device)  # [L, nKV, S, hd]
         self.v_cache = torch.zeros_like(self.k_cache)
         self.length = 0
+        self.exact_rows = exact_rows(w.dtype)
 
     def reset(self) -> None:
         """Forget every token: the runner (and its packed weights) serves a new sequence."""
@@ -206,13 +253,19 @@ class LeanRunner:
             mask = mask.to(dev)[None]  # [1, N, P+N]
         elif N > 1:
             mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
+        # bf16: a verify's rows attend one at a time, as plain steps do (attend_rows); a prefill may batch
+        rows = block_rows(None if mask is None else mask[0], P, N) if self.exact_rows and 1 < N <= MAX_EXACT_ROWS \
+            else None
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             seen[i] = h
             q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
             self.k_cache[i, :, P:P + N] = k
             self.v_cache[i, :, P:P + N] = v
-            attn = attend(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], mask, w.scale)  # [nH, N, hd]
+            if rows is not None:
+                attn = attend_rows(q, self.k_cache[i], self.v_cache[i], P, rows, w.scale)  # [nH, N, hd]
+            else:
+                attn = attend(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], mask, w.scale)  # [nH, N, hd]
             h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
         seen[len(w.layers)] = h
         aux = torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, k*H]

@@ -123,6 +123,14 @@ class Rotary(nn.Module):
             self.scaling = 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Moved with the draft, never cast: a bf16 inv_freq would shift every position's angle (positions reach
+        thousands, bf16 keeps 8 bits), so a draft decoding in bf16 keeps its RoPE frequencies in fp32."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, hd]

@@ -49,6 +49,7 @@ from eaglewire.core.generation import GenerationStats
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream
+from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
 from eaglewire.decode.load import load_decoder
 from eaglewire.serve.schemas import (APIError, AssistantMessage, BearerAuth, ChatChoice, ChatChunkChoice,
                                       ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
@@ -517,6 +518,7 @@ class ServeConfig:
     request_timeout: float = field(default=REQUEST_TIMEOUT_SECONDS, metadata={
         "help": "seconds a request body may take to arrive; 408 beyond"})
     device: str = "auto"
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": DECODE_DTYPE_HELP})
     graceful_timeout: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests get to finish on shutdown"})
     per_request_spec_decode_metrics: str = field(default="none", metadata={
@@ -584,7 +586,7 @@ def serve(config: ServeConfig) -> int:
     ``graceful_timeout`` seconds to finish, the rest are told the server shut down. Returns the
     exit status: 0 after SIGTERM, 130 after Ctrl-C (SIGINT, as every command), 1 if the server
     could not start."""
-    decoder = load_decoder(config.target, config.draft, config.spec, device=config.device)
+    decoder = load_decoder(config.target, config.draft, config.spec, device=config.device, dtype=config.dtype)
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
                      max_context=config.max_context, max_request_bytes=config.max_request_bytes,
                      request_timeout=config.request_timeout, metrics_public=config.metrics_public,

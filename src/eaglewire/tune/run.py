@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
 from eaglewire.acceptance.speed import (COSTS, DEFAULT_PROMPTS, SpeedQuery, SpeedRanking, chain_rule, encoded_prompts,
                                         measured_here, rank_speed, server_setup)
 from eaglewire.core.configs import RESOLVED_KEY, config_record
@@ -34,6 +35,9 @@ class TuneConfig:
     seed: int = field(default=_QUERY.seed, metadata={"help": "sampling seed of prompt i is seed + i"})
     top: int = field(default=8, metadata={"help": "ranked shapes printed"})
     out: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": DECODE_DTYPE_HELP + "; eaglewire's "
+                       "round costs are measured in it (a bf16 verify of several tokens costs other multiples of a "
+                       "plain step than a fp32 one)"})
     run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
     verify_cost: float = field(default=_QUERY.verify_cost, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
     draft_cost: float = field(default=_QUERY.draft_cost, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
@@ -124,11 +128,11 @@ def run_tune(config: TuneConfig, *, target=None, prompts: list[list[int]] | None
 
 
 def _run_tune(config: TuneConfig, *, target, prompts: list[list[int]] | None, progress) -> TuneResult:
+    from eaglewire.decode.load import load_decode_target
     from eaglewire.model.checkpoint import load_draft
-    from eaglewire.model.target import load_target
 
-    target = target or load_target(config.target)
-    draft, contract = load_draft(config.draft, target=target, device=target.device)[:2]
+    target = target or load_decode_target(config.target, dtype=config.dtype)
+    draft, contract = load_draft(config.draft, target=target, device=target.device, dtype=target.dtype)[:2]
     prompts = prompts or tune_prompts(config, target.tokenizer)
     query, (_, fallback) = config.query(), config.measured()
     server = None
