@@ -32,6 +32,7 @@ from eaglewire.core.fileio import atomic_torch_save, atomic_write_text
 from eaglewire.core.locks import directory_lock
 from eaglewire.core.precision import DTYPE_CHOICES, log_precision, resolve_precision
 from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.model.label_head import label_head
 from eaglewire.model.target import Target, load_target, resolve_device
 from eaglewire.model.ttt import StepCounts
 from eaglewire.model.vocab import count_tokens, frequency_coverage
@@ -308,14 +309,15 @@ class Trainer:
 
     def _objective(self) -> Objective:
         cfg = self.config
+        head = label_head(self.target, self.precision.dtype)  # the labels in the training precision
         if cfg.family == "dflash":
             return DFlashObjective(self.target, block_size=cfg.block_size, layers=cfg.draft_layers,
                                    anchors=cfg.anchors_per_sequence,
                                    gamma=cfg.block_loss_gamma or default_gamma(cfg.block_size),
                                    mask_token_id=cfg.mask_token_id, seed=cfg.seed,
-                                   draft_vocab_size=cfg.draft_vocab_size)
+                                   draft_vocab_size=cfg.draft_vocab_size, head=head)
         return Eagle3Objective(self.target, ttt_steps=cfg.ttt_steps, loss_decay=cfg.loss_decay,
-                               draft_vocab_size=cfg.draft_vocab_size)
+                               draft_vocab_size=cfg.draft_vocab_size, head=head)
 
     def build_draft(self) -> tuple[torch.nn.Module, float]:
         cfg, target = self.config, self.target

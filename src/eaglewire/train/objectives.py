@@ -9,7 +9,7 @@ resume are one code path.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -39,8 +39,10 @@ class Objective(Protocol):
 class Eagle3Objective:
     """The TTT unroll over whole sequences (model/ttt.py)."""
 
-    def __init__(self, target: Target, *, ttt_steps: int, loss_decay: float, draft_vocab_size: int) -> None:
+    def __init__(self, target: Target, *, ttt_steps: int, loss_decay: float, draft_vocab_size: int,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.target, self.positions, self.decay, self.vocab = target, ttt_steps, loss_decay, draft_vocab_size
+        self.head = head or target.head  # the labels' head (model/label_head.py)
         self.weights = [loss_decay ** j for j in range(ttt_steps)]
 
     def build(self, target: Target, num_aux: int, counts: torch.Tensor) -> Eagle3Draft:
@@ -54,7 +56,7 @@ class Eagle3Objective:
         needed = signal_positions(batch.loss_mask)
         if batch.topk_ids is not None:  # shards with --labels topk:K: the stored top-K is the target's signal
             return topk_signal(batch.topk_logprobs, batch.topk_ids, draft.draft_to_target, draft.t2d, needed)
-        return target_signal(self.target.head, batch.last_hidden.to(self.target.dtype),
+        return target_signal(self.head, batch.last_hidden.to(self.target.dtype),
                              draft.draft_to_target, draft.t2d, needed)
 
     def counted(self, batch: Batch, signal: TargetSignal) -> list[int]:
@@ -74,8 +76,10 @@ class DFlashObjective:
     """Parallel blocks at sampled anchors (model/dflash_objective.py), the target's embedding and head."""
 
     def __init__(self, target: Target, *, block_size: int, layers: int, anchors: int, gamma: float,
-                 mask_token_id: int | None, seed: int, draft_vocab_size: int | None = None) -> None:
+                 mask_token_id: int | None, seed: int, draft_vocab_size: int | None = None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.target, self.block_size, self.layers, self.anchors, self.gamma = target, block_size, layers, anchors, gamma
+        self.head = head or target.head  # the labels' head (model/label_head.py)
         self.mask_token_id, self.seed = mask_token_id, seed
         self.vocab = draft_vocab_size  # None: the target's whole vocabulary
         self.positions = block_size - 1
@@ -117,7 +121,7 @@ class DFlashObjective:
         last = None if topk is not None else batch.last_hidden.to(self.target.dtype)
         vocab = (draft.draft_to_target, draft.t2d) if draft.config.pruned else None
         return block_signal(batch.loss_mask, anchors_per_row=self.anchors, block_size=self.block_size,
-                            head=self.target.head, last_hidden=last, topk=topk, vocab_size=self.target.vocab_size,
+                            head=self.head, last_hidden=last, topk=topk, vocab_size=self.target.vocab_size,
                             generator=generator, vocab=vocab)
 
     def counted(self, batch: Batch, signal: BlockSignal) -> list[int]:
