@@ -183,12 +183,13 @@ def test_simulated_rounds_are_the_engines_own(steps, min_prob):
     assert accepted > 0
 
 
-def test_tune_end_to_end_on_a_stated_engine(tmp_path, target_dir, draft_dir, capsys, one_thread):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the draft traced in the target's precision
+def test_tune_end_to_end_on_a_stated_engine(tmp_path, target_dir, draft_dir, capsys, one_thread, dtype):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
     out = tmp_path / "tune.json"
     argv = ["tune", "--target", str(target_dir), "--draft", str(draft_dir), "--dataset", str(prompts),
             "--offset", "0", "--num-prompts", "2", "--max-new-tokens", "12", "--max-steps", "2", "--engine", "sglang",
-            "--draft-cost", "3", "--out", str(out)]
+            "--draft-cost", "3", "--dtype", dtype, "--out", str(out)]
     assert main(argv) == 0
     shown = capsys.readouterr().out
     assert "recommended: plain decoding" in shown  # a draft step dearer than three target steps never pays

@@ -67,6 +67,11 @@ def judge_steps(drafted: torch.Tensor, text: torch.Tensor, step: int) -> torch.T
     return right
 
 
+def draft_dtype(draft: torch.nn.Module) -> torch.dtype:
+    """The precision the draft computes in (bf16 when it decodes beside a bf16 target)."""
+    return next(draft.parameters()).dtype
+
+
 @torch.no_grad()
 def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list[int], prompt_len: int, *,
                steps: int, temperature: float = 0.0) -> DraftTrace:
@@ -75,7 +80,7 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
     the text's own next tokens (so a quantized engine's choices are what the draft must match)."""
     ids = torch.tensor([text])  # [1, T]
     T = ids.shape[1]
-    aux, emb, target_probs, target_argmax = _captured(target, layout, ids, temperature)
+    aux, emb, target_probs, target_argmax = _captured(target, layout, ids, temperature, draft_dtype(draft))
     d2t = draft.draft_to_target
     right = torch.zeros(steps, T, dtype=torch.bool)
     prob = torch.zeros(steps, T)
@@ -102,15 +107,15 @@ def trace_text(target: Target, draft: Eagle3Draft, layout: list[int], text: list
                       target_agrees=target_agrees)
 
 
-def _captured(target: Target, layout: list[int], ids: torch.Tensor, temperature: float):
-    """One capture of ``ids`` [1, T]: (aux [1, T, k*H] of ``layout``, embeddings [1, T, H], the target's
-    probabilities [T, V] at the temperature (None when greedy), its argmax [T])."""
+def _captured(target: Target, layout: list[int], ids: torch.Tensor, temperature: float, dtype: torch.dtype):
+    """One capture of ``ids`` [1, T]: (aux [1, T, k*H] of ``layout`` and embeddings [1, T, H], both in the draft's
+    ``dtype``, the target's probabilities [T, V] at the temperature (None when greedy), its argmax [T])."""
     aux_boundaries = [b for b in layout if b != target.num_layers]
     got = capture(target, ids, aux_boundaries)
     states = dict(zip(aux_boundaries, got.aux_hidden.float().split(target.hidden_size, dim=-1)))  # k x [1, T, H]
     states[target.num_layers] = got.last_hidden.float()
-    aux = torch.cat([states[b] for b in layout], dim=-1)  # [1, T, k*H]
-    emb = target.embed_tokens(ids.to(target.device)).float()  # [1, T, H]
+    aux = torch.cat([states[b] for b in layout], dim=-1).to(dtype)  # [1, T, k*H]
+    emb = target.embed_tokens(ids.to(target.device)).to(dtype)  # [1, T, H]
     target_logits = target.head(got.last_hidden[0].to(target.device)).float()  # [T, V]
     # the target's probability of every token at every position, once: greedy is 1 at its argmax
     target_probs = (torch.softmax(target_logits / temperature, dim=-1) if temperature > 0 else None)  # [T, V]
@@ -131,7 +136,7 @@ def trace_blocks(target: Target, draft: DFlashDraft, layout: list[int], text: li
     """
     ids = torch.tensor([text])  # [1, T]
     T = ids.shape[1]
-    aux, emb, target_probs, target_argmax = _captured(target, layout, ids, temperature)
+    aux, emb, target_probs, target_argmax = _captured(target, layout, ids, temperature, draft_dtype(draft))
     lm_head, mask_emb = draft_lm_head(target, draft), mask_embedding(draft, target.embed_tokens, emb.device)
     text_ids = ids[0].to(emb.device)
     out = {}
