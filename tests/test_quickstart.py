@@ -120,3 +120,21 @@ def test_quickstart_measures_the_configs_that_pay_first():
     configs = QuickstartConfig().bench_configs.split(";")
     assert {"1,0,0,0", "1,1,1,2", "1,5,4,12,0.1"} <= set(configs)
     parse_configs(QuickstartConfig().bench_configs)  # a valid bench --configs
+
+
+def test_the_plan_spends_what_a_faster_machine_saves_on_data_within_the_same_wall_clock():
+    from eaglewire.train.plan import BASE_CONVERSATIONS, REGEN_SECONDS, TOKENS_PER_CONVERSATION, plan_data
+
+    wall = BASE_CONVERSATIONS * REGEN_SECONDS + 20 * 60
+    slow, fast = (plan_data(tokens_per_second=s, minutes=20, precision="fp32") for s in (250, 750))
+    assert BASE_CONVERSATIONS <= slow.conversations < fast.conversations
+    for plan in (slow, fast):
+        spent = plan.conversations * REGEN_SECONDS + plan.train_minutes * 60
+        assert spent == pytest.approx(wall, abs=REGEN_SECONDS)  # the same wall clock, to one conversation
+        trained = plan.train_minutes * 60 * plan.tokens_per_second / (plan.conversations * TOKENS_PER_CONVERSATION)
+        assert plan.epochs == int(trained) and 5 <= plan.epochs <= 7  # about EPOCHS passes, not 18
+    given = plan_data(tokens_per_second=750, minutes=20, precision="bf16", conversations=10)
+    assert (given.conversations, given.train_minutes, given.sized) == (10, 20, False)
+    assert "--num-conversations given" in given.describe() and "sized so" in fast.describe()
+    with pytest.raises(ValueError, match="positive speed"):
+        plan_data(tokens_per_second=0, minutes=20, precision="fp32")

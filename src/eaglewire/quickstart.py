@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from eaglewire.core.fileio import atomic_write_json
+from eaglewire.core.precision import DTYPE_CHOICES, resolve_precision
 from eaglewire.core.locks import directory_lock
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.target import Target, load_target
+from eaglewire.train.plan import DataPlan, plan_data
 
 log = logging.getLogger(__name__)
 
 STAGES_FILE = "stages.json"
-TOKENS_PER_SECOND_ESTIMATE = 250  # CPU training, 2 threads, ttt 3: sizes the epochs to the budget
+BATCH_TOKENS = 2048  # the training stage's batch
 # The shipped reference draft on MT-bench first turns, greedy, 2 threads (BENCHMARKS.md, "MT-bench
 # and HumanEval with the reference draft"): two runs of the same configs on one host read 1.32x and
 # 1.13x for its fastest config, so a range is all that section supports. Cited, not re-measured.
@@ -38,12 +40,18 @@ class QuickstartConfig:
     out: str = field(default="runs/quickstart", metadata={"help": "report folder (data, draft, doctor, bench, summary)"})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
     data: str = field(default="sharegpt", metadata={"help": "conversations: preset or file"})
-    num_conversations: int = field(default=48, metadata={"help": "conversations regenerated and captured for training"})
+    num_conversations: int | None = field(default=None, metadata={
+        "help": "conversations regenerated and captured for training; default: sized to this machine's measured "
+                "training speed, so regeneration and training fill the wall clock of 48 conversations plus --minutes "
+                "(eaglewire/train/plan.py)"})
     heldout_conversations: int = field(default=24, metadata={"help": "conversations after the training ones, "
                                                                      "regenerated and captured for the doctor only"})
     max_length: int = field(default=512, metadata={"help": "tokens per training sequence"})
     max_new_tokens: int = field(default=128, metadata={"help": "reply length when regenerating"})
-    minutes: float = field(default=20.0, metadata={"help": "training time budget"})
+    minutes: float = field(default=20.0, metadata={"help": "training time budget (with --num-conversations; sized "
+                                                           "with the data otherwise)"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": "training's and tune's and bench's "
+                       "precision: auto (bf16 where the CPU computes it natively, else fp32), fp32, bf16"})
     ttt_steps: int = field(default=3, metadata={"help": "training-time-test steps"})
     draft_vocab_size: int = field(default=8192, metadata={"help": "draft vocabulary size"})
     bench_dataset: str = field(default="mt-bench", metadata={"help": "prompts for the benchmark"})
@@ -57,7 +65,9 @@ class QuickstartConfig:
     def __post_init__(self) -> None:
         if self.minutes <= 0:
             raise ValueError(f"--minutes must be > 0, got {self.minutes}")
-        for name in ("num_conversations", "heldout_conversations", "max_length", "max_new_tokens", "bench_prompts",
+        if self.num_conversations is not None and self.num_conversations < 1:
+            raise ValueError(f"--num-conversations must be >= 1, got {self.num_conversations}")
+        for name in ("heldout_conversations", "max_length", "max_new_tokens", "bench_prompts",
                      "bench_tokens", "tune_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -94,22 +104,27 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
     target = target or load_target(config.target)
     data, heldout, draft = out / "data", out / "heldout", out / "draft"
 
+    if "plan" not in stages.done:
+        stages.record("plan", plan_stage(config, target).record())
+    plan = DataPlan(**stages.done["plan"])
+    print(f"plan: {plan.describe()}")
     if "prepare" not in stages.done:
-        _banner("1/6 prepare: the target regenerates the replies, then its states are captured")
-        stages.record("prepare", _prepare(config, data, target, offset=0, count=config.num_conversations,
+        _banner(f"1/6 prepare: the target regenerates the replies of {plan.conversations} conversations, then its "
+                "states are captured")
+        stages.record("prepare", _prepare(config, data, target, offset=0, count=plan.conversations,
                                           progress=progress))
     if "heldout" not in stages.done:
         _banner(f"2/6 prepare the doctor's data: {config.heldout_conversations} conversations training never sees")
-        stages.record("heldout", _prepare(config, heldout, target, offset=config.num_conversations,
+        stages.record("heldout", _prepare(config, heldout, target, offset=plan.conversations,
                                           count=config.heldout_conversations, progress=progress))
     if "train" not in stages.done:
-        _banner(f"3/6 train: a draft within {config.minutes:g} minutes (re-run to resume)")
+        _banner(f"3/6 train: a draft within {plan.train_minutes:g} minutes (re-run to resume)")
         tokens = stages.done["prepare"]["tokens"]
-        epochs = max(1, math.floor(config.minutes * 60 * TOKENS_PER_SECOND_ESTIMATE / max(tokens, 1)))
+        epochs = max(1, math.floor(plan.train_minutes * 60 * plan.tokens_per_second / max(tokens, 1)))
         r = train(TrainConfig(out=str(draft), target=config.target, data=str(data), ttt_steps=config.ttt_steps,
-                              draft_vocab_size=config.draft_vocab_size, epochs=epochs, minutes=config.minutes,
-                              lr=1e-3, batch_tokens=2048, val_sequences=4, eval_interval=50, save_interval=25,
-                              resume=(draft / "train_state.pt").exists()),
+                              draft_vocab_size=config.draft_vocab_size, epochs=epochs, minutes=plan.train_minutes,
+                              lr=1e-3, batch_tokens=BATCH_TOKENS, val_sequences=4, eval_interval=50, save_interval=25,
+                              dtype=config.dtype, resume=(draft / "train_state.pt").exists()),
                   target=target, progress=progress)
         stages.record("train", {"steps": r.steps, "epochs": round(r.epochs_done, 2), "tokens": r.train_tokens,
                                 "seconds": round(r.seconds, 1), "finished": r.finished, **r.final_eval})
@@ -124,9 +139,12 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
         evidence = next((c.summary for c in report.checks if c.name == "evidence"), "")
         stages.record("doctor", {"ok": report.status == "passed", "status": report.status, "evidence": evidence,
                                  "verdicts": {c.name: c.verdict for c in report.checks}})
+    decode_target = None  # the target in the decoding precision, loaded once for tune and bench
+    if "tune" not in stages.done or "bench" not in stages.done:
+        decode_target = decoding_target(config, target)
     if "tune" not in stages.done:
         _banner(f"5/6 tune: which shape pays in eaglewire's engine, on {config.tune_prompts} prompts")
-        stages.record("tune", tune_stage(config, draft, target))
+        stages.record("tune", tune_stage(config, draft, decode_target))
     if "bench" not in stages.done:
         configs = bench_configs(config.bench_configs, stages.done["tune"])
         _banner(f"6/6 bench: {config.bench_prompts} other {config.bench_dataset} prompts, with and without the "
@@ -134,13 +152,31 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
         bc = BenchConfig(target=config.target, draft=str(draft), dataset=config.bench_dataset,
                          configs=configs, num_prompts=config.bench_prompts,
                          max_new_tokens=config.bench_tokens, out=str(out / "bench"))
-        result = run_bench(bc, target=target, progress=progress)
+        result = run_bench(bc, target=decode_target, progress=progress)
         write_report(result, bc.out_dir)
         stages.record("bench", json.loads((bc.out_dir / "bench.json").read_text())["rows"])
     summary = summary_rows(stages.done)
     text = "\n".join(f"| {k} | {v} |" for k, v in summary)
     (out / "summary.md").write_text(f"# eaglewire quickstart\n\n| stage | result |\n|---|---|\n{text}\n")
     return stages.done
+
+
+def plan_stage(config: QuickstartConfig, target: Target) -> DataPlan:
+    """Time a training step here (seconds), then size the data and the training budget to it."""
+    from eaglewire.train.probe import training_tokens_per_second
+
+    precision = resolve_precision(config.dtype, target.device)
+    speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
+                                       draft_vocab_size=config.draft_vocab_size, batch_tokens=BATCH_TOKENS)
+    return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
+                     conversations=config.num_conversations)
+
+
+def decoding_target(config: QuickstartConfig, target: Target) -> Target:
+    """The target tune and bench decode with, in ``--dtype``'s precision (capture and the doctor keep ``target``)."""
+    from eaglewire.decode.load import decode_precision
+
+    return target.in_dtype(decode_precision(config.dtype, target.device).dtype)
 
 
 def exit_code(done: dict[str, Any]) -> int:
@@ -190,7 +226,9 @@ def bench_configs(configs: str, tune: dict[str, Any]) -> str:
 def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
     p, t, d = done["prepare"], done["train"], done["doctor"]
     h = done.get("heldout")
-    rows = [("data", f"{p['sequences']} sequences, {p['tokens']:,} tokens ({p['reply_tokens']:,} reply tokens), "
+    plan = done.get("plan")
+    rows = [("plan", DataPlan(**plan).describe())] if plan else []
+    rows += [("data", f"{p['sequences']} sequences, {p['tokens']:,} tokens ({p['reply_tokens']:,} reply tokens), "
                      f"{p['seconds']:,.0f} s"
              + (f"; held out for the doctor: {h['sequences']} sequences ({h['reply_tokens']:,} reply tokens)"
                 if h else "")),

@@ -24,10 +24,10 @@ import torch
 log = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16")
-# The one help text of the decoding commands' ``--dtype`` (generate, serve, bench, tune, doctor, quickstart).
+# The one help text of the decoding commands' ``--dtype`` (generate, serve, bench, tune).
 DECODE_DTYPE_HELP = ("the target's and the draft's precision when decoding: auto (bf16 where the CPU computes bf16 "
-                     "natively, i.e. avx512_bf16 or AMX with oneDNN, and on CUDA; fp32 elsewhere), fp32, bf16; logits "
-                     "and sampling stay fp32, and greedy speculative output equals plain decoding in the same dtype")
+                     "natively, i.e. avx512_bf16 or AMX with oneDNN, and on CUDA; fp32 elsewhere), fp32, bf16; sampling "
+                     "computes in fp32, and greedy speculative output equals plain decoding in the same dtype")
 _NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -95,6 +95,15 @@ class Target:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def in_dtype(self, dtype: torch.dtype) -> Target:
+        """This target with its weights in ``dtype`` (itself where they are): a copy, so one process can capture in
+        one precision and decode in another without loading the model file twice."""
+        if dtype == self.dtype:
+            return self
+        import copy
+
+        return Target(model=copy.deepcopy(self.model).to(dtype), tokenizer=self.tokenizer, spec=self.spec)
+
     def head(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """Target logits from boundary L (pre-norm): final norm + lm_head (+ softcap).
 
