@@ -13,7 +13,12 @@ from typing import Any
 from eaglewire.model.checkpoint import read_draft
 from eaglewire.core.contract import (FAMILIES, ContractError, EngineConventionError, default_aux_boundaries,
                                      validate_boundaries)
-from eaglewire.engines import eagle, eaglewire, llamacpp, sglang, specforge, vllm
+from eaglewire.engines.eagle import SPEC as EAGLE
+from eaglewire.engines.eaglewire import SPEC as EAGLEWIRE
+from eaglewire.engines.llamacpp import SPEC as LLAMACPP
+from eaglewire.engines.sglang import SPEC as SGLANG
+from eaglewire.engines.specforge import SPEC as SPECFORGE
+from eaglewire.engines.vllm import SPEC as VLLM
 from eaglewire.engines.export import ExportConfig, ExportReport
 from eaglewire.engines.importing import ImportReport, import_checkpoint, import_dflash, is_dflash_dir
 from eaglewire.engines.interface import Ability, EngineSpec, IdReading
@@ -21,7 +26,7 @@ from eaglewire.engines.shared import FormatError
 
 Engine = EngineSpec
 
-ENGINES: tuple[EngineSpec, ...] = (eaglewire.SPEC, sglang.SPEC, vllm.SPEC, specforge.SPEC, llamacpp.SPEC, eagle.SPEC)
+ENGINES: tuple[EngineSpec, ...] = (EAGLEWIRE, SGLANG, VLLM, SPECFORGE, LLAMACPP, EAGLE)
 _BY_NAME = {n: e for e in ENGINES for n in (e.name, *e.aliases)}
 
 

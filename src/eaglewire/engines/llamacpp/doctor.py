@@ -20,26 +20,27 @@ import torch
 from eaglewire.doctor.checks import config_the_flags_load, flags_check
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.engines import llamacpp as engine
+from eaglewire.engines.llamacpp.gguf import draft_layers, layout_problem, read_gguf_metadata, vocab_problem
+from eaglewire.engines.llamacpp.installation import BUILD
 from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, lint_dflash_flags, lint_flags
-from eaglewire.engines.llamacpp.readings import NAME as LLAMACPP
+from eaglewire.engines.llamacpp.readings import EAGLE3_TARGET_ARCHS, GGUF_ARCH, NAME as LLAMACPP, llamacpp_arch
 
 def architecture_check(architecture: str) -> Check:
     """Can llama.cpp feed an EAGLE-3 draft for a target of ``architecture`` (transformers class
     or GGUF architecture name)?"""
-    arch = engine.llamacpp_arch(architecture)
+    arch = llamacpp_arch(architecture)
     if arch is None:
         return Check("llama.cpp architecture", "warn",
                      f"cannot tell which llama.cpp architecture {architecture!r} converts to",
                      fix="check that the target's model file in llama.cpp sets t_layer_inp (src/models/)")
-    if arch in engine.EAGLE3_TARGET_ARCHS:
+    if arch in EAGLE3_TARGET_ARCHS:
         return Check("llama.cpp architecture", "ok",
-                     f"llama.cpp build {engine.BUILD} feeds EAGLE-3 drafts for {arch} targets ({architecture})")
+                     f"llama.cpp build {BUILD} feeds EAGLE-3 drafts for {arch} targets ({architecture})")
     return Check("llama.cpp architecture", "fail",
-                 f"llama.cpp build {engine.BUILD} cannot serve an EAGLE-3 draft for a {arch} target ({architecture}): "
+                 f"llama.cpp build {BUILD} cannot serve an EAGLE-3 draft for a {arch} target ({architecture}): "
                  "its graph does not expose layer inputs, and llama-server aborts at load "
                  "(GGML_ASSERT(t_layer_inp[il] != nullptr))",
-                 [f"architectures it serves EAGLE-3 for: {', '.join(sorted(engine.EAGLE3_TARGET_ARCHS))}"],
+                 [f"architectures it serves EAGLE-3 for: {', '.join(sorted(EAGLE3_TARGET_ARCHS))}"],
                  fix="serve this draft with vLLM, SGLang or eaglewire, or use a llama.cpp build whose "
                      f"src/models/ file for {arch} records t_layer_inp")
 
@@ -47,7 +48,7 @@ def architecture_check(architecture: str) -> Check:
 def vocab_check(gguf_path: str, vocab_ids: torch.Tensor | None) -> Check:
     """Does the GGUF's d2t map the draft's rows to the target ids it was trained over (``vocab_ids`` [Vd]; None:
     the whole vocabulary, no d2t)?"""
-    problem = engine.vocab_problem(Path(gguf_path), vocab_ids, where=gguf_path)
+    problem = vocab_problem(Path(gguf_path), vocab_ids, where=gguf_path)
     if problem:
         return Check("engine vocabulary", "fail", "llama.cpp will read the draft's predictions as other tokens",
                      [problem], fix="re-export the draft with `eaglewire export --to llamacpp` (llama.cpp's converter "
@@ -66,7 +67,7 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
     family = "eagle3" if dflash_block is None else "dflash"
     steps = DEFAULT_N_MAX if dflash_block is None else min(DEFAULT_N_MAX, dflash_block - 1)
     if config.target.endswith(".gguf"):
-        architecture = str(engine.read_gguf_metadata(config.target).get("general.architecture", architecture))
+        architecture = str(read_gguf_metadata(config.target).get("general.architecture", architecture))
     report.add(architecture_check(architecture))
     if config.engine_flags:
         flags = (lint_flags(config.engine_flags) if dflash_block is None else
@@ -78,9 +79,9 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
         report.add(Check("engine config", "warn", "no --engine-config: cannot tell which layers llama.cpp will feed",
                          fix="pass the GGUF draft llama-server will load (--engine-config draft.gguf)"))
         return {}, steps
-    meta = engine.read_gguf_metadata(config.engine_config)
-    layers = engine.draft_layers(meta)
-    problem = engine.layout_problem(meta, declared, num_layers, where=config.engine_config, family=family)
+    meta = read_gguf_metadata(config.engine_config)
+    layers = draft_layers(meta)
+    problem = layout_problem(meta, declared, num_layers, where=config.engine_config, family=family)
     evidence = [f"general.architecture {meta.get('general.architecture')!r}, extract_layers {layers}"]
     if problem:
         report.add(Check("engine wiring", "fail", "llama.cpp will not feed the draft the boundaries it was trained on",
@@ -98,7 +99,7 @@ def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num
 
 def draft_file_layers(path) -> list[int] | None:
     """The boundaries a draft GGUF makes llama.cpp feed (its ``extract_layers`` / DFlash ``target_layers``)."""
-    layers = engine.draft_layers(engine.read_gguf_metadata(path))
+    layers = draft_layers(read_gguf_metadata(path))
     return [int(x) for x in layers] if layers else None
 
 
@@ -109,14 +110,14 @@ def layout_fix(engine_config: str | None, declared: list[int], num_layers: int, 
     meta, where = None, "the GGUF llama-server loads"
     if engine_config and str(engine_config).endswith(".gguf"):
         try:
-            meta, where = engine.read_gguf_metadata(engine_config), engine_config
+            meta, where = read_gguf_metadata(engine_config), engine_config
         except Exception:  # noqa: BLE001 - the engine checks report an unreadable GGUF
             meta = None
     shown = list(served_layout or [])
-    if (meta is None or engine.draft_layers(meta) == list(declared)) and shown and min(shown) >= 0:
-        meta, where = {"general.architecture": engine.GGUF_ARCH, f"{engine.GGUF_ARCH}.target_layers": shown}, \
+    if (meta is None or draft_layers(meta) == list(declared)) and shown and min(shown) >= 0:
+        meta, where = {"general.architecture": GGUF_ARCH, f"{GGUF_ARCH}.target_layers": shown}, \
             "the GGUF llama-server loads"
-    problem = (engine.layout_problem(meta, declared, num_layers, where=where, family="dflash" if dflash else "eagle3")
+    problem = (layout_problem(meta, declared, num_layers, where=where, family="dflash" if dflash else "eagle3")
                if meta is not None else None)
     return problem or (f"re-export with `eaglewire export --to llamacpp --draft DRAFT --out DIR`: its GGUF's "
                        f"extract_layers are {declared}, which llama.cpp feeds as the boundaries trained")
