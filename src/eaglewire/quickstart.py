@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eaglewire.core.fileio import atomic_write_json
 from eaglewire.core.precision import DTYPE_CHOICES, resolve_precision
 from eaglewire.core.locks import directory_lock
@@ -176,7 +178,10 @@ def decoding_target(config: QuickstartConfig, target: Target) -> Target:
     """The target tune and bench decode with, in ``--dtype``'s precision (capture and the doctor keep ``target``)."""
     from eaglewire.decode.load import decode_precision
 
-    return target.in_dtype(decode_precision(config.dtype, target.device).dtype)
+    dtype = decode_precision(config.dtype, target.device).dtype
+    if target.dtype == torch.float32 or dtype == target.dtype:  # cast down (or nothing): the same weights
+        return target.in_dtype(dtype)
+    return load_target(config.target, device=target.device, dtype=dtype)  # widening a cast copy would not restore them
 
 
 def exit_code(done: dict[str, Any]) -> int:

@@ -26,18 +26,19 @@ def wide_bf16_target():
     return target_from_config(config, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("onednn", [None, False])  # None: oneDNN where it runs bf16 here; False: x @ w
 @pytest.mark.parametrize("rows", [2, 4, 8, 33])
 @pytest.mark.parametrize("K, M", [(576, 49152 // 16), (1536, 576), (2048, 64), (4096, 1024)])
-def test_an_exact_rows_linear_gives_each_row_what_a_one_row_call_gives(rows, K, M):
+def test_an_exact_rows_linear_gives_each_row_what_a_one_row_call_gives(rows, K, M, onednn):
     g = torch.Generator().manual_seed(K + M)
-    layer = PackedLinear(torch.randn(M, K, generator=g) * 0.05, dtype=torch.bfloat16, exact_rows=True)
+    layer = PackedLinear(torch.randn(M, K, generator=g) * 0.05, dtype=torch.bfloat16, exact_rows=True, onednn=onednn)
     x = torch.randn(rows, K, generator=g).bfloat16()  # [N, K]
     one_by_one = torch.cat([layer(x[r:r + 1]) for r in range(rows)])  # [N, M]
     assert torch.equal(layer(x), one_by_one)
     assert torch.equal(layer(x[0]), one_by_one[0])  # an unbatched row [K] too
 
 
-@pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN in this torch")
+@pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.bfloat16), reason="oneDNN runs no bf16 GEMM here (an AVX2-only CPU)")
 def test_an_exact_rows_linear_computes_what_the_plain_one_computes_for_several_rows():
     w = torch.randn(64, 2048, generator=torch.Generator().manual_seed(1))
     x = torch.randn(4, 2048).bfloat16()

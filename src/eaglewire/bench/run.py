@@ -35,7 +35,7 @@ from eaglewire.engines.interface import Shape
 from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES, dtype_name
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.core.prompts import Prompt, load_prompts
-from eaglewire.decode.load import decode_precision
+from eaglewire.decode.load import decode_precision, load_decode_target
 from eaglewire.model.target import Target, load_target
 
 
@@ -376,8 +376,7 @@ def tune_for_bench(config: BenchConfig, *, target=None):
     query = SpeedQuery(engine=config.engine[0], max_new_tokens=min(config.max_new_tokens, 128),
                        temperature=config.temperature, seed=config.seed)
     if target is None:
-        target = load_target(config.target, device=config.device,
-                             dtype=decode_precision(config.dtype[0], config.device).dtype)
+        target = load_decode_target(config.target, device=config.device, dtype=config.dtype[0])
     draft, contract = load_draft(config.draft, target=target, device=target.device, dtype=target.dtype)[:2]
     prompts = encoded_prompts(target.tokenizer, dataset, offset, DEFAULT_PROMPTS)
     server = None
@@ -440,7 +439,10 @@ def decode_targets(config: BenchConfig, target: Target | None) -> list[tuple[str
         if precision.name in (name for name, _ in out):
             raise ValueError(f"--dtype {','.join(config.dtype)}: {requested} is {precision.name} on this machine, "
                              "listed already; give each precision once")
-        out.append((precision.name, load_target(config.target, device=config.device, dtype=precision.dtype)))
+        full = next((t for _, t in out if t.dtype == torch.float32), None)  # cast down from it: read the file once
+        loaded = (full.in_dtype(precision.dtype) if full is not None
+                  else load_target(config.target, device=config.device, dtype=precision.dtype))
+        out.append((precision.name, loaded))
     return out
 
 

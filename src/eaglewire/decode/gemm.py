@@ -20,11 +20,18 @@ from torch import nn
 
 ROWS_HINT = 8  # oneDNN picks its blocking for this many rows; 8 is as fast as 1 at N=1 and best to N=64
 MIN_EXACT_ROWS = 2  # row-exact calls run at least this many rows (see PackedLinear.exact_rows)
+MAX_EXACT_ROWS = 64  # a call of at most this many rows is a verify (row-exact); a longer one is a prefill
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether oneDNN's packed GEMM runs ``dtype`` here: fp32 wherever torch has oneDNN; bf16 only where oneDNN
+    says the CPU can (AVX-512 or AMX: on an AVX2-only CPU its bf16 linear refuses to run)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 class PackedLinear:
@@ -32,10 +39,11 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  dtype: torch.dtype | None = None, onednn: bool | None = None, exact_rows: bool = False) -> None:
-        """``exact_rows``: a row's result does not depend on how many rows the call has. oneDNN's bf16 GEMM takes
-        another kernel for one row than for 2-64 when K is large (K >= 1536 measured on AMD AVX-512 BF16: the
-        down projection), one bf16 ulp apart, and an ulp flips later greedy tokens: a verify of N rows would not
-        be N plain steps. So one row runs as two (the same row twice; as fast at one thread, measured)."""
+        """``exact_rows``: a row's result does not depend on how many rows (up to ``MAX_EXACT_ROWS``) the call has.
+        oneDNN's bf16 GEMM takes another kernel for one row than for 2-64 when K is large (K >= 1536 measured on
+        AMD AVX-512 BF16: the down projection), one bf16 ulp apart, and an ulp flips later greedy tokens: a verify
+        of N rows would not be N plain steps. So with oneDNN one row runs as two (the same row twice; as fast at
+        one thread, measured); without it (``x @ w``, whose blocking follows the rows) each row runs alone."""
         weight = weight.detach().to(dtype or weight.dtype)  # [M, K]
         self.exact_rows = exact_rows
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -48,9 +56,18 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., M]."""
-        if self.exact_rows and x.numel() == x.shape[-1]:  # one row
-            rows = x.reshape(1, -1).expand(MIN_EXACT_ROWS, -1).contiguous()  # [2, K]: the row twice
-            return self(rows)[:1].reshape(*x.shape[:-1], -1)  # [..., M]
+        rows = x.reshape(-1, self.in_features)  # [N, K]
+        if not self.exact_rows or rows.shape[0] > MAX_EXACT_ROWS:
+            return self._gemm(x)
+        if not self.onednn:
+            return torch.cat([self._gemm(row[None]) for row in rows]).reshape(*x.shape[:-1], -1)  # [..., M]
+        if rows.shape[0] == 1:
+            twice = rows.expand(MIN_EXACT_ROWS, -1).contiguous()  # [2, K]: the row twice
+            return self._gemm(twice)[:1].reshape(*x.shape[:-1], -1)  # [..., M]
+        return self._gemm(x)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., M], one call of the kernel."""
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         y = x @ self.weight

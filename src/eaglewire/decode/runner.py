@@ -17,12 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.model.capture import capture
-from eaglewire.decode.gemm import PackedLinear
+from eaglewire.decode.gemm import MAX_EXACT_ROWS, PackedLinear
 from eaglewire.decode.kv_cache import compact_target_cache
 from eaglewire.model.target import Target
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MAX_EXACT_ROWS = 64  # a block at most this long is a verify (row by row in bf16); a longer one is a prefill
 
 
 class HFRunner:
@@ -112,7 +111,8 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     Why: in bf16 the fused attention kernel's result for a row depends on how many rows it is computed with (one
     bf16 ulp apart, measured), and a bf16 ulp in a state flips later greedy tokens: a verify of N tokens would not
     be N plain steps. One query with its keys, unmasked, is the plain step's own call, so greedy speculative
-    output equals plain decoding's in bf16 too (the projections are row-exact: tests/decode/test_gemm.py)."""
+    output equals plain decoding's in bf16 too (the projections are row-exact: gemm.PackedLinear.exact_rows;
+    tests/decode/test_bf16_lossless.py)."""
     out = []
     for r, seen in enumerate(rows):
         if seen is None:
@@ -147,10 +147,9 @@ def exact_rows(dtype: torch.dtype) -> bool:
 class _Layer:
     """One decoder layer's weights, fused and packed: qkv [H -> (nH+2nKV)*hd], gate_up [H -> 2I]."""
 
-    def __init__(self, layer, dtype: torch.dtype) -> None:
+    def __init__(self, layer, dtype: torch.dtype, exact: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         bias = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        exact = exact_rows(dtype)
         self.qkv_proj = PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                                      torch.cat(bias) if all(b is not None for b in bias) else None, dtype=dtype,
                                      exact_rows=exact)
@@ -199,7 +198,8 @@ class LeanWeights:
             raise ValueError(f"no lean forward for model type {cfg.model_type!r} (have: "
                              f"{', '.join(LEAN_MODEL_TYPES)}); use HFRunner or HF generate for this target")
         self.dtype, self.device = target.dtype, target.device
-        self.layers = [_Layer(layer, self.dtype) for layer in target.layers]
+        self.exact_rows = exact_rows(self.dtype)  # a verify's rows computed as plain steps compute them
+        self.layers = [_Layer(layer, self.dtype, self.exact_rows) for layer in target.layers]
         self.nH, self.nKV = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nH
         self.hidden, self.scale = cfg.hidden_size, self.hd ** -0.5
@@ -207,7 +207,7 @@ class LeanWeights:
         self.rotary = target.decoder.rotary_emb
         self.norm = target.decoder.norm
         self.lm_head = PackedLinear(target.model.get_output_embeddings().weight, dtype=self.dtype,
-                                    exact_rows=exact_rows(self.dtype))  # H -> V
+                                    exact_rows=self.exact_rows)  # H -> V
 
     def head(self, last: torch.Tensor) -> torch.Tensor:
         """[n, H] pre-norm -> logits [n, V]."""
@@ -223,7 +223,6 @@ class LeanRunner:
         self.k_cache = torch.zeros(len(w.layers), w.nKV, max_length, w.hd, dtype=w.dtype, device=w.device)  # [L, nKV, S, hd]
         self.v_cache = torch.zeros_like(self.k_cache)
         self.length = 0
-        self.exact_rows = exact_rows(w.dtype)
 
     def reset(self) -> None:
         """Forget every token: the runner (and its packed weights) serves a new sequence."""
@@ -249,13 +248,15 @@ class LeanRunner:
         w = self.w
         h = w.embed(ids)  # [N, H]
         cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
-        if mask is not None:
+        # bf16: a verify's rows attend one at a time, as plain steps do (attend_rows); a prefill may batch
+        rows = block_rows(None if mask is None else mask.to(dev), P, N) if w.exact_rows and 1 < N <= MAX_EXACT_ROWS \
+            else None
+        if rows is not None:
+            mask = None  # each row's keys are chosen by attend_rows
+        elif mask is not None:
             mask = mask.to(dev)[None]  # [1, N, P+N]
         elif N > 1:
             mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
-        # bf16: a verify's rows attend one at a time, as plain steps do (attend_rows); a prefill may batch
-        rows = block_rows(None if mask is None else mask[0], P, N) if self.exact_rows and 1 < N <= MAX_EXACT_ROWS \
-            else None
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             seen[i] = h
