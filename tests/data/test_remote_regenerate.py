@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from eaglewire.core.locks import DirectoryLocked
 from eaglewire.data.conversations import Conversation, load_conversations
@@ -49,10 +50,12 @@ class Fake:
 
     def __init__(self, tokenizer, *, tokenize: str | None = "messages", fail: int = 0, fail_after: int | None = None,
                  refuse: str | None = None, reasoning: str | None = None, count_shift: int = 0,
-                 token_shift: bool = False) -> None:
+                 token_shift: bool = False, captures: bool = False) -> None:
         self.tokenizer, self.tokenize, self.fail, self.fail_after = tokenizer, tokenize, fail, fail_after
         self.refuse, self.reasoning, self.count_shift, self.token_shift = refuse, reasoning, count_shift, token_shift
+        self.captures = captures  # every completion names a states file, as vLLM with extract_hidden_states does
         self.requests: list[dict] = []  # chat completions beyond the probes, in arrival order
+        self.completions = 0  # every chat completion, probes included
         self.lock = threading.Lock()
 
     def ids(self, messages: list[dict]) -> list[int]:
@@ -72,7 +75,13 @@ class Fake:
             return 200, {"tokens": ids}
         if path != "/v1/chat/completions":
             return 404, {"detail": "Not Found"}
-        return self.chat(body)
+        with self.lock:
+            self.completions += 1
+            number = self.completions
+        status, answer = self.chat(body)
+        if self.captures and status == 200:
+            answer["kv_transfer_params"] = {"hidden_states_path": f"/states/{number}.safetensors"}
+        return status, answer
 
     def chat(self, body: dict) -> tuple[int, dict]:
         messages = body["messages"]
@@ -324,6 +333,65 @@ def test_prepare_regenerates_through_a_server_and_records_it(tmp_path, chat_tiny
     assert again["source"]["regenerated_by"] == read_meta(out)["settings"]
     with pytest.raises(ValueError, match="add --regenerate"):
         PrepareConfig(out="x", remote=RemoteConfig(server=[url]))
+
+
+class CapturingEngine:
+    """A capturing engine (``CapturedStates``) whose server is ``fake``: the in-process states of what it is sent;
+    the answers it is handed back to discard are recorded."""
+
+    def __init__(self, target, url, boundaries):
+        from eaglewire.data.engine_capture import states_here
+
+        self.target, self.url, self.boundaries, self.version = target, url, boundaries, "fake 1.0"
+        self.states_here, self.sent, self.discarded = states_here, [], []
+
+    def states(self, ids):
+        self.sent.append(ids)
+        here = self.states_here(self.target, ids)
+        return torch.stack([here[b] for b in self.boundaries], dim=1)  # [T, n, H]
+
+    def discard(self, answer):
+        self.discarded.append((answer or {}).get("kv_transfer_params"))
+
+
+def test_prepare_regenerates_through_the_capturing_engine(tmp_path, chat_tiny_target, monkeypatch):
+    """--regenerate --capture ENGINE without --server: the engine's server writes the replies (one server does
+    both), the states it kept of every completion are released (the probes' too), and the states are of the
+    regenerated conversations; the source records it, so a resume cannot mix in replies made elsewhere."""
+    from eaglewire.data.prepare import PrepareConfig, prepare
+    from eaglewire.data.shards import ShardDataset
+    from eaglewire.engines.vllm import capture as vcap
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c.messages}) + "\n" for c in CONVERSATIONS[:3]))
+    fake = Fake(chat_tiny_target.tokenizer, captures=True)
+    engines = []
+    with fake_server(fake) as url:
+        @contextmanager
+        def capture(self, target, boundaries, num_layers, arch, settings, *, work_dir, url=None):
+            assert settings.max_model_len >= RegenerateConfig(max_new_tokens=NEW).context  # a reply fits
+            engines.append(CapturingEngine(chat_tiny_target, fake_url, [*boundaries, num_layers]))
+            yield engines[-1]
+
+        fake_url = url
+        monkeypatch.setattr(vcap.VllmCapturer, "capture", capture)
+        config = PrepareConfig(out=str(tmp_path / "shards"), data=str(data), max_length=64, batch_tokens=256,
+                               regenerate=True, max_new_tokens=NEW, capture="vllm", dtype="fp32")
+        assert config.regenerates_through_capture
+        prepare(config, target=chat_tiny_target, progress=False)
+    engine = engines[0]
+    assert len(fake.requests) == 3 and fake.completions == 5  # three replies and the two tokenizer probes
+    assert sorted(d["hidden_states_path"] for d in engine.discarded if d) == sorted(
+        f"/states/{n}.safetensors" for n in range(1, 6))
+    done, _ = load_conversations(tmp_path / "shards" / "regenerated.rank0.jsonl")
+    assert [c.messages[1]["content"][:7] for c in done] == ["reply 0"] * 3
+    shards = ShardDataset(tmp_path / "shards")
+    assert sorted(map(list, (s["input_ids"].tolist() for s in shards))) == sorted(engine.sent)
+    text = chat_tiny_target.tokenizer.decode(engine.sent[0])
+    assert "reply 0 to Question" in text and "old reply" not in text
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["source"]["regenerate"]["server"]["capture"] == "vllm"
+    assert manifest["status"]["capture"] == "fake 1.0" and manifest["status"]["complete"]
 
 
 # -- the command and llama-server's launch ---------------------------------------------------

@@ -1,10 +1,11 @@
-"""prepare --capture vllm on the real target through the real vLLM (four server starts: the connector as
-shipped, a head-only target, tensor parallel over two processes on a random 4-head Llama, and a faulty one that
-hands each slot the next layer's state).
+"""prepare --capture vllm on the real target through the real vLLM (five server starts: the connector as
+shipped, a head-only target, tensor parallel over two processes on a random 4-head Llama, regeneration and
+capture in one server, and a faulty one that hands each slot the next layer's state).
 
 (a) the shards' states equal `prepare`'s in-process capture of the same conversations, per boundary (boundary L,
-the label state, included), at tensor parallel 1 and 2, and the manifest says vLLM captured them; (b) the fault
-stops the run naming the boundary, and no shard is written from it.
+the label state, included), at tensor parallel 1 and 2, and the manifest says vLLM captured them; (b) the server
+that captures also regenerates: greedy replies equal the target's here, and no state file of its generations is
+left behind; (c) the fault stops the run naming the boundary, and no shard is written from it.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def _same_as_here(here, out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())["status"]
 
 
-def _check_status(status: dict, version: str, boundaries: list[int]) -> None:
+def _check_status(status: dict, version: str, boundaries: list[int], sequences: int = 4) -> None:
     assert status["capture"] == f"vllm {version}"
     check = status["capture_check"]
-    assert check["sequences"] == 4 and sorted(map(int, check["max_relative_error"])) == boundaries
+    assert check["sequences"] == sequences and sorted(map(int, check["max_relative_error"])) == boundaries
     assert max(check["max_relative_error"].values()) <= check["tolerance"]
 
 
@@ -99,6 +100,30 @@ def test_tensor_parallel_over_two_processes_gives_the_same_states(tmp_path, smol
                     capture_python=str(vllm_installation.python), capture_tensor_parallel=2),
             target=target, progress=False)
     _check_status(_same_as_here(ShardDataset(tmp_path / "here"), out), vllm_installation.version, boundaries + [4])
+
+
+def test_one_vllm_regenerates_and_captures(tmp_path, smollm2_target, vllm_installation):
+    """prepare --regenerate --capture vllm: vLLM with extract_hidden_states generates the replies (greedy: the
+    target's here, token for token) and captures the regenerated conversations (the run's own check compares them
+    with the states here); the state files vLLM writes for every generation are removed as they come."""
+    from eaglewire.core.presets import data_path
+    from eaglewire.data.conversations import load_conversations
+    from eaglewire.data.regenerate import RegenerateConfig, regenerate
+
+    n, new = 3, 24
+    out = tmp_path / "regen-vllm"
+    prepare(_config(out, num_conversations=n, regenerate=True, max_new_tokens=new, max_turns=1, capture="vllm",
+                    capture_python=str(vllm_installation.python)), target=smollm2_target, progress=False)
+    conversations, _ = load_conversations(data_path("sharegpt"), limit=n)
+    regenerate(smollm2_target, conversations, tmp_path / "here.jsonl",
+               config=RegenerateConfig(max_new_tokens=new, max_turns=1))
+    here, _ = load_conversations(tmp_path / "here.jsonl")
+    through, _ = load_conversations(out / "regenerated.rank0.jsonl")
+    assert {c.id: c.messages for c in through} == {c.id: c.messages for c in here} and len(here) == n
+    assert not any((out / "vllm-states").iterdir())  # the generations' states were discarded, the shards' read
+    status = json.loads((out / "manifest.json").read_text())["status"]
+    assert status["complete"] and status["regenerated_by"]["mode"] == "server"
+    _check_status(status, vllm_installation.version, BOUNDARIES + [30], sequences=n)
 
 
 def test_an_engine_handing_the_next_layer_stops_the_run_naming_the_boundary(tmp_path, smollm2_target,

@@ -18,10 +18,12 @@ import torch
 from eaglewire.model.capture import capture
 from eaglewire.model.target import Target
 
-# Relative error (Frobenius norm of the difference over the in-process state's) within which an engine's state is
-# the same state. fp32: the engines' kernels sum in another order (measured 4e-7..8e-7 for vLLM 0.32.0 on
-# SmolLM2-135M); bf16: each layer's output is rounded to 2^-8 relative, and the rounding compounds over layers.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+# Relative error (``relative_error``: per token, averaged) within which an engine's state is the same state. fp32:
+# the engines' kernels sum in another order; bf16: each layer's output is rounded to 2^-8 relative, and the rounding
+# compounds over layers (vLLM 0.32.0 against eaglewire, both bf16, SmolLM2-135M: 0.005 at boundary 2, 0.015 at 15,
+# 0.03 at 27, up to 0.05 at the label state 30, bf16 storage included). Neighbouring boundaries of SmolLM2 are
+# 0.24 to 0.9 apart per token, so a state one layer off is 2.4x the bf16 tolerance away.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
 CHECKED_SEQUENCES = 4  # sequences captured both ways on every run
 
 
@@ -30,7 +32,11 @@ class EngineCaptureError(RuntimeError):
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+    """The mean over tokens of ||a_t - b_t|| / ||b_t|| ([T, H] each). Not one norm over [T, H]: that is the first
+    token's, whose state is an attention sink (SmolLM2's after layer 11: 25,000 at token 0, ~150 elsewhere), and
+    under it boundaries 12 to 27 are 1-4% apart, inside bf16's tolerance: an off-by-one would pass."""
+    a, b = a.float(), b.float()
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).mean())
 
 
 def states_here(target: Target, token_ids: list[int]) -> dict[int, torch.Tensor]:
@@ -50,7 +56,8 @@ class SlotCheck:
     closest_error: float
 
     def ok(self, tolerance: float) -> bool:
-        return self.own <= tolerance
+        """Its own boundary within ``tolerance``, and no other boundary closer."""
+        return self.own <= tolerance and self.closest == self.boundary
 
 
 def check_slots(engine: torch.Tensor, slots: list[int], here: dict[int, torch.Tensor]) -> list[SlotCheck]:

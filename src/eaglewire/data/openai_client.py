@@ -57,6 +57,7 @@ class Client:
     url: str
     api_key: str | None = None
     timeout: float = 600.0
+    on_answer: Callable[[Any], None] | None = None  # sees every answer of a POST (e.g. to release what it names)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/").removesuffix("/v1")
@@ -67,7 +68,10 @@ class Client:
         return self._request("GET", path, None)
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._request("POST", path, body)
+        answer = self._request("POST", path, body)
+        if self.on_answer is not None:
+            self.on_answer(answer)
+        return answer
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         url = self.url + path

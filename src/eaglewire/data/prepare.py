@@ -102,9 +102,11 @@ class PrepareConfig:
         if self.head_only and self.capture == HERE:
             raise ValueError("--head-only loads only the target's last layer, so the states must come from an "
                              "engine: add --capture ENGINE (e.g. vllm, with --capture-url for one you run)")
-        if self.head_only and self.regenerate and not self.remote.remote:
-            raise ValueError("--regenerate --head-only cannot generate here (the target's layers are not "
-                             "loaded): add --server URL to regenerate through your serving engine")
+
+    @property
+    def regenerates_through_capture(self) -> bool:
+        """--regenerate --capture ENGINE without --server: the capturing engine's server writes the replies too."""
+        return self.regenerate and not self.remote.remote and self.capture != HERE
 
 
 TEMPLATES = ("chat", "plain")
@@ -206,6 +208,9 @@ def source_record(config: PrepareConfig, path: Path, template: tuple[str, str]) 
         if config.remote.remote:  # not the URLs: a resume may reach the same model elsewhere
             record["regenerate"]["server"] = {"model": config.remote.server_model, "reasoning": config.remote.reasoning,
                                               "chat_template_kwargs": config.remote.template_kwargs()}
+        elif config.regenerates_through_capture:
+            record["regenerate"]["server"] = {"capture": config.capture, "reasoning": config.remote.reasoning,
+                                              "chat_template_kwargs": config.remote.template_kwargs()}
     if (meta := read_meta(path)) is not None:  # replies of `eaglewire regenerate`: how they were made
         record["regenerated_by"] = meta.get("settings")
     if kwargs := data_template_kwargs(config, path):  # absent for the template's defaults: older resumes match
@@ -298,9 +303,12 @@ def _engine_capture(config: PrepareConfig, target: Target, contract: HiddenState
     from eaglewire.engines.interface import CaptureSettings
 
     capturer = get(config.capture, Ability.CAPTURE, param="--capture").capturer
+    context = config.max_length + 16
+    if config.regenerates_through_capture:  # a prompt and its reply fit too
+        context = max(context, _regenerate_config(config).context)
     settings = CaptureSettings(dtype=str(target.dtype).removeprefix("torch."), threads=config.capture_threads,
                                tensor_parallel=config.capture_tensor_parallel, install=config.capture_python,
-                               max_model_len=max(config.max_length + 16, 256))
+                               max_model_len=max(context, 256))
     boundaries, L = list(contract.aux_boundaries), target.num_layers
     if config.head_only:  # the head-only check runs the last layer on the engine's boundary L-1
         boundaries = sorted(set(boundaries) | {L - 1})
@@ -418,15 +426,15 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     # Written before any work: an interrupted run leaves data that says it is incomplete.
     writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict(),
                       capture_precision=precision.record())
-    if config.regenerate:
-        conversations = _regenerate(target, conversations, out, config, rank, progress)
-        if (meta := read_meta(out / f"regenerated.rank{rank}.jsonl")) is not None:
-            writer.set_status(regenerated_by=meta.get("settings"))  # the server's model id, sampling, reasoning
     resumed = len(writer.done_ids)
     truncated = 0
     dropped: list[str] = []
-    bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
     with writer, _engine_capture(config, target, contract, out) as engine:
+        if config.regenerate:  # through --server, the capturing engine's server, or the target here
+            conversations = _regenerate(target, conversations, out, config, rank, progress, engine=engine)
+            if (meta := read_meta(out / f"regenerated.rank{rank}.jsonl")) is not None:
+                writer.set_status(regenerated_by=meta.get("settings"))  # the server's model id, sampling, reasoning
+        bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
         writer.set_status(capture=engine.version if engine is not None else HERE)
         checked: dict[int, float] = {}  # boundary -> the largest relative error of the sequences captured both ways
         for chunk in _chunks(conversations, 64):
@@ -496,18 +504,31 @@ def _check_labels(out: Path, target: Target) -> None:
     require_labels(ShardDataset(out, verify=False), target, where=f"prepare --out {out}")
 
 
-def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: int, progress: bool):
-    from eaglewire.data.regenerate import RegenerateConfig, regenerate
+def _regenerate_config(config: PrepareConfig):
+    from eaglewire.data.regenerate import RegenerateConfig
+
+    return RegenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                            max_turns=config.max_turns, batch_size=config.regenerate_batch_size)
+
+
+def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: int, progress: bool, *, engine=None):
+    """The conversations with their replies regenerated: through ``--server``, through the capturing ``engine``'s
+    server (its states of each generation discarded: the shards' are captured from the rendered conversation),
+    or by the target here."""
+    from eaglewire.data.regenerate import regenerate
     from eaglewire.data.remote_regenerate import regenerate_remote, server_urls
 
     path = out / f"regenerated.rank{rank}.jsonl"
-    regen_config = RegenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                    max_turns=config.max_turns, batch_size=config.regenerate_batch_size)
+    regen_config = _regenerate_config(config)
     if config.remote.remote:
-        ctx = regen_config.max_prompt_tokens + regen_config.max_new_tokens
-        with server_urls(config.remote, ctx_per_slot=ctx) as urls:
+        with server_urls(config.remote, ctx_per_slot=regen_config.context) as urls:
             regen = regenerate_remote(conversations, path, tokenizer=target.tokenizer, config=regen_config,
                                       remote=config.remote, urls=urls, target=config.target, progress=progress)
+    elif engine is not None:
+        log.info("regenerating through %s at %s, the server that captures", engine.version, engine.url)
+        regen = regenerate_remote(conversations, path, tokenizer=target.tokenizer, config=regen_config,
+                                  remote=config.remote, urls=[engine.url], target=config.target, progress=progress,
+                                  on_answer=engine.discard)
     else:
         regen = regenerate(target, conversations, path, progress=progress, config=regen_config,
                            template_kwargs=config.remote.template_kwargs())

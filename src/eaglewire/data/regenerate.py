@@ -76,6 +76,11 @@ class RegenerateConfig:
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
+    @property
+    def context(self) -> int:
+        """Tokens of context a server needs per conversation in flight: the longest prompt and its reply."""
+        return self.max_prompt_tokens + self.max_new_tokens
+
 
 def _check_int(name: str, value: Any, low: int, *, none: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

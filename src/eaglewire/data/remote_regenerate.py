@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -295,8 +295,10 @@ def settings_record(config: RegenerateConfig, remote: RemoteConfig, *, model: st
 
 def regenerate_remote(conversations: Sequence[Conversation], out_path: str | Path, *, tokenizer: Any,
                       config: RegenerateConfig, remote: RemoteConfig, urls: Sequence[str], target: str,
-                      progress: bool = False) -> RemoteReport:
+                      progress: bool = False, on_answer: Callable[[Any], None] | None = None) -> RemoteReport:
     """Replace every assistant reply of ``conversations`` by the servers' (see the module's text).
+    ``on_answer`` sees every answer of a POST as it comes, the probes' included (a capturing server's states of
+    them are discarded there).
 
     Raises TokenizerMismatch before any work when a server tokenizes unlike ``tokenizer``,
     ServerUnavailable when the servers stop answering (what is written is kept), ValueError for
@@ -307,7 +309,7 @@ def regenerate_remote(conversations: Sequence[Conversation], out_path: str | Pat
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     key = os.environ.get(remote.api_key_env) or None
-    clients = [Client(u, api_key=key, timeout=remote.request_timeout) for u in urls]
+    clients = [Client(u, api_key=key, timeout=remote.request_timeout, on_answer=on_answer) for u in urls]
     with file_lock(out_path.with_name(out_path.name + ".lock"), what=f"--out {out_path}"):
         model = served_model(clients, remote.server_model)
         settings = settings_record(config, remote, model=model, target=target, tokenizer=tokenizer)
@@ -545,8 +547,7 @@ def run_regenerate(config: RegenerateCommandConfig, *, progress: bool = True) ->
     log.info("%s", loaded.summary())
     if config.remote.remote:
         tokenizer = load_tokenizer(config.target)
-        ctx = config.sampling.max_prompt_tokens + config.sampling.max_new_tokens
-        with server_urls(config.remote, ctx_per_slot=ctx) as urls:
+        with server_urls(config.remote, ctx_per_slot=config.sampling.context) as urls:
             return regenerate_remote(conversations, config.out, tokenizer=tokenizer, config=config.sampling,
                                      remote=config.remote, urls=urls, target=config.target, progress=progress)
     from eaglewire.data.regenerate import regenerate

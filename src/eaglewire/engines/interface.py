@@ -204,9 +204,13 @@ class CapturedStates(Protocol):
 
     version: str  # the engine's release, as the manifest records it ("vllm 0.32.0")
     boundaries: list[int]  # what each captured slot holds, in order
+    url: str  # its OpenAI-compatible server, which generates too (``prepare --regenerate`` through it)
 
     def states(self, token_ids: list[int]) -> Any:
         """The states of ``token_ids`` through the target: a float tensor [T, len(boundaries), H]."""
+
+    def discard(self, answer: Any) -> None:
+        """Release what the server kept for a request whose states are not wanted (a generation's answer)."""
 
 
 class Capturer(Protocol):

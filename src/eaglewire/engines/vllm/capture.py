@@ -40,7 +40,6 @@ CONNECTOR_MODULE = "eaglewire_capture_connector"
 CONNECTOR = "CpuHiddenStatesConnector"
 SHIFTED_CONNECTOR = "ShiftedHiddenStatesConnector"  # a fault for the tests: slot j holds id j+1's state
 GPU_CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own, for GPU servers (launch_line)
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def capture_ids(boundaries: Sequence[int], num_layers: int, arch: str | None) -> list[int]:
@@ -72,20 +71,29 @@ def capture_flags(ids: Sequence[int], storage: Path, *, connector: str = CONNECT
     return flags
 
 
+@contextmanager
+def _written(path: Path) -> Iterator[None]:
+    """Holds a request's file once the connector has written it whole; removes it and its lock on leaving."""
+    lock = Path(str(path) + ".lock")
+    if not path.exists() and not lock.exists():
+        raise VllmError(f"vLLM wrote its states to {path}, which is not here: run the server on this machine or "
+                        "give it a shared_storage_path this machine reads")
+    try:
+        with open(lock) if lock.exists() else open(path) as held:
+            fcntl.flock(held, fcntl.LOCK_SH)  # sleeps until the connector's write releases LOCK_EX
+            yield
+    finally:
+        for p in (path, lock):
+            p.unlink(missing_ok=True)
+
+
 def read_states(path: Path, token_ids: Sequence[int], slots: int) -> torch.Tensor:
     """The states a request's file holds, [T, slots, H] in float32, checked against what was sent; the file and
     its lock removed once read."""
     from safetensors.torch import load_file
 
-    lock = Path(str(path) + ".lock")
-    if not path.exists() and not lock.exists():
-        raise VllmError(f"vLLM wrote its states to {path}, which is not here: run the server on this machine or "
-                        "give it a shared_storage_path this machine reads")
-    with open(lock) if lock.exists() else open(path) as held:
-        fcntl.flock(held, fcntl.LOCK_SH)  # sleeps until the connector's write releases LOCK_EX
+    with _written(path):
         data = load_file(str(path), device="cpu")
-    for p in (path, lock):
-        p.unlink(missing_ok=True)
     states, written = data["hidden_states"], data["token_ids"].tolist()
     if written != list(token_ids):
         raise VllmError(f"vLLM's states in {path} are of {len(written)} tokens other than the {len(token_ids)} sent "
@@ -119,6 +127,14 @@ class VllmCapturedStates:
                             "prints")
         return read_states(Path(path), token_ids, len(self.ids))
 
+    def discard(self, answer: dict) -> None:
+        """A generation's answer: vLLM wrote the states of its prompt and reply too (every request is captured);
+        the file is removed once written, so the storage holds only what is read."""
+        path = ((answer or {}).get("kv_transfer_params") or {}).get("hidden_states_path")
+        if path:
+            with _written(Path(path)):
+                pass
+
 
 @dataclass
 class VllmCapturer:
@@ -148,8 +164,9 @@ class VllmCapturer:
         storage = Path(work_dir) / "vllm-states"
         storage.mkdir(parents=True, exist_ok=True)
         files = ServedFiles(target=served_target(target), draft=None)
-        flags = ["--dtype", settings.dtype, *capture_flags(ids, storage, connector=self.connector)]
+        flags = capture_flags(ids, storage, connector=self.connector)
         with VllmServer(installation, files, Shape(n_max=0), threads=settings.threads, flags=flags,
+                        dtype=settings.dtype,
                         max_model_len=settings.max_model_len, pythonpath=[CONNECTOR_DIR],
                         tensor_parallel=settings.tensor_parallel,
                         log_path=Path(work_dir) / "vllm-capture.log") as server:

@@ -77,8 +77,9 @@ def speculative_config(draft: Path, shape: Shape, family: str) -> dict[str, Any]
 
 def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127.0.0.1",
                 max_model_len: int = MAX_MODEL_LEN, enforce_eager: bool = True,
-                flags: Sequence[str] = ()) -> list[str]:
-    """The api_server's arguments for serving ``files`` at ``shape``: fp32 (as eaglewire measures the draft),
+                flags: Sequence[str] = (), dtype: str = "float32") -> list[str]:
+    """The api_server's arguments for serving ``files`` at ``shape``: fp32 unless ``dtype`` says otherwise (as
+    eaglewire measures the draft),
     eager (torch.compile's Dynamo overflowed the stack at start in 2 of 5 EAGLE-3 launches on this CPU),
     per-request metrics on, no prefix cache (every request prefills alike, as llama.cpp's runs with cache_prompt
     off); ``flags`` last (they override)."""
@@ -89,7 +90,7 @@ def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127
             raise ValueError(f"{shape.label()} needs a draft; ServedFiles has none")
         spec = ["--speculative-config", json.dumps(speculative_config(files.draft, shape, files.family)),
                 *PER_REQUEST_FLAGS]
-    args = ["--model", str(files.target), "--dtype", "float32", "--max-model-len", str(max_model_len),
+    args = ["--model", str(files.target), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--host", host, "--port", str(port), "--seed", "0", "--no-enable-prefix-caching", TIMING_FLAG, *spec]
     if enforce_eager:
         args.append("--enforce-eager")
@@ -316,7 +317,7 @@ class VllmServer:
                  flags: Sequence[str] = (), log_path: Path | None = None, startup_timeout: float = STARTUP_TIMEOUT,
                  stop_timeout: float = 30.0, max_model_len: int = MAX_MODEL_LEN, kv_space_gib: int = KV_SPACE_GIB,
                  enforce_eager: bool = True, preload: Sequence[str | Path] | None = None,
-                 pythonpath: Sequence[str | Path] = (), tensor_parallel: int = 1) -> None:
+                 pythonpath: Sequence[str | Path] = (), tensor_parallel: int = 1, dtype: str = "float32") -> None:
         why = refusal(shape, files.family)
         if why:
             raise ValueError(why)
@@ -329,7 +330,7 @@ class VllmServer:
         if tensor_parallel > 1:
             flags = [*flags, "--tensor-parallel-size", str(tensor_parallel)]
         self.args = launch_args(files, shape, port=self.port, max_model_len=max_model_len,
-                                enforce_eager=enforce_eager, flags=flags)
+                                enforce_eager=enforce_eager, flags=flags, dtype=dtype)
         self.env = launch_env(threads, preload=self.preload, cpus=allowed_cpus(), kv_space_gib=kv_space_gib,
                               ranks=tensor_parallel)
         if pythonpath:  # modules the server imports from outside its venv (capture's connector)
