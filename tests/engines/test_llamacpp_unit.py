@@ -8,7 +8,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -87,7 +86,11 @@ def test_not_a_gguf_is_a_format_error(tmp_path):
 
 
 def doctor_config(gguf: Path | None, flags: str | None = None, target: str = "smollm2-135m"):
-    return SimpleNamespace(target=target, engine_flags=flags, engine_config=str(gguf) if gguf else None)
+    """What the doctor tells llama.cpp's serving checks; the flags' draft, when named, is not here (kept)."""
+    from eaglewire.engines.interface import ServingInputs
+
+    config = str(gguf) if gguf else None
+    return ServingInputs(target=target, engine_flags=flags, engine_config=config, flags_load=lambda named: config)
 
 
 def test_doctor_fails_a_miswired_gguf_and_passes_the_right_one(tmp_path):

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglewire.core.checks import flags_check
 from eaglewire.core.errors import read_json_object
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
@@ -50,14 +51,6 @@ class Measured:
 
 
 ENGINE_CONFIG_FIX = "pass --engine-config the draft's config.json file the engine loads (not its directory, not inline JSON)"
-
-
-def flags_check(engine: str, problems: list[tuple[str, str, str]]) -> Check:
-    """The "serving flags" check of a lint's (verdict, what, fix) problems."""
-    worst = "fail" if any(v == "fail" for v, _, _ in problems) else ("warn" if problems else "ok")
-    return Check("serving flags", worst, f"{engine} flags: " + ("nothing silently changed" if not problems
-                                                                else f"{len(problems)} problem(s)"),
-                 [what for _, what, _ in problems], fix="; ".join(f for _, _, f in problems) or None)
 
 
 def _same_content(a: Path, b: Path) -> bool:

@@ -60,6 +60,18 @@ class Importer:
     default_only: str | None = None  # its checkpoints always mean the default boundaries: the reason why
 
 
+@dataclass(frozen=True)
+class ServingInputs:
+    """What the doctor was told of the serving side, for an engine whose serving checks are its own: the target,
+    the launch flags, the draft file it loads (``--engine-config``), and ``flags_load(named)``: the draft file the
+    doctor judges once the flags name ``named`` (the doctor reports a --engine-config that differs from it)."""
+
+    target: str
+    engine_flags: str | None  # quoted, as --engine-flags takes them
+    engine_config: str | None
+    flags_load: Callable[[str | None], "str | None"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Linter:
     """``doctor --engine``: what the engine's config and launch flags make it do."""
@@ -79,8 +91,8 @@ class Linter:
     readings: Callable[[list[int], int], dict[str, Any]] | None = None  # ids -> model-file family -> boundaries/why
     cannot_feed: Callable[[list[int], int, str | None], str] | None = None  # why a block-output file cannot feed them
     num_aux: Callable[[dict[str, Any]], int] | None = None  # aux states it sizes the draft's fc for
-    # its serving checks are its own (llama.cpp reads a GGUF draft, not a config.json): (report, config, declared,
-    # num_layers, arch, dflash_block, *, vocab_ids) -> (label -> boundaries it captures, tokens drafted a round)
+    # its serving checks are its own (llama.cpp reads a GGUF draft, not a config.json): (findings, ServingInputs,
+    # declared, num_layers, arch, dflash_block, *, vocab_ids) -> (label -> boundaries it captures, tokens a round)
     serving_checks: Callable[..., Any] | None = None
     read_draft_file: Callable[..., Any] | None = None  # (path, draft, *, emb_rows) -> FieldReading of its own file
     draft_file_layers: Callable[[Any], "list[int] | None"] | None = None  # path -> the boundaries its file feeds

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.doctor.checks import config_the_flags_load, flags_check
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.core.checks import Check, Findings, flags_check
+from eaglewire.engines.interface import ServingInputs
 from eaglewire.engines.llamacpp.gguf import draft_layers, layout_problem, read_gguf_metadata, vocab_problem
 from eaglewire.engines.llamacpp.installation import BUILD
 from eaglewire.engines.llamacpp.lint import DEFAULT_N_MAX, lint_dflash_flags, lint_flags
 from eaglewire.engines.llamacpp.readings import EAGLE3_TARGET_ARCHS, GGUF_ARCH, NAME as LLAMACPP, llamacpp_arch
+
 
 def architecture_check(architecture: str) -> Check:
     """Can llama.cpp feed an EAGLE-3 draft for a target of ``architecture`` (transformers class
@@ -59,36 +59,37 @@ def vocab_check(gguf_path: str, vocab_ids: torch.Tensor | None) -> Check:
     return Check("engine vocabulary", "ok", what)
 
 
-def serving(report: DoctorReport, config: DoctorConfig, declared: list[int], num_layers: int, architecture: str,
+def serving(report: Findings, served: ServingInputs, declared: list[int], num_layers: int, architecture: str,
             dflash_block: int | None = None, vocab_ids: torch.Tensor | None = None) -> tuple[dict[str, list[int]], int]:
     """The llama.cpp part of the serving checks: (label -> boundaries llama.cpp captures, tokens drafted per
     round); ``dflash_block``: a DFlash draft trained on blocks of that size (None: EAGLE-3); ``vocab_ids``: the
     target ids of the draft's vocabulary [Vd] (None: the whole vocabulary)."""
     family = "eagle3" if dflash_block is None else "dflash"
     steps = DEFAULT_N_MAX if dflash_block is None else min(DEFAULT_N_MAX, dflash_block - 1)
-    if config.target.endswith(".gguf"):
-        architecture = str(read_gguf_metadata(config.target).get("general.architecture", architecture))
+    if served.target.endswith(".gguf"):
+        architecture = str(read_gguf_metadata(served.target).get("general.architecture", architecture))
     report.add(architecture_check(architecture))
-    if config.engine_flags:
-        flags = (lint_flags(config.engine_flags) if dflash_block is None else
-                 lint_dflash_flags(config.engine_flags, declared, num_layers, architecture, dflash_block))
+    engine_config = served.engine_config
+    if served.engine_flags:
+        flags = (lint_flags(served.engine_flags) if dflash_block is None else
+                 lint_dflash_flags(served.engine_flags, declared, num_layers, architecture, dflash_block))
         report.add(flags_check("llama.cpp", flags.problems))
         steps = flags.num_steps or steps
-        config = config_the_flags_load(report, config, flags.draft_path)
-    if not config.engine_config:
+        engine_config = served.flags_load(flags.draft_path)
+    if not engine_config:
         report.add(Check("engine config", "warn", "no --engine-config: cannot tell which layers llama.cpp will feed",
                          fix="pass the GGUF draft llama-server will load (--engine-config draft.gguf)"))
         return {}, steps
-    meta = read_gguf_metadata(config.engine_config)
+    meta = read_gguf_metadata(engine_config)
     layers = draft_layers(meta)
-    problem = layout_problem(meta, declared, num_layers, where=config.engine_config, family=family)
+    problem = layout_problem(meta, declared, num_layers, where=engine_config, family=family)
     evidence = [f"general.architecture {meta.get('general.architecture')!r}, extract_layers {layers}"]
     if problem:
         report.add(Check("engine wiring", "fail", "llama.cpp will not feed the draft the boundaries it was trained on",
                          evidence, fix=problem))
     else:
         report.add(Check("engine wiring", "ok", f"llama.cpp captures {declared}, as trained", evidence))
-    report.add(vocab_check(config.engine_config, vocab_ids))
+    report.add(vocab_check(engine_config, vocab_ids))
     if family == "dflash":
         return ({LLAMACPP: [int(x) for x in layers]} if layers and all(0 <= x <= num_layers for x in layers) else {},
                 steps)
