@@ -25,3 +25,18 @@ def test_a_bf16_label_head_reads_what_the_fp32_head_reads_within_bf16_rounding()
 def test_the_label_head_in_the_targets_own_dtype_is_the_targets_head():
     target = tiny_target("llama")
     assert label_head(target, torch.float32) == target.head
+
+
+def test_a_soft_capped_head_caps_in_both_precisions():
+    """Gemma's final_logit_softcapping: the target's head and the bf16 labels' head both cap (tanh), the latter in
+    fp32 as the softmax after it; with the cap small enough to bind, no logit reaches it."""
+    target = tiny_target("llama", initializer_range=0.2, vocab_size=512)
+    uncapped = target.head(torch.randn(2, 8, target.hidden_size, generator=torch.Generator().manual_seed(1)))
+    cap = float(uncapped.abs().amax()) / 4  # binds: the largest logits are 4x it
+    target.text_config.final_logit_softcapping = cap
+    last = torch.randn(2, 8, target.hidden_size, generator=torch.Generator().manual_seed(1))  # [B, T, H]
+    want = target.head(last)
+    assert want.abs().amax() < cap and torch.allclose(want, cap * torch.tanh(uncapped / cap))
+    got = label_head(target, torch.bfloat16)(last)
+    assert got.dtype == torch.float32 and got.abs().amax() < cap
+    assert (got - want).abs().amax() <= 0.03 * cap  # bf16's matmul rounding, through tanh (slope <= 1)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from eaglewire.model.target import Target
+from eaglewire.model.target import Target, softcap
 
 __all__ = ["label_head"]
 
@@ -34,12 +34,10 @@ class _CastHead:
         self.norm = target.decoder.norm
         self.weight = lm_head.weight.detach().to(dtype)  # [V, H]
         self.bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach().to(dtype)  # [V]
-        self.softcap = getattr(target.text_config, "final_logit_softcapping", None)
+        self.cap = target.logit_softcap
 
     @torch.no_grad()
     def __call__(self, last_hidden: torch.Tensor) -> torch.Tensor:
         normed = self.norm(last_hidden)  # [..., H] in the target's dtype
         logits = F.linear(normed.to(self.weight.dtype), self.weight, self.bias)  # [..., V]
-        if self.softcap:
-            logits = torch.tanh(logits.float() / self.softcap) * self.softcap
-        return logits
+        return softcap(logits.float(), self.cap) if self.cap else logits  # a soft cap in fp32, as the softmax after

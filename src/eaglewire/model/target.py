@@ -109,17 +109,23 @@ class Target:
 
         last_hidden: [..., H] -> logits [..., V]
         """
-        logits = self.model.get_output_embeddings()(self.decoder.norm(last_hidden))
-        cap = getattr(self.text_config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return softcap(self.model.get_output_embeddings()(self.decoder.norm(last_hidden)), self.logit_softcap)
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """The config's final-logit soft cap (Gemma's ``final_logit_softcapping``); None: none."""
+        return getattr(self.text_config, "final_logit_softcapping", None) or None
 
     @property
     def fingerprint(self) -> TargetFingerprint:
         if self._fingerprint is None:
             self._fingerprint = fingerprint_target(self.model, self.tokenizer)
         return self._fingerprint
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` in ``logits``' dtype; ``logits`` themselves where ``cap`` is None."""
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 # ------------------------------------------------------------------ model classes
