@@ -41,7 +41,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--aux-boundaries", default=None, help="e.g. 0,2,15,27 (default: the contract's [2, L/2, L-3])")
+    ap.add_argument("--aux-boundaries", type=lambda text: [int(b) for b in text.split(",")], default=None,
+                    help="e.g. 0,2,15,27 (default: the contract's [2, L/2, L-3])")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--train-epochs", type=int, default=0, help="0: no training comparison")
     ap.add_argument("--heldout-conversations", type=int, default=16)
@@ -54,11 +55,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = load_target("smollm2-135m", device="cpu", dtype=args.dtype)
     work = args.work or Path(tempfile.mkdtemp(prefix="vllm-capture-"))
-    boundaries = [int(b) for b in args.aux_boundaries.split(",")] if args.aux_boundaries else None
     runs = {}
     for name, extra in (("here", {}), ("vllm", {"capture": "vllm", "capture_threads": args.threads})):
         config = PrepareConfig(out=str(work / name), num_conversations=args.conversations, offset=1000,
-                               max_length=args.max_length, dtype=args.dtype, aux_boundaries=boundaries, **extra)
+                               max_length=args.max_length, dtype=args.dtype, aux_boundaries=args.aux_boundaries,
+                               **extra)
         start = time.perf_counter()
         summary = prepare(config, target=target, progress=False)
         wall = time.perf_counter() - start
@@ -80,7 +81,7 @@ def main() -> None:
         for k, (here, there) in zip(stored, pairs):
             gaps[str(k)] = max(gaps[str(k)], relative_error(there, here))  # per token, as the run's own check
     result = {"machine": summary_line(), "threads": args.threads,
-              "dtype": args.dtype, "aux_boundaries": boundaries, "conversations": args.conversations, "runs": runs,
+              "dtype": args.dtype, "aux_boundaries": args.aux_boundaries, "conversations": args.conversations, "runs": runs,
               "vllm_vs_here": round(runs["vllm"]["tokens_per_s_after_start"] / runs["here"]["tokens_per_s"], 2),
               "stored_state_gap_max": {k: round(v, 6) for k, v in gaps.items()},
               "capture_check": json.loads((work / "vllm" / "manifest.json").read_text())["status"]["capture_check"]}
@@ -101,8 +102,7 @@ def train_on_each(args, target, work: Path) -> dict:
     heldout_dir = work / "heldout"
     prepare(PrepareConfig(out=str(heldout_dir), num_conversations=args.heldout_conversations,
                           offset=1000 + args.conversations, max_length=args.max_length, dtype=args.dtype,
-                          aux_boundaries=[int(b) for b in args.aux_boundaries.split(",")] if args.aux_boundaries
-                          else None),
+                          aux_boundaries=args.aux_boundaries),
             target=target, progress=False)
     heldout = ShardDataset(heldout_dir)
     out = {"epochs": args.train_epochs, "batch_tokens": args.batch_tokens, "lr": args.lr,
@@ -120,7 +120,7 @@ def train_on_each(args, target, work: Path) -> dict:
         batches = stored_batches(heldout, list(range(len(heldout))), target, draft, labels="head",
                                  max_length=args.max_length)
         counts = isolation_accuracy(draft, batches, list(contract.aux_boundaries), steps=1)[0]
-        acc = counts.correct / max(counts.valid, 1)
+        acc = counts.acc
         out[name] = {"train_s": round(wall, 1), "steps": result.steps, "train_tokens": result.train_tokens,
                      "heldout_acc0": round(acc, 4), "heldout_positions": counts.valid,
                      "stderr": round((acc * (1 - acc) / max(counts.valid, 1)) ** 0.5, 4)}

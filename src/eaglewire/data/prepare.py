@@ -205,11 +205,9 @@ def source_record(config: PrepareConfig, path: Path, template: tuple[str, str]) 
                                 **({"batch_size": config.regenerate_batch_size} if config.temperature else {})}
         if config.max_turns is not None:
             record["max_turns"] = config.max_turns
-        if config.remote.remote:  # not the URLs: a resume may reach the same model elsewhere
-            record["regenerate"]["server"] = {"model": config.remote.server_model, "reasoning": config.remote.reasoning,
-                                              "chat_template_kwargs": config.remote.template_kwargs()}
-        elif config.regenerates_through_capture:
-            record["regenerate"]["server"] = {"capture": config.capture, "reasoning": config.remote.reasoning,
+        if config.remote.remote or config.regenerates_through_capture:  # not URLs: a resume may reach it elsewhere
+            which = ({"model": config.remote.server_model} if config.remote.remote else {"capture": config.capture})
+            record["regenerate"]["server"] = {**which, "reasoning": config.remote.reasoning,
                                               "chat_template_kwargs": config.remote.template_kwargs()}
     if (meta := read_meta(path)) is not None:  # replies of `eaglewire regenerate`: how they were made
         record["regenerated_by"] = meta.get("settings")
@@ -426,14 +424,14 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     # Written before any work: an interrupted run leaves data that says it is incomplete.
     writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict(),
                       capture_precision=precision.record())
+    if config.regenerate and not config.regenerates_through_capture:  # before an engine that would wait idle
+        conversations = _regenerate(target, conversations, out, writer, config, rank, progress)
     resumed = len(writer.done_ids)
     truncated = 0
     dropped: list[str] = []
     with writer, _engine_capture(config, target, contract, out) as engine:
-        if config.regenerate:  # through --server, the capturing engine's server, or the target here
-            conversations = _regenerate(target, conversations, out, config, rank, progress, engine=engine)
-            if (meta := read_meta(out / f"regenerated.rank{rank}.jsonl")) is not None:
-                writer.set_status(regenerated_by=meta.get("settings"))  # the server's model id, sampling, reasoning
+        if config.regenerates_through_capture:
+            conversations = _regenerate(target, conversations, out, writer, config, rank, progress, engine=engine)
         bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
         writer.set_status(capture=engine.version if engine is not None else HERE)
         checked: dict[int, float] = {}  # boundary -> the largest relative error of the sequences captured both ways
@@ -511,10 +509,11 @@ def _regenerate_config(config: PrepareConfig):
                             max_turns=config.max_turns, batch_size=config.regenerate_batch_size)
 
 
-def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: int, progress: bool, *, engine=None):
+def _regenerate(target, conversations, out: Path, writer: ShardWriter, config: PrepareConfig, rank: int,
+                progress: bool, *, engine=None):
     """The conversations with their replies regenerated: through ``--server``, through the capturing ``engine``'s
     server (its states of each generation discarded: the shards' are captured from the rendered conversation),
-    or by the target here."""
+    or by the target here; the manifest's status says how they were made."""
     from eaglewire.data.regenerate import regenerate
     from eaglewire.data.remote_regenerate import regenerate_remote, server_urls
 
@@ -533,5 +532,7 @@ def _regenerate(target, conversations, out: Path, config: PrepareConfig, rank: i
         regen = regenerate(target, conversations, path, progress=progress, config=regen_config,
                            template_kwargs=config.remote.template_kwargs())
     log.info("%s", regen.summary())
+    if (meta := read_meta(path)) is not None:
+        writer.set_status(regenerated_by=meta.get("settings"))  # the server's model id, sampling, reasoning
     done, _ = load_conversations(path)
     return done
