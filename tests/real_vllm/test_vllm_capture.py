@@ -102,6 +102,21 @@ def test_tensor_parallel_over_two_processes_gives_the_same_states(tmp_path, smol
     _check_status(_same_as_here(ShardDataset(tmp_path / "here"), out), vllm_installation.version, boundaries + [4])
 
 
+NEAR_TIE = 1e-2  # a top-2 logit gap two engines' fp32 kernels cannot flip (they move logits by ~1e-4)
+
+
+def _top2_gap(target, messages) -> float:
+    """The smallest gap between the target's two largest logits over the reply's tokens (greedy: the reply's own)."""
+    from eaglewire.data.regenerate import prompt_ids
+
+    prompt = prompt_ids(target.tokenizer, messages[:1], None)
+    reply = target.tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + reply])).logits[0, len(prompt) - 1:-1]  # [len(reply), V]
+    top = logits.topk(2, dim=-1).values  # [len(reply), 2]
+    return float((top[:, 0] - top[:, 1]).min())
+
+
 def test_one_vllm_regenerates_and_captures(tmp_path, smollm2_target, vllm_installation):
     """prepare --regenerate --capture vllm: vLLM with extract_hidden_states generates the replies (greedy: the
     target's here, token for token) and captures the regenerated conversations (the run's own check compares them
@@ -110,14 +125,20 @@ def test_one_vllm_regenerates_and_captures(tmp_path, smollm2_target, vllm_instal
     from eaglewire.data.conversations import load_conversations
     from eaglewire.data.regenerate import RegenerateConfig, regenerate
 
-    n, new = 3, 24
+    # Greedy replies of two engines are compared token for token, so no reply may hold a near-tie: their fp32
+    # states differ by up to 3e-6 relative (BENCHMARKS "Issue 40"), ~1e-4 on logits of ~22, and conversation 1 of
+    # ShareGPT has a top-2 gap of 9e-5, which another CPU's kernels may flip. Conversations 2-4 have gaps of at least
+    # 0.065 (checked below on this machine), 500x what the kernels move.
+    n, new, offset = 3, 24, 2
     out = tmp_path / "regen-vllm"
-    prepare(_config(out, num_conversations=n, regenerate=True, max_new_tokens=new, max_turns=1, capture="vllm",
-                    capture_python=str(vllm_installation.python)), target=smollm2_target, progress=False)
-    conversations, _ = load_conversations(data_path("sharegpt"), limit=n)
+    prepare(_config(out, num_conversations=n, offset=offset, regenerate=True, max_new_tokens=new, max_turns=1,
+                    capture="vllm", capture_python=str(vllm_installation.python)), target=smollm2_target,
+            progress=False)
+    conversations, _ = load_conversations(data_path("sharegpt"), limit=n, offset=offset)
     regenerate(smollm2_target, conversations, tmp_path / "here.jsonl",
                config=RegenerateConfig(max_new_tokens=new, max_turns=1))
     here, _ = load_conversations(tmp_path / "here.jsonl")
+    assert min(_top2_gap(smollm2_target, c.messages) for c in here) >= NEAR_TIE  # the comparison's premise
     through, _ = load_conversations(out / "regenerated.rank0.jsonl")
     assert {c.id: c.messages for c in through} == {c.id: c.messages for c in here} and len(here) == n
     assert not any((out / "vllm-states").iterdir())  # the generations' states were discarded, the shards' read
