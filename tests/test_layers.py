@@ -159,7 +159,7 @@ def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
     g = graph()
     assert "eaglewire.decode.load" in g["eaglewire.serve.app"]  # module level
     assert "eaglewire.quickstart" in g["eaglewire.cli"]  # inside a function
-    assert "eaglewire.engines.sglang" in g["eaglewire.engines.specforge"]  # from package import module
+    assert "eaglewire.engines.vllm.installation" in g["eaglewire.engines.vllm.setup"]  # from package import module
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     # two packages importing each other through different modules is a package cycle, not a module cycle

@@ -15,7 +15,7 @@ from eaglewire import engines
 from eaglewire.core.contract import EngineConventionError
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.run import run_doctor
-from eaglewire.engines import sglang, specforge, vllm
+from eaglewire.engines import sglang, vllm, zlab_layout
 from eaglewire.engines.llamacpp import dflash_layout_problem
 from eaglewire.model.checkpoint import load_draft
 from tiny import save_random_dflash_draft, tiny_target
@@ -191,5 +191,5 @@ def test_speculators_and_specforge_ids_are_zlab_plus_one():
     assert "i + 1 for i in target_layer_ids if i + 1 != num_verifier_layers" in converter
     zlab = text("specforge", "0.2.0", "specforge/modeling/draft/dflash.py")
     assert "hidden_states[layer_id + offset]" in zlab and '"target_layer_ids",' in zlab
-    assert specforge.dflash_to_ids(BOUNDS, L, None) == [1, 3, 5]
+    assert zlab_layout.to_ids(BOUNDS, L, None) == [1, 3, 5]
     assert vllm.dflash_to_ids(BOUNDS, L, "llama") == BOUNDS

@@ -41,7 +41,7 @@ from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings,
 from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags, resolve_abbreviation
 from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer, Linter
 from eaglewire.engines.model_file import ModelFile
-from eaglewire.engines.shared import ARCHITECTURE, FormatError, llama_layer_config, parse_llama_layer
+from eaglewire.engines.shared import ARCHITECTURE, eagle_config_ids, llama_layer_config, parse_eagle3_config
 
 log = logging.getLogger(__name__)
 
@@ -252,43 +252,15 @@ def num_aux(d: dict[str, Any]) -> int:
     return len(ids) if ids else 3
 
 
-def config_ids(d: dict[str, Any], *, reader: str = "SGLang") -> tuple[list[int] | None, list[str]]:
-    """(ids from ``eagle_config``, notes); None when absent (the engine then uses its default).
-    ``reader``: the tool whose reading the notes describe (SpecForge reads the same keys)."""
-    notes = []
-    nested = d.get("eagle_config") or {}
-    if not isinstance(nested, dict):
-        raise FormatError(f"eagle_config is {nested!r}; expected an object holding "
-                          "eagle_aux_hidden_state_layer_ids")
-    ids = nested.get("eagle_aux_hidden_state_layer_ids")
-    top = d.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None and top is not None:
-        notes.append(f"ids {top} sit at the top level of the config, where {reader} never looks; "
-                     f"{reader} falls back to its default layers, and so does this import. If the "
-                     "draft was trained on those ids, move them into eagle_config and import again")
-    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)):
-        raise FormatError(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}; expected a list "
-                          "of integers")
-    return ids, notes
-
-
-def parse_config(d: dict[str, Any], *, where: str = "config.json", reader: str = "SGLang"
+def parse_config(d: dict[str, Any], *, where: str = "config.json"
                  ) -> tuple[dict[str, Any], list[int] | None, list[str]]:
-    """(layer fields + draft_vocab_size/target_hidden_size, ids or None, notes); ``reader``
-    names the tool whose reading the notes describe."""
-    archs = d.get("architectures") or []
-    notes = []
-    if archs and ARCHITECTURE not in archs:
-        notes.append(f"architectures is {archs}, not [{ARCHITECTURE!r}]; read as an EAGLE-3 draft anyway")
-    layer = parse_llama_layer(d, where=where)
-    ids, id_notes = config_ids(d, reader=reader)
-    extra = {"draft_vocab_size": d.get("draft_vocab_size"), "target_hidden_size": d.get("target_hidden_size")}
-    return {**layer, **extra}, ids, notes + id_notes
+    """(layer fields + draft_vocab_size/target_hidden_size, ids or None, notes) of a SGLang draft directory."""
+    return parse_eagle3_config(d, where=where, reader="SGLang")
 
 
 def read_ids(config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
     """Where SGLang finds its aux ids in ``config``: (label -> ids, None for its default; notes)."""
-    ids, notes = config_ids(config)
+    ids, notes = eagle_config_ids(config, reader="SGLang")
     return {"sglang": ids}, notes
 
 

@@ -3,7 +3,9 @@ normalisation, vocabulary maps (d2t / t2d) and ``FormatError``. All functions ar
 
 The layout is the EAGLE-3 reference one (SafeAILab/EAGLE), which SGLang and SpecForge inherited:
 ``config.json`` is a Llama config of the one draft layer (``LlamaForCausalLMEagle3``,
-``num_hidden_layers: 1``, ``draft_vocab_size``, optional ``target_hidden_size``); the tensors are
+``num_hidden_layers: 1``, ``draft_vocab_size``, optional ``target_hidden_size``, and SGLang's nested
+``eagle_config.eagle_aux_hidden_state_layer_ids``, which SpecForge writes too: ``parse_eagle3_config``
+reads it for both, each naming itself as the reader); the tensors are
 ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` (in ``pytorch_model.bin`` or
 ``model.safetensors``, sometimes under a ``model.`` prefix).
 """
@@ -102,6 +104,43 @@ def parse_llama_layer(d: dict[str, Any], *, where: str) -> dict[str, Any]:
         "rope_theta": theta, "rope_parameters": rope,
         "max_position_embeddings": int(c["max_position_embeddings"]), "hidden_act": "silu",
     }
+
+
+# ---------------------------------------------------------------- config.json (SGLang's, which SpecForge writes)
+
+def eagle_config_ids(d: dict[str, Any], *, reader: str) -> tuple[list[int] | None, list[str]]:
+    """(ids from the nested ``eagle_config.eagle_aux_hidden_state_layer_ids``, notes); None when absent (the
+    engine then uses its default). ``reader``: the tool whose reading the notes describe (SGLang, or SpecForge,
+    which reads the same keys)."""
+    notes = []
+    nested = d.get("eagle_config") or {}
+    if not isinstance(nested, dict):
+        raise FormatError(f"eagle_config is {nested!r}; expected an object holding "
+                          "eagle_aux_hidden_state_layer_ids")
+    ids = nested.get("eagle_aux_hidden_state_layer_ids")
+    top = d.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and top is not None:
+        notes.append(f"ids {top} sit at the top level of the config, where {reader} never looks; "
+                     f"{reader} falls back to its default layers, and so does this import. If the "
+                     "draft was trained on those ids, move them into eagle_config and import again")
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)):
+        raise FormatError(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}; expected a list "
+                          "of integers")
+    return ids, notes
+
+
+def parse_eagle3_config(d: dict[str, Any], *, where: str, reader: str
+                        ) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+    """(layer fields + draft_vocab_size/target_hidden_size, ids or None, notes); ``reader``
+    names the tool whose reading the notes describe."""
+    archs = d.get("architectures") or []
+    notes = []
+    if archs and ARCHITECTURE not in archs:
+        notes.append(f"architectures is {archs}, not [{ARCHITECTURE!r}]; read as an EAGLE-3 draft anyway")
+    layer = parse_llama_layer(d, where=where)
+    ids, id_notes = eagle_config_ids(d, reader=reader)
+    extra = {"draft_vocab_size": d.get("draft_vocab_size"), "target_hidden_size": d.get("target_hidden_size")}
+    return {**layer, **extra}, ids, notes + id_notes
 
 
 def draft_config(layer: dict[str, Any], state: dict[str, torch.Tensor], *, where: str,

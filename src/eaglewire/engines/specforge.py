@@ -14,9 +14,9 @@ import json
 from typing import Any
 
 from eaglewire.core.contract import EngineConventionError
-import eaglewire.engines.sglang as sglang
 from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer
-from eaglewire.engines.shared import FormatError
+from eaglewire.engines.shared import FormatError, eagle_config_ids, parse_eagle3_config
+import eaglewire.engines.zlab_layout as zlab
 
 NAME = "specforge"
 
@@ -39,7 +39,7 @@ def to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int
 
 def read_ids(config: dict[str, Any]) -> tuple[dict[str, list[int] | None], list[str]]:
     """Where SpecForge keeps its ids: SGLang's nested key."""
-    ids, notes = sglang.config_ids(config, reader="SpecForge")
+    ids, notes = eagle_config_ids(config, reader="SpecForge")
     return {"specforge": ids}, notes
 
 
@@ -49,7 +49,7 @@ def parse_config(d: dict[str, Any], *, where: str = "config.json"
 
     The file layout is SGLang's; only the meaning of the ids differs.
     """
-    return sglang.parse_config(d, where=where, reader="SpecForge")
+    return parse_eagle3_config(d, where=where, reader="SpecForge")
 
 
 def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_layers: int,
@@ -66,33 +66,10 @@ def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_laye
 # SpecForge 0.2.0 trains DFlash drafts with z-lab's own class (specforge/modeling/draft/dflash.py
 # DFlashDraftModel.__init__: ``dflash_config.get("target_layer_ids", build_target_layer_ids(num_target_layers,
 # num_hidden_layers))``; extract_context_feature reads ``hidden_states[layer_id + 1]``, the OUTPUT of layer id)
-# and saves it with save_pretrained: z-lab's layout (engines/dflash_format.py). id = boundary - 1.
+# and saves it with save_pretrained: z-lab's layout (engines/dflash_format.py). id = boundary - 1: the layout's
+# own ids and its export are engines/zlab_layout.py's (llama.cpp's converter reads the layout too).
 ALIASES = ("zlab",)
 DFLASH_CITED = "specforge/modeling/draft/dflash.py DFlashDraftModel.__init__ + extract_context_feature (offset 1)"
-
-
-def dflash_to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int]:
-    """z-lab's ``dflash_config.target_layer_ids`` for ``boundaries``: boundary - 1."""
-    for b in boundaries:
-        if b == 0:
-            raise EngineConventionError(
-                "z-lab's format cannot express boundary 0 (the embedding output): its id would be -1, and every "
-                "reader of dflash_config.target_layer_ids refuses negative ids (SGLang's "
-                "DFlashDraftConfig.resolve_target_layer_ids raises). Retrain without boundary 0, or serve with vLLM "
-                "(speculators format, `--to vllm`) or eaglewire")
-        if b == num_layers:
-            raise EngineConventionError(
-                f"z-lab's format cannot express boundary {num_layers}: its id {num_layers - 1} reads HF "
-                f"hidden_states[{num_layers}], which is after the final norm, while SGLang, vLLM and llama.cpp read the "
-                "pre-norm state there. Retrain without it, or serve with vLLM (`--to vllm`) or eaglewire")
-    return [b - 1 for b in boundaries]
-
-
-def dflash_to_boundaries(ids: list[int], num_layers: int, arch: str | None) -> list[int]:
-    if any(i < 0 or i >= num_layers for i in ids):
-        raise EngineConventionError(f"z-lab target_layer_ids {ids} leave [0, {num_layers}): no such layer output "
-                                    f"on a {num_layers}-layer target")
-    return [i + 1 for i in ids]
 
 
 def dflash_default_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -115,7 +92,7 @@ def dflash_config_fix(declared: list[int], num_layers: int, arch: str | None, co
     """The exact key and value that make z-lab's readers take ``declared``."""
     written = (config.get("dflash_config") or {}).get("target_layer_ids")
     try:
-        want = dflash_to_ids(declared, num_layers, arch)
+        want = zlab.to_ids(declared, num_layers, arch)
     except EngineConventionError as e:
         return str(e)
     return (f'dflash_config.target_layer_ids is {json.dumps(written)}; write "dflash_config": {{"target_layer_ids": '
@@ -144,38 +121,6 @@ def parse_dflash_config(d: dict[str, Any], *, where: str = "config.json"
     return fields, ids, notes
 
 
-def zlab_export_config(draft, engine: str, notes: list[str]) -> tuple[dict[str, Any], str]:
-    """(config.json in z-lab's layout with the export record for ``engine``, the torch dtype it names); a note
-    goes to ``notes`` when the target's stored dtype is unknown."""
-    from eaglewire.engines.export import record, serving_dtype
-    from eaglewire.engines.dflash_format import zlab_config
-
-    contract = draft.contract
-    ids = dflash_to_ids(list(contract.aux_boundaries), contract.num_layers, None)
-    dtype = serving_dtype(draft.target_spec, contract.target.dtype, notes)
-    return {**zlab_config(draft.draft_config, ids, num_target_layers=contract.num_layers, dtype=dtype),
-            **record(draft, None, engine)}, dtype
-
-
-def export_dflash(draft, fmt: str, out, config, *, target=None, allow=frozenset(), others=None):
-    """Write a DFlash ``draft`` in z-lab's layout (what SGLang, vLLM and llama.cpp's converter load)."""
-    from eaglewire.engines.export import ExportReport, finish, write_export
-
-    contract = draft.contract
-    bounds, L = list(contract.aux_boundaries), contract.num_layers
-    ids = dflash_to_ids(bounds, L, None)
-    notes: list[str] = []
-    engine_config, _ = zlab_export_config(draft, "zlab", notes)
-    serving = "\n".join([
-        "# This DFlash draft in z-lab's layout", "",
-        f"It reads target boundaries {bounds}; z-lab's `dflash_config.target_layer_ids` are layer outputs "
-        f"(HF hidden_states[i + 1]), so they are {json.dumps(ids)}. SGLang, vLLM and llama.cpp's converter load "
-        "this layout; `eaglewire export --to sglang | vllm | llamacpp` writes each one's own launch command.", ""])
-    files = write_export(out, engine_config, draft.state(), serving)
-    return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
-                               notes=notes))
-
-
 def export(draft, fmt, out, config, *, target=None, allow=frozenset(), others=None):
     """SpecForge's (z-lab's) layout holds DFlash drafts; an EAGLE-3 draft for SpecForge is SGLang's layout."""
     raise FormatError("an EAGLE-3 draft has no z-lab export: SpecForge reads SGLang's EAGLE-3 layout, so export "
@@ -185,8 +130,8 @@ def export(draft, fmt, out, config, *, target=None, allow=frozenset(), others=No
 SPEC = EngineSpec(
     name=NAME, aliases=ALIASES, reads_export=reads_export,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids),
-    dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries, read_ids=read_dflash_ids),
-    exporter=Exporter(export=export, export_dflash=export_dflash),
+    dflash=IdReading(to_ids=zlab.to_ids, to_boundaries=zlab.to_boundaries, read_ids=read_dflash_ids),
+    exporter=Exporter(export=export, export_dflash=zlab.export),
     importer=Importer(parse_config=parse_config, parse_dflash_config=parse_dflash_config),
     linter=None,
 )

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import eaglewire.engines.llamacpp.installation as engine
-import eaglewire.engines.specforge as zlab
+import eaglewire.engines.zlab_layout as zlab
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.engines.dflash_format import head_rows_tensor
 from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice, write_export
@@ -61,7 +61,7 @@ def pruned_converter_input(draft: DraftFiles, out: Path, *, target, allow) -> li
     target head's rows as ``lm_head.weight``. Returns the notes (dtype, target checks)."""
     contract, cfg = draft.contract, draft.draft_config
     notes: list[str] = contract.check_target(target.fingerprint, what=f"draft {draft.path}", allow=allow)
-    config, dtype = zlab.zlab_export_config(draft, f"llama.cpp {engine.BUILD} converter", notes)
+    config, dtype = zlab.export_config(draft, f"llama.cpp {engine.BUILD} converter", notes)
     config.update(architectures=[PRUNED_CONVERTER_ARCHITECTURE], draft_vocab_size=cfg.draft_vocab_size)
     tensors = draft.state()  # d2t (offsets) and t2d
     tensors["lm_head.weight"] = head_rows_tensor(tensors["d2t"], target, getattr(torch, dtype))  # [Vd, H]
@@ -84,7 +84,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
     contract = draft.contract
     bounds, L = list(contract.aux_boundaries), contract.num_layers
     dflash_to_ids(bounds, L)
-    zlab.dflash_to_ids(bounds, L, None)  # the layout it converts from: refuses before any heavy work
+    zlab.to_ids(bounds, L, None)  # the layout it converts from: refuses before any heavy work
     tree = engine.require_tree(config.llamacpp_dir)
     spec, target_dir = converter_target(draft, config)
     pruned = draft.draft_config.pruned
@@ -94,7 +94,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
         notes = pruned_converter_input(draft, staged, target=target, allow=allow)
     else:
         staged = out / "zlab"
-        notes = zlab.export_dflash(draft, "zlab", staged, config).notes
+        notes = zlab.export(draft, "zlab", staged, config).notes
     draft_file = convert_draft(tree, staged, out / f"draft-{config.outtype}.gguf", config.outtype,
                                target_dir=target_dir, architecture=contract.target.architecture)
     problem = dflash_layout_problem(read_gguf_metadata(draft_file), bounds, L, where=str(draft_file))
