@@ -719,7 +719,7 @@ def test_per_request_spec_metrics_and_counters_agree_and_ids_are_greedys(chat_ti
     """With --per-request-spec-decode-metrics each whole answer carries vLLM's
     metrics.speculative_decoding; /metrics' vLLM-named counters grow by exactly those figures;
     return_token_ids gives plain greedy's ids."""
-    from eaglewire.engines.vllm import spec_counters
+    from eaglewire.engines.spec_decode_metrics import spec_counters
 
     draft, contract = random_draft(chat_tiny_target)
     decoder = SpecDecoder(chat_tiny_target, draft, contract, SpecConfig.chain(3))

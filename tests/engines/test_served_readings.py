@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from eaglewire.engines import eaglewire as own
 from eaglewire.engines import sglang, vllm
+from eaglewire.engines import spec_decode_metrics as vllm_shaped
 from eaglewire.engines.llamacpp import server as llamacpp_server
 from eaglewire.engines.served_counts import per_pos_from_histogram
 
@@ -75,7 +76,7 @@ def test_vllm_counters_read_as_vllm_writes_them(wheels):
         for drafted, accepted in ROUNDS:
             stats.observe_draft(drafted, accepted)
         prom.observe(stats, engine_idx=engine)
-    got = vllm.spec_counters(generate_latest(registry).decode())
+    got = vllm_shaped.spec_counters(generate_latest(registry).decode(), vllm.METRICS_PREFIX)
     assert got == {"drafts": 10, "draft_tokens": 28, "accepted": 18, "per_pos": [8, 6, 4]}
 
 
@@ -86,8 +87,9 @@ def test_vllm_per_request_metrics_read_as_vllm_writes_them(wheels):
     for drafted, accepted in ROUNDS:
         metrics.observe(drafted, accepted, detailed=True)
     body = {"choices": [{"text": "x", "token_ids": [1, 2]}], "metrics": {"speculative_decoding": metrics.to_dict()}}
-    assert vllm.request_spec_metrics(body) == {"drafts": 5, "draft_tokens": 14, "accepted": 9, "per_pos": [4, 3, 2]}
-    assert vllm.request_spec_metrics({"choices": [], "metrics": None}) is None  # without the flag
+    assert vllm_shaped.request_spec_metrics(body) == {"drafts": 5, "draft_tokens": 14, "accepted": 9,
+                                                      "per_pos": [4, 3, 2]}
+    assert vllm_shaped.request_spec_metrics({"choices": [], "metrics": None}) is None  # without the flag
 
 
 def _vllm_field_names(wheels, path: str, cls: str) -> list[str]:
@@ -136,7 +138,7 @@ def test_eaglewires_counters_are_vllms_names_under_its_prefix(wheels):
                     cancelled=False)
     theirs = generate_latest(registry).decode()
     ours = metrics.render(waiting=0, running=0).decode()
-    assert vllm.spec_counters(ours, own.METRICS_PREFIX) == vllm.spec_counters(theirs)
+    assert vllm_shaped.spec_counters(ours, own.METRICS_PREFIX) == vllm_shaped.spec_counters(theirs, vllm.METRICS_PREFIX)
     names = lambda text, prefix: {line.split()[2].removeprefix(prefix) for line in text.splitlines()
                                   if line.startswith("# TYPE") and "spec_decode" in line
                                   and not line.split()[2].endswith("_created")}  # vLLM turns these off
@@ -209,8 +211,8 @@ llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 4
 
 def test_llamacpp_counters_are_vllms_names_under_its_prefix():
     """As tools/server/server-task.cpp writes them (server_task_result_metrics::to_json)."""
-    assert vllm.spec_counters(LLAMACPP_METRICS, "llamacpp:") == {"drafts": 10, "draft_tokens": 28, "accepted": 18,
-                                                                  "per_pos": [8, 6, 4]}
+    assert vllm_shaped.spec_counters(LLAMACPP_METRICS, "llamacpp:") == {"drafts": 10, "draft_tokens": 28,
+                                                                         "accepted": 18, "per_pos": [8, 6, 4]}
     assert llamacpp_server._per_pos(llamacpp_server.parse_metrics(LLAMACPP_METRICS)) == [8, 6, 4]
 
 

@@ -22,6 +22,7 @@ import test_engine_readings
 import test_served_readings
 from eaglewire.core.contract import TARGET_ARCHS
 from eaglewire.engines import sampling_defaults
+from eaglewire.engines import spec_decode_metrics as metrics
 from eaglewire.engines.vllm import readings
 from eaglewire.engines.vllm.versions import NEWEST, READINGS, RECORDED, Reading, reading_for, version_line
 from test_engine_readings import compile_function, top_function
@@ -89,9 +90,9 @@ def test_the_pinned_reading_is_readings_py_unchanged():
     r = RECORDED[readings.VERSION]
     assert r.eagle3_files == {a: (None if f.unsupported else f.path) for a, f in readings.FILES.items()}
     assert r.eagle3_files["gemma3"] is None and r.eagle3_files["llama"] == "vllm/model_executor/models/llama.py"
-    assert r.metric_names == (readings.SPEC_DRAFTS, readings.SPEC_DRAFT_TOKENS, readings.SPEC_ACCEPTED,
-                              readings.SPEC_PER_POS)
-    assert r.per_request_flag == readings.PER_REQUEST_FLAG and r.template_kwargs_flag == readings.TEMPLATE_KWARGS_FLAG
+    assert r.metric_names == (metrics.SPEC_DRAFTS, metrics.SPEC_DRAFT_TOKENS, metrics.SPEC_ACCEPTED,
+                              metrics.SPEC_PER_POS)
+    assert r.per_request_flag == metrics.PER_REQUEST_FLAG and r.template_kwargs_flag == readings.TEMPLATE_KWARGS_FLAG
     assert r.flag_aliases == readings.FLAG_ALIASES and r.engine == "vLLM 0.33.0"
     assert r.norm_defaults == readings.read_served({"speculators_model_type": "eagle3"}).norms  # missing flags
     assert readings.to_ids([2, 15, 27], 30, "llama") == [2, 15, 27]  # readings.py's functions take no version

@@ -40,18 +40,17 @@ def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: st
 # ---------------------------------------------------------------- served acceptance (doctor --engine-url)
 # ``eaglewire serve`` exports vLLM 0.33.0's speculative counters under its own prefix
 # (``eaglewire_spec_decode_num_drafts_total`` ..., serve/schemas.py Metrics) and, with
-# --per-request-spec-decode-metrics, vLLM's per-request ``metrics.speculative_decoding``: vLLM's
-# reader reads it.
+# --per-request-spec-decode-metrics, vLLM's per-request ``metrics.speculative_decoding``: the reader of that
+# shape (engines/spec_decode_metrics.py) reads it.
 
 METRICS_PREFIX = "eaglewire_"
 
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy completions of ``prompts`` from ``eaglewire serve`` at ``url`` and what it accepted."""
-    from eaglewire.engines.vllm.readings import measure_served as vllm_measure_served
+    from eaglewire.engines.spec_decode_metrics import measure_served as measure
 
-    return vllm_measure_served(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout,
-                               prefix=METRICS_PREFIX, engine=NAME)
+    return measure(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout, prefix=METRICS_PREFIX, engine=NAME)
 
 
 def served_version(url: str) -> str | None:

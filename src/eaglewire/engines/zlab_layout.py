@@ -32,8 +32,8 @@ def to_ids(boundaries: list[int], num_layers: int, arch: str | None) -> list[int
         if b == num_layers:
             raise EngineConventionError(
                 f"z-lab's format cannot express boundary {num_layers}: its id {num_layers - 1} reads HF "
-                f"hidden_states[{num_layers}], which is after the final norm, while SGLang, vLLM and llama.cpp read the "
-                "pre-norm state there. Retrain without it, or serve with vLLM (`--to vllm`) or eaglewire")
+                f"hidden_states[{num_layers}], which is after the final norm, while SGLang, vLLM and llama.cpp read "
+                "the pre-norm state there. Retrain without it, or serve with vLLM (`--to vllm`) or eaglewire")
     return [b - 1 for b in boundaries]
 
 

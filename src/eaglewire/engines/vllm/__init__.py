@@ -38,14 +38,6 @@ from eaglewire.engines.vllm.readings import (
     read_served,
     served_config_key,
     METRICS_PREFIX,
-    SPEC_DRAFTS,
-    SPEC_DRAFT_TOKENS,
-    SPEC_ACCEPTED,
-    SPEC_PER_POS,
-    PER_REQUEST_FLAG,
-    spec_counters,
-    request_spec_metrics,
-    complete_ids,
     measure_served,
     DFLASH_CITED,
     dflash_to_ids,
@@ -97,4 +89,4 @@ SPEC = EngineSpec(
                   d2t_reading="offsets"),
 )
 
-__all__ = ["NAME", "FORMAT_NAME", "VERSION", "PER_MODEL_FILE", "FILES", "WRAPPER_FILES", "file_for", "refusal", "to_ids", "to_boundaries", "read_notes", "cannot_feed", "config_fix", "ARCHITECTURE", "MODEL_TYPE", "NORM_FLAGS", "build_config", "parse_config", "read_ids", "id_readings", "num_aux", "to_speculators_names", "check_vocab_maps", "verifier_notes", "serving_md", "export_arch", "export", "reads_export", "FLAG_ALIASES", "detect_method", "lint_flags", "SERVED_CITED", "read_served", "served_config_key", "METRICS_PREFIX", "SPEC_DRAFTS", "SPEC_DRAFT_TOKENS", "SPEC_ACCEPTED", "SPEC_PER_POS", "PER_REQUEST_FLAG", "spec_counters", "request_spec_metrics", "complete_ids", "measure_served", "DFLASH_CITED", "dflash_to_ids", "dflash_to_boundaries", "lint_dflash_flags", "read_dflash_ids", "dflash_config_fix", "parse_dflash_config", "export_dflash", "TEMPLATE_KWARGS_FLAG", "launch_template_kwargs", "template_kwargs_fix", "SPEC"]
+__all__ = ["NAME", "FORMAT_NAME", "VERSION", "PER_MODEL_FILE", "FILES", "WRAPPER_FILES", "file_for", "refusal", "to_ids", "to_boundaries", "read_notes", "cannot_feed", "config_fix", "ARCHITECTURE", "MODEL_TYPE", "NORM_FLAGS", "build_config", "parse_config", "read_ids", "id_readings", "num_aux", "to_speculators_names", "check_vocab_maps", "verifier_notes", "serving_md", "export_arch", "export", "reads_export", "FLAG_ALIASES", "detect_method", "lint_flags", "SERVED_CITED", "read_served", "served_config_key", "METRICS_PREFIX", "measure_served", "DFLASH_CITED", "dflash_to_ids", "dflash_to_boundaries", "lint_dflash_flags", "read_dflash_ids", "dflash_config_fix", "parse_dflash_config", "export_dflash", "TEMPLATE_KWARGS_FLAG", "launch_template_kwargs", "template_kwargs_fix", "SPEC"]

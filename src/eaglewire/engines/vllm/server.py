@@ -34,7 +34,8 @@ from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSe
                                          needs_exporter)
 from eaglewire.engines.served_counts import ServedError, get_text, post_json, samples, total, log_tail, wait_healthy
 from eaglewire.engines.vllm.installation import INSTALL_HINT, Installation, VllmError, find, require
-from eaglewire.engines.vllm.readings import METRICS_PREFIX, spec_counters
+from eaglewire.engines.spec_decode_metrics import spec_counters
+from eaglewire.engines.vllm.readings import METRICS_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def allowed_cpus() -> list[int]:
 class Counters:
     """What ``/metrics`` says at one moment, of what ``GenerationStats`` needs."""
 
-    spec: dict[str, Any] | None  # readings.spec_counters: drafts, draft_tokens, accepted, per_pos
+    spec: dict[str, Any] | None  # spec_counters: drafts, draft_tokens, accepted, per_pos
     prefill_seconds: float | None  # the request histograms' sums
     decode_seconds: float | None
     requests: float | None  # requests the histograms have seen
@@ -172,7 +173,7 @@ class Counters:
     @classmethod
     def parse(cls, text: str) -> Counters:
         rows = samples(text)
-        return cls(spec=spec_counters(text), prefill_seconds=total(rows, PREFILL_SUM),
+        return cls(spec=spec_counters(text, METRICS_PREFIX), prefill_seconds=total(rows, PREFILL_SUM),
                    decode_seconds=total(rows, DECODE_SUM), requests=total(rows, REQUESTS))
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+import eaglewire.engines.spec_decode_metrics as metrics
 import eaglewire.engines.vllm.readings as readings
 
 READINGS = ("0.32.0", "0.33.0")  # releases with a recorded reading, oldest first
@@ -107,9 +108,9 @@ def _recorded(version: str) -> Reading:
                                         "norm_output": False}),
         num_aux_default=3,
         metrics_prefix=readings.METRICS_PREFIX,
-        metric_names=(readings.SPEC_DRAFTS, readings.SPEC_DRAFT_TOKENS, readings.SPEC_ACCEPTED, readings.SPEC_PER_POS),
+        metric_names=(metrics.SPEC_DRAFTS, metrics.SPEC_DRAFT_TOKENS, metrics.SPEC_ACCEPTED, metrics.SPEC_PER_POS),
         per_request_metrics=True,
-        per_request_flag=readings.PER_REQUEST_FLAG,
+        per_request_flag=metrics.PER_REQUEST_FLAG,
         speculative_flag="--speculative-config",
         flag_aliases=MappingProxyType(dict(readings.FLAG_ALIASES)),
         template_kwargs_flag=readings.TEMPLATE_KWARGS_FLAG,
