@@ -115,7 +115,7 @@ class Job:
             pass
 
 
-class EngineWorker:
+class DecodeWorker:
     """Runs admitted jobs through the decoder, one at a time, in order, on one thread: its own
     (``start``) or the caller's (``run``; what ``serve_app`` does)."""
 
@@ -130,10 +130,10 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         # own_thread False: the caller runs ``run()`` on the thread that loaded the models (serve_app)
-        self._thread = threading.Thread(target=self.run, name="eaglewire-engine", daemon=True) if own_thread else None
+        self._thread = threading.Thread(target=self.run, name="eaglewire-decode", daemon=True) if own_thread else None
 
     def start(self) -> None:
-        """Start the engine thread (once; later calls, or a worker whose caller runs it, do nothing)."""
+        """Start the decoding thread (once; later calls, or a worker whose caller runs it, do nothing)."""
         if self._thread is not None and self._thread.ident is None:
             self._thread.start()
 
@@ -158,7 +158,7 @@ class EngineWorker:
         self._jobs.put(job)
 
     def cancel(self, job: Job) -> None:
-        """Free the job's slot now; the engine stops it after the current round. Idempotent."""
+        """Free the job's slot now; the worker stops it after the current round. Idempotent."""
         job.cancelled.set()
         self._release(job)
 
@@ -193,7 +193,7 @@ class EngineWorker:
                 job.started = True
             try:
                 self._generate(job)
-            except Exception as e:  # the engine failed on this request; keep serving the next
+            except Exception as e:  # decoding failed on this request; keep serving the next
                 log.exception("generation failed")
                 self._release(job)
                 job.emit(Failed(500, f"generation failed: {type(e).__name__}: {e}"))
@@ -254,7 +254,7 @@ class _Service:
     """What the routes do: parse and tokenize a request, admit it, then answer it whole or as a
     stream of chunks."""
 
-    def __init__(self, decoder: SpecDecoder, model_name: str, max_context: int, worker: EngineWorker) -> None:
+    def __init__(self, decoder: SpecDecoder, model_name: str, max_context: int, worker: DecodeWorker) -> None:
         self.target, self.model_name, self.max_context, self.worker = decoder.target, model_name, max_context, worker
         self.token_chars = max_token_chars(self.target.tokenizer)
         # One thread: a fast tokenizer used from two threads at once can fail ("Already borrowed").
@@ -427,7 +427,7 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
         raise ValueError("the target has no tokenizer; load it with eaglewire.model.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
     metrics = Metrics(decoder.spec.num_steps + 1 if decoder.draft is not None else 1, ROUTES)
-    worker = EngineWorker(decoder, max_queue, metrics, own_thread=engine_thread,
+    worker = DecodeWorker(decoder, max_queue, metrics, own_thread=engine_thread,
                           per_request_metrics=per_request_metrics)
     service = _Service(decoder, model_name, max_context, worker)
     created = int(time.time())
@@ -491,7 +491,7 @@ class Server(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.graceful_timeout is not None:
-            worker: EngineWorker = self.config.app.state.worker
+            worker: DecodeWorker = self.config.app.state.worker
             message = (f"the server shut down before this request finished (--graceful-timeout "
                        f"{self.graceful_timeout:g} s)")
             asyncio.get_running_loop().call_later(self.graceful_timeout, worker.end_all, message)
@@ -552,7 +552,7 @@ def serve_app(server: Server, sockets: list[socket.socket] | None = None) -> boo
     on 2 cores a one-row 576x1536 GEMM takes 2-3x as long on a second thread as on the first
     (benchmarks/engine_thread.py), and speculative serving was 54.8 ms/token instead of 40.3.
     """
-    worker: EngineWorker = server.config.app.state.worker
+    worker: DecodeWorker = server.config.app.state.worker
     on_main = threading.current_thread() is threading.main_thread()
 
     def on_signal(sig: int, frame) -> None:
