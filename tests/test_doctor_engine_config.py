@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.serving import read_fields
 from eaglewire.engines import export_draft
-from eaglewire.engines import sglang, vllm
+from eaglewire.engines import sglang, speculators_format, vllm
 from eaglewire.engines.served_draft import as_served, mismatches
 from eaglewire.model.checkpoint import load_draft
 from test_formats import make_native
@@ -67,9 +67,9 @@ def test_correct_exports_read_as_trained_on_every_target_model_file(tmp_path, en
 def test_the_draft_as_served_with_norm_before_residual_computes_otherwise(chat_tiny_target, tmp_path):
     draft, _, _ = load_draft(make_native(tmp_path / "n", chat_tiny_target, [2, 4, 6]))
     served = vllm.read_served({"speculators_model_type": "eagle3", "transformer_layer_config": {
-        **json.loads(json.dumps(vllm.build_config(draft.config, [2, 4, 6], verifier_name=None,
-                                                  verifier_architecture="LlamaForCausalLM", num_steps=3,
-                                                  dtype="float32")["transformer_layer_config"]))},
+        **json.loads(json.dumps(speculators_format.build_config(draft.config, [2, 4, 6], verifier_name=None,
+                                                                verifier_architecture="LlamaForCausalLM", num_steps=3,
+                                                                dtype="float32")["transformer_layer_config"]))},
         "draft_vocab_size": draft.config.draft_vocab_size, "target_hidden_size": draft.config.target_hidden_size})
     found = mismatches(served, draft.config)
     assert [m.field for m in found] == ["norm_before_residual"] and 'write "norm_before_residual": false' in found[0].fix

@@ -21,7 +21,7 @@ from eaglewire.engines.sglang import FILES as SGLANG_FILES
 from eaglewire.engines.vllm import FILES as VLLM_FILES
 from eaglewire.model.draft import DraftConfig
 from eaglewire.engines import sglang as sglang_format
-from eaglewire.engines import vllm as speculators_format
+from eaglewire.engines import speculators_format, vllm
 
 pytestmark = pytest.mark.engines
 
@@ -381,9 +381,9 @@ def test_vllm_reads_both_eaglewire_exports_and_sizes_fc(wheels, bounds):
              {"self": stub, "getattr": getattr, "len": len})
         return stub.num_aux_hidden_states
 
-    assert fc_states(spec_config) == len(bounds) == speculators_format.num_aux(spec_config)
+    assert fc_states(spec_config) == len(bounds) == vllm.num_aux(spec_config)
     del spec_config["transformer_layer_config"]["num_aux_hidden_states"]
-    assert fc_states(spec_config) == 3 == speculators_format.num_aux(spec_config)  # why eaglewire writes it
+    assert fc_states(spec_config) == 3 == vllm.num_aux(spec_config)  # why eaglewire writes it
     # the SGLang export: vLLM reads its top-level ids, which eaglewire writes for it
     sg_ids = to_engine(bounds, L, "sglang", target_arch="llama") if L not in bounds else None
     if sg_ids is not None:
@@ -393,5 +393,5 @@ def test_vllm_reads_both_eaglewire_exports_and_sizes_fc(wheels, bounds):
         del sg_config["eagle_aux_hidden_state_layer_ids"]  # without them: V1 verbatim (one off), V2 default
         got = ids_of(sg_config)
         assert list(got["v1"]) == sg_ids and got["v2"] is None
-        readings = speculators_format.id_readings(sg_config)
+        readings = vllm.id_readings(sg_config)
         assert list(readings.values()) == [None, sg_ids]  # the doctor's reader agrees with both runners

@@ -1,7 +1,7 @@
 """llama.cpp's EAGLE-3 format: a GGUF draft made by llama.cpp's own converter.
 
-``convert_hf_to_gguf.py SPECULATORS_DIR --target-model-dir TARGET`` reads the speculators
-(vLLM) export and writes architecture ``eagle3`` with ``eagle3.target_layers`` (llama.cpp's
+``convert_hf_to_gguf.py SPECULATORS_DIR --target-model-dir TARGET`` reads a directory in the
+speculators layout (engines/speculators_format.py, the one vLLM loads) and writes architecture ``eagle3`` with ``eagle3.target_layers`` (llama.cpp's
 ``extract_layers``: it copies the *input* of layer i for id i, so ids are boundaries verbatim,
 exactly 3), ``eagle3.target_hidden_size`` and the norm flags. The export runs that converter
 with the tree's own gguf-py, reads the GGUF back with the ``gguf`` package and refuses a file
@@ -27,12 +27,12 @@ from dataclasses import replace
 import torch
 
 from eaglewire.model.checkpoint import DraftFiles
-import eaglewire.engines.vllm as vllm
-from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice
+from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice, finish
 import eaglewire.engines.llamacpp.installation as engine
 from eaglewire.engines.llamacpp.readings import (DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES,
                                                  dflash_to_ids, to_ids)
 from eaglewire.engines.shared import FormatError
+import eaglewire.engines.speculators_format as speculators
 from eaglewire.core.fileio import atomic_path, atomic_write_text
 from eaglewire.core.presets import cache_dir
 
@@ -243,10 +243,20 @@ def serving_md(*, target_gguf: str, draft_gguf: str, boundaries: list[int], ids:
     return "\n".join(lines)
 
 
+def converter_input_md(boundaries: list[int], target_dir: Path) -> str:
+    """SERVING.md of the converter's input, ``out/speculators`` (kept beside the GGUF it was converted into)."""
+    return "\n".join([
+        "# The input of llama.cpp's converter for this draft", "",
+        f"speculators' EAGLE-3 layout: `eagle_aux_hidden_state_layer_ids` {json.dumps(boundaries)} are the draft's "
+        f"boundaries. llama.cpp's converter (build {engine.BUILD}) read it with `--target-model-dir {target_dir}` "
+        "into the draft GGUF beside this folder; serve that one (../SERVING.md). For vLLM, export the native draft "
+        "with `eaglewire export --to vllm`, whose SERVING.md gives vLLM's own launch command and checks.", ""])
+
+
 def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
            allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings) -> ExportReport:
     """Write ``draft-<outtype>.gguf`` (and ``target-<target_outtype>.gguf``, a link to the cached
-    conversion) plus ``SERVING.md`` into ``out``; the speculators export it is converted from
+    conversion) plus ``SERVING.md`` into ``out``; the speculators directory it is converted from
     stays in ``out/speculators``. ``config.target_path``: the target's directory or .gguf
     (default: the one the draft records). Raises EngineConventionError for a layout llama.cpp
     cannot feed, FormatError when the written GGUF does not carry the contract's layers."""
@@ -261,12 +271,13 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
         from eaglewire.model.target import load_target
 
         target = load_target(spec, device="cpu", dtype="fp32")  # its embedding goes into the speculators export
-    spec_report = vllm.export(draft, "vllm", out / "speculators",
-                              replace(config, verifier_name=config.verifier_name or str(target_dir)),
-                              target=target, allow=allow, others=others)
+    staged = out / "speculators"
+    _, notes = speculators.write(draft, staged, replace(config, verifier_name=config.verifier_name or str(target_dir)),
+                                 engine=f"llama.cpp {engine.BUILD} converter", arch=None, target=target, allow=allow,
+                                 serving=lambda _: converter_input_md(bounds, target_dir))
     architecture = contract.target.architecture
     outtype, target_outtype = config.outtype, config.target_outtype
-    draft_file = convert_draft(tree, out / "speculators", out / f"draft-{outtype}.gguf", outtype,
+    draft_file = convert_draft(tree, staged, out / f"draft-{outtype}.gguf", outtype,
                                target_dir=target_dir, architecture=architecture)
     meta = read_gguf_metadata(draft_file)
     problem = layout_problem(meta, bounds, L, target_hidden_size=contract.target.hidden_size, where=str(draft_file))
@@ -293,8 +304,8 @@ def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, targ
         {"contract": contract.to_dict(), "exported_from": str(draft.path), "extract_layers": ids,
          "draft_gguf": draft_file.name, "outtype": outtype, "llamacpp_build": engine.BUILD}, indent=2))
     files += ["SERVING.md", "eaglewire-export.json"]
-    return ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
-                        notes=spec_report.notes)
+    return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
+                               notes=notes))
 
 
 # ------------------------------------------------------------------ DFlash

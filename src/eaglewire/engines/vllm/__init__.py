@@ -1,5 +1,5 @@
-"""vLLM, one package: its readings (ids per version x model file, the speculators format, export, lint,
-served fields and counters) in ``readings.py``; for running it here, ``installation.py`` (its own venv) and
+"""vLLM, one package: its readings (ids per version x model file, how it reads the speculators format, export,
+lint, served fields and counters) in ``readings.py``; for running it here, ``installation.py`` (its own venv) and
 ``server.py`` (a ``vllm serve`` process)."""
 
 from eaglewire.engines.vllm.readings import (
@@ -16,17 +16,10 @@ from eaglewire.engines.vllm.readings import (
     read_notes,
     cannot_feed,
     config_fix,
-    ARCHITECTURE,
-    MODEL_TYPE,
-    NORM_FLAGS,
-    build_config,
     parse_config,
     read_ids,
     id_readings,
     num_aux,
-    to_speculators_names,
-    check_vocab_maps,
-    verifier_notes,
     serving_md,
     export_arch,
     export,
@@ -89,4 +82,4 @@ SPEC = EngineSpec(
                   d2t_reading="offsets"),
 )
 
-__all__ = ["NAME", "FORMAT_NAME", "VERSION", "PER_MODEL_FILE", "FILES", "WRAPPER_FILES", "file_for", "refusal", "to_ids", "to_boundaries", "read_notes", "cannot_feed", "config_fix", "ARCHITECTURE", "MODEL_TYPE", "NORM_FLAGS", "build_config", "parse_config", "read_ids", "id_readings", "num_aux", "to_speculators_names", "check_vocab_maps", "verifier_notes", "serving_md", "export_arch", "export", "reads_export", "FLAG_ALIASES", "detect_method", "lint_flags", "SERVED_CITED", "read_served", "served_config_key", "METRICS_PREFIX", "measure_served", "DFLASH_CITED", "dflash_to_ids", "dflash_to_boundaries", "lint_dflash_flags", "read_dflash_ids", "dflash_config_fix", "parse_dflash_config", "export_dflash", "TEMPLATE_KWARGS_FLAG", "launch_template_kwargs", "template_kwargs_fix", "SPEC"]
+__all__ = ["NAME", "FORMAT_NAME", "VERSION", "PER_MODEL_FILE", "FILES", "WRAPPER_FILES", "file_for", "refusal", "to_ids", "to_boundaries", "read_notes", "cannot_feed", "config_fix", "parse_config", "read_ids", "id_readings", "num_aux", "serving_md", "export_arch", "export", "reads_export", "FLAG_ALIASES", "detect_method", "lint_flags", "SERVED_CITED", "read_served", "served_config_key", "METRICS_PREFIX", "measure_served", "DFLASH_CITED", "dflash_to_ids", "dflash_to_boundaries", "lint_dflash_flags", "read_dflash_ids", "dflash_config_fix", "parse_dflash_config", "export_dflash", "TEMPLATE_KWARGS_FLAG", "launch_template_kwargs", "template_kwargs_fix", "SPEC"]
