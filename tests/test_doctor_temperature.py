@@ -16,7 +16,9 @@ from eaglewire.doctor.measure import Sequence
 from eaglewire.doctor.report import DoctorReport
 from eaglewire.doctor.sampling import (check_sampling, reply_spans, sampled_acceptance, served_temperature,
                                        traffic_temperature)
-from eaglewire.engines.sampling_defaults import llamacpp_temperature, sglang_temperature, vllm_temperature
+from eaglewire.engines.llamacpp import launch_temperature as llamacpp_temperature
+from eaglewire.engines.sglang import launch_temperature as sglang_temperature
+from eaglewire.engines.vllm import launch_temperature as vllm_temperature
 
 LAYOUT = [2, 4, 5]
 STEPS = 3

@@ -85,3 +85,16 @@ def test_served_metrics_are_read_as_prometheus_text():
             'llamacpp:spec_decode_num_drafts_total 17 1700000000000\n'
             'llamacpp:requests{state="in flight"} 2\n')
     assert llamacpp.parse_metrics(text) == {"spec_decode_num_drafts_total": 17.0, 'requests{state="in flight"}': 2.0}
+
+
+def test_each_engine_samples_by_its_own_spec_and_eaglewires_rule_stands_in():
+    """The doctor asks an engine's ``sampling`` for its acceptance rule and launch temperature, never a table by name."""
+    assert engines.sampling_of("speculators") is engines.get("vllm").sampling
+    assert engines.sampling_of("vllm").launch_temperature is vllm.launch_temperature
+    assert engines.sampling_of("llamacpp").launch_temperature("--temp 0.7", None).value == 0.7
+    assert "SGLang" in engines.sampling_of("sglang").acceptance_rule
+    own = engines.get("eaglewire").sampling
+    assert own.launch_temperature is None and "sampling_verify" in own.acceptance_rule
+    assert engines.sampling_of("specforge") is own  # no rule read: eaglewire's
+    with pytest.raises(ValueError, match="'tensorrt' is not one of"):
+        engines.sampling_of("tensorrt")

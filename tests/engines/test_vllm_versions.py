@@ -21,7 +21,6 @@ import test_engine_fields
 import test_engine_readings
 import test_served_readings
 from eaglewire.core.contract import TARGET_ARCHS
-from eaglewire.engines import sampling_defaults
 from eaglewire.engines import spec_decode_metrics as metrics
 from eaglewire.engines.vllm import readings
 from eaglewire.engines.vllm.versions import NEWEST, READINGS, RECORDED, Reading, reading_for, version_line
@@ -264,7 +263,7 @@ def test_the_dflash_reading_is_recorded(release, dflash_draft, tmp_path):
 
 @engines
 def test_the_generation_config_defaults_are_recorded(release, tmp_path):
-    """get_diff_sampling_param run from the wheel on stubs, against sampling_defaults.vllm_temperature."""
+    """get_diff_sampling_param run from the wheel on stubs, against the vllm engine's launch_temperature."""
     reading, w = release
     model = w["vllm"].text("vllm/config/model.py")
     assert f'generation_config: str = "{reading.generation_config_default}"' in model
@@ -283,5 +282,5 @@ def test_the_generation_config_defaults_are_recorded(release, tmp_path):
                                try_get_generation_config=lambda s=source: (
                                    json.loads((files[s] / "generation_config.json").read_text())))
         theirs = diff(stub).get("temperature")
-        ours = sampling_defaults.vllm_temperature(flags, tmp_path)
+        ours = readings.launch_temperature(flags, tmp_path)
         assert (None if ours is None else ours.value) == theirs, flags

@@ -64,7 +64,7 @@ from eaglewire.acceptance.trace import DraftTrace, trace_blocks, trace_text
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.traffic import REQUEST_KEYS, parse_prompt, traffic_records
 from eaglewire.engines.interface import PATH_RULE
-from eaglewire.engines.sampling_defaults import LAUNCH_READERS, Temperature, acceptance_rule, temperature_value
+from eaglewire.engines.sampling_defaults import Temperature, temperature_value
 from eaglewire.model.dflash_blocks import is_block_draft
 
 NAME = "sampling"
@@ -104,15 +104,15 @@ def traffic_temperature(path: str | Path, limit: int) -> Temperature | None:
 
 def served_temperature(config: Any) -> Temperature | None:
     """``--temperature``, else the traffic's requests, else the engine's launch flags and the target's
-    generation config (``LAUNCH_READERS``); None when nothing says. ValueError naming the source for a
-    value that is not a temperature."""
+    generation config (the engine's ``sampling.launch_temperature``); None when nothing says. ValueError naming
+    the source for a value that is not a temperature."""
     if config.temperature is not None:
         return Temperature(float(config.temperature), "--temperature")
     if config.traffic:
         found = traffic_temperature(config.traffic, config.traffic_prompts)
         if found is not None:
             return found
-    reader = LAUNCH_READERS.get(engines.canonical(config.engine))
+    reader = engines.sampling_of(config.engine).launch_temperature
     target_dir = Path(config.target).expanduser()
     return reader(config.engine_flags or "", target_dir if target_dir.is_dir() else None) if reader else None
 
@@ -210,15 +210,16 @@ def check_sampling(report: DoctorReport, config: Any, target, draft, layout: lis
     got = sampled_acceptance(target, draft, layout, sequences, steps=steps, temperature=found.value,
                              engine=config.engine)
     engine = engines.canonical(config.engine)
+    rule = engines.sampling_of(engine).acceptance_rule
     report.sampling = {"temperature": found.value, "source": found.source, "chain": got.chain,
                        "sampled_tau": got.tau, "greedy_tau": got.greedy_tau, "rounds": got.rounds,
-                       "sequences": got.sequences, "rule": acceptance_rule(engine)}
+                       "sequences": got.sequences, "rule": rule}
     if got.rounds == 0:
         return report.add(Check(NAME, "skip", f"users sample at T {found.value:g} (from {found.source}); no "
                                 f"held-out reply is long enough for a chain of {got.chain}", notes,
                                 fix="raise --max-length"))
     evidence = [f"expected τ 1 + Σ_k Π_(j<=k) p_T(x_j) of a greedy chain of {got.chain}, accepted by "
-                f"{acceptance_rule(engine)}, over {got.rounds:,} round starts on the training-time "
+                f"{rule}, over {got.rounds:,} round starts on the training-time "
                 f"unroll of {got.sequences} held-out sequences; greedy: the same rounds at T 0",
                 *notes,
                 "acc@0, the acceptance check's τ, --engine-url's served τ and the speed ranking are greedy; "

@@ -7,7 +7,7 @@ error instead of a silent adjustment.
 from __future__ import annotations
 
 from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags
-from eaglewire.engines.interface import EngineSpec, IdReading, Linter
+from eaglewire.engines.interface import EngineSpec, IdReading, Linter, Sampling
 
 NAME = "eaglewire"
 
@@ -67,8 +67,11 @@ def judged(served: str | None) -> tuple[str, str]:
             + ("" if served in (None, __version__) else ": another eaglewire version serves, whose reading may differ"))
 
 
+ACCEPTANCE_RULE = "eaglewire's sampling_verify (a chain's token accepted with p_T(x))"  # decode/verify.py
+
 SPEC = EngineSpec(
     name=NAME, measure=measure_served, in_process=True, served_version=served_version, judged=judged,
+    sampling=Sampling(acceptance_rule=ACCEPTANCE_RULE),
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags),
 )

@@ -12,6 +12,7 @@ and ``registry.py`` lists the specs. An ability is a field that is set (``spec.e
 | measure    | a running server's own account of what it accepted              | ``doctor --engine-url``     |
 | runtime    | eaglewire installs/finds it, launches it at a shape, stops it    | ``bench``, ``tune``         |
 | stated_costs | ranked from a stated cost model (GPU engines)                  | ``tune``                    |
+| sampling   | how it accepts a sampled draft token; its temperature at launch  | ``doctor --temperature``    |
 
 ``Runtime`` and ``RunningServer`` are the protocol of an engine that runs on this machine; eaglewire's
 own engine runs in process and has none (bench and tune call it directly).
@@ -102,6 +103,17 @@ class Linter:
     norm_flags: tuple[str, ...] = ()  # the norm flags it reads from a draft's config (it computes with those only)
     d2t_reading: str | None = None  # how it reads d2t: "offsets" (target id = draft id + d2t) or "ids" (absolute)
     field_fix: str | None = None  # the one fix for any field it reads otherwise (llama.cpp: re-export the GGUF)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How an engine samples (``doctor --temperature``): the rule it accepts a drafted token by, and where its
+    default temperature comes from when requests send none."""
+
+    acceptance_rule: str  # the rule in words, with the released code it was read from
+    # (launch flags, the target's directory or None) -> the temperature they make it sample at, None where they
+    # say nothing (engines/sampling_defaults.py's Temperature)
+    launch_temperature: Callable[[str, "Path | None"], Any] | None = None
 
 
 # ---------------------------------------------------------------- engines that run here
@@ -304,6 +316,7 @@ class EngineSpec:
     block_follows_shape: bool = False  # it runs a DFlash block of n_max + 1 tokens, not the trained block
     in_process: bool = False  # eaglewire's own engine: run in this process (bench, tune), no server to launch
     capturer: Capturer | None = None  # it captures hidden states for prepare
+    sampling: Sampling | None = None  # how it samples (None: not read; the doctor takes eaglewire's)
 
     def can(self, ability: Ability) -> bool:
         if not isinstance(ability, Ability):

@@ -21,7 +21,7 @@ from eaglewire.engines.specforge import SPEC as SPECFORGE
 from eaglewire.engines.vllm import SPEC as VLLM
 from eaglewire.engines.export import ExportConfig, ExportReport
 from eaglewire.engines.importing import ImportReport, import_checkpoint, import_dflash, is_dflash_dir
-from eaglewire.engines.interface import Ability, EngineSpec, IdReading
+from eaglewire.engines.interface import Ability, EngineSpec, IdReading, Sampling
 from eaglewire.engines.shared import FormatError
 
 Engine = EngineSpec
@@ -57,6 +57,12 @@ def file_reader(suffix: str) -> EngineSpec:
     if not found:
         raise ValueError(f"no engine eaglewire knows loads a {suffix or 'suffix-less'} draft file")
     return found[0]
+
+
+def sampling_of(name: str) -> Sampling:
+    """How the engine called ``name`` (any name or alias) samples: its ``Sampling``, eaglewire's own where its
+    rule was not read."""
+    return get(name).sampling or EAGLEWIRE.sampling
 
 
 def canonical(name: str) -> str:

@@ -39,8 +39,9 @@ import eaglewire.engines.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       record, serving_dtype, verifier, write_export)
 from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags, resolve_abbreviation
-from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer, Linter
+from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer, Linter, Sampling
 from eaglewire.engines.model_file import ModelFile
+from eaglewire.engines.sampling_defaults import Temperature, generation_config_temperature
 from eaglewire.engines.shared import ARCHITECTURE, eagle_config_ids, llama_layer_config, parse_eagle3_config
 
 log = logging.getLogger(__name__)
@@ -735,6 +736,20 @@ def template_kwargs_fix(kwargs: dict[str, Any]) -> str:
     return f"{TEMPLATE_KWARGS_FLAG} '{json.dumps(kwargs, sort_keys=True)}'"
 
 
+# ---------------------------------------------------------------- sampling (doctor --temperature)
+
+ACCEPTANCE_RULE = ("SGLang 0.5.23's tree_speculative_sampling_target_only (thresholds 1.0: accepted when coin < "
+                   "p_T(x))")
+
+
+def launch_temperature(flags: str, target_dir: Path | None) -> Temperature | None:
+    """SGLang 0.5.23: the model's generation config under ``--sampling-defaults model`` (its default;
+    sglang/srt/arg_groups/fields/serving.py), for chat completions."""
+    if parse_flags(flags).get("--sampling-defaults", "model") != "model":
+        return None
+    return generation_config_temperature(target_dir, "SGLang chat completions (--sampling-defaults model)")
+
+
 SPEC = EngineSpec(
     name=NAME, version=VERSION, stated_costs=True, measure=measure_served, reads_export=reads_export,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids, read_notes=read_notes,
@@ -742,6 +757,7 @@ SPEC = EngineSpec(
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries, read_ids=read_dflash_ids),
     exporter=Exporter(export=export, export_dflash=export_dflash),
     importer=Importer(parse_config=parse_config),
+    sampling=Sampling(acceptance_rule=ACCEPTANCE_RULE, launch_temperature=launch_temperature),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, config_fix=config_fix,
                   dflash_config_fix=dflash_config_fix, read_served=read_served, served_config_key=served_config_key,
                   launch_template_kwargs=launch_template_kwargs, template_kwargs_fix=template_kwargs_fix,

@@ -14,7 +14,7 @@
 | served.py    | every field llama.cpp computes a draft GGUF with (its own token_embd, norm before fc, eps, RoPE) |
 """
 
-from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Linter
+from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Linter, Sampling
 from eaglewire.engines.llamacpp.dflash_export import export_dflash
 from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout_problem, draft_layers, export,
                                              gguf_tensor, layout_problem, vocab_problem,
@@ -27,7 +27,8 @@ from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_H
                                                 find_server, find_tree, install, require_server, require_tree,
                                                 server_build, server_record, source_dir, unpack_tree)
 from eaglewire.engines.llamacpp.smoke import SmokeFailed, smoke_run
-from eaglewire.engines.llamacpp.lint import (DEFAULT_N_MAX, TEMPLATE_KWARGS_FLAG, LlamaFlags, launch_template_kwargs,
+from eaglewire.engines.llamacpp.lint import (ACCEPTANCE_RULE, DEFAULT_N_MAX, TEMPLATE_KWARGS_FLAG, LlamaFlags,
+                                            launch_temperature, launch_template_kwargs,
                                             lint_dflash_flags, lint_flags, template_kwargs_fix)
 from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
                                                  NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
@@ -40,7 +41,7 @@ from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-
 __all__ = [
     "BuildPlan", "BuildRecord", "plan_for", "read_record", "server_record", "SmokeFailed", "smoke_run",
     "gguf_tensor", "vocab_problem",
-    "measure_served", "launch_template_kwargs", "template_kwargs_fix", "TEMPLATE_KWARGS_FLAG",
+    "measure_served", "ACCEPTANCE_RULE", "launch_temperature", "launch_template_kwargs", "template_kwargs_fix", "TEMPLATE_KWARGS_FLAG",
     "BUILD", "CONVERTER", "DEFAULT_N_MAX", "DRAFT_OUTTYPES", "EAGLE3_TARGET_ARCHS", "GGUF_ARCH", "HF_TO_LLAMACPP_ARCH",
     "INSTALL_HINT", "NAME", "NUM_AUX", "SDIST", "SERVER", "TARGET_OUTTYPES", "Installation", "LlamaCppError", "LlamaFlags",
     "LlamaServer", "ServerConfig", "build_server", "built_server", "chain_config", "complete", "converter_target_dir",
@@ -106,6 +107,7 @@ SPEC = EngineSpec(
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries),
     exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),
+    sampling=Sampling(acceptance_rule=ACCEPTANCE_RULE, launch_temperature=launch_temperature),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, launch_template_kwargs=launch_template_kwargs,
                   template_kwargs_fix=template_kwargs_fix, template_kwargs_flag=TEMPLATE_KWARGS_FLAG,
                   refusal=refusal, serving_checks=doctor_serving, read_draft_file=doctor_fields,

@@ -3,11 +3,13 @@ ignore or refuse."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, field
 
 from eaglewire.engines.flags import parse_flags
 from eaglewire.engines.llamacpp.installation import BUILD
+from eaglewire.engines.sampling_defaults import Temperature
 
 # flag -> what replaced it (removed at this build: llama-server exits on them)
 REMOVED_FLAGS = {"--draft": "--spec-draft-n-max", "--draft-n": "--spec-draft-n-max", "--draft-max": "--spec-draft-n-max",
@@ -153,3 +155,27 @@ def template_kwargs_fix(kwargs: dict) -> str:
     if rest or not parts:
         parts.append(f"{TEMPLATE_KWARGS_FLAG} '{json.dumps(rest if parts else kwargs, sort_keys=True)}'")
     return " ".join(parts)
+
+
+# ---------------------------------------------------------------- sampling (doctor --temperature)
+# common/sampling.cpp at this build: the target samples each position and a drafted token is kept when it equals
+# the sample.
+ACCEPTANCE_RULE = ("llama.cpp b11434's common_sampler_sample_and_accept_n (the target samples, accepted when "
+                   "equal)")
+
+
+def launch_temperature(flags: str, target_dir: Path | None) -> Temperature | None:
+    """llama-server's ``--temp`` / ``--temperature N`` (b11434 common/arg.cpp: ``std::max(stof(N), 0)``;
+    the last one given wins, as its argument loop sets it each time)."""
+    args = parse_flags(flags)
+    given = [f for f in args if f in ("--temp", "--temperature")]
+    if not given:
+        return None
+    raw = args[given[-1]]
+    try:
+        value = max(float(raw), 0.0)  # llama.cpp clamps a negative temperature to 0 (greedy)
+    except ValueError:
+        raise ValueError(f"--engine-flags {given[-1]} {raw!r} is not a number (llama-server refuses it)") from None
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"--engine-flags {given[-1]} {raw!r} is not a temperature")
+    return Temperature(value, f"llama-server's {given[-1]} in --engine-flags")

@@ -41,10 +41,12 @@ from eaglewire.engines.vllm.readings import (
     parse_dflash_config,
     export_dflash,
     TEMPLATE_KWARGS_FLAG,
+    ACCEPTANCE_RULE,
+    launch_temperature,
     launch_template_kwargs,
     template_kwargs_fix,
 )
-from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Importer, Linter  # noqa: E402
+from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Importer, Linter, Sampling  # noqa: E402
 from eaglewire.engines.vllm.capture import CAPTURER  # noqa: E402
 from eaglewire.engines.vllm.server import RUNTIME, served_version  # noqa: E402
 from eaglewire.engines.vllm.versions import reading_for, version_line  # noqa: E402
@@ -73,6 +75,7 @@ SPEC = EngineSpec(
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries, read_ids=read_dflash_ids),
     exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),
     importer=Importer(parse_config=parse_config, parse_dflash_config=parse_dflash_config),
+    sampling=Sampling(acceptance_rule=ACCEPTANCE_RULE, launch_temperature=launch_temperature),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, config_fix=config_fix,
                   dflash_config_fix=dflash_config_fix, read_served=read_served, served_config_key=served_config_key,
                   launch_template_kwargs=launch_template_kwargs, template_kwargs_fix=template_kwargs_fix,
@@ -82,4 +85,4 @@ SPEC = EngineSpec(
                   d2t_reading="offsets"),
 )
 
-__all__ = ["NAME", "FORMAT_NAME", "VERSION", "PER_MODEL_FILE", "FILES", "WRAPPER_FILES", "file_for", "refusal", "to_ids", "to_boundaries", "read_notes", "cannot_feed", "config_fix", "parse_config", "read_ids", "id_readings", "num_aux", "serving_md", "export_arch", "export", "reads_export", "FLAG_ALIASES", "detect_method", "lint_flags", "SERVED_CITED", "read_served", "served_config_key", "METRICS_PREFIX", "measure_served", "DFLASH_CITED", "dflash_to_ids", "dflash_to_boundaries", "lint_dflash_flags", "read_dflash_ids", "dflash_config_fix", "parse_dflash_config", "export_dflash", "TEMPLATE_KWARGS_FLAG", "launch_template_kwargs", "template_kwargs_fix", "SPEC"]
+__all__ = ["NAME", "FORMAT_NAME", "VERSION", "PER_MODEL_FILE", "FILES", "WRAPPER_FILES", "file_for", "refusal", "to_ids", "to_boundaries", "read_notes", "cannot_feed", "config_fix", "parse_config", "read_ids", "id_readings", "num_aux", "serving_md", "export_arch", "export", "reads_export", "FLAG_ALIASES", "detect_method", "lint_flags", "SERVED_CITED", "read_served", "served_config_key", "METRICS_PREFIX", "measure_served", "DFLASH_CITED", "dflash_to_ids", "dflash_to_boundaries", "lint_dflash_flags", "read_dflash_ids", "dflash_config_fix", "parse_dflash_config", "export_dflash", "TEMPLATE_KWARGS_FLAG", "ACCEPTANCE_RULE", "launch_temperature", "launch_template_kwargs", "template_kwargs_fix", "SPEC"]

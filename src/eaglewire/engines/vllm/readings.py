@@ -29,6 +29,7 @@ from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings,
                                       load_export_target, record, serving_dtype, verifier, write_export)
 from eaglewire.engines.flags import Flags, as_int, parse_flexible
 from eaglewire.engines.model_file import ModelFile
+from eaglewire.engines.sampling_defaults import Temperature, generation_config_temperature, temperature_value
 from eaglewire.engines.shared import FormatError, parse_llama_layer
 import eaglewire.engines.speculators_format as speculators
 
@@ -638,6 +639,34 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
     files = write_export(out, engine_config, tensors, serving)
     return finish(ExportReport(format=fmt, out_dir=out, aux_boundaries=bounds, engine_ids=ids, files=files,
                                notes=notes))
+
+
+# ---------------------------------------------------------------- sampling (doctor --temperature)
+
+ACCEPTANCE_RULE = ("vLLM 0.33.0's rejection sampler with greedy drafts (draft_prob 1: accepted when p_T(x) >= "
+                   "uniform)")
+OWN_DEFAULTS = "vllm"  # --generation-config vllm: vLLM's own defaults, not the model's
+
+
+def launch_temperature(flags: str, target_dir: Path | None) -> Temperature | None:
+    """vLLM 0.33.0 (vllm/config/model.py ``get_diff_sampling_param``): ``--override-generation-config``'s
+    temperature over the generation config of ``--generation-config`` (auto: the model's; vllm: none; a
+    folder: its file)."""
+    args, _ = parse_flexible(flags, {})  # neither flag has a short alias in vLLM 0.33.0
+    override = args.get("--override-generation-config")
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError:
+            raise ValueError(f"--engine-flags --override-generation-config {override!r} is not a JSON object") from None
+    if isinstance(override, dict) and override.get("temperature") is not None:
+        value = temperature_value(override["temperature"], "--engine-flags --override-generation-config")
+        return Temperature(value, "vLLM's --override-generation-config in --engine-flags")
+    source = args.get("--generation-config", "auto")
+    if source == OWN_DEFAULTS:
+        return None
+    return generation_config_temperature(target_dir if source == "auto" else Path(source).expanduser(),
+                                         "vLLM (--generation-config " + ("auto" if source == "auto" else source) + ")")
 
 
 # ---------------------------------------------------------------- the chat template's switches at launch
