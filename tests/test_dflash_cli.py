@@ -13,7 +13,7 @@ from eaglewire.core.tokens import stop_token_ids
 from eaglewire.decode.text import encode_prompt
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.load import load_decoder
-from eaglewire.serve.app import create_app
+from eaglewire.serve.routes import create_app
 from servers import live_server
 from tiny import save_random_dflash_draft
 

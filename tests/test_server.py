@@ -32,7 +32,8 @@ from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings, encode_prompt
 from eaglewire.core.tokens import stop_token_ids
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
-from eaglewire.serve.app import ServeConfig, Server, add_serve_args, create_app, exit_status, serve_app
+from eaglewire.serve.app import ServeConfig, Server, add_serve_args, exit_status, serve_app
+from eaglewire.serve.routes import create_app
 from servers import live_server, loopback_server, wait_started
 
 MODEL = "tiny-chat"
@@ -327,13 +328,13 @@ def test_what_a_lenient_reader_takes(server):
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, chat_tiny_target, monkeypatch):
-    import eaglewire.serve.schemas as schemas
+    import eaglewire.serve.token_budget as token_budget
 
     calls = []
-    real = schemas.encode_prompt
-    monkeypatch.setattr(schemas, "encode_prompt", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = token_budget.encode_prompt
+    monkeypatch.setattr(token_budget, "encode_prompt", lambda *a, **k: calls.append(1) or real(*a, **k))
     context = client(server).models.list().data[0].max_model_len
-    token_chars = schemas.max_token_chars(chat_tiny_target.tokenizer)
+    token_chars = token_budget.max_token_chars(chat_tiny_target.tokenizer)
     assert token_chars is not None and token_chars > 1
     too_long = "a" * (context * token_chars)  # at least `context` tokens, whatever the tokenizer makes of it
     for path, body, param in [(COMPLETIONS, {"model": MODEL, "prompt": too_long}, "prompt"),
@@ -350,17 +351,17 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, chat_tiny
 
 def test_tokenizing_does_not_hold_up_the_server(server, monkeypatch):
     """A prompt being tokenized (a long one takes seconds) must not stall other requests."""
-    import eaglewire.serve.app as srv
+    import eaglewire.serve.routes as routes
 
     entered, release = threading.Event(), threading.Event()
-    real = srv.completion_prompt_ids
+    real = routes.completion_prompt_ids
 
     def slow(*args, **kwargs):
         entered.set()
         release.wait(20)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(srv, "completion_prompt_ids", slow)
+    monkeypatch.setattr(routes, "completion_prompt_ids", slow)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(client(server).completions.create, model=MODEL, prompt="hi", max_tokens=2)
         try:
@@ -705,7 +706,7 @@ def test_serve_flags_default_to_spec_config_and_are_checked():
 def test_logprobs_are_refused_by_both_request_models():
     from pydantic import ValidationError
 
-    from eaglewire.serve.schemas import ChatCompletionRequest, CompletionRequest
+    from eaglewire.serve.request_bodies import ChatCompletionRequest, CompletionRequest
 
     with pytest.raises(ValidationError, match="logprobs are not supported"):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)

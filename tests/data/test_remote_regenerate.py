@@ -289,7 +289,7 @@ def test_enable_thinking_is_sent_and_recorded(tmp_path, smollm2_tokenizer):
 @contextmanager
 def eaglewire_server(target: Target):
     from eaglewire.decode.engine import SpecDecoder
-    from eaglewire.serve.app import create_app
+    from eaglewire.serve.routes import create_app
 
     with live_server(create_app(SpecDecoder(target), model_name="tiny-chat")) as (url, _):
         yield url

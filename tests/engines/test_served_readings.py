@@ -102,7 +102,7 @@ def _vllm_field_names(wheels, path: str, cls: str) -> list[str]:
 def test_eaglewires_per_request_metrics_are_vllms(wheels):
     """The same rounds through eaglewire's builder and vLLM's accumulator give the same body."""
     from eaglewire.core.generation import GenerationStats
-    from eaglewire.serve.schemas import SpeculativeDecodingMetrics, spec_decoding_metrics
+    from eaglewire.serve.response_bodies import SpeculativeDecodingMetrics, spec_decoding_metrics
 
     assert list(SpeculativeDecodingMetrics.model_fields) == _vllm_field_names(
         wheels, "vllm/entrypoints/generate/base/protocol.py", "SpeculativeDecodingMetrics")
@@ -123,7 +123,7 @@ def test_eaglewires_per_request_metrics_are_vllms(wheels):
 def test_eaglewires_counters_are_vllms_names_under_its_prefix(wheels):
     """The counter names eaglewire's /metrics writes are vLLM's, with ``vllm:`` -> ``eaglewire_``."""
     from eaglewire.core.generation import GenerationStats
-    from eaglewire.serve.schemas import Metrics
+    from eaglewire.serve.metrics import Metrics
 
     registry = CollectorRegistry()
     prom, Stats = _vllm_prom(wheels, registry, num_spec_tokens=3)
