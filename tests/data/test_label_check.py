@@ -225,8 +225,10 @@ def test_import_refuses_a_shifted_last_state_and_keeps_the_partial(real_captures
     from eaglewire.model.target import resolve_target_path
 
     dirs, rows = real_captures
+    # identify_boundaries no: the label check's own refusal (the identification refuses this capture first,
+    # naming slot 2 as boundary 28: tests/test_import_boundaries.py)
     common = dict(layout="vllm", target=str(resolve_target_path("smollm2-135m")), boundaries=REAL_STORED,
-                  tokens=str(rows))
+                  tokens=str(rows), identify_boundaries="no")
     summary = import_data(ImportDataConfig(src=str(dirs["honest"]), out=str(tmp_path / "honest"), **common))
     assert (tmp_path / "honest").is_dir() and summary.sequences == 4
     with pytest.raises(LabelCheckError) as e:

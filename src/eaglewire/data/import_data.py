@@ -18,11 +18,20 @@ That needs the target's final norm weight (read alone, never the model), and is 
 manifest (``source.last_state``). ``--last-state pre-norm`` takes the state as boundary L as it is
 (vLLM's and speculators' default; for SpecForge, a final state captured before the norm). A wrong
 side fails the label check, which names the side that passes (``label_check.py``).
+
+The boundaries are checked too where the target can run (``--identify-boundaries``): before anything is
+written, the first samples' tokens go through the target and each stored state is matched against every
+boundary it captures (``boundary_match.py``); a state that is another boundary than ``--boundaries`` says
+(ids that number layer outputs taken as inputs: one layer off) refuses the import, naming the slots and the
+import line with the boundaries the states are. A target over ``IDENTIFY_MAX_BYTES`` is loaded only when asked.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import shlex
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,7 +40,9 @@ from typing import Any, Iterator
 
 import torch
 
+from eaglewire.core.configs import config_record
 from eaglewire.core.contract import HiddenStateContract, TargetFingerprint, validate_aux_boundaries, validate_boundaries
+from eaglewire.data import boundary_match
 from eaglewire.data.foreign import (LAYOUT_LAST_STATE, LAYOUTS, ForeignDataError, Sample, Skip, read_rows,
                                     read_specforge, read_speculators, read_vllm)
 from eaglewire.data.label_check import (LAST_STATES, POST_NORM, PRE_NORM, SKIP_HINT, LabelCheckError,
@@ -40,13 +51,15 @@ from eaglewire.data.shards import DTYPES, ShardDataset, ShardError, ShardWriter
 from eaglewire.data.state_codec import STATE_DTYPES, Storage
 from eaglewire.core.fileio import replace_dir
 from eaglewire.core.locks import directory_lock
-from eaglewire.model.target import Target
-from eaglewire.model.target_head import config_fingerprint, load_target_head, unnorm_weight
+from eaglewire.model.target import Target, load_target, resolve_target_path
+from eaglewire.model.target_head import config_fingerprint, load_target_head, tensor_locations, unnorm_weight
 
 log = logging.getLogger(__name__)
 
 # manifest source.last_hidden of shards without a boundary-L state (train and the head refuse them)
 ABSENT_LAST = "absent (zeros)"
+IDENTIFY = ("auto", "yes", "no")
+IDENTIFY_MAX_BYTES = 8 * 2**30  # --identify-boundaries auto loads a target up to this size (weights on disk)
 BOUNDARY_HELP = ("eaglewire boundary b = input of layer b (0 = embedding output, L = last layer before the "
                  "final norm). vLLM and speculators ids are boundaries verbatim; SpecForge id i is boundary i + 1")
 
@@ -85,6 +98,11 @@ class ImportDataConfig:
         "boundary L as is) or post-norm (after the final norm, HF's hidden_states[-1]: mapped back through the "
         "final norm, which needs the weights in --target). Default: the layout's (specforge post-norm, vllm and "
         "speculators pre-norm)"})
+    identify_boundaries: str = field(default="auto", metadata={"choices": IDENTIFY, "help":
+        "run the target on the first samples' tokens and match each stored state against every boundary it "
+        "captures; an import whose --boundaries name other layers than the states are is refused, with the line "
+        "that imports them right. auto: when --target holds weights of at most 8 GiB; yes: whatever their size "
+        "(the whole target is loaded); no: skip"})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -99,6 +117,8 @@ class ImportDataConfig:
                              "--no-last says the capture lacks; import with --labels hidden")
         if self.last_state is not None and self.last_state not in LAST_STATES:
             raise ValueError(f"--last-state {self.last_state!r} is not one of {', '.join(LAST_STATES)}")
+        if self.identify_boundaries not in IDENTIFY:
+            raise ValueError(f"--identify-boundaries {self.identify_boundaries!r} is not one of {', '.join(IDENTIFY)}")
         if self.last_state is not None and self.no_last:
             raise ValueError(f"--last-state {self.last_state} names the side of the final norm of a boundary-L "
                              "state that --no-last says the capture lacks; pass one of them")
@@ -269,14 +289,14 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
         raise ForeignDataError(f"--labels {config.labels} stores the target's top-K, computed by its head: --target "
                                f"{config.target} must hold the weights (only the embedding, final norm and lm_head "
                                "are read), or import with --labels hidden")
-    samples = _read(config, src)
+    first, samples = _peek(_read(config, src), boundary_match.SEQUENCES)
+    plan = make_plan(config, first[0], fingerprint.num_layers) if first else None
+    identified = _identify(config, plan, first, fingerprint, head_target) if plan else None
     skipped: Counter[str] = Counter()
     writer: ShardWriter | None = None
-    plan, added = None, 0
+    added = 0
     try:
         for item in samples:
-            if isinstance(item, Sample) and plan is None:
-                plan = make_plan(config, item, fingerprint.num_layers)
             rows = item if isinstance(item, Skip) else shard_rows(item, plan, fingerprint.hidden_size, scale)
             if isinstance(rows, Skip):
                 skipped[rows.reason] += 1
@@ -304,6 +324,8 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
     replace_dir(partial, out)
     notes = [f"fingerprint fields {unknown} are unknown (no weights/tokenizer in --target): train or doctor "
              f"with --allow-target-mismatch {','.join(unknown)}"] if unknown else []
+    if identified:
+        notes.append(identified)
     if plan.absent:
         notes.append(f"no boundary-L state: last_hidden is {ABSENT_LAST}; use doctor --stored --labels tokens")
     elif plan.last_state == POST_NORM:
@@ -336,7 +358,8 @@ def _writer(config: ImportDataConfig, partial: Path, plan: Plan, fingerprint: Ta
     source: dict[str, Any] = {
         "imported_from": str(src.resolve()), "layout": config.layout, "stored_boundaries": plan.stored,
         "last_hidden": _last_hidden_record(config.layout, plan, fingerprint.num_layers),
-        "target": config.target, "tokens": config.tokens, "fingerprint_unknown": unknown}
+        "target": config.target, "tokens": config.tokens, "fingerprint_unknown": unknown,
+        "import_config": config_record(config)}  # rebuilds the import line (doctor: a re-import that fixes it)
     if not plan.absent:
         source["last_state"] = plan.last_state  # the label check reads it (label_check.stored_last_state)
     head = None if head_target is None else (lambda h: head_target.head(h.to(head_target.dtype)))  # [n, H] -> [n, V]
@@ -368,3 +391,130 @@ def _check_labels(config: ImportDataConfig, partial: Path, out: Path, head: Targ
                        f"{partial} and import again {fix}" + ("" if check.norm_side_wrong else f"; {SKIP_HINT}"))
         raise error
     return None if check.verdict == "ok" else f"label check: {check.message}"
+
+
+# ------------------------------------------------------------------ which boundary each stored state is
+
+class BoundaryMismatchError(ForeignDataError):
+    """``--boundaries`` name other layers than the stored states are (``boundary_match.py``); nothing is written."""
+
+    def __init__(self, message: str, identification: boundary_match.Identification, command: str | None):
+        super().__init__(message)
+        self.identification, self.command = identification, command
+
+
+def _peek(items: Iterator[Sample | Skip], n: int) -> tuple[list[Sample], Iterator[Sample | Skip]]:
+    """(the first ``n`` samples, every item as if none were read)."""
+    items, held = iter(items), []
+    for item in items:
+        held.append(item)
+        if sum(isinstance(x, Sample) for x in held) == n:
+            break
+    return [x for x in held if isinstance(x, Sample)], itertools.chain(held, items)
+
+
+def _weight_bytes(spec: str) -> int:
+    return sum(p.stat().st_size for p in set(tensor_locations(resolve_target_path(spec)).values()))
+
+
+def _full_target(config: ImportDataConfig, head: Target | None) -> tuple[Target | None, str | None]:
+    """(the whole target to run, or None and why it is not loaded)."""
+    later = ("`eaglewire doctor --draft DRAFT --target TARGET --data OUT` (not --stored) matches the stored states "
+             "against the target where it runs")
+    if head is None and config.identify_boundaries == "yes":
+        raise ForeignDataError(f"--identify-boundaries yes runs the target on the first samples' tokens: --target "
+                               f"{config.target} holds no weights; pass a model directory with them")
+    if head is None:
+        return None, ("boundaries not identified: --target holds no weights, and telling which boundary each stored "
+                      f"state is runs the target on the first samples' tokens; {later}")
+    size = _weight_bytes(config.target)
+    if config.identify_boundaries == "auto" and size > IDENTIFY_MAX_BYTES:
+        return None, (f"boundaries not identified: the target's weights are {size / 2**30:.1f} GiB, loaded only when "
+                      f"asked: import with --identify-boundaries yes (the whole target runs on "
+                      f"{boundary_match.SEQUENCES} samples' tokens), or {later}")
+    log.info("loading target %s (%.1f GiB) to identify the stored states' boundaries", config.target, size / 2**30)
+    return load_target(config.target), None
+
+
+def _identify(config: ImportDataConfig, plan: Plan, first: list[Sample], fingerprint: TargetFingerprint,
+              head: Target | None) -> str | None:
+    """The first samples' stored states against every boundary of the target run on their tokens: raises
+    ``BoundaryMismatchError`` where ``--boundaries`` name other layers; else a note for the summary."""
+    if config.identify_boundaries == "no":
+        return None
+    L, H, n = fingerprint.num_layers, fingerprint.hidden_size, len(plan.stored)
+    # a post-norm boundary-L slot is no boundary (the label check judges it); SpecForge's is not among the slots
+    slots = [j for j, b in enumerate(plan.stored) if not (b == L and plan.last_state == POST_NORM)]
+    usable = [s for s in first if s.input_ids.ndim == 1 and list(s.states.shape) == [len(s.input_ids), n, H]
+              and len(s.input_ids) and bool(torch.isfinite(s.states.float()).all())
+              and 0 <= int(s.input_ids.min()) and int(s.input_ids.max()) < fingerprint.vocab_size]
+    if not slots or not usable:
+        return None
+    target, why = _full_target(config, head)
+    if target is None:
+        return why
+    found = boundary_match.identify(target, [(s.input_ids.tolist(), s.states[:, slots]) for s in usable],
+                                    [plan.stored[j] for j in slots], slots=slots)
+    del target
+    if found.ok:
+        if found.unmatched():
+            return ("boundaries not confirmed: some stored states are no boundary of the target run here (another "
+                    f"precision or quantization, or another target) ({found.what()}): " + "; ".join(found.lines()))
+        worst = max(c.own for c in found.checks)
+        return (f"each stored state is the boundary --boundaries names: matched against every boundary of the target "
+                f"run on {found.what()} (largest relative error {worst:.1e})")
+    corrected = found.corrected()
+    boundaries = boundary_match.fix_boundaries(plan.stored, corrected)
+    aux = boundary_match.fix_boundaries(config.aux_boundaries, corrected) if config.aux_boundaries else None
+    said = ",".join(map(str, plan.stored))
+    message = (f"--boundaries {said} name other layers than the stored states are: each stored state of the first "
+               f"samples was matched against every boundary of {config.target} run on their tokens ({found.what()}): "
+               + "; ".join(found.lines("--boundaries says")) + ". ")
+    if cause := found.cause():
+        message += cause[0].upper() + cause[1:] + ". "
+    if boundaries is None or (config.aux_boundaries and aux is None):
+        raise BoundaryMismatchError(message + "Two stored states are one boundary, so no --boundaries describes "
+                                    "this capture: check which layers it captured. Nothing was imported", found, None)
+    try:  # the boundaries the states are must make an import too (a capture whose boundary-L slot is another layer)
+        make_plan(dataclasses.replace(config, boundaries=boundaries, aux_boundaries=aux), first[0], L)
+    except ForeignDataError as e:
+        raise BoundaryMismatchError(message + f"Nothing was imported, and as the boundaries they are "
+                                    f"({','.join(map(str, boundaries))}) they do not import either: {e}", found,
+                                    None) from None
+    command = import_command(config, boundaries=boundaries, aux_boundaries=aux)
+    raise BoundaryMismatchError(message + "Nothing was imported; import them as the boundaries they are:\n  "
+                                + command, found, command)
+
+
+def import_command(config: ImportDataConfig, **changes: Any) -> str:
+    """The ``eaglewire import-data`` line of ``config`` with ``changes``: the source, then each setting that is
+    required or differs from its default."""
+    config = dataclasses.replace(config, **changes)
+    words = ["eaglewire", "import-data", config.src]
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.metadata.get("positional") or value is False or (f.default is not dataclasses.MISSING
+                                                              and value == f.default):
+            continue
+        words.append("--" + f.metadata.get("flag", f.name).replace("_", "-"))
+        if value is not True:
+            words.append(",".join(map(str, value)) if isinstance(value, list) else str(value))
+    return shlex.join(words)
+
+
+def reimport_command(source: dict[str, Any], corrected: dict[int, int], out: str) -> str | None:
+    """The import line that rebuilds shards whose manifest ``source`` records an import, into ``out``, with each
+    misread boundary (``corrected``: said -> is) replaced; None when the source records no import, or when no
+    --boundaries describes the capture (two stored states one boundary)."""
+    if not source.get("imported_from") or not source.get("stored_boundaries"):
+        return None
+    record = source.get("import_config") or {
+        "src": source["imported_from"], "layout": source.get("layout"), "target": source.get("target"),
+        "tokens": source.get("tokens"), "last_state": source.get("last_state")}
+    known = {f.name for f in dataclasses.fields(ImportDataConfig)}
+    config = ImportDataConfig(**{k: v for k, v in record.items() if k in known} | {"out": out})
+    boundaries = boundary_match.fix_boundaries(list(source["stored_boundaries"]), corrected)
+    aux = boundary_match.fix_boundaries(config.aux_boundaries, corrected) if config.aux_boundaries else None
+    if boundaries is None or (config.aux_boundaries and aux is None):
+        return None
+    return import_command(config, boundaries=boundaries, aux_boundaries=aux, identify_boundaries="auto")
