@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eaglewire.core.device import device_field
 from eaglewire.decode.engine import SpecConfig
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
@@ -26,7 +27,7 @@ class GenerateConfig:
                                                         "add up to this (1 = all)"})
     seed: int | None = field(default=None, metadata={"help": "sampling seed (none: unseeded)"})
     stop: list[str] | None = field(default=None, metadata={"repeat": True, "help": "stop string (repeatable)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    device: str = device_field()
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": DECODE_DTYPE_HELP})
     spec: SpecConfig = field(default_factory=SpecConfig)  # its fields are the --speculative-* flags
 

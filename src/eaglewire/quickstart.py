@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from eaglewire.core.device import device_field
 from eaglewire.core.fileio import atomic_write_json
 from eaglewire.core.precision import DTYPE_CHOICES, resolve_precision
 from eaglewire.core.locks import directory_lock
@@ -52,6 +53,7 @@ class QuickstartConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "reply length when regenerating"})
     minutes: float = field(default=20.0, metadata={"help": "training time budget (with --num-conversations; sized "
                                                            "with the data otherwise)"})
+    device: str = device_field()
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": "training's and tune's and bench's "
                        "precision: auto (bf16 where the CPU computes it natively, else fp32), fp32, bf16"})
     ttt_steps: int = field(default=3, metadata={"help": "training-time-test steps"})
@@ -103,7 +105,7 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
 
     out = Path(config.out)
     stages = Stages(out, config)
-    target = target or load_target(config.target)
+    target = target or load_target(config.target, device=config.device)
     data, heldout, draft = out / "data", out / "heldout", out / "draft"
 
     if "plan" not in stages.done:
@@ -126,14 +128,15 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
         r = train(TrainConfig(out=str(draft), target=config.target, data=str(data), ttt_steps=config.ttt_steps,
                               draft_vocab_size=config.draft_vocab_size, epochs=epochs, minutes=plan.train_minutes,
                               lr=1e-3, batch_tokens=BATCH_TOKENS, val_sequences=4, eval_interval=50, save_interval=25,
-                              dtype=config.dtype, resume=(draft / "train_state.pt").exists()),
+                              dtype=config.dtype, device=str(target.device), resume=(draft / "train_state.pt").exists()),
                   target=target, progress=progress)
         stages.record("train", {"steps": r.steps, "epochs": round(r.epochs_done, 2), "tokens": r.train_tokens,
                                 "seconds": round(r.seconds, 1), "finished": r.finished, **r.final_eval})
     if "doctor" not in stages.done:
         _banner("4/6 doctor: is the draft wired as it was trained? (on the held-out conversations)")
         # whole sequences, as trained: the doctor's shorter default would judge a fraction of each reply
-        report = run_doctor(DoctorConfig(draft=str(draft), target=config.target, data=str(heldout), tune=False,
+        report = run_doctor(DoctorConfig(draft=str(draft), target=config.target, device=str(target.device),
+                                         data=str(heldout), tune=False,
                                          num_sequences=config.heldout_conversations, max_length=config.max_length,
                                          json=str(out / "doctor.json")), target=target)
         (out / "doctor.txt").write_text(report.render() + "\n")
@@ -151,7 +154,8 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
         configs = bench_configs(config.bench_configs, stages.done["tune"])
         _banner(f"6/6 bench: {config.bench_prompts} other {config.bench_dataset} prompts, with and without the "
                 "draft (tune's choice included)")
-        bc = BenchConfig(target=config.target, draft=str(draft), dataset=config.bench_dataset,
+        bc = BenchConfig(target=config.target, draft=str(draft), device=str(decode_target.device),
+                         dataset=config.bench_dataset,
                          configs=configs, num_prompts=config.bench_prompts,
                          max_new_tokens=config.bench_tokens, out=str(out / "bench"))
         result = run_bench(bc, target=decode_target, progress=progress)
@@ -194,7 +198,8 @@ def _prepare(config: QuickstartConfig, out: Path, target: Target, *, offset: int
              progress: bool) -> dict[str, Any]:
     from eaglewire.data.prepare import PrepareConfig, prepare
 
-    s = prepare(PrepareConfig(out=str(out), target=config.target, data=config.data, offset=offset,
+    s = prepare(PrepareConfig(out=str(out), target=config.target, device=str(target.device), data=config.data,
+                              offset=offset,
                               num_conversations=count, max_length=config.max_length, regenerate=True,
                               max_new_tokens=config.max_new_tokens),
                 target=target, progress=progress)
@@ -208,7 +213,8 @@ def tune_stage(config: QuickstartConfig, draft: Path, target: Target) -> dict[st
 
     available = len(load_prompts(config.bench_dataset))
     offset = config.bench_prompts if available >= config.bench_prompts + config.tune_prompts else 0
-    tune = TuneConfig(draft=str(draft), target=config.target, dataset=config.bench_dataset, offset=offset,
+    tune = TuneConfig(draft=str(draft), target=config.target, device=str(target.device), dataset=config.bench_dataset,
+                      offset=offset,
                       num_prompts=min(config.tune_prompts, available), max_new_tokens=max(config.bench_tokens, 16),
                       max_steps=4, out=str(Path(config.out) / "tune.json"))
     result = run_tune(tune, target=target)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eaglewire.core.device import device_field
 from eaglewire.core.configs import RESOLVED_KEY
 from eaglewire.model.checkpoint import FAMILY_CLASSES, load_draft, read_draft, read_draft_config
 from eaglewire.core.generation import GenerationStats
@@ -63,7 +64,7 @@ class BenchConfig:
     out: str | None = field(default=None, metadata={"help": "report directory; None: runs/bench/<dataset name>"})
     warmup: int = field(default=1, metadata={"help": "untimed prompts run first for every config (kernels, caches)"})
     seed: int = field(default=0, metadata={"help": "sampling seed of prompt i is seed + i"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    device: str = device_field()
     dtype: list[str] = field(default_factory=lambda: ["auto"], metadata={
         "help": DECODE_DTYPE_HELP + "; several comma-separated (e.g. fp32,bf16) run eaglewire's configs once per "
                 "dtype, side by side on the same prompts, each compared with its own dtype's plain row"})

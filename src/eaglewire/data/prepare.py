@@ -33,7 +33,8 @@ from eaglewire.core.distributed import dist_rank_world
 from eaglewire.core.locks import LOCK_NAME, directory_lock
 from eaglewire.core.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
 from eaglewire.core.precision import Precision, log_precision, precision_of, resolve_precision
-from eaglewire.model.target import Target, load_target, load_tokenizer, resolve_device
+from eaglewire.core.device import device_field, resolve_device
+from eaglewire.model.target import Target, load_target, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class PrepareConfig:
     storage_dtype: str = field(default="bf16", metadata={"help": "dtype of hidden states on disk: bf16 or fp16"})
     batch_tokens: int = field(default=8192, metadata={"help": "tokens per capture batch (padded)"})
     shard_tokens: int = field(default=65536, metadata={"help": "tokens per shard file"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    device: str = device_field()
     dtype: str = field(default="auto", metadata={"help": "target compute dtype of the capture: auto (bf16 on CUDA and where the CPU computes bf16 natively, i.e. avx512_bf16 or AMX with oneDNN; fp32 elsewhere), fp32, bf16; recorded in the manifest (status.capture_precision)"})
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file to render conversations with (instead of the tokenizer's; for base models)"})
     template: str = field(default="chat", metadata={"help": "chat: the tokenizer's chat template (or --chat-template); plain: a minimal 'User: / Assistant:' template for base models (README)"})

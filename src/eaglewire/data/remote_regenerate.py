@@ -40,6 +40,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from eaglewire.core.device import DEVICE_HELP, device_field
 from eaglewire.core.fileio import atomic_write_json
 from eaglewire.core.locks import file_lock
 from eaglewire.core.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
@@ -494,7 +495,7 @@ class RegenerateCommandConfig:
                 "weights when regenerating in this process"})
     num_conversations: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
     offset: int = field(default=0, metadata={"help": "skip this many conversations first"})
-    device: str = field(default="auto", metadata={"help": "in-process: auto, cpu or cuda"})
+    device: str = device_field("in-process: " + DEVICE_HELP)
     sampling: RegenerateConfig = field(default_factory=RegenerateConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
 

@@ -8,7 +8,8 @@ import torch
 from eaglewire.core.precision import Precision, log_precision, resolve_precision
 from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.model.checkpoint import load_draft
-from eaglewire.model.target import Target, load_target, resolve_device
+from eaglewire.core.device import resolve_device
+from eaglewire.model.target import Target, load_target
 
 __all__ = ["decode_precision", "load_decode_target", "load_decoder"]
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from eaglewire import engines as engine_registry
 from eaglewire.engines import Ability
+from eaglewire.core.device import device_field
 from eaglewire.core.presets import DEFAULT_TARGET
 
 
@@ -13,6 +14,7 @@ from eaglewire.core.presets import DEFAULT_TARGET
 class DoctorConfig:
     draft: str = field(metadata={"help": "draft directory: native, or SGLang/SpecForge/speculators/EAGLE (detected, converted, its reading stated)"})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
+    device: str = device_field()
     data: str | None = field(default=None, metadata={"help": "shard directory (enables the capture drift check)"})
     conversations: str | None = field(default=None, metadata={"help": "conversations (preset or file) to capture now"})
     num_sequences: int = field(default=64, metadata={"help": "held-out sequences to measure on"})

@@ -73,19 +73,24 @@ def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence
     out = []
     for batch in batches_by_tokens(sequences, batch_tokens):
         T = max(len(s.input_ids) for s in batch)
-        ids = pad_right([s.input_ids for s in batch], T)  # [B, T]
+        dev = target.device  # a batch lives where the target computes: every check reads it there
+
+        def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+            return pad_right(rows, T).to(dev)  # [B, T, ...]
+
+        ids = padded([s.input_ids for s in batch])  # [B, T]
         got = capture(target, ids, boundaries)  # right padding: causal attention needs no mask
         chunks = got.aux_hidden.float().split(H, dim=-1)  # k x [B, T, H]
         with torch.no_grad():
-            emb = target.embed_tokens(ids.to(target.device)).float()
+            emb = target.embed_tokens(ids).float()
         signal = target_signal(target.head, got.last_hidden, draft.draft_to_target, draft.t2d)
         stored = [s.stored_aux for s in batch]
         states = {b: c for b, c in zip(boundaries, chunks)}
         states[target.num_layers] = got.last_hidden.float()
         out.append(EvalBatch(
-            input_ids=ids, loss_mask=pad_right([s.loss_mask for s in batch], T), states=states, emb=emb, signal=signal,
-            stored_aux=pad_right([x.float() for x in stored], T) if stored[0] is not None else None,
-            stored_last=(pad_right([s.stored_last.float() for s in batch], T)
+            input_ids=ids, loss_mask=padded([s.loss_mask for s in batch]), states=states, emb=emb, signal=signal,
+            stored_aux=padded([x.float() for x in stored]) if stored[0] is not None else None,
+            stored_last=(padded([s.stored_last.float() for s in batch])
                          if stored[0] is not None and batch[0].stored_last is not None else None),  # top-K shards: none
             lengths=[len(s.input_ids) for s in batch], **block_parts(target, draft)))
     return out

@@ -14,10 +14,11 @@ import torch
 from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (check_engine_version, Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving, config_the_flags_load)
+                                     check_serving, config_the_flags_load, served_labels)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.served import check_served
+from eaglewire.doctor.stored import check_stored_boundaries
 from eaglewire.doctor.sampling import check_sampling
 from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.doctor.traffic import check_traffic, load_traffic
@@ -41,7 +42,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
 
         return run_stored_doctor(config)
     start = time.perf_counter()
-    target = target or load_target(config.target)
+    target = target or load_target(config.target, device=config.device)
     report = DoctorReport(draft=config.draft, target=config.target, resolved_config=config_record(config))
     # a native draft's contract is checked below, as a verdict; a foreign one records no target, so it is
     # converted for this one and its reading stated
@@ -68,6 +69,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
                                             vocab_ids=rows if len(rows) < target.vocab_size else None)
     else:
         serving, serving_steps, config = check_serving(report, config, declared, L, arch, dflash_block)
+    serving = served_labels(serving, engines.get(config.engine).version, report.engine_version)  # as the server says
     check_template_switch(report, config, contract, target.tokenizer,
                           load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
     sequences, source = _load_sequences(config, target, contract, summary, report)
@@ -94,6 +96,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     check_evidence(report, m.n, len(sequences), config, summary)
     check_accuracy(report, m, summary, source)
     check_layouts(report, m, layouts)
+    check_stored_boundaries(report, config, target)  # which boundary each stored state is (doctor/stored.py)
     _check_drift(report, m)
     check_alignment(report, m)
     _check_acceptance(report, m, target, contract, sequences, serving_steps)
@@ -152,10 +155,12 @@ def _check_drift(report: DoctorReport, m: Measured) -> None:
         report.add(Check("capture drift", "ok", "states captured now match those stored at training time", evidence))
     else:
         verdict = "warn" if worst >= 0.99 else "fail"
+        misread = next((c for c in report.checks if c.name == "stored boundaries" and c.verdict == "fail"), None)
         report.add(Check("capture drift", verdict, f"states captured now differ from training time "
                          f"(lowest cosine {worst:.4f})", evidence,
-                         fix="serve the target in the precision and quantization the data was captured with, "
-                         "with the same norm placement (pre-norm states), or re-capture and retrain"))
+                         fix=f"the stored states are other boundaries than recorded (stored boundaries): {misread.fix}"
+                         if misread else "serve the target in the precision and quantization the data was captured "
+                         "with, with the same norm placement (pre-norm states), or re-capture and retrain"))
 
 
 # Rounds may disagree where the engine's batched verify and the doctor's capture round a

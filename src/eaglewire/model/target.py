@@ -17,19 +17,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eaglewire.core.contract import TargetFingerprint
+from eaglewire.core.device import resolve_device
 from eaglewire.core.errors import reading
 from eaglewire.core.fileio import atomic_dir
 from eaglewire.core.locks import file_lock
 from eaglewire.core.presets import TARGET_PRESETS, cache_dir, fetch_asset
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``auto``: CUDA when present, else CPU."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:

@@ -33,7 +33,8 @@ from eaglewire.core.locks import directory_lock
 from eaglewire.core.precision import DTYPE_CHOICES, log_precision, resolve_precision
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.label_head import label_head
-from eaglewire.model.target import Target, load_target, resolve_device
+from eaglewire.core.device import device_field, resolve_device
+from eaglewire.model.target import Target, load_target
 from eaglewire.model.ttt import StepCounts
 from eaglewire.model.vocab import count_tokens, frequency_coverage
 from eaglewire.train.objectives import DFlashObjective, Eagle3Objective, Objective, default_gamma, summary_loss
@@ -75,7 +76,7 @@ class TrainConfig:
     save_interval: int = field(default=100, metadata={"help": "checkpoint every N steps"})
     log_interval: int = field(default=10, metadata={"help": "write metrics every N steps"})
     seed: int = field(default=0, metadata={"help": "random seed (data order, init)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    device: str = device_field()
     resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped", "record": False})
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
     head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
@@ -329,7 +330,8 @@ class Trainer:
         draft = self.objective.build(target, self.contract.num_aux, counts)
         if cfg.init_draft:
             draft = self._initial_draft(draft.config)
-        return draft.to(self.device), frequency_coverage(counts, draft.t2d)
+        coverage = frequency_coverage(counts, draft.t2d)  # both on the host, before the draft moves
+        return draft.to(self.device), coverage
 
     def _initial_draft(self, dcfg) -> torch.nn.Module:
         """The --init-draft weights, checked to fit this run: same contract and architecture, and

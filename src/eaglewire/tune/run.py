@@ -10,6 +10,7 @@ from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
 from eaglewire.acceptance.speed import (COSTS, DEFAULT_PROMPTS, SpeedQuery, SpeedRanking, chain_rule, encoded_prompts,
                                         measured_here, rank_speed, server_setup)
 from eaglewire.core.configs import RESOLVED_KEY, config_record
+from eaglewire.core.device import device_field
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
 from eaglewire.engines import Ability, get as get_engine, names as engine_names
@@ -35,6 +36,7 @@ class TuneConfig:
     seed: int = field(default=_QUERY.seed, metadata={"help": "sampling seed of prompt i is seed + i"})
     top: int = field(default=8, metadata={"help": "ranked shapes printed"})
     out: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
+    device: str = device_field()
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": DECODE_DTYPE_HELP + "; eaglewire's "
                        "round costs are measured in it (a bf16 verify of several tokens costs other multiples of a "
                        "plain step than a fp32 one)"})
@@ -131,7 +133,7 @@ def _run_tune(config: TuneConfig, *, target, prompts: list[list[int]] | None, pr
     from eaglewire.decode.load import load_decode_target
     from eaglewire.model.checkpoint import load_draft
 
-    target = target or load_decode_target(config.target, dtype=config.dtype)
+    target = target or load_decode_target(config.target, device=config.device, dtype=config.dtype)
     draft, contract = load_draft(config.draft, target=target, device=target.device, dtype=target.dtype)[:2]
     prompts = prompts or tune_prompts(config, target.tokenizer)
     query, (_, fallback) = config.query(), config.measured()
