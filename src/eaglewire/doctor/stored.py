@@ -8,16 +8,23 @@ boundary-L state (``--labels head``: only the embedding, final norm and lm_head 
 next tokens (``--labels tokens``). Every ordered choice
 of k stored boundaries is a candidate layout, so a draft trained on the first three of four
 stored states and served the last three is named as such, with both fixes. Checks that need
-the target to run (measured acceptance, capture drift against a fresh capture) are skipped,
-and the report says why.
+the target to run (measured acceptance, capture drift against a fresh capture, which boundary
+each stored state is) are skipped, and the report says why and how to run them.
+
+``check_stored_boundaries`` (run by the full doctor on ``--data``, where the target runs) matches each
+stored state against every boundary of a fresh capture of a few stored sequences (``boundary_match.py``):
+shards imported one layer off (SpecForge's layer-output ids taken as boundaries) are named, with the
+re-import line that fixes them.
 
 Shapes: B batch, T tokens, H hidden, k aux boundaries, V target vocab, Vd draft vocab.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import shlex
 import logging
 import time
 from pathlib import Path
@@ -27,8 +34,9 @@ import torch
 from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.data.prepare import batches_by_tokens
-from eaglewire.data.import_data import ABSENT_LAST
-from eaglewire.data.label_check import check_labels, reimport_fix, stored_last_state
+from eaglewire.data import boundary_match
+from eaglewire.data.import_data import ABSENT_LAST, import_command, reimport_command, ImportDataConfig
+from eaglewire.data.label_check import POST_NORM, check_labels, reimport_fix, stored_last_state
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
@@ -235,8 +243,7 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
                          "no lm_head used)"))
     if missing := [b for b in declared if b not in stored + ([L] if ds.labels_mode == "hidden" else [])]:
         report.add(Check("accuracy in isolation", "fail", f"the draft reads boundaries {declared}; {missing} "
-                         f"are not among the stored {stored}", fix="import the data with every stored state "
-                         "(`eaglewire import-data --aux-boundaries ...`)"))
+                         f"are not among the stored {stored}", fix=_missing_fix(config, ds, declared)))
         return report
     m = Measured(config=config, draft=draft, batches=batches, declared=declared, num_layers=L, serving=serving,
                  counts=isolation_accuracy(draft, batches, declared, steps=config.steps))
@@ -248,6 +255,9 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     check_alignment(report, m)
     if config.compare_data:
         _check_stored_drift(report, m, ds, picked, target)
+    report.add(Check("stored boundaries", "skip", "which boundary each stored state is: needs the target to run "
+                     "(--stored never runs it)", fix=f"`{_full_doctor(config)}` (not --stored) matches each stored "
+                     "state against every boundary of the target run on a few stored sequences"))
     skipped = "measured acceptance" + ("" if config.compare_data else " and capture drift (or pass --compare-data)")
     report.add(Check("skipped", "skip", f"{skipped}: needs the target to run; this run never ran it (--stored)"))
     report.facts = {"held-out sequences": len(picked), "judged tokens": m.n, "source": config.data,
@@ -318,3 +328,98 @@ def _check_labels(report: DoctorReport, config: DoctorConfig, ds: ShardDataset, 
                          fix=f"re-import (eaglewire import-data) {fix}, then retrain the draft on the new shards"))
     else:
         report.add(Check("label check", check.verdict, check.message))
+
+
+# ------------------------------------------------------------------ which boundary each stored state is
+
+def _full_doctor(config: DoctorConfig) -> str:
+    """The doctor line that runs the target on these data (the checks --stored skips)."""
+    return shlex.join(["eaglewire", "doctor", "--draft", config.draft, "--target", config.target, "--data",
+                       str(config.data)])
+
+
+def _reimported(data: str) -> str:
+    path = Path(data)
+    return str(path.with_name(path.name + "-reimported"))
+
+
+def _missing_fix(config: DoctorConfig, ds: ShardDataset, declared: list[int]) -> str:
+    """The fix when the draft reads boundaries the data do not hold: a re-import that stores them, where the
+    import stored them; where every stored one is one layer off the draft's, the identification that tells."""
+    source, stored = ds.manifest["source"], list(ds.contract.aux_boundaries)
+    record = source.get("import_config")
+    if record and set(declared) <= set(source.get("stored_boundaries") or []):
+        known = {f.name for f in dataclasses.fields(ImportDataConfig)}
+        imported = ImportDataConfig(**{k: v for k, v in record.items() if k in known})
+        line = import_command(imported, out=_reimported(config.data), aux_boundaries=[b for b in declared
+                                                                                       if b != ds.contract.num_layers])
+        return f"the import stored them: import the draft's boundaries too: `{line}`"
+    shift = {b - a for a, b in zip(stored, declared)} if len(stored) == len(declared) else set()
+    if len(shift) == 1 and abs(next(iter(shift))) == 1:
+        d = next(iter(shift))
+        line = reimport_command(source, {a: a + d for a in stored}, _reimported(config.data))
+        guess = (f"; if they are, the import that stores them as {declared} is `{line}`" if line else "")
+        return (f"every stored boundary is one layer {'below' if d > 0 else 'above'} the draft's: the states may be "
+                f"boundaries {declared} recorded one off (a capture's layer-output ids taken as boundaries, or the "
+                f"reverse). Which boundary each stored state is needs the target to run: `{_full_doctor(config)}` "
+                f"(not --stored) names them, with the re-import line that fixes it{guess}")
+    return (f"measure on data holding boundaries {declared} (the data the draft was trained on), or capture them "
+            "(`eaglewire prepare --aux-boundaries`, `eaglewire import-data --boundaries`)")
+
+
+def stored_samples(ds: ShardDataset, sequences: int = boundary_match.SEQUENCES,
+                   max_tokens: int = boundary_match.MAX_TOKENS) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+    """(the first sequences' (token ids, stored states [T, n, H]), the boundary each slot is recorded as): the aux
+    states in the contract's order, then the boundary-L state where the shards keep it pre-norm."""
+    contract, source = ds.contract, ds.manifest["source"]
+    L, H, said = contract.num_layers, contract.target.hidden_size, list(contract.aux_boundaries)
+    last = (ds.labels_mode == "hidden" and source.get("last_hidden") != ABSENT_LAST and L not in said
+            and stored_last_state(source) != POST_NORM)  # a post-norm one is no boundary: the label check judges it
+    out = []
+    for i in range(min(sequences, len(ds))):
+        item = ds[i]
+        T = min(len(item["input_ids"]), max_tokens)
+        states = item["aux_hidden"][:T].float().reshape(T, len(said), H)  # [T, k*H] -> [T, k, H]
+        if last:
+            states = torch.cat([states, item["last_hidden"][:T].float()[:, None]], dim=1)  # [T, k+1, H]
+        out.append((item["input_ids"][:T].tolist(), states))
+    return out, said + ([L] if last else [])
+
+
+def check_stored_boundaries(report: DoctorReport, config: DoctorConfig, target: Target) -> None:
+    """``--data``'s stored states against every boundary of ``target`` run on a few of their sequences: a state
+    that is another boundary than the shards record FAILs, naming it, with the re-import line that fixes it."""
+    if not config.data:
+        return
+    ds = ShardDataset(config.data, verify=False)
+    samples, said = stored_samples(ds)
+    if not samples:
+        return
+    found = boundary_match.identify(target, samples, said)
+    where = f"{config.data} against every boundary of the target run on {found.what()}"
+    if found.ok:
+        if found.unmatched():
+            report.add(Check("stored boundaries", "warn", "some stored states are no boundary of the target run here "
+                             "(another precision or quantization, or another target)", found.lines("recorded as"),
+                             fix="the capture drift check says what this costs"))
+        else:
+            report.add(Check("stored boundaries", "ok", f"each stored state is the boundary the shards record "
+                             f"({said}), matched in {where}"))
+        return
+    corrected = found.corrected()
+    fixed = boundary_match.fix_boundaries(said, corrected)
+    source = ds.manifest["source"]
+    out = _reimported(config.data)
+    line = reimport_command(source, corrected, out)
+    evidence = found.lines("recorded as") + ([found.cause()] if found.cause() else [])
+    if line:
+        fix = (f"re-import them as the boundaries they are: `{line}`, then retrain the draft on {out} "
+               f"(`eaglewire train --data {out}`)")
+    elif source.get("imported_from"):
+        fix = "two stored states are one boundary: no --boundaries describes this capture; check which layers it holds"
+    else:
+        fix = ("these shards were captured, not imported: re-capture them (`eaglewire prepare`), and report it: the "
+               "capture recorded other boundaries than it stored")
+    report.add(Check("stored boundaries", "fail", f"the stored states are other boundaries than the shards record: "
+                     f"{said} are {fixed or [corrected.get(b, b) for b in said]}, matched in {where}", evidence,
+                     fix=fix))
