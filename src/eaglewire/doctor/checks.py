@@ -307,11 +307,21 @@ def check_engine_version(report: DoctorReport, config: DoctorConfig) -> None:
     if spec.served_version is None or spec.judged is None:
         return
     served = spec.served_version(config.engine_url)
+    report.engine_version = (served or "").strip() or None
     report.engine_release, line = spec.judged(served)
     exact = served is not None and line.startswith(f"judged with {report.engine_release}'s reading (the server says")
     report.add(Check("engine version", "ok" if exact else "warn", line,
                      fix=None if exact else f"compare the server's version with the releases eaglewire read "
                                             f"({report.engine_release} is the nearest)"))
+
+
+def served_labels(serving: dict[str, list[int]], version: str | None, served: str | None) -> dict[str, list[int]]:
+    """The serving readings (label -> boundaries) with the engine's release in each label (``version``, the
+    one eaglewire read, e.g. "vllm 0.33.0") replaced by the version the server reports (``served``), where it
+    reports one: the sweep's "served by" lines then name the engine that serves."""
+    if not version or not served or served == version:
+        return serving
+    return {label.replace(f" {version}", f" {served}"): layout for label, layout in serving.items()}
 
 
 def check_engine_fields(report: DoctorReport, m: Measured) -> None:

@@ -32,6 +32,7 @@ class DoctorReport:
     accuracy: dict[str, float] = field(default_factory=dict)  # acc@0, cond acc@j in isolation (JSON only; checks print them)
     served: dict[str, Any] = field(default_factory=dict)  # --engine-url: served τ, per position, the replay's (JSON)
     engine_release: str | None = None  # --engine-url: the release whose reading judges the server ("vLLM 0.32.0")
+    engine_version: str | None = None  # --engine-url: the version the server reports ("0.32.0"), if it says one
     traffic: dict[str, Any] = field(default_factory=dict)  # --traffic: acceptance per slice of traffic (JSON)
     sampling: dict[str, Any] = field(default_factory=dict)  # the temperature users sample at: τ there and greedy (JSON)
 
