@@ -18,6 +18,9 @@ and ``generate-offline-data`` moves each request's connector file to
 dataset row. SpecForge's ``scripts/prepare_hidden_states.py`` writes one dict per sample,
 gzipped with ``--compress``.
 
+vLLM's file (``vllm`` and ``speculators``) is read by the vllm engine's one reader of it
+(engines/vllm/states_file.py), the one ``prepare --capture vllm`` reads it with.
+
 None of these files records which layers it holds; the caller supplies the boundaries. A
 sample that cannot be read yields a ``Skip`` with the reason, so one bad file among
 thousands is counted, not fatal.
@@ -35,10 +38,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from eaglewire.data.label_check import POST_NORM, PRE_NORM
 from eaglewire.data.tables import TableError, iter_rows, table_kind
+from eaglewire.engines.vllm.states_file import read_states_file
 
 LAYOUTS = ("vllm", "speculators", "specforge")
 # which side of the final norm each layout stores its boundary-L state on (import-data --last-state's default):
@@ -70,20 +74,6 @@ class Skip:
     detail: str
 
 
-def _read_safetensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), "pt") as f:
-        keys = set(f.keys())
-        missing = [n for n in names if n not in keys]
-        if missing:
-            raise KeyError(f"no tensor {', '.join(missing)} (it holds {', '.join(sorted(keys)) or 'none'})")
-        return {n: f.get_tensor(n) for n in keys if n in names or n in ("input_ids", "token_ids")}
-
-
-def _states(x: torch.Tensor) -> torch.Tensor:
-    """[T, n, H], accepting a leading batch of one."""
-    return x[0] if x.ndim == 4 and x.shape[0] == 1 else x
-
-
 def read_vllm(src: Path) -> Iterator[Sample | Skip]:
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -91,11 +81,11 @@ def read_vllm(src: Path) -> Iterator[Sample | Skip]:
                                "extract_hidden_states connector writes one per request)")
     for path in files:
         try:
-            t = _read_safetensors(path, ("hidden_states", "token_ids"))
+            found = read_states_file(path)
         except (SafetensorError, OSError, KeyError, RuntimeError) as e:
             yield Skip(path.stem, "unreadable file", f"{path}: {e}")
             continue
-        yield Sample(path.stem, t["token_ids"].flatten(), None, _states(t["hidden_states"]))
+        yield Sample(path.stem, found.token_ids, None, found.states)
 
 
 def read_rows(tokens: Path) -> Iterator[dict]:
@@ -165,17 +155,17 @@ def read_speculators(src: Path, tokens: Path | None) -> Iterator[Sample | Skip]:
             raise ForeignDataError(f"--tokens {tokens} row {i} has no input_ids/loss_mask (keys: "
                                    f"{', '.join(row)}); pass the preprocessed dataset the states came from")
         try:
-            t = _read_safetensors(path, ("hidden_states",))
+            found = read_states_file(path, token_ids=False)
         except (SafetensorError, OSError, KeyError, RuntimeError) as e:
             yield Skip(seq_id, "unreadable file", f"{path}: {e}")
             continue
         ids = torch.tensor(row["input_ids"]).flatten()
-        stored_ids = t.get("input_ids", t.get("token_ids"))
-        if stored_ids is not None and not torch.equal(stored_ids.flatten().long(), ids.long()):
+        stored_ids = found.token_ids
+        if stored_ids is not None and not torch.equal(stored_ids.long(), ids.long()):
             yield Skip(seq_id, "token ids differ from the rows' input_ids",
                        f"{path} stores other token ids than row {i} of {tokens}")
             continue
-        yield Sample(seq_id, ids, torch.tensor(row["loss_mask"]).flatten(), _states(t["hidden_states"]))
+        yield Sample(seq_id, ids, torch.tensor(row["loss_mask"]).flatten(), found.states)
     for i, path in sorted(files.items()):
         yield Skip(path.stem, "no row for these states", f"{path}: {tokens} has no row {i}")
 

@@ -7,8 +7,8 @@ in llama.py: hidden + residual, before the final norm; id 0 the embedding output
 ``readings.to_ids`` of the contract's boundaries plus boundary L (the label state), and slot j of the file
 holds ``readings.to_boundaries(ids)[j]``. Each completion (``max_tokens`` 1) answers with
 ``kv_transfer_params.hidden_states_path``: a safetensors file of ``hidden_states`` [T, n, H] and
-``token_ids`` [T], written by the connector in ``in_vllm/`` (vLLM's own connector dies on CPU), guarded by a
-``.lock`` the reader takes shared.
+``token_ids`` [T] (states_file.py, its one reader), written by the connector in ``in_vllm/`` (vLLM's own
+connector dies on CPU), guarded by a ``.lock`` the reader takes shared.
 
 ``--capture-url`` points at a vLLM the user runs with ``launch_line``'s flags; its storage path must be
 readable here (the same machine or a shared filesystem).
@@ -32,6 +32,7 @@ from eaglewire.engines.served_counts import post_json
 from eaglewire.engines.vllm.installation import VllmError, require
 from eaglewire.engines.vllm.readings import NAME, to_boundaries, to_ids
 from eaglewire.engines.vllm.server import VllmServer, served_target, served_version
+from eaglewire.engines.vllm.states_file import read_states_file
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,9 @@ def _written(path: Path) -> Iterator[None]:
 def read_states(path: Path, token_ids: Sequence[int], slots: int) -> torch.Tensor:
     """The states a request's file holds, [T, slots, H] in float32, checked against what was sent; the file and
     its lock removed once read."""
-    from safetensors.torch import load_file
-
     with _written(path):
-        data = load_file(str(path), device="cpu")
-    states, written = data["hidden_states"], data["token_ids"].tolist()
+        found = read_states_file(path)
+    states, written = found.states, found.token_ids.tolist()
     if written != list(token_ids):
         raise VllmError(f"vLLM's states in {path} are of {len(written)} tokens other than the {len(token_ids)} sent "
                         "(a prefix cache or a tokenizer in between?): launch it with --no-enable-prefix-caching and "
