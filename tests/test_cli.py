@@ -433,3 +433,20 @@ def test_export_is_one_library_call_with_the_config(monkeypatch, capsys):
                                                     llamacpp_dir=None, threads=2, target_path=None))]
     assert main(["export", "--draft", "d", "--to", "llamacpp", "--out", "o", "--outtype", "q4"]) == 2
     assert "--outtype 'q4' is not one of q8_0" in capsys.readouterr().err
+
+
+def test_parsing_any_command_imports_no_web_framework():
+    """Only `serve` needs fastapi/uvicorn: on a GPU machine whose fastapi could not import (fastapi 0.165 without
+    opentelemetry), `train` died at parse time, since building the parser imported the server."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for name in ('fastapi', 'uvicorn', 'starlette'):\n"
+            "    sys.modules[name] = None  # importing it raises ImportError\n"
+            "from eaglewire.cli import build_parser\n"
+            "args = build_parser().parse_args(['train', '--data', 'd', '--out', 'o'])\n"
+            "assert args.command == 'train'\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -32,7 +32,8 @@ from eaglewire.decode.engine import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings, encode_prompt
 from eaglewire.core.tokens import stop_token_ids
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
-from eaglewire.serve.app import ServeConfig, Server, add_serve_args, exit_status, serve_app
+from eaglewire.serve.app import Server, exit_status, serve_app
+from eaglewire.serve.config import ServeConfig, add_serve_args
 from eaglewire.serve.routes import create_app
 from servers import live_server, loopback_server, wait_started
 

@@ -11,7 +11,7 @@ from eaglewire.bench.run import config_label, parse_configs
 from eaglewire.cli import build_parser
 from eaglewire.core.configs import config_from_args, config_to_args
 from eaglewire.decode.engine import SpecConfig
-from eaglewire.serve.app import ServeConfig, add_serve_args
+from eaglewire.serve.config import ServeConfig, add_serve_args
 
 
 def generate_parser() -> argparse.ArgumentParser:

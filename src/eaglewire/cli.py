@@ -237,6 +237,12 @@ def _engines_vllm(config, progress) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from eaglewire.serve.app import serve  # the web framework is imported by the command that serves alone
+
+    return serve(config_from_args(args.config_class, args))
+
+
 def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target, and which code says so."""
     from eaglewire import engines
@@ -296,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eaglewire.doctor import DoctorConfig
     from eaglewire.engines.configs import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig
-    from eaglewire.serve.app import ServeConfig, cmd_serve
+    from eaglewire.serve.config import ServeConfig
     from eaglewire.train.loop import TrainConfig
     from eaglewire.tune.run import TuneConfig
 

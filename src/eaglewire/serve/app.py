@@ -8,23 +8,19 @@ running (a stream with an error event and [DONE]) rather than leave uvicorn to c
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
 import logging
 import signal
 import socket
 import threading
-from dataclasses import dataclass, field
 
 import uvicorn
 
-from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
-from eaglewire.decode.engine import SpecConfig
 from eaglewire.decode.load import load_decoder
 from eaglewire.serve.decode_worker import DecodeWorker
-from eaglewire.serve.response_bodies import PER_REQUEST_LEVELS
-from eaglewire.serve.routes import MAX_REQUEST_BYTES, REQUEST_TIMEOUT_SECONDS, create_app
+from eaglewire.serve.config import ServeConfig
+from eaglewire.serve.routes import create_app
 
 log = logging.getLogger(__name__)
 
@@ -54,46 +50,6 @@ class Server(uvicorn.Server):
 
 
 # -- the command ---------------------------------------------------------------
-
-@dataclass(kw_only=True)
-class ServeConfig:
-    target: str = field(metadata={"help": "preset name, HF directory or .gguf file of the target"})
-    draft: str | None = field(default=None, metadata={"help": "draft directory (none: plain decoding)"})
-    spec: SpecConfig = field(default_factory=SpecConfig)  # its fields are the --speculative-* flags
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = 8000
-    max_queue: int = field(default=64, metadata={"help": "most requests in flight (decoding + waiting); 429 beyond"})
-    api_key: str | None = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on /v1 and /metrics"})
-    metrics_public: bool = field(default=False, metadata={"help": "serve /metrics without the --api-key"})
-    max_context: int | None = field(default=None, metadata={
-        "help": "prompt + generated tokens per request (default: the target's max_position_embeddings)"})
-    max_request_bytes: int = field(default=MAX_REQUEST_BYTES, metadata={
-        "help": "largest request body accepted, in bytes; 413 beyond, before it is parsed"})
-    request_timeout: float = field(default=REQUEST_TIMEOUT_SECONDS, metadata={
-        "help": "seconds a request body may take to arrive; 408 beyond"})
-    device: str = "auto"
-    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": DECODE_DTYPE_HELP})
-    graceful_timeout: float = field(default=30.0, metadata={
-        "help": "seconds in-flight requests get to finish on shutdown"})
-    per_request_spec_decode_metrics: str = field(default="none", metadata={
-        "choices": PER_REQUEST_LEVELS, "help": "each whole answer's speculative acceptance in its "
-        "metrics.speculative_decoding, as vLLM's flag of this name: summary, or detailed (per verify step too)"})
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.max_queue < 1:
-            raise ValueError(f"--max-queue must be >= 1, got {self.max_queue}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"--max-context must be >= 2, got {self.max_context}")
-        if self.max_request_bytes < 1:
-            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
-        if self.request_timeout <= 0:
-            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
-        if self.graceful_timeout < 0:
-            raise ValueError(f"--graceful-timeout must be >= 0 seconds, got {self.graceful_timeout}")
-
 
 def serve_app(server: Server, sockets: list[socket.socket] | None = None) -> bool:
     """Serve the server's app (made with ``engine_thread=False``) until SIGINT/SIGTERM: HTTP on a
@@ -160,16 +116,3 @@ def exit_status(server: Server, started: bool) -> int:
     if not started:
         return 1
     return 130 if server.interrupted else 0
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``eaglewire serve``, one per ServeConfig field."""
-    from eaglewire.core.configs import add_config_args
-
-    add_config_args(parser, ServeConfig)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from eaglewire.core.configs import config_from_args
-
-    return serve(config_from_args(ServeConfig, args))

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from eaglewire.serve.config import PER_REQUEST_LEVELS
 from eaglewire.core.generation import GenerationStats
 
 
@@ -47,7 +48,6 @@ class PerRequestMetrics(BaseModel):
     speculative_decoding: SpeculativeDecodingMetrics | None = None
 
 
-PER_REQUEST_LEVELS = ("none", "summary", "detailed")  # vLLM's --per-request-spec-decode-metrics
 
 
 def spec_decoding_metrics(stats: GenerationStats, num_spec_tokens: int, level: str) -> PerRequestMetrics | None:

@@ -38,7 +38,8 @@ from eaglewire.serve.decode_worker import DecodeWorker, Delta, Done, Event, Fail
 from eaglewire.serve.metrics import Metrics
 from eaglewire.serve.middleware import BearerAuth, CountRequests, LimitBody
 from eaglewire.serve.request_bodies import ChatCompletionRequest, CompletionRequest, parse_body, validation_error
-from eaglewire.serve.response_bodies import (PER_REQUEST_LEVELS, AssistantMessage, ChatChoice, ChatChunkChoice,
+from eaglewire.serve.config import MAX_REQUEST_BYTES, PER_REQUEST_LEVELS, REQUEST_TIMEOUT_SECONDS
+from eaglewire.serve.response_bodies import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                              ChatCompletion, ChatCompletionChunk, ChatDelta, Completion,
                                              CompletionChoice, CompletionChunk, new_id, usage)
 from eaglewire.serve.token_budget import chat_prompt_ids, completion_prompt_ids, max_token_chars, token_budget
@@ -46,8 +47,6 @@ from eaglewire.serve.token_budget import chat_prompt_ids, completion_prompt_ids,
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
-MAX_REQUEST_BYTES = 4 << 20  # a full 128k-token context of text is ~0.5 MB of JSON; 8k (SmolLM2) ~40 kB
-REQUEST_TIMEOUT_SECONDS = 30.0  # 4 MB at a slow 1 Mbit/s; a client that sends less than it declared waits no longer
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
