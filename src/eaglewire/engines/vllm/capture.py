@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from eaglewire.engines.interface import CaptureSettings, ServedFiles, Shape
+from eaglewire.engines.interface import CaptureSettings, ServedFiles, Shape, StatesFile
 from eaglewire.engines.served_counts import post_json
 from eaglewire.engines.vllm.installation import VllmError, require
 from eaglewire.engines.vllm.readings import NAME, to_boundaries, to_ids
@@ -141,6 +141,9 @@ class VllmCapturer:
 
     label: str = "vLLM"
     connector: str = CONNECTOR  # SHIFTED_CONNECTOR in the tests' fault
+
+    def read_file(self, path: Path, *, token_ids: bool = True) -> StatesFile:
+        return read_states_file(path, token_ids=token_ids)
 
     def launch_line(self, target: str, boundaries: list[int], num_layers: int, arch: str | None,
                     settings: CaptureSettings, storage: Path) -> str:

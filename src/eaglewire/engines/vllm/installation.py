@@ -25,13 +25,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.presets import cache_dir
+from eaglewire.engines.interface import Progress
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,6 @@ _PROBE = ("import json, sys, importlib.util; from importlib.metadata import vers
 
 class VllmError(RuntimeError):
     """vLLM is missing here, will not install, or did not serve."""
-
-
-Progress = Callable[[str, "float | None"], None]  # (stage, percent or None), as llama.cpp's install
 
 
 def _no_progress(stage: str, percent: float | None) -> None:

@@ -1,4 +1,5 @@
-"""``eaglewire engines install vllm``: make the venv ``installation.py`` describes and prove it by serving once.
+"""``eaglewire engines install|which vllm``: make the venv ``installation.py`` describes and prove it by serving
+once (``INSTALLER``, the engine interface's ``Installer``).
 
 Above ``server.py`` (the smoke run launches vLLM) and ``installation.py`` (what an installation is, its paths,
 plan and record), so neither of those imports the other's callers.
@@ -16,10 +17,9 @@ from typing import Any
 
 from eaglewire.core.fileio import atomic_write_json, atomic_write_text
 from eaglewire.core.presets import cache_dir
-from eaglewire.engines.interface import ServedFiles, Shape
+from eaglewire.engines.interface import InstallError, InstallSettings, Progress, ServedFiles, Shape
 from eaglewire.engines.vllm import installation as inst
-from eaglewire.engines.vllm.installation import (DIST, DROPPED, RECORD_VERSION, VERSION_RUN, Installation, Progress,
-                                                 VllmError)
+from eaglewire.engines.vllm.installation import DIST, DROPPED, RECORD_VERSION, VERSION_RUN, Installation, VllmError
 from eaglewire.engines.vllm.server import VllmServer
 
 
@@ -108,3 +108,28 @@ def install(python: str | Path | None = None, progress: Progress | None = None) 
                   "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         atomic_write_json(inst.record_path(), record)  # last: only now does find() accept the venv
     return replace(installed, record=record, smoke=smoke["smoke"])
+
+
+class VllmInstaller:
+    """``eaglewire engines install|which vllm [--vllm-python P]``: a VllmError is an InstallError (its message
+    printed as it is)."""
+
+    title = f"vLLM ({DIST} {VERSION_RUN}, pinned)"
+
+    def install(self, settings: InstallSettings, progress: Progress) -> Installation:
+        try:
+            return install(settings.install, progress=progress)
+        except VllmError as e:
+            raise InstallError(str(e)) from e
+
+    def which(self, settings: InstallSettings) -> Installation:
+        try:
+            found = inst.find(settings.install)
+        except VllmError as e:
+            raise InstallError(str(e)) from e
+        if found is None:
+            raise InstallError(f"vLLM is not installed: {inst.INSTALL_HINT}")
+        return found
+
+
+INSTALLER = VllmInstaller()

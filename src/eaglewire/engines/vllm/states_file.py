@@ -4,25 +4,20 @@ vLLM 0.33.0's ``ExampleHiddenStatesConnector`` (GPU servers) and eaglewire's ``C
 (``in_vllm/``) save ``{"hidden_states": [T, n, H], "token_ids": [T]}`` to ``<shared_storage_path>/<req_id>.safetensors``:
 slot j holds the state of the j-th id sent (``eagle_aux_hidden_state_layer_ids``, sorted). speculators'
 ``generate-offline-data`` moves each such file to ``hs_{i}.safetensors`` unchanged. Both ``prepare --capture vllm``
-(capture.py) and ``import-data --from vllm | speculators`` (data/foreign.py) read it here.
+(capture.py) and ``import-data --from vllm | speculators`` (data/foreign.py, through the capturer's
+``read_file``) read it here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
+
+from eaglewire.engines.interface import StatesFile
 
 HIDDEN_STATES = "hidden_states"
 TOKEN_IDS = ("token_ids", "input_ids")  # the connector's name, then the one a converted file may carry
-
-
-@dataclass
-class StatesFile:
-    states: torch.Tensor  # [T, n, H] in the stored dtype and slot order
-    token_ids: torch.Tensor | None  # [T] the tokens the states are of; None where the file holds none
 
 
 def read_states_file(path: Path, *, token_ids: bool = True) -> StatesFile:
