@@ -154,6 +154,69 @@ def test_decode_does_not_import_data():
     assert not wrong, "\n".join(wrong)
 
 
+# Inside engines/, three tiers. An *engine* is a module or package whose ``SPEC`` the registry lists (read from
+# registry.py: eagle, eaglewire, llamacpp, sglang, specforge, vllm). The modules *above* the engines import them to
+# list, configure or detect them (ENGINES_ABOVE). Every other module at engines/ top level is *shared*, below every
+# engine: the interface, the formats several engines read or write (shared, dflash_format, speculators_format,
+# zlab_layout), export/import plumbing, flags, served counts and metrics. An engine imports shared modules only,
+# never another engine nor a module above, so no engine reaches another, directly or through a shared module.
+ENGINES_ABOVE = {"eaglewire.engines", "eaglewire.engines.registry", "eaglewire.engines.configs",
+                 "eaglewire.engines.foreign_draft"}
+
+
+def engine_modules() -> set[str]:
+    """``eaglewire.engines.<name>`` of every engine the registry lists (its ``from ... import SPEC`` lines)."""
+    tree = ast.parse((SRC / "eaglewire" / "engines" / "registry.py").read_text())
+    return {node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and any(a.name == "SPEC" for a in node.names)}
+
+
+def engine_of(name: str, engines: set[str]) -> str | None:
+    return next((e for e in engines if name == e or name.startswith(e + ".")), None)
+
+
+def engine_import_problems(edges: dict[str, set[str]], engines: set[str]) -> list[str]:
+    """Each import that breaks the tiers above, with what to do instead."""
+    out = []
+    for m, deps in sorted(edges.items()):
+        mine = engine_of(m, engines)
+        shared = mine is None and m.startswith("eaglewire.engines.") and m not in ENGINES_ABOVE
+        for d in sorted(deps):
+            theirs = engine_of(d, engines)
+            if mine and theirs and theirs != mine:
+                out.append(f"{m} (engine {mine}) imports {d} (engine {theirs}): move what both need below them, "
+                           "into a shared module of engines/ named for what it holds")
+            elif mine and d in ENGINES_ABOVE:
+                out.append(f"{m} (engine {mine}) imports {d}, which imports the engines: take it as an argument")
+            elif shared and theirs:
+                out.append(f"{m} (shared by the engines) imports {d} (engine {theirs}): an engine reaches "
+                           "another through it; keep it below the engines")
+    return out
+
+
+def test_no_engine_imports_another_engine():
+    engines = engine_modules()
+    assert {e.rpartition(".")[2] for e in engines} >= {"sglang", "vllm", "llamacpp", "specforge"}
+    for module in ENGINES_ABOVE:
+        assert module in modules(), f"{module} is gone: drop it from ENGINES_ABOVE"
+    wrong = engine_import_problems(graph(), engines)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_engine_tiers_see_an_engine_importing_another():
+    engines = {"eaglewire.engines.a", "eaglewire.engines.b"}
+    edges = {"eaglewire.engines.a.export": {"eaglewire.engines.b", "eaglewire.engines.shared"},  # a -> b
+             "eaglewire.engines.b": {"eaglewire.engines.b.readings", "eaglewire.engines.registry"},  # b -> above
+             "eaglewire.engines.shared": {"eaglewire.engines.a.readings"},  # shared -> a
+             "eaglewire.engines.registry": {"eaglewire.engines.a", "eaglewire.engines.b"}}  # above -> both: fine
+    wrong = engine_import_problems(edges, engines)
+    assert len(wrong) == 3
+    assert wrong[0].startswith("eaglewire.engines.a.export (engine eaglewire.engines.a) imports eaglewire.engines.b "
+                               "(engine eaglewire.engines.b): move what both need below them")
+    assert wrong[1].startswith("eaglewire.engines.b (engine eaglewire.engines.b) imports eaglewire.engines.registry")
+    assert wrong[2].startswith("eaglewire.engines.shared (shared by the engines) imports eaglewire.engines.a.readings")
+
+
 def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
     """The graph reads function-level and submodule imports, and a cycle is reported."""
     g = graph()
