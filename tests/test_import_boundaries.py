@@ -227,3 +227,18 @@ def test_smollm2_specforge_ids_taken_as_boundaries_are_named(smollm2_target, tmp
     assert [c.closest for c in found.checks] == [3, 16, 28]
     assert all(c.closest_error < 0.02 and c.own > 0.2 for c in found.checks)  # bf16 rounding vs a layer away
     assert "--boundaries 3,16,28" in e.value.command
+
+
+def test_the_stored_doctor_names_the_import_that_stores_the_drafts_boundaries(vllm_src, target, target_dir,
+                                                                             tmp_path):
+    """The draft reads [2, 4, 6]; the data were imported with only [2, 4] as aux of the stored [2, 4, 6, 8]: the
+    fix is the import line that stores 6 too, runnable as printed."""
+    import_data(config(vllm_src, tmp_path / "data", target_dir, [*TRUE, L], layout="vllm", aux_boundaries=[2, 4]))
+    save_random_draft(tmp_path / "draft", target, aux_boundaries=tuple(TRUE))
+    report = run_doctor(doctor_config(tmp_path, target_dir, stored=True))
+    check = next(c for c in report.checks if c.name == "accuracy in isolation")
+    assert check.verdict == "fail" and "the import stored them" in check.fix
+    line = check.fix.split("`")[1]
+    assert "--aux-boundaries 2,4,6" in line and "--boundaries 2,4,6,8" in line
+    assert run_line(line + " --skip-label-check") == 0
+    assert list(ShardDataset(tmp_path / "data-reimported").contract.aux_boundaries) == TRUE

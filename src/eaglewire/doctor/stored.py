@@ -351,8 +351,8 @@ def _missing_fix(config: DoctorConfig, ds: ShardDataset, declared: list[int]) ->
     if record and set(declared) <= set(source.get("stored_boundaries") or []):
         known = {f.name for f in dataclasses.fields(ImportDataConfig)}
         imported = ImportDataConfig(**{k: v for k, v in record.items() if k in known})
-        line = import_command(imported, out=_reimported(config.data), aux_boundaries=[b for b in declared
-                                                                                       if b != ds.contract.num_layers])
+        line = import_command(imported, out=_reimported(config.data), identify_boundaries="auto",
+                              aux_boundaries=[b for b in declared if b != ds.contract.num_layers])
         return f"the import stored them: import the draft's boundaries too: `{line}`"
     shift = {b - a for a, b in zip(stored, declared)} if len(stored) == len(declared) else set()
     if len(shift) == 1 and abs(next(iter(shift))) == 1:
