@@ -81,8 +81,8 @@ class Identification:
             out.append(f"slot {self.slot(j)} ({said_as} boundary {c.boundary}) is boundary {c.closest}: relative error "
                        f"{c.closest_error:.1e} from boundary {c.closest}, {c.own:.1e} from boundary {c.boundary}")
         for j, c in self.unmatched():
-            out.append(f"slot {self.slot(j)} ({said_as} boundary {c.boundary}) is no boundary of this capture: relative error "
-                       f"{c.own:.1e} from boundary {c.boundary}, {c.closest_error:.1e} from the closest "
+            out.append(f"slot {self.slot(j)} ({said_as} boundary {c.boundary}) is no boundary of this capture: "
+                       f"relative error {c.own:.1e} from boundary {c.boundary}, {c.closest_error:.1e} from the closest "
                        f"(boundary {c.closest})")
         return out
 

@@ -368,7 +368,8 @@ def _missing_fix(config: DoctorConfig, ds: ShardDataset, declared: list[int]) ->
 
 
 def stored_samples(ds: ShardDataset, sequences: int = boundary_match.SEQUENCES,
-                   max_tokens: int = boundary_match.MAX_TOKENS) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+                   max_tokens: int = boundary_match.MAX_TOKENS) -> tuple[list[tuple[list[int], torch.Tensor]],
+                                                                          list[int]]:
     """(the first sequences' (token ids, stored states [T, n, H]), the boundary each slot is recorded as): the aux
     states in the contract's order, then the boundary-L state where the shards keep it pre-norm."""
     contract, source = ds.contract, ds.manifest["source"]
