@@ -48,6 +48,7 @@ from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.engines.foreign_draft import load_any_draft
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.target import Target
+from eaglewire.core.device import resolve_device
 from eaglewire.model.target_head import load_target_head
 from eaglewire.model.ttt import TargetSignal, signal_positions, target_signal, topk_signal
 
@@ -68,7 +69,7 @@ def token_signal(input_ids: torch.Tensor, needed: torch.Tensor, draft_ids: torch
     argmax[:, :-1] = input_ids[:, 1:]  # [B, T]
     to_draft = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of a target id (where t2d)
     in_vocab = t2d[argmax] & needed  # [B, T]
-    probs = torch.zeros(B, T, len(draft_ids))  # [B, T, Vd]
+    probs = torch.zeros(B, T, len(draft_ids), device=input_ids.device)  # [B, T, Vd]
     probs[in_vocab, to_draft[argmax[in_vocab]]] = 1.0
     return TargetSignal(probs=probs, argmax=argmax, in_vocab=in_vocab)
 
@@ -90,20 +91,24 @@ def stored_batches(ds: ShardDataset, indices: list[int], target: Target, draft, 
     out = []
     for batch in batches_by_tokens(seqs, batch_tokens):
         T = max(len(s.input_ids) for s in batch)
-        ids, mask = pad_right([s.input_ids for s in batch], T), pad_right([s.loss_mask for s in batch], T)  # [B, T]
-        aux = pad_right([s.stored_aux.float() for s in batch], T)  # [B, T, k*H]
+
+        def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+            return pad_right(rows, T).to(target.device)  # [B, T, ...] where the head and the draft compute
+
+        ids, mask = padded([s.input_ids for s in batch]), padded([s.loss_mask for s in batch])  # [B, T]
+        aux = padded([s.stored_aux.float() for s in batch])  # [B, T, k*H]
         states = dict(zip(bounds, aux.split(H, dim=-1)))  # boundary -> [B, T, H]
         last = None
         if batch[0].stored_last is not None:
-            last = states[L] = pad_right([s.stored_last.float() for s in batch], T)  # [B, T, H]
+            last = states[L] = padded([s.stored_last.float() for s in batch])  # [B, T, H]
         needed = signal_positions(mask)
         with torch.no_grad():
-            emb = target.embed_tokens(ids.to(target.device)).float()  # [B, T, H]
+            emb = target.embed_tokens(ids).float()  # [B, T, H]
             if labels == "tokens":
                 signal = token_signal(ids, needed, draft.draft_to_target, draft.t2d)
             elif last is None:  # the stored top-K: acc@0 against its top-1
-                lp = pad_right([topk[s.id][0] for s in batch], T)  # [B, T, K]
-                top = pad_right([topk[s.id][1] for s in batch], T)  # [B, T, K]
+                lp = padded([topk[s.id][0] for s in batch])  # [B, T, K]
+                top = padded([topk[s.id][1] for s in batch])  # [B, T, K]
                 signal = topk_signal(lp, top, draft.draft_to_target, draft.t2d, needed)
             else:
                 signal = target_signal(target.head, last.to(target.dtype), draft.draft_to_target, draft.t2d, needed)
@@ -213,13 +218,14 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
         raise ValueError("--stored measures on stored states: pass --data SHARDS (from `eaglewire prepare` or "
                          "`eaglewire import-data`, holding every stored boundary)")
     report = DoctorReport(draft=config.draft, target=config.target, resolved_config=config_record(config))
-    target = load_target_head(config.target)
+    target = load_target_head(config.target, device=resolve_device(config.device))
     ds = ShardDataset(config.data, verify=False)
     if config.labels == "head" and ds.manifest["source"].get("last_hidden") == ABSENT_LAST:
         raise ValueError(f"--data {config.data} holds no boundary-L state (imported with --no-last): the head has "
                          "nothing to read; pass --labels tokens")
     allow = set(config.allow_target_mismatch or ())
     draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False, allow=allow)
+    draft = draft.to(target.device)  # beside the head that makes its signal
     if notes:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     summary = draft_cfg.get("training") or {}

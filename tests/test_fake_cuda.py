@@ -1,0 +1,58 @@
+"""The CPU's stand-in for a CUDA device (fake_cuda.py) raises where CUDA raises and nowhere else: the
+device-placement tests (test_devices.py) mean something only if it does."""
+
+import pytest
+import torch
+
+from fake_cuda import MIXED, fake_cuda
+
+
+def test_mixing_devices_raises_as_cuda_does():
+    with fake_cuda():
+        on_gpu, on_host = torch.ones(3, device="cuda"), torch.ones(3)
+        assert on_gpu.device.type == "cuda" and on_gpu.is_cuda and on_host.device.type == "cpu"
+        with pytest.raises(RuntimeError, match="found at least two devices"):
+            on_gpu + on_host
+        assert (on_gpu + torch.tensor(2.0)).device.type == "cuda"  # a 0-dim host tensor is a scalar to CUDA
+        assert (on_gpu + on_host.to(on_gpu.device)).device.type == "cuda"
+        assert torch.zeros(2, device=on_gpu.device).device.type == "cuda"
+        moved = on_gpu.cpu()
+        assert moved.device.type == "cpu" and on_gpu.device.type == "cuda"  # a move copies; the source stays
+        with pytest.raises(TypeError, match="numpy"):
+            on_gpu.numpy()
+
+
+def test_indexing_follows_cuda_rules():
+    """The first GPU run's train crash: a host tensor indexed by a device one (model/vocab.frequency_coverage)."""
+    from eaglewire.model.vocab import frequency_coverage
+
+    with fake_cuda():
+        counts = torch.arange(10)
+        t2d = torch.zeros(10, dtype=torch.bool, device="cuda")
+        t2d[:3] = True
+        with pytest.raises(RuntimeError, match="indices should be either on cpu or on the same device"):
+            frequency_coverage(counts, t2d)
+        assert frequency_coverage(counts, t2d.cpu()) == pytest.approx(3 / 45)
+        assert counts.to("cuda")[torch.tensor([1, 2])].device.type == "cuda"  # device tensor, host indices: fine
+
+
+def test_modules_train_on_the_fake_device():
+    with fake_cuda():
+        layer = torch.nn.Linear(4, 2).to("cuda")
+        assert layer.weight.device.type == "cuda"
+        opt = torch.optim.AdamW(layer.parameters())
+        layer(torch.randn(3, 4, device="cuda")).sum().backward()
+        opt.step()
+        assert layer.weight.grad.device.type == "cuda"
+        with pytest.raises(RuntimeError, match="found at least two devices"):
+            layer(torch.randn(3, 4))  # input left on the host
+
+
+def test_generators_and_the_mixed_message():
+    with fake_cuda():
+        probs = torch.ones(4, device="cuda")
+        assert torch.multinomial(probs, 1, generator=torch.Generator(device="cuda")).device.type == "cuda"
+        with pytest.raises(RuntimeError, match="'cuda' device type for generator"):
+            torch.multinomial(probs, 1, generator=torch.Generator())
+    assert "cuda:0 and cpu" in MIXED
+    assert not torch.ones(1).is_cuda  # patched only while it lasts
