@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from eaglewire.core.device import device_field
+from eaglewire.core.device import device_field, resolve_device
 from eaglewire.core.fileio import atomic_write_json
 from eaglewire.core.precision import DTYPE_CHOICES, resolve_precision
 from eaglewire.core.locks import directory_lock
@@ -105,7 +105,9 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
 
     out = Path(config.out)
     stages = Stages(out, config)
-    target = target or load_target(config.target, device=config.device)
+    if target is None:  # regenerated, captured and trained in one precision: bf16 where native (the plan timed it)
+        precision = resolve_precision(config.dtype, resolve_device(config.device))
+        target = load_target(config.target, device=config.device, dtype=precision.name)
     data, heldout, draft = out / "data", out / "heldout", out / "draft"
 
     if "plan" not in stages.done:
