@@ -173,8 +173,8 @@ def run_command(name: str, argv: list[str], timeout: int, log: Path) -> dict:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         code, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
-        code, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
-        text = text.decode() if isinstance(text, bytes) else text
+        parts = [p.decode(errors="replace") if isinstance(p, bytes) else p for p in (e.stdout, e.stderr) if p]
+        code, text = "timeout", "".join(parts)
     seconds = time.perf_counter() - start
     log.write_text(f"$ {' '.join(cmd)}\n{text}")
     figure = ""
