@@ -113,6 +113,24 @@ def test_doctor_fails_a_miswired_gguf_and_passes_the_right_one(tmp_path):
 IDS = [0, 5, 6, 40, 41]  # a draft vocabulary's target ids
 
 
+def test_both_doctors_read_the_gguf_through_the_one_serving_check(tmp_path):
+    """``check_serving`` (the fresh doctor's and ``--stored``'s) hands llama.cpp's GGUF to its linter's
+    serving checks: --stored used to parse the GGUF as a config.json."""
+    import torch
+
+    from eaglewire.doctor.checks import check_serving
+    from eaglewire.doctor.config import DoctorConfig
+
+    bad = write_draft_gguf(tmp_path / "bad.gguf", [1, 14, 26], d2t=IDS)
+    report = DoctorReport(draft="d", target="t")
+    config = DoctorConfig(draft="d", engine="llamacpp", engine_config=str(bad))
+    readings, steps, same = check_serving(report, config, TRAINED, L, "LlamaForCausalLM",
+                                          vocab_ids=torch.tensor(IDS))
+    assert readings == {"llamacpp": [1, 14, 26]} and steps == doctor.DEFAULT_N_MAX and same is config
+    verdicts = {c.name: c.verdict for c in report.checks}
+    assert verdicts == {"llama.cpp architecture": "ok", "engine wiring": "fail", "engine vocabulary": "ok"}
+
+
 @pytest.mark.parametrize("written, trained, verdict, what", [
     (IDS, IDS, "ok", "maps the draft's 5 rows"),
     (None, None, "ok", "whole vocabulary"),

@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from eaglewire import engines
 from eaglewire.core.checks import flags_check
 from eaglewire.core.errors import read_json_object
 from eaglewire.doctor.config import DoctorConfig
@@ -18,6 +21,8 @@ from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
 from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import (config_fix, dflash_config_fix, engine_refusal, lint_flags,
                                      read_dflash_engine_config, read_engine_config)
+from eaglewire.engines import Ability
+from eaglewire.engines.interface import ServingInputs
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.ttt import StepCounts
@@ -84,12 +89,22 @@ def config_the_flags_load(report: DoctorReport, config: DoctorConfig, named: str
 
 
 def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,
-                  dflash_block: int | None = None) -> tuple[dict[str, list[int]], int, DoctorConfig]:
+                  dflash_block: int | None = None, *, vocab_ids: torch.Tensor | None = None
+                  ) -> tuple[dict[str, list[int]], int, DoctorConfig]:
     """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
     the tokens it drafts per round: SGLang's default chain of 5, or a DFlash block's ``dflash_block - 1``,
     when the flags do not say; ``config`` with the engine config the flags load, ``config_the_flags_load``,
-    for the checks after it). ``dflash_block``: the draft is a DFlash draft trained on blocks of that size.
-    Its readings go into ``Measured.serving``, so it runs before the draft is measured and takes its inputs bare."""
+    for the checks after it). ``dflash_block``: the draft is a DFlash draft trained on blocks of that size;
+    ``vocab_ids``: the target ids of the draft's vocabulary [Vd] (None: the whole vocabulary). An engine that
+    loads a draft file of its own (llama.cpp's GGUF) reads it with its linter's ``serving_checks``; both doctors
+    come here for every engine. Its readings go into ``Measured.serving``, so it runs before the draft is
+    measured and takes its inputs bare."""
+    own_checks = engines.get(config.engine, Ability.LINT).linter.serving_checks
+    if own_checks is not None:
+        told = ServingInputs(config.target, config.engine_flags, config.engine_config,
+                             lambda named: config_the_flags_load(report, config, named).engine_config)
+        serving, steps = own_checks(report, told, declared, L, arch, dflash_block, vocab_ids=vocab_ids)
+        return serving, steps, config
     family = "eagle3" if dflash_block is None else "dflash"
     steps = 5 if dflash_block is None else dflash_block - 1
     if config.engine_flags:

@@ -14,7 +14,7 @@ import torch
 from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (check_engine_version, Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving, config_the_flags_load, served_labels)
+                                     check_serving, served_labels)
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.served import check_served
@@ -29,7 +29,6 @@ from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire import engines
 from eaglewire.doctor.serving import predicted_tau
 from eaglewire.engines.foreign_draft import load_any_draft
-from eaglewire.engines.interface import ServingInputs
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.target import Target, load_target
 
@@ -60,15 +59,9 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
         check_engine_version(report, config)  # which release's reading judges the running server
     arch = config.target_arch or contract.target.architecture
     dflash_block = draft.config.block_size if is_block_draft(draft) else None
-    own_checks = engines.get(config.engine).linter.serving_checks
-    if own_checks is not None:
-        rows = draft.draft_to_target
-        told = ServingInputs(config.target, config.engine_flags, config.engine_config,
-                             lambda named: config_the_flags_load(report, config, named).engine_config)
-        serving, serving_steps = own_checks(report, told, declared, L, arch, dflash_block,
-                                            vocab_ids=rows if len(rows) < target.vocab_size else None)
-    else:
-        serving, serving_steps, config = check_serving(report, config, declared, L, arch, dflash_block)
+    rows = draft.draft_to_target
+    serving, serving_steps, config = check_serving(report, config, declared, L, arch, dflash_block,
+                                                   vocab_ids=rows if len(rows) < target.vocab_size else None)
     serving = served_labels(serving, engines.get(config.engine).version, report.engine_version)  # as the server says
     check_template_switch(report, config, contract, target.tokenizer,
                           load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)

@@ -234,8 +234,10 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
         return report
     _check_labels(report, config, ds, target)
     arch = config.target_arch or contract.target.architecture
+    rows = draft.draft_to_target
     serving, _, config = check_serving(report, config, declared, L, arch,
-                                       draft.config.block_size if is_block_draft(draft) else None)
+                                       draft.config.block_size if is_block_draft(draft) else None,
+                                       vocab_ids=rows.cpu() if len(rows) < target.vocab_size else None)
     check_template_switch(report, config, contract, getattr(target, "tokenizer", None))
     picked, warning = _pick(ds, summary, config)
     if warning:
