@@ -210,8 +210,10 @@ def serve_check(target: Path, draft: Path, device: str, log: Path) -> dict:
                 break
             except OSError:
                 time.sleep(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            model = json.loads(r.read())["data"][0]["id"]  # the name it serves under
         for words in ("Name three colours.", "Count to five."):
-            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": words}], "max_tokens": 32,
+            body = json.dumps({"model": model, "messages": [{"role": "user", "content": words}], "max_tokens": 32,
                                "temperature": 0}).encode()
             request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
                                              {"Content-Type": "application/json"})
