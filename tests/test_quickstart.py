@@ -138,3 +138,24 @@ def test_the_plan_spends_what_a_faster_machine_saves_on_data_within_the_same_wal
     assert "--num-conversations given" in given.describe() and "sized so" in fast.describe()
     with pytest.raises(ValueError, match="positive speed"):
         plan_data(tokens_per_second=0, minutes=20, precision="fp32")
+
+
+def test_the_plan_sizes_the_slice_to_the_data_stage_measured_here():
+    """The data stage's cost per conversation is measured (regeneration + capture), not one CPU's constant: a machine
+    whose regeneration is 3x slower gets fewer conversations in the same wall clock of 48 conversations + minutes."""
+    from eaglewire.train.plan import BASE_CONVERSATIONS, plan_data
+
+    quick, slow = (plan_data(tokens_per_second=750, minutes=20, precision="bf16", data_seconds=d) for d in (4.0, 12.0))
+    assert quick.conversations > slow.conversations
+    for plan, d in ((quick, 4.0), (slow, 12.0)):
+        spent = plan.conversations * d + plan.train_minutes * 60
+        assert spent == pytest.approx(BASE_CONVERSATIONS * d + 20 * 60, abs=d)  # the wall clock, to one conversation
+    assert "regenerating and capturing a conversation in 4.0 s" in quick.describe()
+
+
+def test_the_data_probe_times_regeneration_and_capture_on_the_target(chat_tiny_target):
+    from eaglewire.data.probe import data_seconds_per_conversation
+
+    parts = data_seconds_per_conversation(chat_tiny_target, batch_size=2, reply_tokens=32, sequence_tokens=64)
+    assert parts["regenerate"] > 0 and parts["capture"] > 0
+    assert parts["seconds"] == pytest.approx(parts["regenerate"] + parts["capture"])

@@ -174,10 +174,17 @@ def plan_stage(config: QuickstartConfig, target: Target) -> DataPlan:
     from eaglewire.train.probe import training_tokens_per_second
 
     precision = resolve_precision(config.dtype, target.device)
+    from eaglewire.data.probe import data_seconds_per_conversation
+    from eaglewire.data.prepare import PrepareConfig
+    from eaglewire.train.plan import REPLY_TOKENS_PER_CONVERSATION, TOKENS_PER_CONVERSATION
+
     speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
                                        draft_vocab_size=config.draft_vocab_size, batch_tokens=BATCH_TOKENS)
+    data = data_seconds_per_conversation(  # the data stage as it will run: this target, its dtype and device
+        target, batch_size=PrepareConfig.regenerate_batch_size,
+        reply_tokens=min(REPLY_TOKENS_PER_CONVERSATION, config.max_new_tokens), sequence_tokens=TOKENS_PER_CONVERSATION)
     return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
-                     conversations=config.num_conversations)
+                     conversations=config.num_conversations, data_seconds=round(data["seconds"], 2))
 
 
 def decoding_target(config: QuickstartConfig, target: Target) -> Target:
