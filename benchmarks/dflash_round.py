@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.text import encode_prompt
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
 from eaglewire.model.draft import DraftConfig, Eagle3Draft

@@ -17,7 +17,7 @@ import time
 import torch
 
 from eaglewire.model.checkpoint import load_draft
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.runner import HFRunner, LeanRunner
 from eaglewire.decode.text import encode_prompt
 from eaglewire.core.presets import DEFAULT_TARGET

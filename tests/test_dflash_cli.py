@@ -11,7 +11,7 @@ from openai import OpenAI
 from eaglewire.cli import main
 from eaglewire.core.tokens import stop_token_ids
 from eaglewire.decode.text import encode_prompt
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.load import load_decoder
 from eaglewire.serve.routes import create_app
 from servers import live_server

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eaglewire import engines
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.engines.shared import FormatError
 from eaglewire.model.checkpoint import load_draft

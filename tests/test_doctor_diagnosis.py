@@ -192,7 +192,7 @@ NEW_TOKENS = 64
 def served_text(smollm2_target):
     """The reference draft, the held-out prompts and the target's greedy outputs on them (what any server
     wired any way returns: greedy decoding is lossless)."""
-    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
     from eaglewire.decode.text import encode_prompt
     from eaglewire.engines.foreign_draft import load_any_draft
 
@@ -304,7 +304,7 @@ def test_the_layout_the_engine_reads_from_its_config_is_a_candidate(smollm2_targ
 def test_a_server_feeding_the_post_norm_state_back_is_named_by_its_flag(smollm2_target, served_text):
     """eaglewire's own decoder with the draft's later steps fed the post-norm state (vLLM's norm_output): its
     rounds are the stub's counters, and the diagnosis names the flag and the key to write."""
-    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 
     draft, contract, prompts, outputs = served_text
     served = feeds_norm_output_in_decoding(draft)

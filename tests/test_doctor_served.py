@@ -204,7 +204,7 @@ def reference(smollm2_target, tmp_path_factory):
 
 @contextmanager
 def eaglewire_server(target, draft, contract, **kw):
-    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
     from eaglewire.serve.routes import create_app
 
     app = create_app(SpecDecoder(target, draft, contract, SpecConfig.chain(3)), model_name="m", **kw)

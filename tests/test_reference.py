@@ -26,7 +26,7 @@ def test_a_directory_named_like_a_preset_wins(tmp_path, monkeypatch):
 
 @pytest.mark.real
 def test_reference_speculates_losslessly_on_the_default_target(smollm2_target):
-    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
     from eaglewire.decode.text import encode_prompt
 
     draft, contract, _ = load_draft("reference", target=smollm2_target)  # fingerprint checked

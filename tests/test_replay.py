@@ -4,7 +4,7 @@ says it would; a decoding path that feeds the draft anything else does not."""
 import pytest
 import torch
 
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.doctor.measure import engine_agreement
 from eaglewire.acceptance.replay import accepted_after, compare_rounds, round_starts
 from eaglewire.doctor.run import MIN_ROUND_AGREEMENT

@@ -28,7 +28,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from eaglewire.core.contract import HiddenStateContract
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings, encode_prompt
 from eaglewire.core.tokens import stop_token_ids
 from eaglewire.model.draft import DraftConfig, Eagle3Draft

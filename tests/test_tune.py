@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eaglewire.cli import main
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.acceptance.costs import ChainProbe, EngineCosts, PlainProbe, fit_costs, stated_costs
 from eaglewire.engines.llamacpp.runtime import draft_stats
 from eaglewire.acceptance.recommend import predict, rank, recommend, shapes

@@ -288,7 +288,7 @@ def test_enable_thinking_is_sent_and_recorded(tmp_path, smollm2_tokenizer):
 
 @contextmanager
 def eaglewire_server(target: Target):
-    from eaglewire.decode.engine import SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecDecoder
     from eaglewire.serve.routes import create_app
 
     with live_server(create_app(SpecDecoder(target), model_name="tiny-chat")) as (url, _):

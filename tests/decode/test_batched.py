@@ -9,7 +9,7 @@ import torch
 
 from eaglewire.data.regenerate import split_reply
 from eaglewire.decode.batched import BatchedDecoder, attention_groups, generate_batch, prefill_chunks
-from eaglewire.decode.engine import SpecDecoder
+from eaglewire.decode.spec_decoder import SpecDecoder
 from eaglewire.decode.runner import LEAN_MODEL_TYPES
 from eaglewire.decode.sampling import SamplingParams
 from tiny import tiny_target

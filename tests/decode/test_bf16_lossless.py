@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.gemm import PackedLinear, onednn_available
 from eaglewire.decode.runner import attend, attend_rows, block_rows
 from eaglewire.model.target import target_from_config

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.tree import block_tree

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings
 from eaglewire.decode.tree import Tree
 from test_engine import random_draft

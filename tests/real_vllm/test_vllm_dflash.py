@@ -47,7 +47,7 @@ def trained(tmp_path_factory, smollm2_target):
     """(the DFlash draft's directory, the prompts it was trained on: [(prompt ids, plain greedy output)])."""
     from eaglewire.core.tokens import stop_token_ids
     from eaglewire.data.prepare import PrepareConfig, prepare
-    from eaglewire.decode.engine import SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecDecoder
     from eaglewire.model.checkpoint import load_draft
     from eaglewire.train.loop import TrainConfig, train
 
@@ -140,7 +140,7 @@ def test_greedy_outputs_are_the_fp32_targets_plain_outputs(served, trained):
 
 def test_served_tau_is_the_replay_and_eaglewires_own_block_decoding(served, trained, draft, smollm2_target):
     from eaglewire.core.tokens import stop_token_ids
-    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
     from eaglewire.doctor.report import DoctorReport
     from eaglewire.doctor.served import chain_length, replay_served, served_check
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.acceptance.costs import ChainProbe, PlainProbe
 

@@ -25,7 +25,7 @@ from eaglewire.core.device import device_field
 from eaglewire.core.configs import RESOLVED_KEY
 from eaglewire.model.checkpoint import FAMILY_CLASSES, load_draft, read_draft, read_draft_config
 from eaglewire.core.generation import GenerationStats
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams
 from eaglewire.decode.text import encode_prompt, stop_token_ids
 from eaglewire.core.fileio import atomic_write_text

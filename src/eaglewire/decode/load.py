@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from eaglewire.core.precision import Precision, log_precision, resolve_precision
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.model.checkpoint import load_draft
 from eaglewire.core.device import resolve_device
 from eaglewire.model.target import Target, load_target

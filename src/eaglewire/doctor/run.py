@@ -166,7 +166,7 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
     """The engine's greedy chain of ``steps`` on held-out prompts, round by round against the replay
     of the training-time unroll on the text it produced (``replay.py``): they must accept the same."""
     from eaglewire.core.tokens import stop_token_ids
-    from eaglewire.decode.engine import SpecConfig, SpecDecoder
+    from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 
     config, draft = m.config, m.draft
     if is_block_draft(draft):

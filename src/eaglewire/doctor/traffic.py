@@ -184,7 +184,7 @@ class Replier:
 
     def __init__(self, target, reply_tokens: int) -> None:
         from eaglewire.core.tokens import stop_token_ids
-        from eaglewire.decode.engine import SpecDecoder
+        from eaglewire.decode.spec_decoder import SpecDecoder
 
         self.plain, self.reply_tokens = SpecDecoder(target), reply_tokens
         self.stop = set(stop_token_ids(target.tokenizer, target.model))

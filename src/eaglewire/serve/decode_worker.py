@@ -18,7 +18,7 @@ from typing import Union
 
 from eaglewire.core.generation import GenerationStats
 from eaglewire.core.tokens import stop_token_ids
-from eaglewire.decode.engine import SpecDecoder
+from eaglewire.decode.spec_decoder import SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream
 from eaglewire.serve.api_errors import APIError

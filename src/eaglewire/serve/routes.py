@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eaglewire.decode.engine import SpecDecoder
+from eaglewire.decode.spec_decoder import SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.serve.api_errors import APIError, error_body
 from eaglewire.serve.decode_worker import DecodeWorker, Delta, Done, Event, Failed, Job

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eaglewire.core.contract import HiddenStateContract
-from eaglewire.decode.engine import SpecConfig, SpecDecoder
+from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.tree import Tree
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
