@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from eaglewire import engines
-from eaglewire.core.checks import flags_check
+from eaglewire.core.verdicts import flags_check
 from eaglewire.core.errors import read_json_object
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds

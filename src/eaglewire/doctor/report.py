@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eaglewire.core.checks import VERDICTS, Check  # noqa: F401 (the doctor's modules import them here)
+from eaglewire.core.verdicts import VERDICTS, Check  # noqa: F401 (the doctor's modules import them here)
 from eaglewire.core.configs import RESOLVED_KEY
 
 # Exit codes: passed 0, failed 1 (2 is the CLI's user error), inconclusive 3: too little evidence

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eaglewire.core.checks import Check, Findings, flags_check
+from eaglewire.core.verdicts import Check, Findings, flags_check
 from eaglewire.engines.interface import ServingInputs
 from eaglewire.engines.llamacpp.gguf import draft_layers, layout_problem, read_gguf_metadata, vocab_problem
 from eaglewire.engines.llamacpp.installation import BUILD
