@@ -48,7 +48,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    from eaglewire.data.remote_regenerate import RegenerateCommandConfig, meta_path, run_regenerate
+    from eaglewire.data.regenerate_command import RegenerateCommandConfig, run_regenerate
+    from eaglewire.data.remote_regenerate import meta_path
 
     config = config_from_args(RegenerateCommandConfig, args)
     report = run_regenerate(config, progress=not args.no_progress)
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eaglewire.command_configs import ContractConfig, GenerateConfig
     from eaglewire.data.import_data import ImportDataConfig
     from eaglewire.data.prepare import PrepareConfig
-    from eaglewire.data.remote_regenerate import RegenerateCommandConfig
+    from eaglewire.data.regenerate_command import RegenerateCommandConfig
     from eaglewire.doctor import DoctorConfig
     from eaglewire.engines.configs import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig

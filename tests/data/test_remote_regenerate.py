@@ -399,7 +399,7 @@ def test_prepare_regenerates_through_the_capturing_engine(tmp_path, chat_tiny_ta
 def test_the_command_takes_a_list_of_servers():
     from eaglewire.cli import build_parser
     from eaglewire.core.configs import config_from_args
-    from eaglewire.data.remote_regenerate import RegenerateCommandConfig
+    from eaglewire.data.regenerate_command import RegenerateCommandConfig
 
     args = build_parser().parse_args(["regenerate", "--out", "x.jsonl", "--server", "http://a:1,http://b:2",
                                       "--concurrency", "16", "--reasoning", "strip", "--no-enable-thinking"])

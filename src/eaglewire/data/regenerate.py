@@ -112,7 +112,7 @@ class RegenerateReport:
 
 
 @dataclass
-class _Pending:
+class PendingConversation:
     """A conversation in flight; ``history`` always ends with a regenerated reply, or is empty."""
 
     conv: Conversation
@@ -293,9 +293,9 @@ def admit(conversations: Iterable[Conversation], resumed: set[str], started: set
 
 
 def _admit(batch: list[Conversation], resumed: set[str], started: set[str],
-           report: RegenerateReport) -> list[_Pending]:
+           report: RegenerateReport) -> list[PendingConversation]:
     """The conversations of ``batch`` still to do, validated; their ids join ``started``."""
-    return [_Pending(conv) for _, conv in admit(batch, resumed, started, report)]
+    return [PendingConversation(conv) for _, conv in admit(batch, resumed, started, report)]
 
 
 def _check_messages(conv: Conversation) -> None:
@@ -315,7 +315,7 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _run_batch(target: Any, pending: list[_Pending], config: RegenerateConfig, gen_config: Any,
+def _run_batch(target: Any, pending: list[PendingConversation], config: RegenerateConfig, gen_config: Any,
                stop_ids: list[int], report: RegenerateReport, decoder: Any = None,
                template_kwargs: dict[str, Any] | None = None) -> None:
     """Advance all conversations of one batch turn by turn until each is done."""
@@ -330,9 +330,9 @@ def _run_batch(target: Any, pending: list[_Pending], config: RegenerateConfig, g
                 p.add_reply(prompt, text, truncated=not stopped)
 
 
-def _next_prompts(tokenizer: Any, pending: list[_Pending], config: RegenerateConfig,
+def _next_prompts(tokenizer: Any, pending: list[PendingConversation], config: RegenerateConfig,
                   template_kwargs: dict[str, Any] | None = None
-                  ) -> list[tuple[_Pending, list[dict[str, str]], list[int]]]:
+                  ) -> list[tuple[PendingConversation, list[dict[str, str]], list[int]]]:
     """(conversation, prompt messages, prompt ids) of every conversation with a turn to go."""
     active = []
     for p in pending:
@@ -398,7 +398,7 @@ def _generate_lean(decoder: Any, prompt_ids: list[list[int]], gen_config: Any,
                             stop_token_ids=stop_ids, sampling=sampling, seed=seed)
 
 
-def _write(out: Any, pending: list[_Pending], report: RegenerateReport) -> None:
+def _write(out: Any, pending: list[PendingConversation], report: RegenerateReport) -> None:
     """Append the finished conversations of a batch in input order, then flush + fsync."""
     for p in pending:
         if p.turns == 0:

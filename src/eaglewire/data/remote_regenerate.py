@@ -40,15 +40,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from eaglewire.core.device import DEVICE_HELP, device_field
 from eaglewire.core.fileio import atomic_write_json
 from eaglewire.core.locks import file_lock
-from eaglewire.core.presets import DATA_PRESETS, DEFAULT_TARGET, data_path
-from eaglewire.data.conversations import Conversation, load_conversations
+from eaglewire.data.conversations import Conversation
 from eaglewire.data.openai_client import (Client, RequestRefused, RetryPolicy, ServerUnavailable, call_once,
                                           with_retries)
-from eaglewire.data.regenerate import (RegenerateConfig, RegenerateReport, _Pending, admit, prompt_ids, prompt_text,
-                                       read_done_ids)
+from eaglewire.data.regenerate import (PendingConversation, RegenerateConfig, RegenerateReport, admit, prompt_ids,
+                                       prompt_text, read_done_ids)
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +264,7 @@ def read_meta(out: str | Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) and meta.get("format") == META_FORMAT else None
 
 
-def _check_meta(out: Path, settings: dict[str, Any]) -> None:
+def check_meta(out: Path, settings: dict[str, Any]) -> None:
     meta = read_meta(out)
     if meta is None or not out.exists():
         return
@@ -314,7 +312,7 @@ def regenerate_remote(conversations: Sequence[Conversation], out_path: str | Pat
     with file_lock(out_path.with_name(out_path.name + ".lock"), what=f"--out {out_path}"):
         model = served_model(clients, remote.server_model)
         settings = settings_record(config, remote, model=model, target=target, tokenizer=tokenizer)
-        _check_meta(out_path, settings)
+        check_meta(out_path, settings)
         probes = [_first_prompt(conversations)] if _first_prompt(conversations) else []
         checked = [check_tokenization(c, model, tokenizer, m, remote.template_kwargs())
                    for c in clients for m in [PROBE_MESSAGES, *probes]]
@@ -412,9 +410,9 @@ class _Run:
         self.report.seconds = time.perf_counter() - start
         self.report.tokens_per_second = self.report.new_tokens / max(self.report.seconds, 1e-9)
 
-    def _conversation(self, index: int, conv: Conversation) -> tuple[_Pending, str | None]:
+    def _conversation(self, index: int, conv: Conversation) -> tuple[PendingConversation, str | None]:
         """Regenerate one conversation turn by turn; (its state, the server's refusal if any)."""
-        p = _Pending(conv)
+        p = PendingConversation(conv)
         kwargs = self.remote.template_kwargs()
         while (prompt := p.next_prompt(self.config.max_turns)) is not None:
             if self.stop.is_set():
@@ -461,7 +459,7 @@ class _Run:
 
         return with_retries(call, self.clients, start=index, policy=self.policy, on_retry=retried)
 
-    def _write(self, out: Any, result: tuple[_Pending, str | None]) -> None:
+    def _write(self, out: Any, result: tuple[PendingConversation, str | None]) -> None:
         """Append one finished conversation in a single write, then flush + fsync."""
         p, refused = result
         if refused is not None:
@@ -478,32 +476,6 @@ class _Run:
         self.report.conversations_cut += p.cut
         self.report.turns_regenerated += p.turns
         self.report.turns_truncated += p.truncated
-
-
-# ------------------------------------------------------------------ the `regenerate` command
-
-@dataclass(kw_only=True)
-class RegenerateCommandConfig:
-    """``eaglewire regenerate``: conversations -> a JSONL of regenerated ones that ``prepare --data`` reads."""
-
-    out: str = field(metadata={"help": "the JSONL file to write (appended to: a rerun resumes)"})
-    data: str = field(default="sharegpt", metadata={
-        "help": "data preset (sharegpt), a ShareGPT .json / messages .jsonl file, a parquet file or a directory of "
-                "them, or a datasets directory"})
-    target: str = field(default=DEFAULT_TARGET, metadata={
-        "help": "the target (preset, HF directory or .gguf): its tokenizer and chat template always, its "
-                "weights when regenerating in this process"})
-    num_conversations: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
-    offset: int = field(default=0, metadata={"help": "skip this many conversations first"})
-    device: str = device_field("in-process: " + DEVICE_HELP)
-    sampling: RegenerateConfig = field(default_factory=RegenerateConfig)
-    remote: RemoteConfig = field(default_factory=RemoteConfig)
-
-    def __post_init__(self) -> None:
-        if self.num_conversations is not None and self.num_conversations < 1:
-            raise ValueError(f"--num-conversations must be >= 1, got {self.num_conversations}")
-        if self.offset < 0:
-            raise ValueError(f"--offset must be >= 0, got {self.offset}")
 
 
 @contextmanager
@@ -533,42 +505,3 @@ def server_urls(remote: RemoteConfig, *, ctx_per_slot: int) -> Iterator[list[str
     with tempfile.TemporaryDirectory(prefix="eaglewire-regenerate-") as logs, \
             runtime.serve(ServedFiles(gguf, None), Shape(), settings, log_path=Path(logs) / "server.log") as server:
         yield [server.url]
-
-
-def run_regenerate(config: RegenerateCommandConfig, *, progress: bool = True) -> RegenerateReport:
-    """The ``regenerate`` command: through the servers when any is given, else with the target here."""
-    from eaglewire.model.target import load_target, load_tokenizer
-
-    path = data_path(config.data) if config.data in DATA_PRESETS else Path(config.data)
-    if not path.exists():
-        raise FileNotFoundError(f"--data {config.data}: {path} does not exist; pass a preset "
-                                f"({', '.join(DATA_PRESETS)}), a ShareGPT .json, a messages .jsonl, a parquet file or "
-                                "a directory of them, or a datasets directory (save_to_disk)")
-    conversations, loaded = load_conversations(path, limit=config.num_conversations, offset=config.offset)
-    log.info("%s", loaded.summary())
-    if config.remote.remote:
-        tokenizer = load_tokenizer(config.target)
-        with server_urls(config.remote, ctx_per_slot=config.sampling.context) as urls:
-            return regenerate_remote(conversations, config.out, tokenizer=tokenizer, config=config.sampling,
-                                     remote=config.remote, urls=urls, target=config.target, progress=progress)
-    from eaglewire.data.regenerate import regenerate
-
-    out = Path(config.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(out.with_name(out.name + ".lock"), what=f"--out {out}"):
-        target = load_target(config.target, device=config.device)
-        s = config.sampling
-        settings = {"mode": "in-process", "model": config.target, "target": config.target,
-                    "sampling": {"temperature": s.temperature, "max_tokens": s.max_new_tokens,
-                                 **({"top_p": s.top_p, "seed": s.seed, "batch_size": s.batch_size}
-                                    if s.temperature > 0 else {})},
-                    "max_turns": s.max_turns, "max_prompt_tokens": s.max_prompt_tokens}
-        if (kwargs := config.remote.template_kwargs()) is not None:  # absent: the template's defaults, as before
-            settings["chat_template_kwargs"] = kwargs
-        _check_meta(out, settings)
-        meta = {"format": META_FORMAT, "version": 1, "settings": settings}
-        atomic_write_json(meta_path(out), meta, fsync=True)
-        report = regenerate(target, conversations, out, config=s, progress=progress,
-                            template_kwargs=config.remote.template_kwargs())
-        atomic_write_json(meta_path(out), {**meta, "report": asdict(report)}, fsync=True)
-    return report
