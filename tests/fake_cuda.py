@@ -138,12 +138,10 @@ class _Dispatch(TorchDispatchMode):
             self_device = self.tags.of(args[0])
             index_devices = {self.tags.of(t) for t in _tensors(args[1:]) if t.dim() > 0}
             if self_device == "cpu" and "cuda" in index_devices:
-                import os; os.environ.get("FAKE_CUDA_DEBUG") and print("DEBUG", name, [(tuple(t.shape), t.dtype, self.tags.of(t)) for t in _tensors(args)])
                 raise RuntimeError("indices should be either on cpu or on the same device as the indexed "
                                    "tensor (cpu)")
             return
         if any(d == "cpu" and t.dim() > 0 for t, d in placed):
-            import os; os.environ.get("FAKE_CUDA_DEBUG") and print("DEBUG", name, [(tuple(t.shape), t.dtype, d) for t, d in placed])
             raise RuntimeError(f"{MIXED} ({name})")
 
 

@@ -44,6 +44,8 @@ def workspace(tmp_path_factory, smollm2_tokenizer):
                                                 {"from": "gpt", "value": " ".join(map(str, range(i + 4)))}]}
              for i in range(10)]
     (root / "chats.json").write_text(json.dumps(chats))
+    asks = [{"messages": [{"role": "user", "content": f"Tell me about {x}."}]} for x in ("cats", "rain")]
+    (root / "traffic.jsonl").write_text("\n".join(map(json.dumps, asks)))
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": f"Count to {i + 3}.",
                                                               "chat": True}) for i in range(2)))
     return root
@@ -73,11 +75,14 @@ def test_every_command_runs_on_cuda(tmp_path, workspace, on_device, capsys):
                    "--no-progress") == 0
         assert "acc 0 (held-out)" in capsys.readouterr().out
 
-        # the doctor in its three ways of getting states (the first GPU run crashed on a fresh capture)
+        # the doctor in its three ways of getting states (the first GPU run crashed on a fresh capture), with users'
+        # traffic and a sampling temperature on the first
         doctor = ["doctor", "--draft", out / "draft", *target, *cuda, "--engine-prompts", 1, "--engine-tokens", 8,
                   "--min-tokens", 50, "--skip-label-check", "--include-training", "--num-sequences", 4, "--steps", 2,
                   "--no-tune"]
-        for extra in (["--conversations", w / "chats.json"], ["--data", out / "shards"],
+        traffic = ["--traffic", w / "traffic.jsonl", "--traffic-prompts", 2, "--traffic-tokens", 8,
+                   "--temperature", 0.7]
+        for extra in (["--conversations", w / "chats.json", *traffic], ["--data", out / "shards"],
                       ["--data", out / "shards", "--stored"]):
             code = run(*doctor, *extra, "--json", out / "doctor.json")
             report = json.loads((out / "doctor.json").read_text())
