@@ -19,13 +19,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("eaglewire.data",)),
     ("train", ("eaglewire.train",)),
     ("acceptance", ("eaglewire.acceptance",)),
-    ("commands", ("eaglewire.cli", "eaglewire.command_configs", "eaglewire.quickstart", "eaglewire.serve",
+    ("commands", ("eaglewire.cli", "eaglewire.cli_settings", "eaglewire.quickstart", "eaglewire.serve",
                   "eaglewire.bench", "eaglewire.doctor", "eaglewire.tune")),
 ]
 ENTRY_POINTS = {"eaglewire.cli": set(), "eaglewire.serve.app": {"eaglewire.cli"},
                 "eaglewire.quickstart": {"eaglewire.cli"}}  # command -> the modules that may import it
 # The commands, each a module or package prefix; modules of one command import each other freely.
-COMMANDS = {"cli": ("eaglewire.cli", "eaglewire.command_configs"), "serve": ("eaglewire.serve",),
+COMMANDS = {"cli": ("eaglewire.cli", "eaglewire.cli_settings"), "serve": ("eaglewire.serve",),
             "quickstart": ("eaglewire.quickstart",), "bench": ("eaglewire.bench",),
             "doctor": ("eaglewire.doctor",), "tune": ("eaglewire.tune",)}
 COMPOSERS = {"cli", "quickstart"}  # the commands that may import other commands: they compose them
@@ -160,7 +160,7 @@ def test_decode_does_not_import_data():
 # engine: the interface, the formats several engines read or write (shared, dflash_format, speculators_format,
 # zlab_layout), export/import plumbing, flags, served counts and metrics. An engine imports shared modules only,
 # never another engine nor a module above, so no engine reaches another, directly or through a shared module.
-ENGINES_ABOVE = {"eaglewire.engines", "eaglewire.engines.registry", "eaglewire.engines.configs",
+ENGINES_ABOVE = {"eaglewire.engines", "eaglewire.engines.registry", "eaglewire.engines.command_settings",
                  "eaglewire.engines.foreign_draft"}
 
 
@@ -262,7 +262,7 @@ def test_docs_draw_the_same_layers():
             assert short in words, f"docs/architecture.md does not draw {short} in layer {layer!r}"
 
 
-ROOT_MODULES = {"__init__", "cli", "command_configs", "quickstart"}  # the entry: cli composes the commands
+ROOT_MODULES = {"__init__", "cli", "cli_settings", "quickstart"}  # the entry: cli composes the commands
 
 
 def test_the_folders_show_the_layers():

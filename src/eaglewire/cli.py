@@ -76,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from eaglewire.command_configs import GenerateConfig
+    from eaglewire.cli_settings import GenerateConfig
     from eaglewire.decode.sampling import SamplingParams
     from eaglewire.decode.text import TextStream, encode_prompt
     from eaglewire.decode.load import load_decoder
@@ -124,7 +124,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eaglewire.engines.configs import ExportCommandConfig
+    from eaglewire.engines.command_settings import ExportCommandConfig
     from eaglewire.engines import export_draft
 
     c = config_from_args(ExportCommandConfig, args)
@@ -133,7 +133,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from eaglewire.engines.configs import ImportConfig
+    from eaglewire.engines.command_settings import ImportConfig
     from eaglewire.engines import import_draft
     from eaglewire.model.target import load_target
 
@@ -182,7 +182,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from eaglewire import engines
-    from eaglewire.engines.configs import EnginesConfig
+    from eaglewire.engines.command_settings import EnginesConfig
     from eaglewire.engines.interface import InstallError
 
     config = config_from_args(EnginesConfig, args)
@@ -223,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_contract(args: argparse.Namespace) -> int:
     """Show how each engine names a boundary layout of a target, and which code says so."""
     from eaglewire import engines
-    from eaglewire.command_configs import ContractConfig
+    from eaglewire.cli_settings import ContractConfig
     from eaglewire.core.contract import EngineConventionError, default_aux_boundaries, target_arch, validate_boundaries
     from eaglewire.engines import sglang, vllm
 
@@ -272,12 +272,12 @@ def _command(sub, name: str, config_class: type, func, help_text: str, *, progre
 
 def build_parser() -> argparse.ArgumentParser:
     from eaglewire.bench.run import BenchConfig
-    from eaglewire.command_configs import ContractConfig, GenerateConfig
+    from eaglewire.cli_settings import ContractConfig, GenerateConfig
     from eaglewire.data.import_data import ImportDataConfig
     from eaglewire.data.prepare import PrepareConfig
     from eaglewire.data.regenerate_command import RegenerateCommandConfig
     from eaglewire.doctor import DoctorConfig
-    from eaglewire.engines.configs import EnginesConfig, ExportCommandConfig, ImportConfig
+    from eaglewire.engines.command_settings import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig
     from eaglewire.serve.config import ServeConfig
     from eaglewire.train.loop import TrainConfig

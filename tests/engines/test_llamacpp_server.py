@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from eaglewire.engines.configs import EngineRunConfig
+from eaglewire.engines.command_settings import EngineRunConfig
 
 from eaglewire.engines import llamacpp as engine
 

@@ -13,7 +13,7 @@ import pytest
 
 from eaglewire.bench.run import BenchConfig, Row, parse_config, same_output_as_plain, server_runs, shape_of, speedup, \
     tau_per_request, tau_pooled, verified_per_pass
-from eaglewire.engines.configs import EngineRunConfig
+from eaglewire.engines.command_settings import EngineRunConfig
 from eaglewire.engines.interface import RunSettings, ServedFiles
 from eaglewire.engines.llamacpp.runtime import answer_stats as llamacpp_stats, launch_config
 from eaglewire.engines.llamacpp import doctor

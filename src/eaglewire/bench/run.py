@@ -31,7 +31,7 @@ from eaglewire.decode.text import encode_prompt, stop_token_ids
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
 from eaglewire.engines import Ability, export_draft, get as get_engine, names as engine_names
-from eaglewire.engines.configs import EngineRunConfig
+from eaglewire.engines.command_settings import EngineRunConfig
 from eaglewire.engines.interface import Shape
 from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES, dtype_name
 from eaglewire.core.presets import DEFAULT_TARGET

@@ -12,7 +12,7 @@
 Each module owns what eaglewire knows of its engine: its id reading (with the file and function
 of the released code it was read from), where its config keeps the ids, its checkpoint format
 (export / import), its launch-flag lint and, for llama.cpp, install / launch / metrics.
-``registry.py`` lists them (with configs.py and foreign_draft.py, the modules above the engines).
+``registry.py`` lists them (with command_settings.py and foreign_draft.py, the modules above the engines).
 No engine imports another (tests/test_layers.py): what several share sits below them, in the
 other modules here: interface.py (the spec's types), shared.py, model_file.py, flags.py, export.py,
 importing.py, the formats several engines read or write (dflash_format.py, speculators_format.py,

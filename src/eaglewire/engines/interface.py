@@ -217,7 +217,7 @@ Progress = Callable[[str, "float | None"], None]  # (stage or build line, percen
 
 @dataclass(frozen=True, kw_only=True)
 class InstallSettings:
-    """``eaglewire engines install|which``'s options (their flags and checks: engines/configs.py EnginesConfig)."""
+    """``eaglewire engines install|which``'s options (flags and checks: command_settings.EnginesConfig)."""
 
     install: str | None = None  # the user's own (llama.cpp: a build directory or llama-server; vLLM: a python)
     jobs: int | None = None  # parallel compile jobs, where it builds (default: all cores)

@@ -14,7 +14,7 @@ from eaglewire.core.device import device_field
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.locks import directory_lock
 from eaglewire.engines import Ability, get as get_engine, names as engine_names
-from eaglewire.engines.configs import EngineRunConfig
+from eaglewire.engines.command_settings import EngineRunConfig
 from eaglewire.core.presets import DEFAULT_TARGET
 
 _QUERY = SpeedQuery()  # the defaults of what tune measures

@@ -1,5 +1,5 @@
 """The settings of ``eaglewire generate`` and ``eaglewire contract``, the commands without a library
-module of their own: every flag, its default and help, checked once (configs.py turns the fields
+module of their own: every flag, its default and help, checked once (core/configs.py turns the fields
 into flags and ``--config`` keys)."""
 
 from __future__ import annotations

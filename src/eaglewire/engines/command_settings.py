@@ -1,5 +1,6 @@
-"""The settings of ``eaglewire export``, ``import`` and ``engines``: every flag, its default and
-help, checked once (configs.py turns the fields into flags and ``--config`` keys)."""
+"""The settings of ``eaglewire export``, ``import`` and ``engines``, and ``EngineRunConfig`` (how bench and tune
+run an engine): every flag, its default and help, checked once (core/configs.py turns the fields into flags
+and ``--config`` keys). Their choices are the registry's engine names, so they sit above the engines."""
 
 from __future__ import annotations
 
