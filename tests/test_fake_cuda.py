@@ -56,3 +56,19 @@ def test_generators_and_the_mixed_message():
             torch.multinomial(probs, 1, generator=torch.Generator())
     assert "cuda:0 and cpu" in MIXED
     assert not torch.ones(1).is_cuda  # patched only while it lasts
+
+
+def test_an_engines_host_states_are_checked_against_states_on_the_device(chat_tiny_target):
+    """prepare --capture ENGINE on a GPU: the engine's states come from files (host), ours from the target (device)."""
+    import copy
+
+    from eaglewire.data.engine_capture import check_slots, states_here
+    from eaglewire.model.target import Target
+
+    with fake_cuda():
+        target = Target(model=copy.deepcopy(chat_tiny_target.model).to("cuda"), tokenizer=None)
+        here = states_here(target, [1, 2, 3, 4, 5])
+        assert here[0].device.type == "cuda"
+        engine = torch.stack([here[2].cpu(), here[5].cpu()], dim=1)  # [T, 2, H] as read from a file
+        checks = check_slots(engine, [2, 5], here)
+    assert [(c.boundary, c.closest) for c in checks] == [(2, 2), (5, 5)]

@@ -35,7 +35,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """The mean over tokens of ||a_t - b_t|| / ||b_t|| ([T, H] each). Not one norm over [T, H]: that is the first
     token's, whose state is an attention sink (SmolLM2's after layer 11: 25,000 at token 0, ~150 elsewhere), and
     under it boundaries 12 to 27 are 1-4% apart, inside bf16's tolerance: an off-by-one would pass."""
-    a, b = a.float(), b.float()
+    a, b = a.float(), b.float().to(a.device)  # an engine's states are read to the host; ours may be on a GPU
     return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).mean())
 
 
@@ -63,6 +63,7 @@ class SlotCheck:
 def check_slots(engine: torch.Tensor, slots: list[int], here: dict[int, torch.Tensor]) -> list[SlotCheck]:
     """Each engine slot ([T, n, H], slot j said to hold boundary ``slots[j]``) against every boundary here."""
     out = []
+    engine = engine.to(next(iter(here.values())).device)  # [T, n, H], beside the states it is compared with
     for j, b in enumerate(slots):
         errors = {k: relative_error(engine[:, j], state) for k, state in here.items()}
         closest = min(errors, key=errors.get)
@@ -122,6 +123,7 @@ def require_last_layer(engine_states: torch.Tensor, slots: list[int], target: Ta
 
     L = target.num_layers
     tolerance = TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16])
+    engine_states = engine_states.to(target.device)  # [T, n, H], where the last layer runs
     before = engine_states[:, slots.index(L - 1)]  # [T, H]
     last = engine_states[:, slots.index(L)]  # [T, H]
     expected = through_layer(target, L - 1, before)
