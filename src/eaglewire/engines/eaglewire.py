@@ -39,7 +39,7 @@ def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: st
 
 # ---------------------------------------------------------------- served acceptance (doctor --engine-url)
 # ``eaglewire serve`` exports vLLM 0.33.0's speculative counters under its own prefix
-# (``eaglewire_spec_decode_num_drafts_total`` ..., serve/schemas.py Metrics) and, with
+# (``eaglewire_spec_decode_num_drafts_total`` ..., serve/metrics.py Metrics) and, with
 # --per-request-spec-decode-metrics, vLLM's per-request ``metrics.speculative_decoding``: the reader of that
 # shape (engines/spec_decode_metrics.py) reads it.
 

@@ -1,5 +1,5 @@
 """vLLM's speculative-decoding metrics: the shape vLLM's server exports and ``eaglewire serve`` exports too
-(under its own prefix, serve/schemas.py Metrics), read by both engines' ``measure_served`` (engines/vllm/readings.py,
+(under its own prefix, serve/metrics.py Metrics), read by both engines' ``measure_served`` (engines/vllm/readings.py,
 engines/eaglewire.py). Not an engine: it lives below both.
 
 Read from vLLM 0.33.0: the counters from vllm/v1/spec_decode/metrics.py, SpecDecodingProm.__init__
