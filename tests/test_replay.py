@@ -10,7 +10,7 @@ from eaglewire.acceptance.replay import accepted_after, compare_rounds, round_st
 from eaglewire.doctor.run import MIN_ROUND_AGREEMENT
 from tiny import ARCHITECTURES, tiny_target
 
-from decode.test_engine import random_draft
+from decode.test_spec_decoder import random_draft
 
 
 def test_accepted_after_counts_the_leading_right_steps():

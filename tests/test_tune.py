@@ -18,7 +18,7 @@ from eaglewire.acceptance.trace import DraftTrace, judge_steps, top_probs, trace
 from eaglewire.tune.run import TuneConfig
 from tiny import tiny_target
 
-from decode.test_engine import random_draft
+from decode.test_spec_decoder import random_draft
 from test_bench import draft_dir, write_prompts  # noqa: F401  (fixtures)
 
 

@@ -126,7 +126,7 @@ def test_the_context_holds_exactly_the_tokens_the_target_processed(lean, use_ora
 
 def test_dflash_sampling_matches_the_target_distribution():
     """Two sampled tokens after a fixed prompt: 36 outcomes with exactly known probabilities (as the
-    EAGLE-3 test in test_engine.py checks it). The tree's first child is a chain's token; its
+    EAGLE-3 test in test_spec_decoder.py checks it). The tree's first child is a chain's token; its
     second is tried on the residual, so the one shape exercises both."""
     spec = SpecConfig(num_steps=2, topk=2, num_draft_tokens=5)
     V = 6

@@ -19,7 +19,7 @@ import torch
 from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.text import StopStrings
 from eaglewire.decode.tree import Tree
-from test_engine import random_draft
+from test_spec_decoder import random_draft
 from tiny import tiny_target
 
 LIMITS = range(1, 41)
