@@ -52,8 +52,11 @@ def setup(tmp_path):
 def test_the_sweep_names_the_version_the_server_reports(setup, monkeypatch):
     root, target_dir, target = setup
     real = engines.get
-    monkeypatch.setattr(engines, "get", lambda name: dataclasses.replace(real(name), served_version=lambda url: SERVED)
-                        if real(name).name == "vllm" else real(name))
+    def get(name, *args, **kwargs):
+        spec = real(name, *args, **kwargs)
+        return dataclasses.replace(spec, served_version=lambda url: SERVED) if spec.name == "vllm" else spec
+
+    monkeypatch.setattr(engines, "get", get)
     monkeypatch.setattr("eaglewire.doctor.run.check_served", lambda *a, **k: None)  # no server here
     report = run_doctor(DoctorConfig(draft=str(root / "draft"), target=str(target_dir), data=str(root / "data"),
                                      include_training=True, engine_prompts=0, min_tokens=1, tune=False,
