@@ -18,7 +18,7 @@ from typing import Any
 from eaglewire.core.fileio import atomic_write_json, atomic_write_text
 from eaglewire.core.presets import cache_dir
 from eaglewire.engines.interface import InstallError, InstallSettings, Progress, ServedFiles, Shape
-from eaglewire.engines.vllm import installation as inst
+import eaglewire.engines.vllm.installation as inst  # the module itself, not through the package that imports this one
 from eaglewire.engines.vllm.installation import DIST, DROPPED, RECORD_VERSION, VERSION_RUN, Installation, VllmError
 from eaglewire.engines.vllm.server import VllmServer
 
