@@ -312,8 +312,4 @@ def fake_cuda() -> Iterator[_Tags]:
         yield tags
 
 
-def is_fake_cuda(t: torch.Tensor, tags: _Tags) -> bool:
-    return tags.of(t) == "cuda"
-
-
-__all__ = ["fake_cuda", "is_fake_cuda", "MIXED"]
+__all__ = ["fake_cuda", "MIXED"]

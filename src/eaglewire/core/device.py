@@ -1,8 +1,8 @@
 """Where a command computes: ``--device auto|cpu|cuda[:N]``, resolved once per run, and what differs per device.
 
 ``auto`` takes CUDA where torch sees a GPU and says so (one log line naming it), the CPU elsewhere. The
-CPU-only tricks (oneDNN's row-exact bf16 kernels, packed weights, thread counts) ask ``is_cuda`` and stay
-off a GPU; a GPU's work is timed with ``synchronize`` before the clock is read.
+CPU-only tricks (oneDNN's row-exact bf16 kernels, packed weights, thread counts) ask the device's type and
+stay off a GPU; a GPU's work is timed with ``synchronize`` before the clock is read.
 """
 
 from __future__ import annotations
@@ -50,21 +50,8 @@ def _said_auto(name: str) -> None:
     log.info("--device auto: computing on CUDA (%s); --device cpu to stay on the CPU", name)
 
 
-def is_cuda(device: torch.device | str) -> bool:
-    return torch.device(device).type == "cuda"
-
-
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work (a no-op on the CPU): before reading a clock."""
-    if is_cuda(device):
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def describe(device: torch.device | str) -> str:
-    """The device by name, for a report beside a figure."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    from eaglewire.core.machine import cpu
-
-    return cpu()[0]
