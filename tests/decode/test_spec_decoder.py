@@ -138,3 +138,18 @@ def test_a_decoder_serves_request_after_request(lean):
     fresh = [SpecDecoder(target, draft, contract, spec, lean=lean).generate(p, max_new_tokens=12)[0] for p in prompts]
     decoder = SpecDecoder(target, draft, contract, spec, lean=lean)
     assert [decoder.generate(p, max_new_tokens=12)[0] for p in prompts + prompts[:1]] == fresh + fresh[:1]
+
+
+@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+def test_static_runner_decodes_as_plain(spec):
+    """The static forward (what CUDA graphs replay) inside the loop: chains and trees give plain greedy output."""
+    from eaglewire.decode.runner import LeanRunner
+
+    target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
+    draft, contract = random_draft(target)
+    prompt = [1, 4, 2, 5, 0, 3]
+    plain, _ = SpecDecoder(target).generate(prompt, max_new_tokens=20)
+    decoder = SpecDecoder(target, draft, contract, spec)
+    decoder._target_runner = LeanRunner(target, decoder.boundaries, max_length=8, static=True)  # grows mid-way
+    out, stats = decoder.generate(prompt, max_new_tokens=20)
+    assert out == plain and sum(stats.accept_lengths) > stats.rounds

@@ -7,8 +7,9 @@ On CPU the weight goes into oneDNN's blocked layout once (``mkldnn._reorder_line
 and every call runs oneDNN's GEMM on it. MKL's fp32 GEMM, which ``x @ w`` reaches, is built for
 large matrices: for 4-16 rows it costs 2.5-3x a single row, while the packed oneDNN GEMM costs
 1.3x at 8 rows and the same as MKL at 1 row (benchmarks/gemm_rows.py). Where oneDNN is missing
-(other builds, other devices) the weight is stored transposed and ``x @ w`` does the work, which
-beats ``F.linear`` for few rows on CPU.
+(other CPU builds) the weight is stored transposed and ``x @ w`` does the work, which beats ``F.linear``
+for few rows on CPU. On CUDA the weight stays as it is and ``F.linear`` runs cuBLAS's usual kernel for it,
+the one every GPU engine's decode step runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROWS_HINT = 8  # oneDNN picks its blocking for this many rows; 8 is as fast as 1 at N=1 and best to N=64
@@ -49,10 +51,13 @@ class PackedLinear:
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias = None if bias is None else bias.detach().to(weight.dtype)  # [M]
         self.onednn = onednn_available(weight.device, weight.dtype) if onednn is None else onednn
+        self.transposed = not self.onednn and weight.device.type == "cpu"
         if self.onednn:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)  # opaque [M, K]
-        else:
+        elif self.transposed:
             self.weight = weight.t().contiguous()  # [K, M]
+        else:
+            self.weight = weight  # [M, K]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., M]."""
@@ -70,6 +75,8 @@ class PackedLinear:
         """x [..., K] -> [..., M], one call of the kernel."""
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
         y = x @ self.weight
         return y if self.bias is None else y + self.bias
 

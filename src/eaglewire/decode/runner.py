@@ -13,13 +13,18 @@ keeps the accepted rows of that block and drops the rest.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from eaglewire.model.capture import capture
 from eaglewire.decode.gemm import MAX_EXACT_ROWS, PackedLinear
 from eaglewire.decode.kv_cache import compact_target_cache
+from eaglewire.decode.step_graphs import StepGraphs
 from eaglewire.model.target import Target
+
+log = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -38,6 +43,9 @@ class HFRunner:
 
         self.cache = DynamicCache(config=self.target.model.config)
         self.length = 0
+
+    def reserve(self, tokens: int) -> None:
+        """Nothing to reserve: transformers' cache grows as it goes."""
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
         """ids/positions [N]; mask [N, P+N] bool or None (causal) -> (last [N, H], aux [N, k*H])."""
@@ -217,19 +225,46 @@ class LeanWeights:
         return self.lm_head(self.norm(last))
 
 
-class LeanRunner:
-    """A lean KV-cached forward for Llama-family targets, sharing the target's weights."""
+MAX_GRAPH_TOKENS = 64  # a forward of at most this many tokens (a step or a verify) replays a graph on CUDA
 
-    def __init__(self, target: Target, boundaries: list[int], max_length: int = 2048) -> None:
+
+def static_mask(columns: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """Which cache columns each of a block's rows sees, over the whole cache: the committed ones (< ``length``)
+    and, of the block's own (``slots``), those ``block`` allows. columns [S] = arange(S); length [] (P);
+    slots [N] the block's columns; block [N, N] bool -> [N, S] bool."""
+    committed = (columns < length).expand(slots.shape[0], -1)  # [N, S]
+    return committed.index_copy(1, slots, block)  # [N, S]
+
+
+class LeanRunner:
+    """A lean KV-cached forward for Llama-family targets, sharing the target's weights.
+
+    Two ways to run a block, the same math: the dynamic forward attends over the committed prefix and writes
+    the block by slice (a prefill, and every CPU call); the static forward attends over the whole cache with a
+    mask and writes the block by index, so its shapes depend only on the block's length -- on CUDA it is
+    captured once per length and replayed (step_graphs.py), which is what makes a step cost its weights'
+    streaming rather than its launches. ``static`` None: on CUDA.
+    """
+
+    def __init__(self, target: Target, boundaries: list[int], max_length: int = 2048, *,
+                 static: bool | None = None) -> None:
         self.w = w = LeanWeights(target)
         self.boundaries = boundaries
         self.k_cache = torch.zeros(len(w.layers), w.nKV, max_length, w.hd, dtype=w.dtype, device=w.device)  # [L, nKV, S, hd]
         self.v_cache = torch.zeros_like(self.k_cache)
+        self.columns = torch.arange(max_length, device=w.device)  # [S]
         self.length = 0
+        self.static = w.device.type == "cuda" if static is None else static
+        self.graphs = StepGraphs(self._static_forward) if self.static and w.device.type == "cuda" else None
 
     def reset(self) -> None:
         """Forget every token: the runner (and its packed weights) serves a new sequence."""
         self.length = 0
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` cache columns now, so no step of the sequence grows the cache (a growth moves
+        it: every captured graph is recaptured)."""
+        self._grow(tokens)
 
     def _grow(self, need: int) -> None:
         size = self.k_cache.shape[2]
@@ -240,24 +275,42 @@ class LeanRunner:
                           device=self.k_cache.device)
         self.k_cache = torch.cat([self.k_cache, pad], dim=2)
         self.v_cache = torch.cat([self.v_cache, pad.clone()], dim=2)
+        self.columns = torch.arange(new, device=self.k_cache.device)
+        if self.graphs is not None:
+            self.graphs.clear()
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
         """ids/positions [N]; mask [N, P+N] bool or None (causal) -> (last [N, H], aux [N, k*H])."""
         dev = self.k_cache.device
-        ids, positions = ids.to(dev), positions.to(dev)
         N, P = ids.numel(), self.length
         self._grow(P + N)
+        if self.static and N <= MAX_GRAPH_TOKENS:
+            block = torch.ones(N, N, dtype=torch.bool).tril() if mask is None else mask[:, P:].cpu()  # [N, N]
+            inputs = dict(ids=ids.to(dev), positions=positions.to(dev), slots=torch.arange(P, P + N, device=dev),
+                          length=torch.tensor(P, device=dev), block=block.to(dev))
+            if self.graphs is not None:
+                try:
+                    last, aux = self.graphs(N, **inputs)
+                    return last.clone(), aux.clone()  # the graph's buffers are overwritten by its next replay
+                except RuntimeError as err:  # no capture here (a driver, a kernel that refuses): run it eagerly
+                    log.warning("decoding without CUDA graphs: capturing a %d-token step failed (%s)", N, err)
+                    self.graphs = None
+            return self._static_forward(**inputs)
+        return self._dynamic_forward(ids.to(dev), positions.to(dev), None if mask is None else mask.to(dev))
+
+    def _dynamic_forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
+        """The block attends over the committed prefix only, written by slice (shapes follow P)."""
+        N, P, dev = ids.numel(), self.length, ids.device
         w = self.w
         h = w.embed(ids)  # [N, H]
         cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
         # bf16: a verify's rows attend one at a time, as plain steps do (attend_rows); a prefill may batch
-        rows = block_rows(None if mask is None else mask.to(dev), P, N) if w.exact_rows and 1 < N <= MAX_EXACT_ROWS \
-            else None
+        rows = block_rows(mask, P, N) if w.exact_rows and 1 < N <= MAX_EXACT_ROWS else None
         if rows is not None:
             mask = None  # each row's keys are chosen by attend_rows
         elif mask is not None:
-            mask = mask.to(dev)[None]  # [1, N, P+N]
+            mask = mask[None]  # [1, N, P+N]
         elif N > 1:
             mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
         seen: dict[int, torch.Tensor] = {}
@@ -272,8 +325,27 @@ class LeanRunner:
                 attn = attend(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], mask, w.scale)  # [nH, N, hd]
             h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
         seen[len(w.layers)] = h
-        aux = torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, k*H]
-        return h, aux
+        return h, torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, H], [N, k*H]
+
+    def _static_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: torch.Tensor,
+                        block: torch.Tensor):
+        """The block attends over the whole cache through a mask and is written by index: its shapes depend on N
+        alone. ids/positions/slots [N]; length [] (P); block [N, N] bool -> (last [N, H], aux [N, k*H])."""
+        w = self.w
+        N = ids.shape[0]
+        h = w.embed(ids)  # [N, H]
+        cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
+        mask = static_mask(self.columns, length, slots, block)[None]  # [1, N, S]
+        seen: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(w.layers):
+            seen[i] = h
+            q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
+            self.k_cache[i].index_copy_(1, slots, k)  # [nKV, S, hd]
+            self.v_cache[i].index_copy_(1, slots, v)
+            attn = attend(q, self.k_cache[i], self.v_cache[i], mask, w.scale)  # [nH, N, hd]
+            h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
+        seen[len(w.layers)] = h
+        return h, torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, H], [N, k*H]
 
     def head(self, last: torch.Tensor) -> torch.Tensor:
         return self.w.head(last)  # [n, V]

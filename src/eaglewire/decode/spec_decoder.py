@@ -178,12 +178,13 @@ class SpecDecoder:
             if not frontier:  # deeper nodes score lower still: none could be verified
                 break
             S = dcache.length
-            mask = torch.zeros(1, 1, len(frontier), S + len(frontier), dtype=torch.bool, device=root_out.device)
+            mask = torch.zeros(1, 1, len(frontier), S + len(frontier), dtype=torch.bool)  # built here, sent once
             mask[..., :dcache.committed] = True
             for f, c in enumerate(frontier):
                 for a in ancestors[c]:
                     mask[0, 0, f, scratch_of[a]] = True
                 mask[0, 0, f, S + f] = True
+            mask = mask.to(root_out.device)
             emb = self._embed([candidates[c].token for c in frontier])  # [1, F, H]
             hidden = torch.stack([hidden_of[c - base] for c in frontier])[None]  # [1, F, H]
             positions = torch.full((1, len(frontier)), P - 1 + depth, device=emb.device)
@@ -226,6 +227,7 @@ class SpecDecoder:
         start = time.perf_counter()
         runner = self._runner()
         P = len(prompt_ids)
+        runner.reserve(P + max_new_tokens + self.spec.num_draft_tokens)  # no step grows the cache
         last, aux = runner.forward(torch.tensor(prompt_ids), torch.arange(P), None)
         runner.commit(list(range(P)))
         root = self._next_token(runner.head(last[-1:]), sampling, gen)

@@ -62,12 +62,9 @@ def top_children(logprobs: torch.Tensor, parent_scores: list[float], parents: li
     """
     values, ids = logprobs.topk(topk, dim=-1)  # [F, k]
     tokens = draft_to_target[ids]  # [F, k] target ids
-    out = []
-    for f in range(logprobs.shape[0]):
-        for j in range(topk):
-            out.append(Candidate(token=int(tokens[f, j]), score=parent_scores[f] + float(values[f, j]),
-                                 parent=parents[f], depth=depth))
-    return out
+    tokens, values = tokens.tolist(), values.tolist()  # one read each: on a GPU every element read is a sync
+    return [Candidate(token=tokens[f][j], score=parent_scores[f] + values[f][j], parent=parents[f], depth=depth)
+            for f in range(len(tokens)) for j in range(topk)]
 
 
 def select_tree(root_token: int, candidates: list[Candidate], num_draft_tokens: int,
