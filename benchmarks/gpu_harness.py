@@ -40,7 +40,7 @@ SHAPES = {  # LlamaConfig fields; vocab from the tokenizer
 WHEELS = ["gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn", "h11", "click", "anyio",
           "sniffio", "typing-inspection", "annotated-types", "opentelemetry-api", "importlib-metadata", "zipp",
           "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing", "pillow", "python-dateutil",
-          "tqdm"]
+          "tqdm", "openai", "distro", "jiter"]  # openai: the serve check's client (and tests/test_devices.py's)
 
 
 # -- kit (here) ------------------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def _complete_records(path: Path, count: int) -> list[dict]:
 
 def install_kit(kit: Path) -> None:
     """The kit's wheels, for what does not import here (never a download: no network there)."""
-    missing = [w for w in ("gguf", "fastapi", "uvicorn", "pydantic", "matplotlib", "tqdm") if not _imports(w)]
+    missing = [w for w in ("gguf", "fastapi", "uvicorn", "pydantic", "matplotlib", "tqdm", "openai") if not _imports(w)]
     if missing:
         wheels = sorted(str(p) for p in (kit / "wheels").glob("*.whl"))
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], check=True)

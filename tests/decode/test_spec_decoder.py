@@ -153,3 +153,23 @@ def test_static_runner_decodes_as_plain(spec):
     decoder._target_runner = LeanRunner(target, decoder.boundaries, max_length=8, static=True)  # grows mid-way
     out, stats = decoder.generate(prompt, max_new_tokens=20)
     assert out == plain and sum(stats.accept_lengths) > stats.rounds
+
+
+@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+def test_static_draft_cache_drafts_as_the_growing_one(spec):
+    """The draft's fixed-width cache (what CUDA graphs replay; here eagerly, from a width that must grow) drafts
+    the same trees as the growing one: the same accept lengths and output, request after request."""
+    from eaglewire.decode.kv_cache import StaticDraftCache
+
+    target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
+    draft, contract = random_draft(target)
+    prompts = [[1, 4, 2, 5, 0, 3], [2, 2, 5, 1]]
+    growing = SpecDecoder(target, draft, contract, spec)
+    static = SpecDecoder(target, draft, contract, spec)
+    cache = StaticDraftCache(static.draft, 4, torch.device("cpu"), torch.float32, graphs=False)
+    static._draft_cache = lambda: (cache.reset(), cache)[1]
+    for prompt in prompts:
+        want, want_stats = growing.generate(prompt, max_new_tokens=20)
+        got, got_stats = static.generate(prompt, max_new_tokens=20)
+        assert got == want and got_stats.accept_lengths == want_stats.accept_lengths
+    assert sum(got_stats.accept_lengths) > got_stats.rounds and cache.k.shape[2] > 4

@@ -1,12 +1,25 @@
 """KV caches: keep the accepted path, drop rejected branches.
 
-Shapes: B = 1 sequence, nKV key/value heads, S cached tokens, hd head dim,
-N tokens of one verify/draft block.
+Shapes: B = 1 sequence, nKV key/value heads, S cached tokens, hd head dim, W a static cache's width,
+N tokens of one verify/draft block, T tokens of one draft forward, H hidden.
+
+The draft has two caches with one interface (``forward`` runs the draft over T new tokens and keeps their K/V,
+``commit`` / ``rollback`` end a round): ``DraftCache`` grows by concatenation (the CPU's: it attends over what
+is there and nothing more), ``StaticDraftCache`` holds a fixed width and replays a CUDA graph per T (the GPU's:
+a draft step is a few dozen small kernels, which launched one by one cost ten times their work).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from eaglewire.decode.step_graphs import StepGraphs
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPH_TOKENS = 64  # a draft forward of at most this many tokens replays a graph (a longer one: the prompt)
 
 
 def keep_rows(x: torch.Tensor, prefix: int, keep: torch.Tensor) -> torch.Tensor:
@@ -34,6 +47,18 @@ class DraftCache:
         self.v: torch.Tensor | None = None
         self.committed = 0  # entries that came from target states (the context)
 
+    def forward(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """The draft over T new tokens after the cached ones, their K/V appended: emb/hidden [1, T, H]; positions
+        [1, T]; mask [1, 1, T, S+T] bool (None: all cached entries and causal among the new) -> pre-norm [1, T, H]."""
+        out, k, v = draft.forward_cached(emb, hidden, positions, self.k, self.v,
+                                         None if mask is None else mask.to(emb.device))
+        self.append(k, v)
+        return out
+
+    def reserve(self, entries: int) -> None:
+        """Nothing to reserve: this cache grows as it goes."""
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
@@ -49,3 +74,88 @@ class DraftCache:
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
+
+
+def static_draft_forward(draft, k_cache: torch.Tensor, v_cache: torch.Tensor, emb: torch.Tensor, hidden: torch.Tensor,
+                         positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor]:
+    """The draft's decoding forward over a fixed-width cache: T new tokens written at ``slots`` [T], attending
+    where ``mask`` [1, 1, T, W] allows -- shapes that depend on T alone. emb/hidden [1, T, H]; positions [1, T]
+    -> (pre-norm [1, T, H],). The same layer math as ``Eagle3Draft.forward_cached``."""
+    from eaglewire.decode.runner import attend
+
+    layer, attn = draft.midlayer, draft.midlayer.self_attn
+    cos, sin = draft.rotary(positions, emb.dtype)
+    q, k, v = attn.qkv(layer.attn_input(emb, hidden), cos, sin)  # [1, nH|nKV, T, hd]
+    k_cache.index_copy_(2, slots, k)  # [1, nKV, W, hd]
+    v_cache.index_copy_(2, slots, v)
+    heads = attend(q, k_cache, v_cache, mask, attn.head_dim ** -0.5)  # [1, nH, T, hd]
+    return (layer.finish(hidden, attn.out(heads)),)
+
+
+class StaticDraftCache:
+    """The draft's KV cache at a fixed width W: context entries 0..committed-1, a round's scratch after them.
+
+    Entry i sits at column i, as in ``DraftCache``, so a mask over DraftCache's columns is one over these (the
+    columns past it are masked). Columns past ``length`` may hold a rolled-back round's K/V: never unmasked
+    before they are written again. On CUDA each T replays its captured graph (``graphs``); elsewhere (tests)
+    the same forward runs eagerly."""
+
+    def __init__(self, draft, width: int, device: torch.device, dtype: torch.dtype, *, graphs: bool | None = None) -> None:
+        attn = draft.midlayer.self_attn
+        self.draft = draft
+        self.k = torch.zeros(1, attn.num_kv_heads, width, attn.head_dim, dtype=dtype, device=device)  # [1, nKV, W, hd]
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+        self.committed = 0
+        use_graphs = device.type == "cuda" if graphs is None else graphs
+        self.graphs = StepGraphs(self._forward) if use_graphs else None
+
+    def reset(self) -> None:
+        """Forget every entry: a new sequence (the width and the captured graphs stay)."""
+        self.length = self.committed = 0
+
+    def _forward(self, **inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        return static_draft_forward(self.draft, self.k, self.v, **inputs)
+
+    def reserve(self, entries: int) -> None:
+        """Room for ``entries`` columns (a growth moves the cache: its graphs are captured again)."""
+        width = self.k.shape[2]
+        if entries <= width:
+            return
+        pad = torch.zeros(*self.k.shape[:2], max(entries, 2 * width) - width, self.k.shape[3], dtype=self.k.dtype,
+                          device=self.k.device)
+        self.k, self.v = torch.cat([self.k, pad], dim=2), torch.cat([self.v, pad.clone()], dim=2)
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def forward(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """As ``DraftCache.forward``: emb/hidden [1, T, H]; positions [1, T]; mask [1, 1, T, S+T] bool or None
+        (causal) -> pre-norm [1, T, H]."""
+        assert draft is self.draft, "a static draft cache runs the draft it was made for"
+        T, S = emb.shape[1], self.length
+        self.reserve(S + T)
+        W, dev = self.k.shape[2], self.k.device
+        full = torch.zeros(1, 1, T, W, dtype=torch.bool)  # [1, 1, T, W], built here and sent once
+        if mask is None:
+            full[..., :S] = True
+            full[0, 0, :, S:S + T] = torch.ones(T, T, dtype=torch.bool).tril()
+        else:
+            full[..., :S + T] = mask.cpu()
+        inputs = dict(emb=emb, hidden=hidden, positions=positions.to(dev), slots=torch.arange(S, S + T, device=dev),
+                      mask=full.to(dev))
+        self.length = S + T
+        if self.graphs is not None and T <= MAX_GRAPH_TOKENS:
+            try:
+                return self.graphs(T, **inputs)[0].clone()  # the graph's buffer is overwritten by its next replay
+            except RuntimeError as err:  # no capture here: run it eagerly
+                log.warning("drafting without CUDA graphs: capturing a %d-token draft step failed (%s)", T, err)
+                self.graphs = None
+        return self._forward(**inputs)[0]
+
+    def commit(self) -> None:
+        self.committed = self.length
+
+    def rollback(self) -> None:
+        """Drop the scratch entries of the last drafting round (their columns are masked until rewritten)."""
+        self.length = self.committed

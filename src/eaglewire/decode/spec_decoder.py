@@ -28,7 +28,7 @@ from eaglewire.core.contract import HiddenStateContract
 from eaglewire.core.generation import GenerationStats
 from eaglewire.decode.dflash_drafter import DFlashDrafter
 from eaglewire.decode.gemm import pack_linears
-from eaglewire.decode.kv_cache import DraftCache
+from eaglewire.decode.kv_cache import DraftCache, StaticDraftCache
 from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams, logits_to_probs, sample
 from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
@@ -113,6 +113,7 @@ class SpecDecoder:
         self.boundaries = list(contract.aux_boundaries) if draft is not None else [target.num_layers]
         self.lean = lean  # None: the lean forward where the architecture has one
         self._target_runner = None  # made at the first request
+        self._static_draft_cache: StaticDraftCache | None = None  # CUDA's, made at the first request
         self.dflash: DFlashDrafter | None = None  # a DFlash draft's block drafting and context
         if isinstance(draft, DFlashDraft):
             self.dflash = DFlashDrafter(target, draft, num_steps=self.spec.num_steps, topk=self.spec.topk,
@@ -136,6 +137,16 @@ class SpecDecoder:
         self._target_runner.reset()
         return self._target_runner
 
+    def _draft_cache(self) -> DraftCache | StaticDraftCache:
+        """The CPU's growing cache; on CUDA the fixed-width one whose steps replay graphs, made once per decoder
+        (its graphs are reused request after request)."""
+        if self.draft is None or self.dflash is not None or self.target.device.type != "cuda":
+            return DraftCache()
+        if self._static_draft_cache is None:
+            self._static_draft_cache = StaticDraftCache(self.draft, 2048, self.target.device, self.draft_dtype)
+        self._static_draft_cache.reset()
+        return self._static_draft_cache
+
     def _embed(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.target.device)
         with torch.no_grad():
@@ -144,13 +155,12 @@ class SpecDecoder:
     # -- draft side --------------------------------------------------------
 
     @torch.no_grad()
-    def _extend_context(self, dcache: DraftCache, aux: torch.Tensor, next_tokens: list[int], start: int) -> torch.Tensor:
+    def _extend_context(self, dcache: DraftCache | StaticDraftCache, aux: torch.Tensor, next_tokens: list[int], start: int) -> torch.Tensor:
         """Feed the target states of accepted tokens to the draft; return the last output [1, 1, H]."""
         n = len(next_tokens)
         hidden = self.draft.fuse(aux[None].to(self.draft_dtype))  # [1, n, H]
         positions = torch.arange(start, start + n, device=hidden.device)[None]  # [1, n]
-        out, k, v = self.draft.forward_cached(self._embed(next_tokens), hidden, positions, dcache.k, dcache.v, None)
-        dcache.append(k, v)
+        out = dcache.forward(self.draft, self._embed(next_tokens), hidden, positions, None)  # [1, n, H]
         dcache.commit()
         return out[:, -1:]
 
@@ -158,7 +168,7 @@ class SpecDecoder:
         return F.log_softmax(self.draft.logits(prenorm).float(), dim=-1)  # [..., Vd]
 
     @torch.no_grad()
-    def _build_tree(self, root: int, root_out: torch.Tensor, dcache: DraftCache, P: int) -> Tree:
+    def _build_tree(self, root: int, root_out: torch.Tensor, dcache: DraftCache | StaticDraftCache, P: int) -> Tree:
         """Draft ``num_steps`` levels with the draft's KV cache; return the tree to verify."""
         spec = self.spec
         candidates: list[Candidate] = []
@@ -184,12 +194,10 @@ class SpecDecoder:
                 for a in ancestors[c]:
                     mask[0, 0, f, scratch_of[a]] = True
                 mask[0, 0, f, S + f] = True
-            mask = mask.to(root_out.device)
             emb = self._embed([candidates[c].token for c in frontier])  # [1, F, H]
             hidden = torch.stack([hidden_of[c - base] for c in frontier])[None]  # [1, F, H]
             positions = torch.full((1, len(frontier)), P - 1 + depth, device=emb.device)
-            out, k, v = self.draft.forward_cached(emb, hidden, positions, dcache.k, dcache.v, mask)
-            dcache.append(k, v)
+            out = dcache.forward(self.draft, emb, hidden, positions, mask)  # [1, F, H]
             for f, c in enumerate(frontier):
                 scratch_of[c] = S + f
             level = top_children(self._logprobs(out[0]), [candidates[c].score for c in frontier], frontier,
@@ -231,7 +239,8 @@ class SpecDecoder:
         last, aux = runner.forward(torch.tensor(prompt_ids), torch.arange(P), None)
         runner.commit(list(range(P)))
         root = self._next_token(runner.head(last[-1:]), sampling, gen)
-        dcache, root_out = DraftCache(), None
+        dcache, root_out = self._draft_cache(), None
+        dcache.reserve(P + max_new_tokens + self.spec.num_steps * self.spec.topk + self.spec.num_draft_tokens)
         if self.dflash is not None:
             self.dflash.start(aux)  # the context: prompt tokens 0..P-1
         elif self.draft is not None:
