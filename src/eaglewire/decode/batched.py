@@ -17,6 +17,12 @@ prompt column, so short prompts in a batch with a long one do not read its paddi
 stopped are dropped from the batch (moved out of the cache in place) once that saves more than
 it costs.
 
+Three ways to run the decode steps (``mode``): ``grouped``, the above, eager (the CPU default);
+``graph`` (the CUDA default), one CUDA graph per batch shape (``static_step.StaticStep``: fixed
+buffers, attention over the whole cache width under a key mask, rows that stopped running on,
+tokens read back a few steps at a time); ``static``, that same step run eagerly, to test it
+anywhere. If capture fails, one warning and the grouped path.
+
 The layers' math and weights are runner.py's (``LeanWeights``: fused, packed); this module only
 batches them. Replies follow ``regenerate.split_reply``: the tokens before the first stop token,
 and whether a stop token came (the stop token itself is not returned).
@@ -24,6 +30,7 @@ and whether a stop token came (the stop token itself is not returned).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +39,11 @@ import torch
 
 from eaglewire.decode.runner import LeanWeights, attend, rope
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
+from eaglewire.decode.static_step import StaticStep, cache_columns, decode, split_rows
 from eaglewire.model.target import Target
+
+log = logging.getLogger(__name__)
+MODES = ("auto", "grouped", "static", "graph")
 
 Piece = tuple[int, int, int]  # (row, start, end): prompt tokens start..end-1 of one row
 
@@ -46,6 +57,7 @@ class BatchStats:
     new_tokens: int = 0  # stop tokens included, like regenerate's report
     steps: int = 0  # decode steps after the prefill
     compactions: int = 0  # times finished rows were dropped from the batch
+    mode: str = ""  # the path that ran: grouped, static or graph
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
 
@@ -57,12 +69,16 @@ class BatchStats:
 class BatchedDecoder:
     """Batched greedy/sampled decoding with a lean forward; weights prepared once, reused per call."""
 
-    def __init__(self, target: Target, *, prefill_tokens: int = 2048) -> None:
+    def __init__(self, target: Target, *, prefill_tokens: int = 2048, mode: str = "auto") -> None:
+        """``mode``: auto (graph on CUDA, grouped elsewhere), grouped, static or graph (see the module)."""
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.w = LeanWeights(target)
         self.prefill_tokens = prefill_tokens
+        self.mode = resolve_mode(mode, self.w.device)
         self.stats = BatchStats()
+        self._static: StaticStep | None = None  # the last batch shape's step (and graph), reused while it fits
+        self._pool = None  # the one CUDA graph memory pool of this decoder's graphs
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -82,6 +98,11 @@ class BatchedDecoder:
         start = time.perf_counter()
         self.stats = stats = BatchStats(prompts=len(prompts), prompt_tokens=sum(map(len, prompts)))
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first
+        if self.mode != "grouped":
+            step = self._static_step(len(prompts), len(prompts[order[0]]) + max_new_tokens - 1, sampling.greedy)
+            if step is not None:
+                return self._generate_static(step, prompts, order, max_new_tokens, stops, sampling, gen, start)
+        stats.mode = "grouped"
         batch = _Batch.allocate(order, [len(prompts[i]) for i in order], max_new_tokens,
                                 len(w.layers), w.nKV, w.hd, w.dtype, w.device)
         logits = self._prefill([prompts[i] for i in order], batch)  # [B, V]
@@ -108,6 +129,53 @@ class BatchedDecoder:
             stats.steps += 1
         stats.total_seconds = time.perf_counter() - start
         return list(zip(replies, stopped))
+
+    def _generate_static(self, step: StaticStep, prompts: Sequence[Sequence[int]], order: list[int],
+                         max_new_tokens: int, stops: set[int], sampling: SamplingParams, gen: torch.Generator,
+                         start: float) -> list[tuple[list[int], bool]]:
+        """``generate`` with ``step``: the prefill fills its cache, then fixed-shape steps."""
+        stats, lengths = self.stats, [len(prompts[i]) for i in order]
+        T = lengths[0]
+        batch = _Batch(k=step.k, v=step.v, pads=[T - n for n in lengths], width=T, rows=order,
+                       live=[True] * len(order))
+        first = self._pick(self._prefill([prompts[i] for i in order], batch), sampling, gen)  # [B]
+        step.start(first, batch.pad, T)
+        stats.prefill_seconds = time.perf_counter() - start
+        stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
+        stats.steps = decode(step, T, max_new_tokens - 1, stop_ids,
+                             lambda logits: self._pick(logits, sampling, gen))
+        rows = split_rows(step.host[T:T + 1 + stats.steps].T, stop_ids)  # per row, in batch order
+        replies: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
+        for prompt, reply in zip(order, rows):
+            replies[prompt] = reply
+        stats.new_tokens = sum(len(tokens) + stopped for tokens, stopped in rows)
+        stats.mode = "graph" if step.graph is not None else "static"
+        stats.total_seconds = time.perf_counter() - start
+        return replies
+
+    def _static_step(self, rows: int, needed: int, greedy: bool) -> StaticStep | None:
+        """The step for ``rows`` rows and ``needed`` cache columns: the last one where it fits,
+        else a new one (captured in graph mode). None, and the grouped path from then on, when
+        capture fails."""
+        columns = cache_columns(needed)
+        if self._static is not None and self._static.fits(rows, columns, greedy):
+            return self._static
+        self._static = None  # free the old cache and graph before allocating the new
+        if self.mode == "static":
+            self._static = StaticStep(self.w, rows, columns, greedy=greedy)
+            return self._static
+        try:
+            step = StaticStep(self.w, rows, columns, greedy=greedy, graph=True)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            step.capture(self._pool)
+        except Exception as exc:  # any op can refuse capture; the grouped path needs none
+            log.warning("CUDA graph capture failed (%s: %s); batched decoding runs the grouped eager path",
+                        type(exc).__name__, exc)
+            self.mode = "grouped"
+            return None
+        self._static = step
+        return step
 
     # -- the forward -------------------------------------------------------
 
@@ -218,6 +286,20 @@ class _Batch:
         self.live = [True] * len(keep)
         self._regroup()
         return torch.tensor(keep, device=self.k.device)
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """``auto`` -> graph on a CUDA device (where torch has CUDA), grouped elsewhere; the others
+    as asked, graph only on CUDA."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    if mode == "auto":
+        return "graph" if cuda else "grouped"
+    if mode == "graph" and not cuda:
+        raise ValueError(f"mode 'graph' captures CUDA graphs; this target is on {device}: use 'static' to run "
+                         "the same step eagerly, or 'grouped'")
+    return mode
 
 
 def generate_batch(target: Target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
