@@ -76,11 +76,16 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / seconds
 
 
-def step_costs(target, boundaries: list[int], static: bool, device: torch.device, reps: int) -> dict:
-    """The lean runner's forward of N chain tokens after the prefill, N in VERIFY_SIZES: ms each."""
+def step_costs(target, boundaries: list[int], static: bool, device: torch.device, reps: int,
+               compiled: bool = False) -> dict:
+    """The lean runner's forward of N chain tokens after the prefill, N in VERIFY_SIZES: ms each. ``compiled``:
+    the static forward through torch.compile (inductor's fused kernels) before the graph captures it."""
     from eaglewire.decode.runner import LeanRunner
+    from eaglewire.decode.step_graphs import StepGraphs
 
     runner = LeanRunner(target, boundaries, max_length=PREFILL + 64, static=static)
+    if compiled:
+        runner.graphs = StepGraphs(torch.compile(runner._static_forward, dynamic=False))
     ids = torch.randint(0, VOCAB, (PREFILL + 8,), generator=torch.Generator().manual_seed(1))
     runner.forward(ids[:PREFILL], torch.arange(PREFILL), None)
     runner.commit(list(range(PREFILL)))
@@ -254,6 +259,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128, help="new tokens of the speculative comparison")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--compile", action="store_true",
+                        help="only the graph steps, with the static forward compiled first (inductor)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -270,6 +277,12 @@ def main() -> int:
         part(results, "copy_tb_s", lambda: round(copy_bandwidth(device) / 1e12, 3))
         if isinstance(results["copy_tb_s"], float):
             results["roofline_step_ms"] = round(1e3 * weight_bytes / (results["copy_tb_s"] * 1e12), 3)
+    if args.compile:
+        part(results, "lean_graph_ms", lambda: step_costs(target, boundaries, True, device, args.reps))
+        part(results, "lean_compiled_graph_ms", lambda: step_costs(target, boundaries, True, device, args.reps,
+                                                                   compiled=True))
+        print(json.dumps(results), flush=True)
+        return 0
     part(results, "hf_eager_step_ms", lambda: hf_step(target, device, args.reps))
     part(results, "lean_eager_ms", lambda: step_costs(target, boundaries, False, device, args.reps))
     part(results, "lean_graph_ms", lambda: step_costs(target, boundaries, True, device, args.reps))

@@ -238,6 +238,8 @@ def run_harness(kit: Path, out: Path, device: str, shape: str, skip: list[str]) 
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
+    machine = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+               if device.startswith("cuda") else f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
     target, built = build_target(kit, out, shape, device)
     rows = [{"command": f"build the target ({shape}, random weights)", "exit": 0, "ok": True,
              "seconds": round(built, 1), "figure": "", "tail": "", "argv": []}]
@@ -247,10 +249,15 @@ def run_harness(kit: Path, out: Path, device: str, shape: str, skip: list[str]) 
         rows.append(run_command(name, argv, timeout, logs / f"{len(rows):02d}.log"))
         print(f"{rows[-1]['command']:40} exit {rows[-1]['exit']!s:8} {rows[-1]['seconds']:7.1f} s  "
               f"{rows[-1]['figure']}", flush=True)
+        write_table(out, machine, shape, device, rows)  # after each command: a run cut short keeps its rows
     if "serve" not in skip:
         rows.append(serve_check(target, out / "draft", device, logs / "serve.log"))
-    machine = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-               if device.startswith("cuda") else f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(write_table(out, machine, shape, device, rows))
+    return rows
+
+
+def write_table(out: Path, machine: str, shape: str, device: str, rows: list[dict]) -> str:
+    """table.md and table.json under ``out``; returns the markdown."""
     lines = [f"# GPU harness: {shape} on {device} ({machine})", "",
              "| command | exit | seconds | figure |", "|---|---|---|---|"]
     lines += [f"| {r['command']} | {r['exit']} | {r['seconds']} | {r['figure']} |" for r in rows]
@@ -261,8 +268,7 @@ def run_harness(kit: Path, out: Path, device: str, shape: str, skip: list[str]) 
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "table.json").write_text(json.dumps({"machine": machine, "shape": shape, "device": device, "rows": rows},
                                                indent=1))
-    print("\n".join(lines))
-    return rows
+    return "\n".join(lines)
 
 
 def main() -> int:
