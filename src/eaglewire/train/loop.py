@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -39,6 +40,9 @@ from eaglewire.model.ttt import StepCounts
 from eaglewire.model.vocab import count_tokens, frequency_coverage
 from eaglewire.train.objectives import DFlashObjective, Eagle3Objective, Objective, default_gamma, summary_loss
 from eaglewire.train.curves import REPORT_TO, Curves, open_curves, require as require_curves
+from eaglewire.train.flops import DraftShape, Utilisation, attention_length, eagle3_train_flops, utilisation
+from eaglewire.train.prefetch import InStep, Prefetcher
+from eaglewire.train.unroll import COUNT_FIELDS, counted_on_device, ttt_unroll_on_device
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,9 @@ class TrainConfig:
     mask_token_id: int | None = field(default=None, metadata={"help": "dflash: the token filling the drafted positions (default: a padded embedding row, the tokenizer's mask token or an unused special token)"})
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": "the draft's compute precision: auto (bf16 where the CPU computes bf16 natively, i.e. avx512_bf16 or AMX with oneDNN, and on CUDA; fp32 elsewhere), fp32, bf16 (autocast; fp32 weights, loss and softmax)"})
     report_to: str = field(default="none", metadata={"choices": REPORT_TO, "help": "where the training curves also go: none (metrics.jsonl and training.png only) or tensorboard (event files in --out/runs)"})
+    prefetch: int = field(default=2, metadata={"help": "offline mode: training batches read ahead on a background thread while the step computes (0: read in the step)"})
+    sync_free: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "eagle3: steps that never wait for the device (counts and the non-finite loss check stay on it until a log row, evaluation or checkpoint is due; the draft head and loss run at every position, masked); auto: on CUDA"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the draft's norms and MLP (dynamic shapes; falls back to eager with a warning if compiling fails)"})
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.online_data is None):
@@ -119,10 +126,17 @@ class TrainConfig:
             raise ValueError(f"block_size must be >= 2 (the anchor and one drafted token), got {self.block_size}")
         if self.block_loss_gamma is not None and self.block_loss_gamma <= 0:
             raise ValueError(f"block_loss_gamma must be > 0, got {self.block_loss_gamma}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 (batches read ahead), got {self.prefetch}")
+        if self.sync_free not in ("auto", "on", "off"):
+            raise ValueError(f"sync_free must be auto, on or off, got {self.sync_free!r}")
+        if self.sync_free == "on" and self.family != "eagle3":
+            raise ValueError(f"--sync-free on is EAGLE-3's step; family {self.family!r} takes auto or off")
 
     # Fields that may change between an interrupted run and its resume.
     RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
-                                   "head_only", "allow_incomplete_data", "skip_label_check", "dtype", "report_to"})
+                                   "head_only", "allow_incomplete_data", "skip_label_check", "dtype", "report_to",
+                                   "prefetch", "sync_free", "compile"})
 
     def identity(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
@@ -214,6 +228,7 @@ class TrainResult:
     final_eval: dict[str, float]
     finished: bool  # False when stopped by --minutes / --max-steps before the planned end
     timers: dict[str, float]  # seconds in data, target head, draft forward, backward (this run)
+    throughput: dict[str, float | None] = field(default_factory=dict)  # tokens_per_s, tflops, mfu (this run's steps)
 
 
 @dataclass(kw_only=True)
@@ -244,13 +259,19 @@ class RunState:
     start: float  # perf_counter at the start of this run (of its last save at the end)
     position: Position
     history: History
-    window: list[StepCounts]  # counts since the last log row
+    window: torch.Tensor  # [positions, 5] float64 on the device: StepCounts fields summed since the last log row
     metrics_file: IO[str] | None
     bar: Any  # tqdm
     stopped_early: bool = False
     curves: Curves | None = None  # --report-to tensorboard (rank 0)
     log_time: float = 0.0  # perf_counter and tokens at the last log row: the window's tokens/s
     log_tokens: int = 0
+    # Steps whose non-finite-loss flag (a device tensor) is not read yet: (position before the step, its
+    # micro-batches, flag [2]: this rank's loss, any rank's). Read when a log row, evaluation or save is due.
+    unchecked: list[tuple[Position, list[list[int]], torch.Tensor]] = field(default_factory=list)
+    flops_per_token: float | None = None  # the draft's training FLOPs per token (None: not counted for the family)
+    step_tokens: int = 0  # tokens and seconds of this run's logged windows (evaluation and saves left out)
+    step_seconds: float = 0.0
 
 
 class Trainer:
@@ -295,6 +316,12 @@ class Trainer:
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
         self.timers = {"target_head": 0.0, "draft_forward": 0.0, "backward": 0.0, "data": 0.0}
+        # On a GPU every read of a device value stalls the host until the device catches up: the step keeps its
+        # counts there (train/unroll.py). On the CPU the step reads them as it goes (nothing to stall).
+        self.sync_free = config.sync_free == "on" or (config.sync_free == "auto" and config.family == "eagle3"
+                                                      and self.device.type == "cuda")
+        self._read_lock = threading.Lock()  # the prefetch thread and evaluation read the same shards
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     def _online_source(self) -> OnlineSource:
         from eaglewire.data.prepare import resolve_data
@@ -385,15 +412,29 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
-    def _train_step(self, draft, optimizer, idxs: list[list[int]], where: Position) -> tuple[list[StepCounts], int]:
-        """One optimizer step over this rank's micro-batches ``idxs``; every rank's parts add up to
-        the loss of the whole step (normalised by the step's global count of positions per TTT
+    def _read(self, idx: list[int], device: torch.device) -> Batch:
+        with self._read_lock:
+            return self.source.batch(idx, device)
+
+    def _batches(self, plan: list[list[int]]) -> Prefetcher | InStep:
+        """The training batches of ``plan`` in order: read ahead on a thread from shards, in the step online
+        (capture runs the target) or with --prefetch 0."""
+        if self.config.prefetch and self.config.data is not None:
+            return Prefetcher(lambda idx: self._read(idx, torch.device("cpu")), plan, self.device,
+                              depth=self.config.prefetch)
+        return InStep(lambda idx: self._read(idx, self.device), plan, self.device)
+
+    def _train_step(self, draft, optimizer, batches: list[Batch], idxs: list[list[int]],
+                    where: Position) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over this rank's micro-batches ``batches`` (sequences ``idxs``); every rank's
+        parts add up to the loss of the whole step (normalised by the step's global count of positions per TTT
         step), so N ranks x M micro-batches train exactly as one process with N x M micro-batches.
-        Returns the step's counts and tokens summed over ranks."""
+        Returns the step's counts summed over ranks ([positions, 5] float64 on the device) and, on the
+        sync-free path, its unread non-finite-loss flag [2] (this rank, any rank); the other path checks it
+        here and raises."""
+        if self.sync_free:
+            return self._train_step_on_device(draft, optimizer, batches)
         cfg = self.config
-        t0 = time.perf_counter()
-        batches = [self.source.batch(idx, self.device) for idx in idxs]
-        self.timers["data"] += time.perf_counter() - t0
         signals = [self._signal(draft, b) for b in batches]
         local = [sum(n) for n in zip(*(self.objective.counted(b, s) for b, s in zip(batches, signals)))]
         normalizers = [int(n) for n in self._all_sum(local)]
@@ -411,10 +452,8 @@ class Trainer:
             for total, c in zip(step_counts, counts):
                 total.add(c)
         # One sum over ranks before the update: whether any loss was not finite (every rank then
-        # stops together; a lone rank raising would leave the others in all_reduce), the step's
-        # counts and its tokens.
-        tokens = sum(self.source.lengths[i] for idx in idxs for i in idx)
-        summed = self._all_sum([float(bad is not None), float(tokens)] + [v for c in step_counts for v in c.as_floats()])
+        # stops together; a lone rank raising would leave the others in all_reduce) and the step's counts.
+        summed = self._all_sum([float(bad is not None)] + [v for c in step_counts for v in c.as_floats()])
         if summed[0]:
             what = (f"loss is {bad[0]} at step {where.step} (epoch {where.epoch}, batch {where.batch}, "
                     f"sequences {[self.source.sequence_ids[i] for i in bad[1]]})" if bad else
@@ -425,9 +464,60 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         optimizer.step()
         self.timers["backward"] += time.perf_counter() - t1
-        per_step = summed[2:]  # [positions x StepCounts fields]
-        width = len(per_step) // self.positions
-        return [StepCounts.from_floats(per_step[j * width:(j + 1) * width]) for j in range(self.positions)], int(summed[1])
+        per_step = [StepCounts.from_floats(summed[1:][j * COUNT_FIELDS:(j + 1) * COUNT_FIELDS]).as_floats()
+                    for j in range(self.positions)]
+        return torch.tensor(per_step, dtype=torch.float64, device=self.device), None  # [positions, 5]
+
+    def _train_step_on_device(self, draft, optimizer, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_train_step`` without reading a device value: normalizers, counts and the non-finite flag stay
+        tensors (summed over ranks by one all-reduce); a non-finite loss poisons the update, and the flag read
+        at the next log row stops the run before the next save."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        signals = [self.objective.signal_on_device(draft, b) for b in batches]
+        self.timers["target_head"] += time.perf_counter() - t0
+        local = torch.stack([counted_on_device(b.loss_mask, s.in_vocab, self.positions)
+                             for b, s in zip(batches, signals)]).sum(0)  # [positions]
+        normalizers = self._all_sum_tensor(local)
+        optimizer.zero_grad(set_to_none=True)
+        counts = torch.zeros(self.positions, COUNT_FIELDS, dtype=torch.float64, device=self.device)
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        for batch, signal in zip(batches, signals):
+            t0 = time.perf_counter()
+            with self.precision.autocast():  # the loss and softmax stay fp32 inside
+                loss, c = self.objective.loss_on_device(draft, batch, signal, normalizers)
+            t1 = time.perf_counter()
+            self.timers["draft_forward"] += t1 - t0
+            loss.backward()
+            self.timers["backward"] += time.perf_counter() - t1
+            counts += c
+            bad |= ~torch.isfinite(loss.detach())
+        summed = self._all_sum_tensor(torch.cat([bad.double()[None], counts.flatten()]))  # [1 + positions*5]
+        t1 = time.perf_counter()
+        self._sync_grads(draft)
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        optimizer.step()
+        self.timers["backward"] += time.perf_counter() - t1
+        return summed[1:].view(self.positions, COUNT_FIELDS), torch.stack([bad, summed[0] > 0])
+
+    def _all_sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a device tensor over ranks, in place, without reading it (identity when alone)."""
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def _check_finite(self, run: RunState) -> None:
+        """Read the non-finite flags of the steps since the last check (one read); raise at the first bad step."""
+        if not run.unchecked:
+            return
+        flags = torch.stack([flag for _, _, flag in run.unchecked]).tolist()  # [steps, 2]
+        pending, run.unchecked = run.unchecked, []
+        for (where, idxs, _), (mine, anyone) in zip(pending, flags):
+            if anyone:
+                what = (f"loss is not finite at step {where.step} (epoch {where.epoch}, batch {where.batch}, "
+                        f"sequences {[self.source.sequence_ids[i] for idx in idxs for i in idx]})" if mine else
+                        f"another rank's loss is not finite at step {where.step}")
+                raise TrainingError(f"{what}; the last good checkpoint in {self.out} is kept")
 
     @torch.no_grad()
     def evaluate(self, draft) -> dict[str, float]:
@@ -435,7 +525,7 @@ class Trainer:
         total = [StepCounts() for _ in range(self.positions)]
         inside = counted = 0
         for idx in batch_plan(self.val_idx, self.source.lengths, self.config.batch_tokens, seed=0):
-            _, counts, (n_in, n) = self._forward(draft, self.source.batch(idx, self.device), evaluation=True)
+            _, counts, (n_in, n) = self._forward(draft, self._read(idx, self.device), evaluation=True)
             for t, c in zip(total, counts):
                 t.add(c)
             inside, counted = inside + n_in, counted + n
@@ -505,8 +595,14 @@ class Trainer:
         start = time.perf_counter()
         draft, coverage = self.build_draft()
         self.draft = draft  # kept for callers (and tests) after the run
+        if cfg.compile:
+            from eaglewire.train.compiled import compile_layer
+
+            compile_layer(draft, self.precision)
+        # One fused kernel for the whole update on a GPU (the CPU keeps its default: the same arithmetic as before).
         optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.lr,
-                                      betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                                      betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                      fused=True if self.device.type == "cuda" else None)
         plans = [batch_plan(self.train_idx, self.source.lengths, cfg.batch_tokens, cfg.seed + e)
                  for e in range(cfg.epochs)]
         # Every rank takes the same number of micro-batches per step (gradients are all-reduced).
@@ -533,7 +629,7 @@ class Trainer:
         return RunState(
             draft=draft, optimizer=optimizer, scheduler=scheduler, plans=plans, per_epoch=per_epoch,
             total_steps=total_steps, coverage=coverage, start=start, position=position, history=history,
-            window=[StepCounts() for _ in range(self.positions)],
+            window=self._empty_window(), flops_per_token=self._flops_per_token(draft),
             metrics_file=open(self.out / METRICS_FILE, "a") if self.rank == 0 else None,
             curves=open_curves(cfg.report_to, self.out, resume_step=position.step) if self.rank == 0 else None,
             log_time=time.perf_counter(), log_tokens=position.tokens,
@@ -548,29 +644,45 @@ class Trainer:
         # Step s of rank r takes plan[(s * A + i) * world + r] for i < A (A = grad_accum):
         # over all ranks, the step's micro-batches are plan[s*A*world : (s+1)*A*world].
         mine = plan[self.rank::self.world][:run.per_epoch * cfg.grad_accum]
-        while position.batch < len(mine) and position.step < run.total_steps:
-            out_of_time = cfg.minutes is not None and time.perf_counter() - run.start > cfg.minutes * 60
-            if out_of_time or position.step == cfg.stop_at_step:
-                return False
-            idxs = mine[position.batch:position.batch + cfg.grad_accum]
-            counts, tokens = self._train_step(run.draft, run.optimizer, idxs, position)
-            run.scheduler.step()
-            for w, c in zip(run.window, counts):
-                w.add(c)
-            position.batch += len(idxs)
-            position.step += 1
-            position.tokens += tokens
-            run.bar.update(1)
-            self._after_step(run)
+        ahead = mine[position.batch:position.batch + (run.total_steps - position.step) * cfg.grad_accum]
+        batches = self._batches(ahead)
+        try:
+            while position.batch < len(mine) and position.step < run.total_steps:
+                out_of_time = cfg.minutes is not None and time.perf_counter() - run.start > cfg.minutes * 60
+                if out_of_time or position.step == cfg.stop_at_step:
+                    return False
+                idxs = mine[position.batch:position.batch + cfg.grad_accum]
+                t0 = time.perf_counter()
+                step_batches = [next(batches) for _ in idxs]
+                self.timers["data"] += time.perf_counter() - t0
+                where = Position(**asdict(position))
+                counts, flag = self._train_step(run.draft, run.optimizer, step_batches, idxs, where)
+                if flag is not None:
+                    run.unchecked.append((where, idxs, flag))
+                run.scheduler.step()
+                run.window += counts
+                # The step's tokens over all ranks, from the plan every rank holds (no communication).
+                everyone = plan[position.batch * self.world:(position.batch + len(idxs)) * self.world]
+                position.tokens += sum(self.source.lengths[i] for idx in everyone for i in idx)
+                position.batch += len(idxs)
+                position.step += 1
+                run.bar.update(1)
+                self._after_step(run)
+        finally:
+            batches.close()
         if position.batch >= len(mine):
             position.epoch += 1
             position.batch = 0
         return True
 
     def _after_step(self, run: RunState) -> None:
-        """Log the window of steps, evaluate and save at their intervals."""
+        """Log the window of steps, evaluate and save at their intervals (each after the non-finite check of
+        the steps since the last one: a bad step stops the run before its weights are evaluated or saved)."""
         cfg, step = self.config, run.position.step
         logged = step % cfg.log_interval == 0 or step == run.total_steps
+        due = logged or step % cfg.eval_interval == 0 or step % cfg.save_interval == 0
+        if due:
+            self._check_finite(run)
         if logged:
             self._log_window(run)
         if step % cfg.eval_interval == 0:
@@ -580,24 +692,50 @@ class Trainer:
         if logged:  # the next window's tokens/s counts training, not this step's evaluation and save
             run.log_time = time.perf_counter()
 
+    def _empty_window(self) -> torch.Tensor:
+        return torch.zeros(self.positions, COUNT_FIELDS, dtype=torch.float64, device=self.device)  # [positions, 5]
+
+    def _flops_per_token(self, draft) -> float | None:
+        """The EAGLE-3 draft's training FLOPs per token (train/flops.py); None for DFlash (not counted yet)."""
+        if self.config.family != "eagle3":
+            return None
+        seq_len = attention_length([self.source.lengths[i] for i in self.train_idx])
+        return eagle3_train_flops(DraftShape.of(draft.config), ttt_steps=self.positions, seq_len=seq_len)
+
+    def _utilisation(self, tokens: int, seconds: float, run: RunState) -> Utilisation | None:
+        if run.flops_per_token is None:
+            return None
+        return utilisation(tokens, seconds, run.flops_per_token, device_name=self.device_name,
+                           dtype=self.precision.name)
+
     def _log_window(self, run: RunState) -> None:
         position = run.position
+        window = [StepCounts.from_floats(row) for row in run.window.tolist()]  # the window's one read
         seconds = max(time.perf_counter() - run.log_time, 1e-9)
+        tokens = position.tokens - run.log_tokens
+        run.step_tokens, run.step_seconds = run.step_tokens + tokens, run.step_seconds + seconds
         row = {"step": position.step, "epoch": position.epoch, "lr": run.scheduler.get_last_lr()[0],
-               "tokens": position.tokens, "tokens_per_s": round((position.tokens - run.log_tokens) / seconds, 1),
-               **summarize(run.window, weights=self.objective.weights)}
+               "tokens": position.tokens, "tokens_per_s": round(tokens / seconds, 1),
+               **summarize(window, weights=self.objective.weights)}
+        use = self._utilisation(tokens, seconds, run)
+        if use is not None:
+            row["tflops"] = use.record()["tflops"]
+            if use.mfu is not None:
+                row["mfu"] = use.record()["mfu"]
         run.log_tokens = position.tokens
+        speed = {"mfu": f"{100 * row['mfu']:.1f}%"} if "mfu" in row else {"tok/s": f"{row['tokens_per_s']:,.0f}"}
         run.bar.set_postfix(loss=f"{row['loss']:.3f}", **{f"acc{j}": f"{row[f'acc_{j}']:.2f}"
-                                                       for j in range(min(3, self.positions))})
+                                                       for j in range(min(3, self.positions))}, **speed)
         if run.metrics_file:
             run.metrics_file.write(json.dumps(row) + "\n")
             run.metrics_file.flush()
         if run.curves:
             run.curves.add("train", position.step, row)
-        run.window = [StepCounts() for _ in range(self.positions)]
+        run.window = self._empty_window()
 
     def _finish_run(self, run: RunState) -> None:
         """A last evaluation (unless the last step had one) and the final checkpoint."""
+        self._check_finite(run)
         evals = run.history.evals
         if not evals or evals[-1]["step"] != run.position.step:
             self._record_eval(run.draft, run.position.step, run.history, run.metrics_file, run.curves)
@@ -635,7 +773,21 @@ class Trainer:
                            epochs_done=position.epoch + position.batch / max(1, run.per_epoch * cfg.grad_accum),
                            train_tokens=position.tokens, seconds=run.history.seconds,
                            final_eval=run.history.evals[-1], finished=not run.stopped_early,
-                           timers={k: round(v, 2) for k, v in self.timers.items()})
+                           timers={k: round(v, 2) for k, v in self.timers.items()},
+                           throughput=self._throughput(run))
+
+    def _throughput(self, run: RunState) -> dict[str, float | None]:
+        """This run's training speed over its logged windows (evaluations and saves left out), logged once."""
+        if not run.step_seconds:
+            return {}
+        use = self._utilisation(run.step_tokens, run.step_seconds, run)
+        if use is None:
+            log.info("train: %s tokens/s (MFU not counted for %s drafts)",
+                     f"{run.step_tokens / run.step_seconds:,.0f}", self.config.family)
+            return {"tokens_per_s": round(run.step_tokens / run.step_seconds, 1), "tflops": None, "mfu": None}
+        if self.rank == 0:
+            log.info("train: %s", use.describe())
+        return use.record()
 
     def _sync_grads(self, draft: torch.nn.Module) -> None:
         """Data parallel: sum gradients over ranks (each rank's loss is already its share of the

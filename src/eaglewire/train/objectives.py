@@ -23,6 +23,7 @@ from eaglewire.model.target_head import HeadOnlyError, unnorm_weight
 from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal,
                                  topk_signal, ttt_unroll, vocab_coverage)
 from eaglewire.model.vocab import build_draft_vocab
+from eaglewire.train.unroll import ttt_unroll_on_device
 
 
 class Objective(Protocol):
@@ -67,6 +68,23 @@ class Eagle3Objective:
             emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
         return ttt_unroll(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal,
                           ttt_steps=self.positions, decay=self.decay, normalizers=normalizers)
+
+    def signal_on_device(self, draft, batch: Batch) -> TargetSignal:
+        """``signal`` without a host synchronisation: the head over every position (selecting the positions a
+        step reads is a shape the host would wait for). The counted positions and their signal are the same:
+        a step counts only where the loss mask says the signal is read."""
+        if batch.topk_ids is not None:  # the stored top-K's rows are selected on the host: one read per batch
+            return self.signal(draft, batch)
+        return target_signal(self.head, batch.last_hidden.to(self.target.dtype), draft.draft_to_target, draft.t2d)
+
+    def loss_on_device(self, draft, batch: Batch, signal: TargetSignal,
+                       normalizers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``loss`` without a host synchronisation (train/unroll.py): normalizers [K] and the counts [K, 5]
+        are device tensors."""
+        with torch.no_grad():
+            emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
+        return ttt_unroll_on_device(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal,
+                                    ttt_steps=self.positions, decay=self.decay, normalizers=normalizers)
 
     def coverage(self, batch: Batch, signal: TargetSignal) -> tuple[int, int]:
         return vocab_coverage(signal.in_vocab, batch.loss_mask)
