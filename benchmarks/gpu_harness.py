@@ -155,7 +155,7 @@ def commands(kit: Path, out: Path, target: Path, device: str, big: bool) -> list
 FIGURES = {  # command name -> (regex on its output, how the figure reads)
     "prepare (capture)": (r"tokens\s+([\d,]+).*?wall time\s+([\d.]+) s", "{0} tokens in {1} s"),
     "prepare --regenerate (in process)": (r"tokens\s+([\d,]+).*?wall time\s+([\d.]+) s", "{0} tokens in {1} s"),
-    "train": (r"training tokens\s+([\d,]+).*?wall time\s+([\d.]+ \w+)", "{0} training tokens in {1}"),
+    "train": (r"train: ([\d,]+ tokens/s, [\d.]+ TFLOP/s[^\n]*)", "{0}"),
     "generate": (r"(\d+ tokens in [\d.]+ s: [\d.]+ tok/s)", "{0}"),
     "tune": (r"(plain step [\d.]+ ms).*?(draft step [\d.]+ ms)", "{0}, {1}"),
 }
