@@ -7,9 +7,11 @@ them. Each variant times N optimizer steps after warm-up and reports tokens/s, M
 step in data, target head, draft forward, backward and optimizer (on a GPU the parts are launch time: the
 device runs behind; the total is synchronised):
 
-- ``old``: reads in the step, the counts read to the host every step (``ttt_unroll``), the unfused AdamW;
+- ``old``: reads in the step, the counts read to the host every step (``ttt_unroll``), the unfused AdamW, TTT
+  attention through the dense [B, nH, T, T] scores on CUDA;
 - ``new``: batches read ahead on a thread (pinned, non_blocking), the sync-free unroll (counts stay on the
-  device, chunked soft cross-entropy), fused AdamW on CUDA;
+  device, chunked soft cross-entropy), fused AdamW on CUDA, TTT attention through CUDA's flash kernel;
+- ``new, dense TTT attention``: ``new`` with the dense attention (the flash kernel's share);
 - ``new+compile``: ``new`` with the layer's norms and MLP compiled (skipped when the time budget is spent).
 
     python benchmarks/gpu_train_probe.py --device cuda --shape llama-3.1-8b     # <= 60 s on an H200
@@ -37,8 +39,9 @@ SHAPE_RUN = {  # per shape: micro-batch (rows x tokens), steps timed, target voc
     "tiny": dict(rows=4, tokens=128, steps=8, warmup=2, vocab=2048),
 }
 DRAFT_VOCAB, TTT_STEPS, NUM_AUX = 8192, 7, 3
-VARIANTS = {"old": dict(prefetch=False, sync_free=False, compile_layer=False),
+VARIANTS = {"old": dict(prefetch=False, sync_free=False, compile_layer=False, dense_attention=True),
             "new": dict(prefetch=True, sync_free=True, compile_layer=False),
+            "new, dense TTT attention": dict(prefetch=True, sync_free=True, compile_layer=False, dense_attention=True),
             "new+compile": dict(prefetch=True, sync_free=True, compile_layer=True)}
 
 
@@ -107,8 +110,16 @@ def _random_batches(n: int, rows: int, tokens: int, H: int, vocab: int):
     return out
 
 
-def run_variant(name: str, shape: str, device, *, prefetch: bool, sync_free: bool, compile_layer: bool) -> dict:
+def run_variant(name: str, shape: str, device, *, prefetch: bool, sync_free: bool, compile_layer: bool,
+                dense_attention: bool = False) -> dict:
+    """``dense_attention``: TTT attention through the [B, nH, T, T] score matrix, as before the flash paths (on
+    CUDA; the CPU's fp32 path was flash already)."""
     import torch
+
+    import eaglewire.model.draft as draft_module
+    from eaglewire.model.ttt_attention import ttt_attention, ttt_attention_dense
+
+    draft_module.ttt_attention = ttt_attention_dense if dense_attention and device.type == "cuda" else ttt_attention
 
     from eaglewire.core.precision import resolve_precision
     from eaglewire.train.flops import DraftShape, eagle3_train_flops, utilisation

@@ -150,3 +150,27 @@ def test_flash_ttt_attention_agrees_with_dense_under_bf16_autocast(monkeypatch):
     for name, want in dense_grads.items():
         scale = want.abs().max()
         torch.testing.assert_close(flash_grads[name] / scale, want / scale, atol=3e-2, rtol=0, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("steps", [1, 3])
+def test_cuda_flash_ttt_attention_matches_full_mask(steps):
+    """CUDA's flash path (bf16 kernel, fp32 merge, hand-written backward) against the full mask in fp32: bf16
+    inputs round to 8 bits, so outputs and gradients agree to bf16's resolution, not fp32's."""
+    from eaglewire.model.ttt_attention import ttt_attention_flash_cuda
+
+    g = torch.Generator().manual_seed(steps)
+    make = lambda: torch.randn(2, 4, 129, 64, generator=g).cuda().requires_grad_(True)  # noqa: E731
+    q, keys, values = make(), [make() for _ in range(steps)], [make() for _ in range(steps)]
+    inputs = [q, *[t for pair in zip(keys, values) for t in pair]]
+    grad_out = torch.randn(2, 4, 129, 64, generator=g).cuda()
+    rounded = [t.detach().bfloat16().float().requires_grad_(True) for t in inputs]  # what the kernel sees
+    want_out = reference_attention(rounded[0], rounded[1::2], rounded[2::2])
+    want = torch.autograd.grad(want_out, rounded, grad_out)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got_out = ttt_attention_flash_cuda(q, keys, values)
+    got = torch.autograd.grad(got_out, inputs, grad_out)
+    torch.testing.assert_close(got_out, want_out, atol=2e-2, rtol=2e-2)
+    for w, g_ in zip(want, got):
+        torch.testing.assert_close(g_, w, atol=5e-2, rtol=5e-2)
