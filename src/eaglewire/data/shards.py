@@ -38,16 +38,17 @@ import json
 import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from eaglewire.core.contract import ContractError, HiddenStateContract, TargetFingerprint
 from eaglewire.core.distributed import check_rank
 from eaglewire.core.fileio import atomic_path, atomic_write_json
+from eaglewire.data.shard_file import save_file
 from eaglewire.data.state_codec import (DTYPES, FP8, Storage, dequantise_fp8, id_dtype, label_positions,
                                         parse_labels, quantise_fp8, topk_labels)
 
@@ -182,6 +183,34 @@ def _entry_problem(data_dir: Path, entry: dict[str, Any]) -> str | None:
 
 # ---------------------------------------------------------------- writing
 
+def _ids_error(seq_id: str, dtype: torch.dtype, lo: int, hi: int, vocab: int) -> ValueError:
+    return ValueError(f"input_ids of sequence {seq_id!r} ({dtype}, values {lo}..{hi}): token ids must be "
+                      f"integers in [0, {vocab})")
+
+
+def _mask_error(seq_id: str, dtype: torch.dtype) -> ValueError:
+    return ValueError(f"loss_mask of sequence {seq_id!r} ({dtype}) must hold only 0/1")
+
+
+def _nonfinite_error(seq_id: str, name: str, count: int) -> ShardError:
+    return ShardError(f"sequence {seq_id!r}: {name} holds {count} NaN/inf values; the target produced non-finite "
+                      "states (an fp16 overflow?). Capture in bf16/fp32 or drop this sequence")
+
+
+def _range_error(seq_id: str, name: str, amax: float, dtype: str) -> ShardError:
+    return ShardError(f"sequence {seq_id!r}: {name} reaches |x| = {amax:.4g}, beyond the {dtype} range; store "
+                      "shards as bf16 (--dtype bf16)")
+
+
+@dataclass
+class _Piece:
+    """Consecutive buffered sequences: their ids, lengths and stored tensors (concatenated along tokens)."""
+
+    ids: list[str]
+    lengths: list[int]
+    tensors: dict[str, torch.Tensor]
+
+
 class ShardWriter:
     """Buffer captured sequences and write them as shards plus a manifest, resumably.
 
@@ -217,7 +246,7 @@ class ShardWriter:
         self._manifest_path = self.out_dir / name
         self._prefix = "shard-" if world_size == 1 else f"shard-r{rank}-"
         self._shards: list[dict[str, Any]] = []
-        self._buffer: list[tuple[str, dict[str, torch.Tensor]]] = []  # (id, stored tensors)
+        self._buffer: list[_Piece] = []  # sequences stored next, in order
         self._buffer_ids: set[str] = set()
         self._buffer_tokens = 0
         self._closed = False
@@ -288,12 +317,42 @@ class ShardWriter:
         if seq_id in self.done_ids or seq_id in self._buffer_ids:
             log.debug("sequence %r is already stored; skipping it", seq_id)
             return
-        seq = self._validate(seq_id, input_ids, loss_mask, aux_hidden, last_hidden)
-        self._buffer.append(seq)
-        self._buffer_ids.add(seq_id)
-        self._buffer_tokens += seq[1]["input_ids"].shape[0]
-        if self._buffer_tokens >= self.shard_tokens:
-            self._flush()
+        seq_id, stored = self._validate(seq_id, input_ids, loss_mask, aux_hidden, last_hidden)
+        label_rows = [stored["topk_ids"].shape[0]] if "topk_ids" in stored else None
+        self.add_packed([seq_id], [stored["input_ids"].shape[0]], stored, label_rows)
+
+    def add_packed(self, ids: list[str], lengths: list[int], stored: dict[str, torch.Tensor],
+                   label_rows: list[int] | None = None) -> None:
+        """Buffer sequences already checked and in their stored dtypes on the CPU, concatenated: ``input_ids``
+        and ``loss_mask`` [N], ``aux_hidden`` [N, k*H] ... (``Storage.layout``), N = sum(lengths); top-K label
+        tensors have ``label_rows[s]`` rows for sequence s. Shards are cut as ``add`` one at a time would cut them;
+        ids already stored or buffered are skipped. The tensors are kept (not copied) until their shard is written.
+        """
+        assert len(ids) == len(lengths) and (label_rows is None or len(label_rows) == len(ids))
+        rows = label_rows or [0] * len(ids)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()  # token offsets [S+1]
+        label_starts = np.concatenate([[0], np.cumsum(rows)]).tolist()  # label row offsets [S+1]
+
+        def take(a: int, b: int) -> None:  # sequences a..b-1 into the buffer
+            if b > a:
+                cut = {name: label_starts if name.startswith("topk_") else starts for name in stored}
+                part = {name: x[cut[name][a]:cut[name][b]] for name, x in stored.items()}
+                self._buffer.append(_Piece(list(ids[a:b]), list(lengths[a:b]), part))
+
+        first = 0
+        for s, seq_id in enumerate(ids):
+            if seq_id in self.done_ids or seq_id in self._buffer_ids:
+                log.debug("sequence %r is already stored; skipping it", seq_id)
+                take(first, s)
+                first = s + 1
+                continue
+            self._buffer_ids.add(seq_id)
+            self._buffer_tokens += lengths[s]
+            if self._buffer_tokens >= self.shard_tokens:
+                take(first, s + 1)
+                first = s + 1
+                self._flush()
+        take(first, len(ids))
 
     def _validate(self, seq_id: str, input_ids: Any, loss_mask: Any, aux_hidden: Any,
                   last_hidden: Any) -> tuple[str, dict[str, torch.Tensor]]:
@@ -312,18 +371,15 @@ class ShardWriter:
                                  "given by input_ids)")
         ids, mask, vocab = t["input_ids"], t["loss_mask"], self.contract.target.vocab_size
         if ids.is_floating_point() or ids.dtype == torch.bool or ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"input_ids of sequence {seq_id!r} ({ids.dtype}, values {int(ids.min())}.."
-                             f"{int(ids.max())}): token ids must be integers in [0, {vocab})")
+            raise _ids_error(seq_id, ids.dtype, int(ids.min()), int(ids.max()), vocab)
         if mask.is_floating_point() or not ((mask == 0) | (mask == 1)).all():
-            raise ValueError(f"loss_mask of sequence {seq_id!r} ({mask.dtype}) must hold only 0/1")
+            raise _mask_error(seq_id, mask.dtype)
         for name in ("aux_hidden", "last_hidden"):
             x = t[name]
             if not x.is_floating_point():
                 raise ValueError(f"{name} of sequence {seq_id!r} has dtype {x.dtype}; expected floats")
             if not torch.isfinite(x).all():
-                raise ShardError(f"sequence {seq_id!r}: {name} holds {int((~torch.isfinite(x)).sum())} "
-                                 "NaN/inf values; the target produced non-finite states (an fp16 "
-                                 "overflow?). Capture in bf16/fp32 or drop this sequence")
+                raise _nonfinite_error(seq_id, name, int((~torch.isfinite(x)).sum()))
         stored: dict[str, torch.Tensor] = {}
         if self.storage.state_dtype == "fp8":
             stored["aux_hidden"], stored["aux_scale"] = quantise_fp8(t["aux_hidden"], k)  # [T, k*H], [T, k]
@@ -347,34 +403,82 @@ class ShardWriter:
         """``x`` (finite) in the 16-bit storage dtype, cast on the capture device: half the transfer."""
         stored = x.to(DTYPES[self.dtype])
         if not torch.isfinite(stored).all():
-            raise ShardError(f"sequence {seq_id!r}: {name} reaches |x| = {float(x.abs().max()):.4g}, "
-                             f"beyond the {self.dtype} range; store shards as bf16 (--dtype bf16)")
+            raise _range_error(seq_id, name, float(x.abs().max()), self.dtype)
         return stored
+
+    def add_encoded(self, ids: list[str], lengths: list[int], input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                    stored: dict[str, torch.Tensor], checks: torch.Tensor, label_rows: list[int] | None = None) -> None:
+        """``add`` of a batch whose states were encoded where they were computed (``state_codec.encode_states``)
+        and copied here: input_ids [N] int32, loss_mask [N] uint8, ``stored`` as ``add_packed`` takes it (top-K ids
+        in any integer dtype), ``checks`` [N, 6]. The same checks as ``add`` with the same messages, sequence by
+        sequence: the sequences before a refused one are kept, as one ``add`` at a time would keep them."""
+        refused = self._first_refusal(ids, lengths, input_ids, loss_mask, checks)
+        stored = {"input_ids": input_ids, "loss_mask": loss_mask, **stored}
+        if "topk_ids" in stored:
+            stored["topk_ids"] = stored["topk_ids"].to(id_dtype(self.contract.target.vocab_size))
+        keep = len(ids) if refused is None else refused[0]
+        self.add_packed(ids[:keep], lengths[:keep], stored, None if label_rows is None else label_rows[:keep])
+        if refused is not None:
+            raise refused[1]
+
+    def _first_refusal(self, ids: list[str], lengths: list[int], input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                       checks: torch.Tensor) -> tuple[int, Exception] | None:
+        """(the first sequence ``_validate`` would refuse, its error), or None; from per-token figures."""
+        from eaglewire.data.state_codec import (CHECK_AMAX_AUX, CHECK_AMAX_LAST, CHECK_NONFINITE_AUX,
+                                                CHECK_NONFINITE_LAST, CHECK_RANGE_AUX, CHECK_RANGE_LAST)
+
+        assert min(lengths) >= 1 and sum(lengths) == input_ids.shape[0] == loss_mask.shape[0] == checks.shape[0]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # [S]
+        vocab = self.contract.target.vocab_size
+        ids_np, mask_np = input_ids.numpy(), loss_mask.numpy()
+        c = checks.numpy().astype(np.float64)  # [N, 6]
+        lo, hi = np.minimum.reduceat(ids_np, starts), np.maximum.reduceat(ids_np, starts)  # [S] each
+        bad_mask = np.maximum.reduceat(mask_np, starts) > 1  # [S]; uint8 masks: not 0/1 means > 1
+        per_seq = np.add.reduceat(c, starts, axis=0)  # [S, 6] sums (counts, overflow flags)
+        amax = np.maximum.reduceat(c, starts, axis=0)  # [S, 6]
+        bad = (lo < 0) | (hi >= vocab) | bad_mask | (per_seq[:, [CHECK_NONFINITE_AUX, CHECK_NONFINITE_LAST,
+                                                                  CHECK_RANGE_AUX, CHECK_RANGE_LAST]] > 0).any(-1)
+        if not bad.any():
+            return None
+        s = int(bad.argmax())
+        seq_id = str(ids[s])
+        if lo[s] < 0 or hi[s] >= vocab:
+            return s, _ids_error(seq_id, input_ids.dtype, int(lo[s]), int(hi[s]), vocab)
+        if bad_mask[s]:
+            return s, _mask_error(seq_id, loss_mask.dtype)
+        for name, col in (("aux_hidden", CHECK_NONFINITE_AUX), ("last_hidden", CHECK_NONFINITE_LAST)):
+            if per_seq[s, col]:
+                return s, _nonfinite_error(seq_id, name, int(per_seq[s, col]))
+        for name, col, top in (("aux_hidden", CHECK_RANGE_AUX, CHECK_AMAX_AUX),
+                               ("last_hidden", CHECK_RANGE_LAST, CHECK_AMAX_LAST)):
+            if per_seq[s, col]:
+                return s, _range_error(seq_id, name, float(amax[s, top]), self.dtype)
+        raise AssertionError(f"sequence {seq_id!r} was flagged without a reason")
 
     def _flush(self) -> None:
         """Write the buffered sequences as the next shard (atomically), then the manifest."""
         if not self._buffer:
             return
-        ids = [seq_id for seq_id, _ in self._buffer]
-        lengths = [seq["input_ids"].shape[0] for _, seq in self._buffer]
+        ids = [seq_id for piece in self._buffer for seq_id in piece.ids]
+        lengths = [n for piece in self._buffer for n in piece.lengths]
         offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)  # [S+1]
-        # input_ids [N] int32, loss_mask [N] uint8, aux_hidden [N, k*H] (+ aux_scale [N, k]),
-        # last_hidden [N, H] or topk_logprobs / topk_ids [M, K]
-        tensors = {name: torch.cat([seq[name] for _, seq in self._buffer]) for name in self._buffer[0][1]}
-        tensors["offsets"] = offsets  # [S+1]
+        # name -> the pieces' parts, written one after another (no concatenated copy): input_ids [N] int32,
+        # loss_mask [N] uint8, aux_hidden [N, k*H] (+ aux_scale [N, k]), last_hidden [N, H] or topk_* [M, K]
+        tensors = {name: [piece.tensors[name] for piece in self._buffer] for name in self._buffer[0].tensors}
+        tensors["offsets"] = [offsets]  # [S+1]
         name = f"{self._prefix}{self._next_index:05d}.safetensors"
         path = self.out_dir / name
         with atomic_path(path, fsync=True) as tmp:  # durable before it replaces anything
-            save_file(tensors, str(tmp), metadata={"format_version": str(SHARD_FORMAT_VERSION),
-                                                   "contract": json.dumps(self.contract.to_dict()),
-                                                   **self.storage.record()})
-            entry = {"file": name, "sha256": _sha256(tmp), "bytes": tmp.stat().st_size,
+            digest = save_file(tensors, str(tmp), metadata={"format_version": str(SHARD_FORMAT_VERSION),
+                                                            "contract": json.dumps(self.contract.to_dict()),
+                                                            **self.storage.record()})
+            entry = {"file": name, "sha256": digest, "bytes": tmp.stat().st_size,
                      "num_sequences": len(ids), "num_tokens": int(offsets[-1]),
-                     "num_loss_tokens": int(tensors["loss_mask"].sum()), "sequence_ids": ids,
+                     "num_loss_tokens": sum(int(part.sum()) for part in tensors["loss_mask"]), "sequence_ids": ids,
                      "sequence_lengths": lengths}
             if "topk_ids" in tensors:
-                entry["num_label_rows"] = int(tensors["topk_ids"].shape[0])
+                entry["num_label_rows"] = sum(int(part.shape[0]) for part in tensors["topk_ids"])
         self._shards.append(entry)
         self._next_index += 1
         self.done_ids.update(ids)
@@ -412,7 +516,7 @@ class ShardWriter:
         # Keep what is written; a resume redoes the buffered sequences rather than trusting them.
         # Ctrl-C is the user's own doing: the CLI says the one line that matters (resume).
         (log.debug if exc_type is KeyboardInterrupt else log.warning)("writer for %s stopped by %s; %d buffered sequences were not written, a resume "
-                    "redoes them", self.out_dir, exc_type.__name__, len(self._buffer))
+                    "redoes them", self.out_dir, exc_type.__name__, len(self._buffer_ids))
         self._closed = True
 
 

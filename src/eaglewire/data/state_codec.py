@@ -167,3 +167,50 @@ class Storage:
         """Bytes a token takes with every position labelled (an upper bound: sizing shards)."""
         return sum(_BYTES[st] * math.prod(shape[1:]) for st, shape in self.layout(contract, 1, 1, 1).values()
                    if shape[0] == 1)
+
+
+# ---------------------------------------------------------------- a batch's states, encoded where they were computed
+
+# columns of ``encode_states``' checks [N, 6], per token
+CHECK_NONFINITE_AUX, CHECK_NONFINITE_LAST, CHECK_AMAX_AUX, CHECK_AMAX_LAST, CHECK_RANGE_AUX, CHECK_RANGE_LAST = range(6)
+
+
+def state_checks(aux: torch.Tensor, last: torch.Tensor, stored_aux: torch.Tensor | None,
+                 stored_last: torch.Tensor | None) -> torch.Tensor:
+    """What the writer checks of each token, computed beside the states (no host sync per sequence):
+    aux [N, k*H] and last [N, H] as computed, their 16-bit stored forms (None: not stored so) -> [N, 6] fp32:
+    NaN/inf counts of aux and last, their largest |x|, and 1 where the stored form overflows (CHECK_*)."""
+    def overflows(x: torch.Tensor | None) -> torch.Tensor:
+        return (~torch.isfinite(x)).any(-1).float() if x is not None else aux.new_zeros(aux.shape[0], dtype=torch.float)
+
+    return torch.stack([(~torch.isfinite(aux)).sum(-1).float(), (~torch.isfinite(last)).sum(-1).float(),
+                        aux.abs().amax(-1).float(), last.abs().amax(-1).float(),
+                        overflows(stored_aux), overflows(stored_last)], dim=-1)  # [N, 6]
+
+
+def encode_states(storage: Storage, aux: torch.Tensor, last: torch.Tensor, k: int, *,
+                  label_rows: list[torch.Tensor] | None = None, head=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One batch's states [N, ...] (sequences concatenated along tokens) in their stored dtypes, on their own
+    device: ({name: tensor}, checks [N, 6]; see ``state_checks``). What ``ShardWriter.add`` stores of each
+    sequence, element for element; top-K labels need ``head`` and each sequence's labelled rows (indices into N,
+    on the states' device), and are computed a sequence at a time (a batch's logits [M, V] could fill the device).
+    Top-K ids come back as int32 (the host narrows them to ``id_dtype``)."""
+    stored: dict[str, torch.Tensor] = {}
+    if storage.state_dtype == "fp8":
+        stored["aux_hidden"], stored["aux_scale"] = quantise_fp8(aux, k)  # [N, k*H], [N, k]
+    else:
+        stored["aux_hidden"] = aux.to(DTYPES[storage.dtype])  # [N, k*H]
+    if storage.labels_mode == "hidden":
+        stored["last_hidden"] = last.to(DTYPES[storage.dtype])  # [N, H]
+    else:
+        assert head is not None and label_rows is not None, "top-K labels need the head and the labelled rows"
+        values, ids = [], []
+        for rows in label_rows:
+            v, i = topk_labels(head(last.index_select(0, rows)), storage.topk)  # [m, K] each
+            values.append(v.half())
+            ids.append(i.int())
+        stored["topk_logprobs"] = torch.cat(values)  # [M, K]
+        stored["topk_ids"] = torch.cat(ids)  # [M, K]
+    checks = state_checks(aux, last, stored["aux_hidden"] if storage.state_dtype != "fp8" else None,
+                          stored.get("last_hidden"))
+    return stored, checks

@@ -1,0 +1,81 @@
+"""A shard file written from buffers: safetensors' format, streamed and hashed as it is written.
+
+``safetensors.torch.save_file`` needs each tensor whole (a shard's states concatenated first: one
+more copy of ~2 GB per shard on an 8B target) and its metadata comes out in a random order (a Rust
+HashMap), so two runs never write the same bytes; the manifest's sha256 then needs the file read
+back. ``save_file`` here takes each tensor as chunks along dim 0, writes them in place, hashes the
+bytes as they go out, and sorts the metadata: the same tensors give the same file, byte for byte.
+
+The layout is safetensors': u64 little-endian header length, the JSON header (``__metadata__``
+first, then each tensor's dtype, shape and data offsets) padded with spaces to 8 bytes, then the
+tensors' bytes, ordered by dtype (safetensors' order: wider first) and then by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+# safetensors' dtype names, in the order it lays tensors out (its Dtype enum, descending)
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.int64: "I64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.uint16: "U16", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+_RANK = {name: i for i, name in enumerate(_ST_DTYPES.values())}
+
+
+def _as_chunks(x: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def header(tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str] | None) -> tuple[bytes, list[str]]:
+    """(the header's bytes with its length prefix, tensor names in file order) for ``tensors``
+    (name -> chunks concatenated along dim 0)."""
+    entries: dict[str, tuple[str, list[int]]] = {}
+    for name, chunks in tensors.items():
+        first = chunks[0]
+        if first.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {first.dtype} is not one a shard stores "
+                             f"({', '.join(map(str, _ST_DTYPES))})")
+        rest = list(first.shape[1:])
+        assert all(c.dtype == first.dtype and list(c.shape[1:]) == rest for c in chunks), name
+        entries[name] = (_ST_DTYPES[first.dtype], [sum(c.shape[0] for c in chunks), *rest])
+    order = sorted(entries, key=lambda n: (_RANK[entries[n][0]], n))
+    head: dict[str, object] = {}
+    if metadata:
+        head["__metadata__"] = dict(sorted(metadata.items()))
+    offset = 0
+    for name in order:
+        dtype, shape = entries[name]
+        nbytes = sum(c.numel() * c.element_size() for c in tensors[name])
+        head[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text, order
+
+
+def _raw(chunk: torch.Tensor):
+    """A host chunk's bytes, without a copy where it is contiguous."""
+    return chunk.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def save_file(tensors: dict[str, torch.Tensor | Sequence[torch.Tensor]], filename: str | Path,
+              metadata: dict[str, str] | None = None) -> str:
+    """Write ``tensors`` (name -> a CPU tensor, or CPU chunks concatenated along dim 0) as a safetensors
+    file; return its sha256 (hex), computed on the bytes as they are written."""
+    chunks = {name: _as_chunks(x) for name, x in tensors.items()}
+    head, order = header(chunks, metadata)
+    digest = hashlib.sha256(head)
+    with open(filename, "wb") as f:
+        f.write(head)
+        for name in order:
+            for chunk in chunks[name]:
+                if chunk.numel():
+                    raw = _raw(chunk)
+                    digest.update(raw)  # hashlib and write release the GIL on large buffers
+                    f.write(raw)
+    return digest.hexdigest()
