@@ -169,7 +169,7 @@ def test_doctor_stored_fails_a_lower_layer_capture_with_the_fix(greedy, tiny, tm
 def test_prepare_refuses_a_capture_of_the_wrong_layer(target_dir, tmp_path, monkeypatch):
     """prepare checks what it wrote: a capture whose last state is a lower layer stops it."""
     from eaglewire.data import prepare as prepare_module
-    from eaglewire.model.capture import Capture, capture
+    from eaglewire.model.capture import Capture, capture_packed, token_index
 
     rows = tmp_path / "chats.jsonl"
     rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hello {i} there"},
@@ -179,13 +179,14 @@ def test_prepare_refuses_a_capture_of_the_wrong_layer(target_dir, tmp_path, monk
                   batch_tokens=512)
     prepare_module.prepare(prepare_module.PrepareConfig(out=str(tmp_path / "ok"), **config), progress=False)
 
-    def lower(target, ids, contract, **kw):
-        got = capture(target, ids, contract, **kw)
+    def lower(target, ids, lengths, contract):
+        got = capture_packed(target, ids, lengths, contract)
         with record_boundaries(target, [target.num_layers - 2]) as seen:
             target.decoder(input_ids=ids)
-        return Capture(aux_hidden=got.aux_hidden, last_hidden=seen[target.num_layers - 2])
+        lower_states = seen[target.num_layers - 2].flatten(0, 1)[token_index(lengths, ids.shape[1])]  # [N, H]
+        return Capture(aux_hidden=got.aux_hidden, last_hidden=lower_states)
 
-    monkeypatch.setattr(prepare_module, "capture", lower)
+    monkeypatch.setattr(prepare_module, "capture_packed", lower)
     with pytest.raises(LabelCheckError, match=r"prepare --out .*bad.*argmax agrees"):
         prepare_module.prepare(prepare_module.PrepareConfig(out=str(tmp_path / "bad"), **config), progress=False)
 

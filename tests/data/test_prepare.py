@@ -78,7 +78,7 @@ def test_an_interrupted_run_is_marked_and_train_refuses_it(tmp_path, chat_tiny_t
         calls.append(1)
         if len(calls) > 1:
             raise KeyboardInterrupt
-        yield from real(*a, **k)
+        return real(*a, **k)
 
     monkeypatch.setattr(prepare_module, "capture_batch", capture_then_stop)
     with pytest.raises(KeyboardInterrupt):

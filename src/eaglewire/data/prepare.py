@@ -12,13 +12,15 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
 
-from eaglewire.model.capture import capture
+from eaglewire.model.capture import capture_packed
 from eaglewire.core.contract import (HiddenStateContract, default_aux_boundaries, describe_template_kwargs,
                                      validate_aux_boundaries)
 from eaglewire.data.conversations import (
@@ -26,7 +28,8 @@ from eaglewire.data.conversations import (
 from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.remote_regenerate import RemoteConfig, meta_path, read_meta
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
-from eaglewire.data.state_codec import STATE_DTYPES, Storage
+from eaglewire.data.capture_writer import StagedBatch, WriterThread, to_host
+from eaglewire.data.state_codec import STATE_DTYPES, Storage, encode_states, label_positions
 from eaglewire.data.sources import pad_right
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.core.distributed import dist_rank_world
@@ -54,7 +57,7 @@ class PrepareConfig:
     max_turns: int | None = field(default=None, metadata={"help": "regenerate at most this many replies per conversation; the conversation ends there (default: all)"})
     regenerate_batch_size: int = field(default=8, metadata={"help": "conversations regenerated together (rows of one batched generation)"})
     storage_dtype: str = field(default="bf16", metadata={"help": "dtype of hidden states on disk: bf16 or fp16"})
-    batch_tokens: int = field(default=8192, metadata={"help": "tokens per capture batch (padded)"})
+    batch_tokens: int | None = field(default=None, metadata={"help": "tokens per capture batch, padding included (default: 8192 on the CPU, 16384 on CUDA; at least --max-length)"})
     shard_tokens: int = field(default=65536, metadata={"help": "tokens per shard file"})
     device: str = device_field()
     dtype: str = field(default="auto", metadata={"help": "target compute dtype of the capture: auto (bf16 on CUDA and where the CPU computes bf16 natively, i.e. avx512_bf16 or AMX with oneDNN; fp32 elsewhere), fp32, bf16; recorded in the manifest (status.capture_precision)"})
@@ -78,7 +81,7 @@ class PrepareConfig:
             raise ValueError(f"offset must be >= 0, got {self.offset}")
         if self.max_length < 8:
             raise ValueError(f"max_length must be >= 8 tokens, got {self.max_length}")
-        if self.batch_tokens < self.max_length:
+        if self.batch_tokens is not None and self.batch_tokens < self.max_length:
             raise ValueError(f"batch_tokens ({self.batch_tokens}) must be >= max_length ({self.max_length}) "
                              "so that one sequence fits a batch")
         if self.storage_dtype not in ("bf16", "fp16"):
@@ -272,24 +275,47 @@ def remove_prepared(out: Path) -> None:
             path.unlink()
 
 
+# Tokens per capture batch, and conversations sorted by length together (fewer padded tokens, fuller batches),
+# where a device computes: on the CPU as they always were (the same batches give the same shards, bit for bit).
+BATCH_TOKENS = {"cpu": 8192, "cuda": 16384}
+SORT_WINDOW = {"cpu": 64, "cuda": 512}
+
+
+def capture_plan(batch_tokens: int | None, max_length: int, device: torch.device) -> tuple[int, int]:
+    """(tokens per capture batch, conversations sorted together) on ``device``; ``batch_tokens`` None: the
+    device's default (at least ``max_length``, so that one sequence fits)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    return batch_tokens or max(BATCH_TOKENS[kind], max_length), SORT_WINDOW[kind]
+
+
 def batches_by_tokens(seqs: list[TokenizedConversation], batch_tokens: int) -> Iterator[list[TokenizedConversation]]:
     """Group sequences (sorted by length) so that rows x longest row <= batch_tokens."""
     ordered = sorted(seqs, key=lambda s: len(s.input_ids))
     yield from pack_by_tokens(ordered, [len(s.input_ids) for s in ordered], batch_tokens)
 
 
-def capture_batch(target: Target, contract: HiddenStateContract, batch: list[TokenizedConversation]):
-    """Capture a right-padded batch; yield (seq, aux [T, kH], last [T, H]) per sequence.
-
-    Right padding needs no attention mask: with causal attention no real token attends
-    to the padding after it.
-    """
-    longest = max(len(s.input_ids) for s in batch)
-    ids = pad_right([torch.tensor(s.input_ids) for s in batch], longest)  # [B, T]
-    out = capture(target, ids, contract)
-    for row, s in enumerate(batch):
-        n = len(s.input_ids)
-        yield s, out.aux_hidden[row, :n], out.last_hidden[row, :n]
+def capture_batch(target: Target, contract: HiddenStateContract, batch: list[TokenizedConversation],
+                  storage: Storage) -> StagedBatch:
+    """Capture a right-padded batch and stage it for the shard writer: its real tokens' states in ``storage``'s
+    dtypes with the writer's checks, computed on the target's device, on their way to the host (nothing waits
+    for the device here)."""
+    lengths = [len(s.input_ids) for s in batch]
+    ids = pad_right([torch.tensor(s.input_ids) for s in batch], max(lengths))  # [B, T]
+    out = capture_packed(target, ids, lengths, contract)  # aux [N, kH], last [N, H]
+    rows = label_rows = None
+    if storage.labels_mode == "topk":  # each sequence's labelled positions, as indices into N
+        starts = [0, *accumulate(lengths)]
+        positions = [label_positions(torch.tensor(s.loss_mask)).nonzero()[:, 0] + a for s, a in zip(batch, starts)]
+        label_rows = [len(r) for r in positions]
+        rows = [r.to(target.device, non_blocking=True) for r in positions]
+    stored, checks = encode_states(storage, out.aux_hidden, out.last_hidden, contract.num_aux, label_rows=rows,
+                                   head=target.head)
+    host, ready = to_host({**stored, "checks": checks})
+    return StagedBatch(ids=[s.id for s in batch], lengths=lengths,
+                       input_ids=torch.tensor([t for s in batch for t in s.input_ids], dtype=torch.int32),
+                       loss_mask=torch.tensor([m for s in batch for m in s.loss_mask], dtype=torch.uint8),
+                       stored={k: v for k, v in host.items() if k != "checks"}, checks=host["checks"],
+                       label_rows=label_rows, ready=ready)
 
 
 @contextmanager
@@ -358,6 +384,13 @@ HEAD_ONLY_CHECK = ("--head-only: the target's layers but the last are not here t
                    "label state is checked as the last layer applied to its boundary L-1 (and boundary 0 as the "
                    "embedding output), and the label check (the target's head on the stored boundary-L states gives "
                    "its own next tokens) runs after")
+
+
+def _add_each(writer: ShardWriter, captured: list[tuple[TokenizedConversation, torch.Tensor, torch.Tensor]]) -> None:
+    """Sequences with their states (aux [T, kH], last [T, H]) into ``writer``, one at a time."""
+    for seq, aux, last in captured:
+        writer.add(seq.id, torch.tensor(seq.input_ids, dtype=torch.int32),
+                   torch.tensor(seq.loss_mask, dtype=torch.uint8), aux, last)
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -436,27 +469,31 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
         bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
         writer.set_status(capture=engine.version if engine is not None else HERE)
         checked: dict[int, float] = {}  # boundary -> the largest relative error of the sequences captured both ways
-        for chunk in _chunks(conversations, 64):
-            todo = []
-            for conv in chunk:
-                if conv.id in writer.done_ids:
-                    bar.update(1)
-                    continue
-                seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length,
-                                            template_kwargs=kwargs or None)
-                truncated += seq.num_tokens_before_truncation > len(seq.input_ids)
-                if sum(seq.loss_mask) == 0:
-                    dropped.append(conv.id)
-                    bar.update(1)
-                    continue
-                todo.append(seq)
-            for batch in batches_by_tokens(todo, config.batch_tokens):
-                captured = (capture_batch(target, contract, batch) if engine is None else
-                            engine_batch(engine, target, contract, batch, checked, cross_check=not config.head_only))
-                for seq, aux, last in captured:
-                    writer.add(seq.id, torch.tensor(seq.input_ids, dtype=torch.int32),
-                               torch.tensor(seq.loss_mask, dtype=torch.uint8), aux, last)
-                bar.update(len(batch))
+        batch_tokens, window = capture_plan(config.batch_tokens, config.max_length, target.device)
+        with WriterThread() as background:  # the writer's shards are written there, behind the capture
+            for chunk in _chunks(conversations, window):
+                todo = []
+                for conv in chunk:
+                    if conv.id in writer.done_ids:
+                        bar.update(1)
+                        continue
+                    seq = tokenize_conversation(conv, target.tokenizer, max_length=config.max_length,
+                                                template_kwargs=kwargs or None)
+                    truncated += seq.num_tokens_before_truncation > len(seq.input_ids)
+                    if sum(seq.loss_mask) == 0:
+                        dropped.append(conv.id)
+                        bar.update(1)
+                        continue
+                    todo.append(seq)
+                for batch in batches_by_tokens(todo, batch_tokens):
+                    if engine is None:
+                        background.submit(partial(capture_batch(target, contract, batch, writer.storage).commit,
+                                                  writer))
+                    else:
+                        captured = list(engine_batch(engine, target, contract, batch, checked,
+                                                     cross_check=not config.head_only))
+                        background.submit(partial(_add_each, writer, captured))
+                    bar.update(len(batch))
         totals = writer.close()
         if engine is not None:
             writer.set_status(capture_check=_check_record(checked, target, head_only=config.head_only))

@@ -103,3 +103,40 @@ def capture(target: Target, input_ids: torch.Tensor, aux_boundaries: list[int] |
     aux = torch.cat([seen[b] for b in aux_boundaries], dim=-1)  # [B, T, k*H]
     # A cache passed in (past_key_values) is updated in place; the caller keeps it.
     return Capture(aux_hidden=aux, last_hidden=seen[num_layers])
+
+
+def token_index(lengths: list[int], width: int) -> torch.Tensor:
+    """The real tokens of a right-padded batch [B, width] as flat positions: row r's first lengths[r] -> [N]."""
+    return torch.cat([torch.arange(n) + r * width for r, n in enumerate(lengths)])  # [N]
+
+
+@torch.no_grad()
+def capture_packed(target: Target, input_ids: torch.Tensor, lengths: list[int],
+                   aux_boundaries: list[int] | HiddenStateContract) -> Capture:
+    """``capture`` of a right-padded batch ``input_ids`` [B, T] whose row r holds lengths[r] real tokens,
+    returned without the padding, sequences concatenated: aux_hidden [N, k*H], last_hidden [N, H],
+    N = sum(lengths). Right padding needs no attention mask: with causal attention no real token attends
+    to the padding after it. Nothing waits for the device: the batch's ids go over from page-locked memory
+    and the padding is dropped by positions computed here."""
+    if isinstance(aux_boundaries, HiddenStateContract):
+        aux_boundaries = list(aux_boundaries.aux_boundaries)
+    num_layers = target.num_layers
+    aux_boundaries = validate_boundaries(list(aux_boundaries), num_layers)
+    if input_ids.dim() != 2 or len(lengths) != input_ids.shape[0] or max(lengths) > input_ids.shape[1]:
+        raise ValueError(f"input_ids must be [batch, tokens] with a length <= tokens per row, got shape "
+                         f"{tuple(input_ids.shape)} and lengths {lengths}")
+    B, T = input_ids.shape
+    device = target.device
+    index = token_index(lengths, T)  # [N]
+    if device.type == "cuda":  # a copy from pageable memory would wait for the device's queue
+        input_ids, index = (x.pin_memory() if torch.backends.cuda.is_built() else x for x in (input_ids, index))
+    input_ids, index = (x.to(device, non_blocking=True) for x in (input_ids, index))
+    with record_boundaries(target, aux_boundaries + [num_layers]) as seen:
+        target.decoder(input_ids=input_ids, use_cache=False)
+
+    def real(b: int) -> torch.Tensor:  # boundary b's states of the real tokens [N, H]
+        x = seen[b]
+        return x.reshape(B * T, x.shape[-1]).index_select(0, index)
+
+    aux = torch.cat([real(b) for b in aux_boundaries], dim=-1)  # [N, k*H]
+    return Capture(aux_hidden=aux, last_hidden=real(num_layers))
