@@ -63,8 +63,13 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype):
 
     config = transformers.LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **SHAPES[shape])
     torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its dtype: no fp32 copy first, and RoPE's frequencies stay fp32
+    try:                            # as a loaded checkpoint's do (a .to(bf16) would round them)
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
     return Target(model=model, tokenizer=None, spec=f"random {shape}")
 
 
