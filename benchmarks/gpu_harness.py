@@ -276,7 +276,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="step", required=True)
     k = sub.add_parser("kit", help="gather what the GPU machine lacks (run here)")
     k.add_argument("--out", type=Path, default=ROOT / "gpu_kit")
-    k.add_argument("--conversations", type=int, default=200)
+    k.add_argument("--conversations", type=int, default=400)  # 160 captured, 32+ regenerated after them
     k.add_argument("--python", default="3.12", help="the GPU machine's Python")
     r = sub.add_parser("run", help="run every command (on the GPU machine)")
     r.add_argument("--kit", type=Path, default=ROOT / "gpu_kit")

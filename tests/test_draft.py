@@ -22,7 +22,8 @@ def reference_attention(q, keys, values):
     T = q.shape[-2]
     k = torch.cat(keys, dim=2)
     v = torch.cat(values, dim=2)
-    mask = [torch.ones(T, T, dtype=torch.bool).tril()] + [torch.eye(T, dtype=torch.bool)] * (len(keys) - 1)
+    mask = [torch.ones(T, T, dtype=torch.bool, device=q.device).tril()] \
+        + [torch.eye(T, dtype=torch.bool, device=q.device)] * (len(keys) - 1)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat(mask, dim=1))
 
 
@@ -174,3 +175,5 @@ def test_cuda_flash_ttt_attention_matches_full_mask(steps):
     torch.testing.assert_close(got_out, want_out, atol=2e-2, rtol=2e-2)
     for w, g_ in zip(want, got):
         torch.testing.assert_close(g_, w, atol=5e-2, rtol=5e-2)
+    half = [t.detach().bfloat16() for t in inputs]  # a bf16 draft outside autocast (tune's trace): bf16 out
+    assert ttt_attention_flash_cuda(half[0], half[1::2], half[2::2]).dtype == torch.bfloat16

@@ -137,7 +137,8 @@ class _TTTFlash(torch.autograd.Function):
 
 def ttt_attention_flash_cuda(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """``ttt_attention_flash`` on CUDA: the kernel runs in the half precision autocast (or q) asks for, the
-    merge in fp32; returns fp32 [B, nH, T, hd] as the CPU path does (autocast casts it for o_proj)."""
+    merge in fp32; returns [B, nH, T, hd] in q's dtype, as the dense path does (a bf16 draft outside autocast,
+    e.g. tune's trace, feeds it to its bf16 o_proj)."""
     kv = [t for pair in zip(keys, values) for t in pair]
     return _TTTFlashCUDA.apply(1.0 / math.sqrt(q.shape[-1]), _cuda_half_dtype(q), q, *kv)
 
@@ -156,7 +157,7 @@ class _TTTFlashCUDA(torch.autograd.Function):
             out, lse, probs = _merge(out0.float(), lse0[..., :q.shape[-2]], scores, diag_v)
         ctx.scale, ctx.flash_state = scale, (cum_q, cum_k, max_q, max_k, seed, offset)
         ctx.save_for_backward(qh, k0, v0, out.to(half), lse.contiguous(), qf, *diag_k, *diag_v, *probs)
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
