@@ -203,6 +203,23 @@ def test_no_engine_imports_another_engine():
     assert not wrong, "\n".join(wrong)
 
 
+def outside_engine_imports(edges: dict[str, set[str]], engines: set[str]) -> list[str]:
+    """Each import of an engine's own package by a module outside engines/: commands, the doctor and the rest reach
+    an engine through its spec (``engines.get(name, Ability...)``), never by naming it."""
+    return [f"{m} imports {d}: reach it through engines.get(...) and its spec's fields"
+            for m, deps in sorted(edges.items()) if not m.startswith("eaglewire.engines")
+            for d in sorted(deps) if engine_of(d, engines)]
+
+
+def test_nothing_outside_engines_names_an_engine():
+    wrong = outside_engine_imports(graph(), engine_modules())
+    assert not wrong, "\n".join(wrong)
+    seen = outside_engine_imports({"eaglewire.cli": {"eaglewire.engines.b", "eaglewire.engines"}},
+                                  {"eaglewire.engines.b"})
+    assert seen == ["eaglewire.cli imports eaglewire.engines.b: reach it through engines.get(...) and its spec's "
+                    "fields"]
+
+
 def test_the_engine_tiers_see_an_engine_importing_another():
     engines = {"eaglewire.engines.a", "eaglewire.engines.b"}
     edges = {"eaglewire.engines.a.export": {"eaglewire.engines.b", "eaglewire.engines.shared"},  # a -> b

@@ -225,9 +225,11 @@ def cmd_contract(args: argparse.Namespace) -> int:
     from eaglewire import engines
     from eaglewire.cli_settings import ContractConfig
     from eaglewire.core.contract import EngineConventionError, default_aux_boundaries, target_arch, validate_boundaries
-    from eaglewire.engines import sglang, vllm
 
     config = config_from_args(ContractConfig, args)
+    # the engines whose reading of the ids follows the target's model file: their release and the code that says so
+    ruled = {e.name: e for e in map(engines.get, engines.names(aliases=False))
+             if e.linter is not None and e.linter.file_for is not None}
     if config.num_layers is None:
         from eaglewire.model.target import load_target
 
@@ -238,7 +240,7 @@ def cmd_contract(args: argparse.Namespace) -> int:
     arch = target_arch(arch) if arch else None
     bounds = validate_boundaries(config.aux_boundaries or default_aux_boundaries(num_layers), num_layers)
     result: dict[str, object] = {"num_layers": num_layers, "aux_boundaries": bounds, "target_arch": arch,
-                                 "versions": {m.NAME: m.VERSION for m in (sglang, vllm)}}
+                                 "versions": {name: e.version for name, e in ruled.items()}}
 
     def ids(engine: str, a: str | None) -> object:
         try:
@@ -253,8 +255,8 @@ def cmd_contract(args: argparse.Namespace) -> int:
         else:
             result[engine] = ids(engine, arch if e.per_model_file else None)
     if arch is not None:
-        result["rules"] = {m.__name__.rpartition(".")[2]: f"{m.file_for(arch).path}: {m.file_for(arch).function}"
-                           for m in (sglang, vllm)}
+        result["rules"] = {name: f"{e.linter.file_for(arch).path}: {e.linter.file_for(arch).function}"
+                           for name, e in ruled.items()}
     print(json.dumps(result, indent=2))
     return 0
 

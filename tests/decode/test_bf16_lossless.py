@@ -13,7 +13,7 @@ import transformers
 
 from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.gemm import PackedLinear, onednn_available
-from eaglewire.decode.runner import attend, attend_rows, block_rows
+from eaglewire.decode.attention import attend, attend_rows, block_rows
 from eaglewire.model.target import target_from_config
 from test_spec_decoder import oracle_trees, random_draft
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eaglewire.decode.runner import LeanWeights, attend, rope
+from eaglewire.decode.attention import attend
+from eaglewire.decode.runner import LeanWeights, rope
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs, sample
 from eaglewire.decode.static_step import StaticStep, cache_columns, decode, split_rows
 from eaglewire.model.target import Target

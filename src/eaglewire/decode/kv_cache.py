@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from eaglewire.decode.attention import attend
 from eaglewire.decode.step_graphs import StepGraphs
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,6 @@ def static_draft_forward(draft, k_cache: torch.Tensor, v_cache: torch.Tensor, em
     """The draft's decoding forward over a fixed-width cache: T new tokens written at ``slots`` [T], attending
     where ``mask`` [1, 1, T, W] allows -- shapes that depend on T alone. emb/hidden [1, T, H]; positions [1, T]
     -> (pre-norm [1, T, H],). The same layer math as ``Eagle3Draft.forward_cached``."""
-    from eaglewire.decode.runner import attend
-
     layer, attn = draft.midlayer, draft.midlayer.self_attn
     cos, sin = draft.rotary(positions, emb.dtype)
     q, k, v = attn.qkv(layer.attn_input(emb, hidden), cos, sin)  # [1, nH|nKV, T, hd]

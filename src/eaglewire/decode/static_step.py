@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from eaglewire.decode.runner import LeanWeights, attend, rope
+from eaglewire.decode.attention import attend
+from eaglewire.decode.runner import LeanWeights, rope
 
 COLUMN_BUCKET = 256  # cache widths are rounded up to this, so calls of similar length reuse one graph
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (PyTorch's CUDA graphs docs)
