@@ -67,6 +67,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     _record(config.out, config)
     rows = [("steps", f"{result.steps:,}"), ("epochs", f"{result.epochs_done:.2f}"),
             ("training tokens", f"{result.train_tokens:,}"), ("wall time", f"{result.seconds:,.0f} s")]
+    speed = result.throughput
+    if speed.get("tokens_per_s"):  # over the training steps: evaluations and saves left out
+        rows.append(("tokens/s (training steps)", f"{speed['tokens_per_s']:,.0f}"))
+        if speed.get("tflops") is not None:
+            mfu = speed.get("mfu")
+            rows.append(("model FLOP/s", f"{speed['tflops']:.3g} TFLOP/s" +
+                         (f" = {100 * mfu:.1f}% MFU" if mfu is not None else " (the device's peak is unknown: no MFU)")))
     rows += [(k.removeprefix("val_").replace("_", " ") + " (held-out)", f"{v:.3f}")
              for k, v in result.final_eval.items() if k != "step"]
     rows += [(f"time in {k.replace('_', ' ')}", f"{v:,.1f} s") for k, v in result.timers.items()]
