@@ -34,38 +34,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_targets import SHAPES, VOCAB, random_target  # noqa: E402
 
-SHAPES = {  # LlamaConfig fields (benchmarks/gpu_harness.py)
-    "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, max_position_embeddings=2048),
-}
-VOCAB = 49152
 DEFAULT_TOKENS = {"llama-3.1-8b": 100_000, "tiny": 20_000}
 OLD_BATCH_TOKENS, OLD_WINDOW = 8192, 64  # prepare's before issue 52
-
-
-def build_target(shape: str, device: str):
-    """A random-weight Llama of ``shape`` made on ``device`` in its dtype (no fp32 copy on the GPU first)."""
-    import torch
-    import transformers
-
-    from eaglewire.model.target import Target
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    config = transformers.LlamaConfig(vocab_size=VOCAB, **SHAPES[shape])
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    model.eval().requires_grad_(False)
-    return Target(model=model, tokenizer=None, spec=f"random:{shape}")
 
 
 def sequences(tokens: int, seed: int = 0):
@@ -197,7 +170,7 @@ def probe(args, result: dict, work: Path) -> None:
 
     torch.set_grad_enabled(False)
     start = time.perf_counter()
-    target = build_target(args.shape, args.device)
+    target = random_target(args.shape, args.device)
     L = target.num_layers
     boundaries = (2, L // 2, L - 3)
     contract = HiddenStateContract(aux_boundaries=boundaries, target=target.fingerprint)

@@ -32,9 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_harness import SHAPES  # noqa: E402
+from gpu_targets import SHAPES, VOCAB, random_target  # noqa: E402
 
-VOCAB = 49152  # SmolLM2's tokenizer, as the harness's target
 PREFILL = 512
 VERIFY_SIZES = (1, 2, 4, 8)
 
@@ -54,23 +53,6 @@ def timed(fn, device: torch.device, reps: int) -> float:
         fn()
     sync(device)
     return (time.perf_counter() - start) / reps
-
-
-def build_target(shape: str, device: torch.device, dtype: torch.dtype):
-    import transformers
-
-    from eaglewire.model.target import Target
-
-    config = transformers.LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **SHAPES[shape])
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # made in its dtype: no fp32 copy first, and RoPE's frequencies stay fp32
-    try:                            # as a loaded checkpoint's do (a .to(bf16) would round them)
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    return Target(model=model, tokenizer=None, spec=f"random {shape}")
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -272,7 +254,7 @@ def main() -> int:
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__, "shape": args.shape, "dtype": str(dtype)[6:], "prefill": PREFILL}
     start = time.perf_counter()
-    target = build_target(args.shape, device, dtype)
+    target = random_target(args.shape, device)
     results["build_seconds"] = round(time.perf_counter() - start, 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     results["weight_gb"] = round(weight_bytes / 1e9, 3)

@@ -30,12 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {  # LlamaConfig fields; vocab from the tokenizer
-    "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, max_position_embeddings=2048),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_targets import SHAPES  # noqa: E402
+
 # What a bare CUDA image (torch, transformers, accelerate, safetensors, pyarrow, prometheus-client, pyyaml) lacks.
 WHEELS = ["gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn", "h11", "click", "anyio",
           "sniffio", "typing-inspection", "annotated-types", "opentelemetry-api", "importlib-metadata", "zipp",

@@ -32,35 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_targets import SHAPES, VOCAB, random_target  # noqa: E402
 
-SHAPES = {  # LlamaConfig fields (benchmarks/gpu_harness.py's)
-    "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, max_position_embeddings=2048),
-}
-VOCAB = 49152
 log = logging.getLogger("gpu_regen_probe")
-
-
-def build_target(shape: str, device: str):
-    """A random-weight Llama of ``shape``, made on ``device`` in its dtype: no fp32 copy of an 8B model first, and the
-    rotary frequencies stay fp32 as a loaded checkpoint's do (a ``.to(bf16)`` would round them)."""
-    import transformers
-
-    from eaglewire.model.target import Target
-
-    config = transformers.LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **SHAPES[shape])
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    return Target(model=model.eval(), tokenizer=None, spec=f"random-{shape}")
 
 
 def make_prompts(batch: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
@@ -118,7 +93,7 @@ def run(args, result: dict, wall: float) -> None:
     from eaglewire.decode.batched import BatchedDecoder
 
     start = time.perf_counter()
-    target = build_target(args.shape, args.device)
+    target = random_target(args.shape, args.device)
     sync(args.device)
     result["build_s"] = round(time.perf_counter() - start, 2)
     prompts = make_prompts(args.batch, 40, 300)

@@ -1,6 +1,6 @@
 """EAGLE-3 draft training speed and MFU on one device, the step as it was against the step as it is now.
 
-A random draft for a target of the shape's hidden size (benchmarks/gpu_harness.py SHAPES; draft vocabulary
+A random draft for a target of the shape's hidden size (benchmarks/gpu_targets.py SHAPES; draft vocabulary
 8,192, TTT 7) trains on random stored states of that shape: no target weights, no shards. The target's
 embedding and head are random tensors (the head over a 32,000-token vocabulary), as train's data path needs
 them. Each variant times N optimizer steps after warm-up and reports tokens/s, MFU and host milliseconds per
@@ -49,7 +49,7 @@ def build(shape: str, device, dtype_name: str):
     import torch
 
     from eaglewire.model.draft import DraftConfig, Eagle3Draft
-    from gpu_harness import SHAPES
+    from gpu_targets import SHAPES
 
     s, run = SHAPES[shape], SHAPE_RUN[shape]
     H = s["hidden_size"]

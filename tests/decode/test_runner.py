@@ -11,6 +11,18 @@ from tiny import ARCHITECTURES, tiny_target
 LEAN = ["llama", "qwen2", "qwen3", "mistral"]
 
 
+def tree_block(ids: torch.Tensor, P: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """After ``P`` committed tokens: tokens P..P+3 of ``ids`` as a chain plus a decoy sibling of token P+1 (row 4);
+    (block [5], mask [5, P+5])."""
+    block = torch.cat([ids[P:P + 4], torch.tensor([7])])
+    mask = torch.zeros(5, P + 5, dtype=torch.bool)
+    mask[:, :P] = True
+    for i in range(4):
+        mask[i, P:P + i + 1] = True
+    mask[4, [P, P + 4]] = True
+    return block, mask
+
+
 @pytest.mark.parametrize("runner_cls, arch", [(LeanRunner, a) for a in LEAN] + [(HFRunner, a) for a in ARCHITECTURES])
 def test_runner_matches_capture_through_a_tree_block(runner_cls, arch):
     target = tiny_target(arch, initializer_range=0.2)
@@ -20,13 +32,7 @@ def test_runner_matches_capture_through_a_tree_block(runner_cls, arch):
     runner = runner_cls(target, bounds)
     _, aux = runner.forward(ids[:9], torch.arange(9), None)
     runner.commit(list(range(9)))
-    # A tree block: tokens 9..12 as a chain plus a decoy sibling of token 10 (row 4).
-    P, block = 9, torch.cat([ids[9:13], torch.tensor([7])])
-    mask = torch.zeros(5, P + 5, dtype=torch.bool)
-    mask[:, :P] = True
-    for i in range(4):
-        mask[i, P:P + i + 1] = True
-    mask[4, [P, P + 4]] = True
+    block, mask = tree_block(ids)
     _, aux_block = runner.forward(block, torch.tensor([9, 10, 11, 12, 10]), mask)
     runner.commit([0, 1, 2, 3])  # the decoy is dropped
     last, aux_next = runner.forward(ids[13:14], torch.tensor([13]), None)
@@ -60,12 +66,7 @@ def test_static_forward_is_the_dynamic_forward(arch):
     order) for a masked call over the whole cache than for a causal one over the prefix (6e-5 apart, measured)."""
     target = tiny_target(arch, initializer_range=0.2)
     ids = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(0))
-    P, block = 9, torch.cat([ids[9:13], torch.tensor([7])])
-    mask = torch.zeros(5, P + 5, dtype=torch.bool)
-    mask[:, :P] = True
-    for i in range(4):
-        mask[i, P:P + i + 1] = True
-    mask[4, [P, P + 4]] = True
+    block, mask = tree_block(ids)
     outs = []
     for static in (False, True):
         runner = LeanRunner(target, [0, 2, 8], max_length=32, static=static)
