@@ -9,10 +9,20 @@ per-position acceptance is the server's:
   boundary off by one, all of them off by one, the first/last k of k+1 captured states: the
   embedding output or the last state swapped in) and the last state after the target's final norm
   where a layout feeds boundary L;
+- the declared states concatenated in another order (``order_wirings``: a served fc whose columns take them
+  otherwise);
 - field readings (EAGLE-3): each norm flag the serving engine reads (``served_draft.TRAINED_NORMS``,
   built by ``served_draft.as_served``; ``norm_output`` here), d2t read in the other convention or
-  missing, the target's lm_head over its whole vocabulary, and the engine's own reading of
-  ``--engine-config`` (``serving.read_fields`` / ``read_file_fields``) with each of its layouts.
+  missing, the target's lm_head over its whole vocabulary, another embedding than the target's (its rows
+  permuted, seeded: any unrelated embedding looks alike), another lm_head than the draft's (its rows
+  permuted), and the engine's own reading of ``--engine-config`` (``serving.read_fields`` /
+  ``read_file_fields``) with each of its layouts.
+
+``--engine-config`` ranks the candidates (what the engine reads from it comes first among equally good
+matches) and never removes one: the server may load another copy than the user's. Every fix is proven
+before it is printed (``fix_proof.prove``): a fix for what the user's config already holds as trained
+changes nothing there, so the server runs another copy, and that is what is printed; a fix that writes
+config keys is applied to the parsed config and read again through the engine's reading.
 
 A wiring matches when each position's acceptance and τ replayed under it agree with the server's
 counters within binomial noise over the server's drafts (``fit``). The pure part (``fit``,
@@ -25,6 +35,7 @@ Shapes: S draft steps, T tokens, H hidden size, V target vocabulary.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import math
@@ -39,6 +50,7 @@ import torch
 from eaglewire import engines
 from eaglewire.core.contract import default_aux_boundaries
 from eaglewire.doctor.evidence import MIN_LEAD, Z
+from eaglewire.doctor.fix_proof import LAYOUT, ConfigView, held_fields, prove
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.report import Check
 from eaglewire.engines.served_counts import AcceptanceRates
@@ -66,6 +78,9 @@ class Wiring:
     trained: str  # what training did instead: "on [2, 15, 27]", "without it"
     fix: str | None = None  # the config line that gives the trained wiring back
     from_config: bool = False  # what the engine reads from --engine-config: first among equally good matches
+    # what it reads otherwise (fix_proof.LAYOUT, a config field): None where no reading of a config shows it
+    aspect: str | None = None
+    dropped: str = ""  # why the fix first written for it is not printed as is (fix_proof.prove)
     # () -> (the draft as the server runs it, a batch transform or None); None: the trained draft
     build: Callable[[], tuple[Any, Callable | None]] | None = field(default=None, compare=False, repr=False)
 
@@ -109,7 +124,7 @@ def layout_wirings(declared: list[int], num_layers: int, readings: dict[str, lis
             read = [w for w in why if w.startswith("served by") and DEFAULT_LAYERS not in w]
             reasons = "; ".join(map(_reason, read or why))
             out.append(Wiring(tuple(layout), shown, f"feeds boundaries {shown} ({reasons})", f"on {declared}", fix,
-                              from_config=bool(read)))
+                              from_config=bool(read), aspect=LAYOUT))
     if post_norm:
         for layout, why in layouts.items():
             if num_layers in layout and (list(layout) == declared or any(w.startswith("served by") for w in why
@@ -119,6 +134,30 @@ def layout_wirings(declared: list[int], num_layers: int, readings: dict[str, lis
                 out.append(Wiring(normed, shown, f"feeds boundaries {shown} (boundary {num_layers} after the "
                                   "target's final norm, as transformers' hidden_states[-1] holds it)",
                                   f"on {declared} (boundary {num_layers} before the final norm)", fix))
+    return out
+
+
+def order_wirings(engine: str, declared: list[int], num_layers: int) -> list[Wiring]:
+    """The declared states concatenated in another order (a served fc whose columns take them in another order
+    than the engine feeds them): every non-identity permutation of up to 3 states, else the reversed order and
+    each swap. The same capture serves them all."""
+    k = len(declared)
+    if k <= 3:
+        orders = list(itertools.permutations(range(k)))
+    else:
+        swaps = [[j if j not in (a, b) else a + b - j for j in range(k)] for a, b in itertools.combinations(range(k), 2)]
+        orders = [tuple(reversed(range(k)))] + [tuple(s) for s in swaps]
+    spec = engines.get(engine) if engine in engines.names() else None
+    fix = ((spec.linter.field_fix if spec is not None and spec.linter.field_fix else None) or
+           f"the served copy's fc.weight takes the states in another order than {engine} concatenates them "
+           f"(boundaries {declared}, ascending): serve the checkpoint `eaglewire export --to {engine}` writes")
+    out = []
+    for order in dict.fromkeys(orders):
+        if list(order) != list(range(k)):
+            layout = tuple(declared[i] for i in order)
+            shown = show_layout(layout, num_layers)
+            out.append(Wiring(layout, f"order {shown}", f"concatenates the states in the order {shown} (fc's "
+                              f"columns in another order than the states fed)", f"on {declared} in that order", fix))
     return out
 
 
@@ -168,7 +207,7 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
         build = ((lambda: (feeds_post_norm_state(draft), None)) if flag == "norm_output" else
                  (lambda m=m: (as_served(draft, [replace(m, measurable=True)]), None)))
         out.append(Wiring(layout, f"{flag} true", f"reads {flag} as true ({TRAINED_NORMS[flag]})", "without it",
-                          fix, build=build))
+                          fix, build=build, aspect=flag))
     V, Vd = cfg.vocab_size, cfg.draft_vocab_size
     trained = draft.draft_to_target.cpu()  # [Vd]
     offsets = draft.d2t.cpu().long()  # [Vd]
@@ -190,7 +229,7 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
         if int(mapped.min()) >= 0 and int(mapped.max()) < V and not any(torch.equal(mapped, m) for m in seen):
             seen.append(mapped)
             out.append(Wiring(layout, what.split(":")[0], f"maps the draft's ids with {what}",
-                              "with d2t as offsets (target id = draft id + d2t)", fix,
+                              "with d2t as offsets (target id = draft id + d2t)", fix, aspect="d2t",
                               build=lambda mapped=mapped: (as_served(draft, [], d2t=mapped - torch.arange(Vd)), None)))
     head = target.model.get_output_embeddings().weight
     if tuple(head.shape) == (V, cfg.hidden_size):
@@ -200,8 +239,45 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
                "with `eaglewire export`)" if m else None)
         out.append(Wiring(layout, "the target's lm_head", "scores the draft's tokens with the target's lm_head over "
                           f"its whole vocabulary ({V:,} ids)", f"with its own lm_head over {Vd:,} draft ids", fix,
-                          build=lambda: target_head_draft(draft, target)))
+                          aspect="lm_head", build=lambda: target_head_draft(draft, target)))
+    if engine != "sglang":  # SGLang's draft always embeds with the target's rows (sglang.read_served)
+        out.append(Wiring(layout, "another embedding", "embeds the tokens with rows other than the target's (replayed "
+                          "with the target's rows permuted: any unrelated embedding looks alike)",
+                          "with the target's embed_tokens", refix or
+                          "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
+                          "served draft checkpoint or write the target's rows there (re-export with `eaglewire "
+                          "export`)", aspect="embed_tokens", build=lambda: (draft, other_embedding(target))))
+    out.append(Wiring(layout, "another lm_head", "scores the draft's tokens with lm_head rows other than its own "
+                      "(replayed with its rows permuted: the draft's ids mean other tokens)",
+                      "with its own lm_head", refix or
+                      "the served copy's lm_head.weight is not the trained one: write the draft's own lm_head.weight "
+                      "back (re-export with `eaglewire export`)", build=lambda: (other_head(draft), None)))
     return out
+
+
+def _permutation(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # [n]
+
+
+def other_embedding(target, seed: int = 0) -> Callable:
+    """The batch transform that feeds the draft another embedding than the target's: the target's rows under a
+    seeded permutation of the vocabulary (to the draft, any unrelated model's rows look alike)."""
+    perm = _permutation(target.embed_tokens.weight.shape[0], seed).to(target.device)  # [V]
+
+    def fed(batch):
+        with torch.no_grad():
+            emb = target.embed_tokens(perm[batch.input_ids.to(target.device)])  # [B, T, H]
+        return replace(batch, emb=emb.to(batch.emb.device, batch.emb.dtype))
+
+    return fed
+
+
+def other_head(draft, seed: int = 0):
+    """A copy of ``draft`` whose lm_head rows are permuted (seeded): draft id i scored with another id's row."""
+    from eaglewire.engines.served_draft import as_served
+
+    rows = draft.lm_head.weight.detach()  # [Vd, H]
+    return as_served(draft, [], lm_head=rows[_permutation(rows.shape[0], seed).to(rows.device)])
 
 
 def target_head_draft(draft, target):
@@ -231,9 +307,11 @@ def target_head_draft(draft, target):
 
 
 def config_wirings(config, draft, declared: list[int], num_layers: int, arch: str | None, emb_rows,
-                   layout_fix: str | None, dflash: bool) -> tuple[dict[str, list[int]], list[Wiring], list[str]]:
+                   layout_fix: str | None, dflash: bool
+                   ) -> tuple[dict[str, list[int]], list[Wiring], list[str], ConfigView | None]:
     """What the engine reads from ``--engine-config``: (label -> the boundaries it feeds, the wirings of its
-    field reading at each of its layouts, notes). Nothing without an engine config."""
+    field reading at each of its layouts, notes, the config as the fixes are proven on). Nothing without an
+    engine config."""
     from eaglewire import engines
     from eaglewire.core.errors import read_json_object
     from eaglewire.doctor import serving
@@ -241,9 +319,10 @@ def config_wirings(config, draft, declared: list[int], num_layers: int, arch: st
     from eaglewire.engines.served_draft import as_served
 
     if not config.engine_config:
-        return {}, [], []
+        return {}, [], [], None
     path, engine = Path(config.engine_config), canonical(config.engine)
     readings: dict[str, list[int]] = {}
+    cfg = None
     try:
         readers = engines.file_readers(path.suffix)
         if readers:  # a draft file of the engine's own (a .gguf): its layers and fields as that engine reads them
@@ -259,9 +338,23 @@ def config_wirings(config, draft, declared: list[int], num_layers: int, arch: st
             reading = (serving.read_fields(engine, cfg, path.parent, draft, emb_rows=emb_rows)
                        if not dflash and engine in serving.field_readers() else None)
     except Exception as e:  # the engine checks said what is wrong with it; the diagnosis goes on without it
-        return readings, [], [f"--engine-config {path} not read as the engine reads it: {e}"]
+        return readings, [], [f"--engine-config {path} not read as the engine reads it: {e}"], None
+
+    def aspects(got: dict[str, list[int]], fields) -> tuple[set[str], set[str]]:
+        found = None if fields is None else _field_names(fields.found)
+        held = held_fields(got, declared, found, FIELD_ASPECTS)
+        return held, ({LAYOUT} - held) | set(found or ())
+
+    def reread(edited: dict) -> tuple[set[str], set[str]]:
+        reader = serving.read_dflash_engine_config if dflash else serving.read_engine_config
+        fields = (serving.read_fields(engine, edited, path.parent, draft, emb_rows=emb_rows)
+                  if reading is not None else None)
+        return aspects(dict(reader(engine, edited, num_layers, declared, arch).readings), fields)
+
+    held, differs = aspects(readings, reading)
+    view = ConfigView(str(path), cfg, held, differs, reread if cfg is not None else None)
     if reading is None or not reading.found or not all(f.measurable for f in reading.found):
-        return readings, [], []
+        return readings, [], [], view
     names = ", ".join(f.field for f in reading.found)
     fields_fix = "; ".join(dict.fromkeys(f.fix for f in reading.found))
 
@@ -282,7 +375,18 @@ def config_wirings(config, draft, declared: list[int], num_layers: int, arch: st
         out.append(Wiring(tuple(layout), shown, f"reads {names} from its config as {reading.served.engine} does "
                           f"(" + "; ".join(f.meaning for f in reading.found) + ")" + where,
                           f"on {declared} with {names} as trained", fix, from_config=True, build=build))
-    return readings, out, []
+    return readings, out, [], view
+
+
+# the config fields a wiring may read otherwise (its aspect), besides the layout
+FIELD_ASPECTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "d2t", "embed_tokens", "lm_head")
+
+
+def _field_names(found) -> set[str]:
+    """The aspects the fields ``found`` (served_draft.Mismatch) read otherwise: a missing draft_vocab_size or a
+    tied head is the target's lm_head."""
+    names = {m.field for m in found}
+    return names | ({"lm_head"} if "draft_vocab_size" in names else set())
 
 
 # ---------------------------------------------------------------- matching
@@ -408,6 +512,32 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
     return Check(name, "fail", summary, evidence, fix=best.wiring.fix)
 
 
+# ---------------------------------------------------------------- proving the fixes
+
+
+def proven(wirings: list[Wiring], view: ConfigView | None) -> list[Wiring]:
+    """``wirings`` with each fix proven on ``view`` (``fix_proof.prove``): a fix for what the user's config already
+    holds as trained changes nothing there, so the wiring is said to be another copy's, with the fix that makes
+    the server load the user's or changes the copy it loads; a fix that, applied and read again, does not give
+    the trained reading is not printed."""
+    done: dict[tuple[str | None, str | None], tuple[str, str]] = {}
+    out = []
+    for w in wirings:
+        key = (w.aspect, w.fix)
+        if key not in done:
+            done[key] = prove(w.aspect, w.fix, view)
+        verdict, why = done[key]
+        if verdict == "held":
+            out.append(replace(w, what=f"does not run --engine-config {view.path} ({why}): it runs a copy that "
+                               f"{w.what}", fix=f"make the server load {view.path} (restart it on that directory), "
+                               f"or in the copy it serves: {w.fix}", dropped=f"{why}: \"{w.fix}\" changes nothing there"))
+        elif verdict == "unproven":
+            out.append(replace(w, fix=None, dropped=f"{why}: \"{w.fix}\" is not printed"))
+        else:
+            out.append(w)
+    return out
+
+
 # ---------------------------------------------------------------- replaying
 
 
@@ -495,27 +625,30 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
         with torch.no_grad():
             emb_rows = (ids, target.embed_tokens(ids.to(target.device)).float().cpu())  # [N], [N, H]
     fix = layout_fix(report, config, declared, L, arch, dflash)
-    readings, from_config, notes = config_wirings(config, draft, declared, L, arch, emb_rows, fix, dflash)
+    readings, from_config, notes, view = config_wirings(config, draft, declared, L, arch, emb_rows, fix, dflash)
     spec = engines.get(engine)
     if report.engine_release and spec.version and spec.version != report.engine_release.split()[-1]:
         release = report.engine_release.split()[-1]  # the release whose reading judges this server
         readings = {k.replace(spec.version, release): v for k, v in readings.items()}
+    # --engine-config ranks the candidates (what it reads comes first among equal matches), never removes one:
+    # the server may load another copy than the user's
     wirings = layout_wirings(declared, L, readings, fix, post_norm=not dflash) + from_config
-    fields_as_trained = any(c.name == "engine fields" and c.verdict == "ok" for c in report.checks)
-    if not dflash and not fields_as_trained:
+    if not spec.in_process:
+        wirings += order_wirings(engine, declared, L)
+    if not dflash:
         wirings += field_wirings(engine, draft, target, declared)
-    elif fields_as_trained:  # the config the server loads states every field as trained: only its layout can differ
-        notes.append("field variants not replayed: the engine-fields check read every field of --engine-config as "
-                     "trained")
     if engines.get(engine).linter.layout_fix is not None:  # its fix names the layout it was fed
         wirings = [replace(w, fix=layout_fix(report, config, declared, L, arch, dflash, list(w.layout)))
                    if w.fix == fix else w for w in wirings]
+    wirings = proven(wirings, view)
     texts = capture_texts(target, draft, prompts, counts.outputs, {b for w in wirings for b in w.layout})
     replays = [(w, replay_wiring(w, draft, texts, steps)) for w in wirings]
     best, ranked = judge(counts, replays)
     seconds = time.perf_counter() - start
     check = diagnosis_check(counts, counts.engine, declared, replayed, best, ranked, causes, seconds=seconds,
                             tokens=sum(len(o) for o in counts.outputs))
+    check.evidence += [f"the fix for {f.wiring.label}: {f.wiring.dropped}" for f in ranked
+                       if f.matches and f.wiring.dropped]
     check.evidence += notes
     if report.engine_release and spec.version and spec.runtime is not None:  # name the release that judged it
         stale = f"{spec.runtime.label} {spec.version}"
@@ -526,6 +659,7 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
         "match": None if best is None else {"label": best.wiring.label, "layout": list(best.wiring.layout),
                                             "fix": best.wiring.fix},
         "within_noise": [f.wiring.label for f in ranked if f.matches],
+        "dropped_fixes": {f.wiring.label: f.wiring.dropped for f in ranked if f.matches and f.wiring.dropped},
         "seconds": round(seconds, 1),
         "candidates": [{"label": f.wiring.label, "layout": list(f.wiring.layout), "tau": f.replayed.tau,
                         "per_position": f.per_position, "score": round(f.score, 2)} for f in ranked]}
