@@ -87,11 +87,11 @@ def test_a_pruned_dflash_gguf_carries_its_target_ids_and_the_heads_rows(tmp_path
     head = smollm2_target.model.get_output_embeddings().weight.detach()[ids]
     torch.testing.assert_close(rows, head, rtol=1e-3, atol=1e-3)  # f16 rounding of the target's rows
     assert "512 of the target's tokens" in (tmp_path / "out" / "SERVING.md").read_text()
-    from eaglewire.engines.llamacpp.doctor import vocab_check
+    from eaglewire.doctor.checks import vocab_check
 
-    assert vocab_check(str(draft_file), ids).verdict == "ok"
-    assert vocab_check(str(draft_file), ids + 1).verdict == "fail"  # served for another draft's vocabulary
-    assert vocab_check(str(draft_file), None).verdict == "fail"  # for a whole-vocabulary draft
+    assert vocab_check("llamacpp", str(draft_file), ids).verdict == "ok"
+    assert vocab_check("llamacpp", str(draft_file), ids + 1).verdict == "fail"  # served for another draft's vocabulary
+    assert vocab_check("llamacpp", str(draft_file), None).verdict == "fail"  # for a whole-vocabulary draft
 
 
 def test_llama_server_drafts_a_pruned_dflash_gguf_in_the_target_ids(tmp_path, smollm2_target, smollm2_tokenizer):

@@ -16,7 +16,8 @@ from eaglewire.bench.run import BenchConfig, Row, parse_config, same_output_as_p
 from eaglewire.engines.command_settings import EngineRunConfig
 from eaglewire.engines.interface import RunSettings, ServedFiles
 from eaglewire.engines.llamacpp.runtime import answer_stats as llamacpp_stats, launch_config
-from eaglewire.engines.llamacpp import doctor
+from eaglewire.doctor.checks import architecture_check, check_serving
+from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import DoctorReport
 from eaglewire.engines import llamacpp as engine
 from eaglewire.engines import FormatError
@@ -85,48 +86,44 @@ def test_not_a_gguf_is_a_format_error(tmp_path):
         read_gguf_metadata(tmp_path / "missing.gguf")
 
 
-def doctor_config(gguf: Path | None, flags: str | None = None, target: str = "smollm2-135m"):
-    """What the doctor tells llama.cpp's serving checks; the flags' draft, when named, is not here (kept)."""
-    from eaglewire.engines.interface import ServingInputs
-
-    config = str(gguf) if gguf else None
-    return ServingInputs(target=target, engine_flags=flags, engine_config=config, flags_load=lambda named: config)
+def doctor_config(gguf: Path | None, flags: str | None = None, target: str = "smollm2-135m") -> DoctorConfig:
+    """The doctor told of llama.cpp's serving side; the flags' draft, when named, is not here (the GGUF given is
+    judged)."""
+    return DoctorConfig(draft="d", engine="llamacpp", target=target, engine_flags=flags,
+                        engine_config=str(gguf) if gguf else None)
 
 
 def test_doctor_fails_a_miswired_gguf_and_passes_the_right_one(tmp_path):
     bad = write_draft_gguf(tmp_path / "bad.gguf", [1, 14, 26])
     report = DoctorReport(draft="d", target="t")
-    readings, steps = doctor.serving(report, doctor_config(bad), TRAINED, L, "LlamaForCausalLM")
+    readings, steps, _ = check_serving(report, doctor_config(bad), TRAINED, L, "LlamaForCausalLM")
     wiring = next(c for c in report.checks if c.name == "engine wiring")
     assert wiring.verdict == "fail" and "extract_layers [2, 15, 27]" in wiring.fix
-    assert readings == {"llamacpp": [1, 14, 26]} and steps == doctor.DEFAULT_N_MAX
+    assert readings == {"llamacpp": [1, 14, 26]} and steps == engine.DEFAULT_N_MAX
 
     good = write_draft_gguf(tmp_path / "good.gguf", TRAINED)
     report = DoctorReport(draft="d", target="t")
-    readings, _ = doctor.serving(report, doctor_config(good, "-md good.gguf --spec-type draft-eagle3 "
-                                                              "--spec-draft-n-max 5 -t 2 -td 2"),
-                                 TRAINED, L, "LlamaForCausalLM")
+    readings, steps, _ = check_serving(report, doctor_config(good, "-md good.gguf --spec-type draft-eagle3 "
+                                                                   "--spec-draft-n-max 5 -t 2 -td 2"),
+                                       TRAINED, L, "LlamaForCausalLM")
     assert not report.failed, report.render()
-    assert readings == {"llamacpp": TRAINED}
+    assert readings == {"llamacpp": TRAINED} and steps == 5
 
 
 IDS = [0, 5, 6, 40, 41]  # a draft vocabulary's target ids
 
 
 def test_both_doctors_read_the_gguf_through_the_one_serving_check(tmp_path):
-    """``check_serving`` (the fresh doctor's and ``--stored``'s) hands llama.cpp's GGUF to its linter's
-    serving checks: --stored used to parse the GGUF as a config.json."""
+    """``check_serving`` (the fresh doctor's and ``--stored``'s) reads llama.cpp's GGUF through its linter's
+    draft-file readings: --stored used to parse the GGUF as a config.json."""
     import torch
-
-    from eaglewire.doctor.checks import check_serving
-    from eaglewire.doctor.config import DoctorConfig
 
     bad = write_draft_gguf(tmp_path / "bad.gguf", [1, 14, 26], d2t=IDS)
     report = DoctorReport(draft="d", target="t")
     config = DoctorConfig(draft="d", engine="llamacpp", engine_config=str(bad))
     readings, steps, same = check_serving(report, config, TRAINED, L, "LlamaForCausalLM",
                                           vocab_ids=torch.tensor(IDS))
-    assert readings == {"llamacpp": [1, 14, 26]} and steps == doctor.DEFAULT_N_MAX and same is config
+    assert readings == {"llamacpp": [1, 14, 26]} and steps == engine.DEFAULT_N_MAX and same is config
     verdicts = {c.name: c.verdict for c in report.checks}
     assert verdicts == {"llama.cpp architecture": "ok", "engine wiring": "fail", "engine vocabulary": "ok"}
 
@@ -144,8 +141,8 @@ def test_doctor_checks_the_ggufs_d2t_against_the_drafts_vocabulary(tmp_path, wri
 
     gguf = write_draft_gguf(tmp_path / "d.gguf", TRAINED, d2t=written)
     report = DoctorReport(draft="d", target="t")
-    doctor.serving(report, doctor_config(gguf), TRAINED, L, "LlamaForCausalLM",
-                   vocab_ids=None if trained is None else torch.tensor(trained))
+    check_serving(report, doctor_config(gguf), TRAINED, L, "LlamaForCausalLM",
+                  vocab_ids=None if trained is None else torch.tensor(trained))
     check = next(c for c in report.checks if c.name == "engine vocabulary")
     assert check.verdict == verdict and what in " ".join([check.summary, *check.evidence]), check
     if verdict == "fail":
@@ -157,7 +154,7 @@ def test_doctor_checks_the_ggufs_d2t_against_the_drafts_vocabulary(tmp_path, wri
                                            ("Qwen2ForCausalLM", "fail"), ("DeepseekV3ForCausalLM", "fail"),
                                            ("qwen35moe", "ok"), ("SomethingNew", "warn")])
 def test_architectures_llamacpp_cannot_feed_are_named(arch, verdict):
-    check = doctor.architecture_check(arch)
+    check = architecture_check("llamacpp", arch)
     assert check.verdict == verdict
     if verdict == "fail":
         assert "t_layer_inp" in check.summary and "vLLM, SGLang or eaglewire" in check.fix
@@ -173,7 +170,7 @@ def test_the_architecture_table_is_the_pinned_trees():
 # ------------------------------------------------------------------ flags
 
 def test_clean_flags_pass_and_give_the_chain_length():
-    flags = doctor.lint_flags("-m t.gguf -md d.gguf --spec-type draft-eagle3 --spec-draft-n-max 4 "
+    flags = engine.lint_flags("-m t.gguf -md d.gguf --spec-type draft-eagle3 --spec-draft-n-max 4 "
                               "--spec-draft-n-min 0 --spec-draft-p-min 0 -t 2 -td 2")
     assert flags.problems == [] and flags.num_steps == 4
 
@@ -190,7 +187,7 @@ def test_clean_flags_pass_and_give_the_chain_length():
     ("-md d.gguf --spec-type draft-eagle3 -t 4", "warn", "without -td"),
 ])
 def test_flag_lint_names_each_problem(flags, verdict, what):
-    problems = doctor.lint_flags(flags).problems
+    problems = engine.lint_flags(flags).problems
     assert any(v == verdict and what in w for v, w, _ in problems), problems
 
 

@@ -22,7 +22,6 @@ from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
 from eaglewire.doctor.serving import (config_fix, dflash_config_fix, engine_refusal, lint_flags,
                                      read_dflash_engine_config, read_engine_config)
 from eaglewire.engines import Ability
-from eaglewire.engines.interface import ServingInputs
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.ttt import StepCounts
@@ -92,26 +91,28 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
                   dflash_block: int | None = None, *, vocab_ids: torch.Tensor | None = None
                   ) -> tuple[dict[str, list[int]], int, DoctorConfig]:
     """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
-    the tokens it drafts per round: SGLang's default chain of 5, or a DFlash block's ``dflash_block - 1``,
-    when the flags do not say; ``config`` with the engine config the flags load, ``config_the_flags_load``,
-    for the checks after it). ``dflash_block``: the draft is a DFlash draft trained on blocks of that size;
-    ``vocab_ids``: the target ids of the draft's vocabulary [Vd] (None: the whole vocabulary). An engine that
-    loads a draft file of its own (llama.cpp's GGUF) reads it with its linter's ``serving_checks``; both doctors
-    come here for every engine. Its readings go into ``Measured.serving``, so it runs before the draft is
-    measured and takes its inputs bare."""
-    own_checks = engines.get(config.engine, Ability.LINT).linter.serving_checks
-    if own_checks is not None:
-        told = ServingInputs(config.target, config.engine_flags, config.engine_config,
-                             lambda named: config_the_flags_load(report, config, named).engine_config)
-        serving, steps = own_checks(report, told, declared, L, arch, dflash_block, vocab_ids=vocab_ids)
-        return serving, steps, config
+    the tokens it drafts per round when the flags do not say, ``default_steps``; ``config`` with the engine config
+    the flags load, ``config_the_flags_load``, for the checks after it). ``dflash_block``: the draft is a DFlash
+    draft trained on blocks of that size; ``vocab_ids``: the target ids of the draft's vocabulary [Vd] (None: the
+    whole vocabulary). Every engine answers through its linter: a config.json beside the weights read for its ids,
+    or a draft file of its own (llama.cpp's GGUF) read for its layout and d2t (``check_draft_file``); both doctors
+    come here. Its readings go into ``Measured.serving``, so it runs before the draft is measured and takes its
+    inputs bare."""
+    spec = engines.get(config.engine, Ability.LINT)
+    lint, label = spec.linter, spec.linter.label or config.engine
     family = "eagle3" if dflash_block is None else "dflash"
-    steps = 5 if dflash_block is None else dflash_block - 1
+    steps = default_steps(config.engine, dflash_block)
+    shown = config
+    if lint.target_file_arch is not None:
+        arch = lint.target_file_arch(config.target) or arch  # a GGUF target says which architecture it converted to
+    if lint.arch_reading is not None:
+        report.add(architecture_check(config.engine, arch))
     if config.engine_flags:
         flags = lint_flags(config.engine, config.engine_flags, declared, L, arch, dflash_block=dflash_block)
-        report.add(flags_check(config.engine, flags.problems))
+        report.add(flags_check(label, flags.problems))
         steps = flags.num_steps or steps
         config = config_the_flags_load(report, config, flags.draft_path)
+    own_file = lint.draft_file_layout is not None
     if config.engine == "eaglewire" and not config.engine_config:
         return {"eaglewire": list(declared)}, steps, config
     if family == "eagle3" and (refused := engine_refusal(config.engine, arch)):
@@ -120,9 +121,13 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
                          [why], fix=f"serve it with {' or '.join(others)} (doctor --engine {others[0]})"))
         return {}, steps, config
     if not config.engine_config:
-        report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which boundaries "
-                         f"{config.engine} will capture", fix="pass the config.json the engine will load"))
+        report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which "
+                         + (f"layers {label} will feed" if own_file else f"boundaries {label} will capture"),
+                         fix=lint.draft_file_fix or "pass the config.json the engine will load"))
         return {}, steps, config
+    if own_file:
+        # the checks after this one (engine fields, the diagnosis) read the --engine-config shown
+        return check_draft_file(report, config.engine, config.engine_config, declared, L, family, vocab_ids), steps, shown
     cfg = read_json_object(config.engine_config, ENGINE_CONFIG_FIX)
     if family == "dflash":
         reading = read_dflash_engine_config(config.engine, cfg, L, declared, arch)
@@ -140,6 +145,61 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
     else:
         report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
     return reading.readings, steps, config
+
+
+def default_steps(engine: str, dflash_block: int | None = None) -> int:
+    """Tokens ``engine`` drafts a round when its flags do not say: its own default (a DFlash block's at most), else
+    SGLang's default chain of 5 or a DFlash block's ``dflash_block - 1``."""
+    n_max = engines.get(engine, Ability.LINT).linter.default_n_max
+    if dflash_block is None:
+        return 5 if n_max is None else n_max
+    return dflash_block - 1 if n_max is None else min(n_max, dflash_block - 1)
+
+
+def architecture_check(engine: str, architecture: str) -> Check:
+    """Does ``engine``'s build feed an EAGLE-3 draft for a target of ``architecture`` (transformers class or the
+    engine's own name, a GGUF's)? Its linter's ``arch_reading`` says."""
+    lint = engines.get(engine, Ability.LINT).linter
+    label, reading = lint.label or engine, lint.arch_reading(architecture)
+    name = f"{label} architecture"
+    if reading.arch is None:
+        return Check(name, "warn", f"cannot tell which {label} architecture {architecture!r} converts to",
+                     fix=reading.fix)
+    if reading.serves:
+        return Check(name, "ok", f"{label} build {reading.build} feeds EAGLE-3 drafts for {reading.arch} targets "
+                                 f"({architecture})")
+    return Check(name, "fail", f"{label} build {reading.build} cannot serve an EAGLE-3 draft for a {reading.arch} "
+                               f"target ({architecture}): {reading.why_not}",
+                 [f"architectures it serves EAGLE-3 for: {', '.join(sorted(reading.served))}"], fix=reading.fix)
+
+
+def check_draft_file(report: DoctorReport, engine: str, path: str, declared: list[int], L: int, family: str,
+                     vocab_ids: torch.Tensor | None) -> dict[str, list[int]]:
+    """The engine wiring and vocabulary checks of a draft file of ``engine``'s own (llama.cpp's GGUF) at ``path``;
+    {engine: the boundaries it feeds from it} ({} where it would load none)."""
+    spec = engines.get(engine, Ability.LINT)
+    label = spec.linter.label or engine
+    layout = spec.linter.draft_file_layout(path, declared, L, family)
+    if layout.problem:
+        report.add(Check("engine wiring", "fail", f"{label} will not feed the draft the boundaries it was trained on",
+                         [layout.recorded], fix=layout.problem))
+    else:
+        report.add(Check("engine wiring", "ok", f"{label} captures {declared}, as trained", [layout.recorded]))
+    report.add(vocab_check(engine, path, vocab_ids))
+    return {spec.name: layout.feeds} if layout.feeds else {}
+
+
+def vocab_check(engine: str, path: str, vocab_ids: torch.Tensor | None) -> Check:
+    """Does the d2t of ``engine``'s draft file at ``path`` map the draft's rows to the target ids it was trained over
+    (``vocab_ids`` [Vd]; None: the whole vocabulary, no d2t)?"""
+    lint = engines.get(engine, Ability.LINT).linter
+    problem = lint.draft_file_vocab(path, vocab_ids)
+    if problem:
+        return Check("engine vocabulary", "fail", f"{lint.label or engine} will read the draft's predictions as "
+                     "other tokens", [problem], fix=lint.vocab_fix)
+    what = ("the target's whole vocabulary, as trained (no d2t)" if vocab_ids is None else
+            f"d2t maps the draft's {len(vocab_ids)} rows to the target ids it was trained over")
+    return Check("engine vocabulary", "ok", what)
 
 
 def serving_fix(report: DoctorReport, m: Measured, arch: str | None = None) -> str:

@@ -8,7 +8,7 @@ and ``registry.py`` lists the specs. An ability is a field that is set (``spec.e
 | dflash     | its reading of DFlash ids                                        | export, import, doctor      |
 | exporter   | writes a draft in its format                                     | ``eaglewire export --to``   |
 | importer   | reads a checkpoint in its format                                 | ``eaglewire import --from`` |
-| linter     | its config and launch flags checked, the fields it computes with | ``doctor --engine``         |
+| linter     | its config / draft file and launch flags read, the fields it computes with | ``doctor --engine`` |
 | measure    | a running server's own account of what it accepted              | ``doctor --engine-url``     |
 | runtime    | eaglewire installs/finds it, launches it at a shape, stops it    | ``bench``, ``tune``         |
 | installer  | installs it here once, and finds the one the commands use        | ``eaglewire engines``       |
@@ -62,21 +62,32 @@ class Importer:
     default_only: str | None = None  # its checkpoints always mean the default boundaries: the reason why
 
 
-@dataclass(frozen=True)
-class ServingInputs:
-    """What the doctor was told of the serving side, for an engine whose serving checks are its own: the target,
-    the launch flags, the draft file it loads (``--engine-config``), and ``flags_load(named)``: the draft file the
-    doctor judges once the flags name ``named`` (the doctor reports a --engine-config that differs from it)."""
+@dataclass(frozen=True, kw_only=True)
+class ArchReading:
+    """Whether one build of an engine feeds EAGLE-3 drafts for a target architecture (``Linter.arch_reading``)."""
 
-    target: str
-    engine_flags: str | None  # quoted, as --engine-flags takes them
-    engine_config: str | None
-    flags_load: Callable[[str | None], "str | None"]
+    build: str  # the build it was read from
+    arch: str | None  # the engine's own name for the target's architecture; None: it cannot tell which
+    serves: bool
+    served: frozenset[str]  # the architectures it feeds EAGLE-3 drafts for
+    why_not: str  # what happens where it does not (its code's own words)
+    fix: str  # what to do where it does not, or where it cannot tell
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftFileLayout:
+    """What an engine's own draft file (llama.cpp's GGUF) makes it feed a draft trained on ``declared``
+    (``Linter.draft_file_layout``)."""
+
+    recorded: str  # what the file records, in its own keys
+    feeds: list[int] | None  # the boundaries it feeds from the file; None where it would load none
+    problem: str | None  # what is wrong for the trained boundaries, with the exact fix; None: fed as trained
 
 
 @dataclass(frozen=True, kw_only=True)
 class Linter:
-    """``doctor --engine``: what the engine's config and launch flags make it do."""
+    """``doctor --engine``: what the engine's config (or draft file) and launch flags make it do. Readings only,
+    facts and strings: the doctor (``doctor/checks.py``) builds its checks from them, the same for every engine."""
 
     lint_flags: Callable[..., Any]  # (flags, declared, num_layers, arch) -> Flags
     lint_dflash_flags: Callable[..., Any] | None = None  # (..., block_size) -> Flags
@@ -93,9 +104,16 @@ class Linter:
     readings: Callable[[list[int], int], dict[str, Any]] | None = None  # ids -> model-file family -> boundaries/why
     cannot_feed: Callable[[list[int], int, str | None], str] | None = None  # why a block-output file cannot feed them
     num_aux: Callable[[dict[str, Any]], int] | None = None  # aux states it sizes the draft's fc for
-    # its serving checks are its own (llama.cpp reads a GGUF draft, not a config.json): (findings, ServingInputs,
-    # declared, num_layers, arch, dflash_block, *, vocab_ids) -> (label -> boundaries it captures, tokens a round)
-    serving_checks: Callable[..., Any] | None = None
+    label: str | None = None  # how the doctor's checks name it ("llama.cpp"); None: its registry name
+    default_n_max: int | None = None  # tokens it drafts a round when its flags do not say, a DFlash block's at most
+    # (None: a chain of 5, a DFlash block's block_size - 1)
+    arch_reading: Callable[[str], ArchReading] | None = None  # arch -> whether it feeds EAGLE-3 drafts for it
+    target_file_arch: Callable[[str], "str | None"] | None = None  # its own target file (a GGUF) -> the arch recorded
+    # an engine that loads a draft file of its own (llama.cpp's GGUF), not a config.json beside the weights:
+    draft_file_layout: Callable[..., DraftFileLayout] | None = None  # (path, declared, num_layers, family)
+    draft_file_vocab: Callable[..., "str | None"] | None = None  # (path, vocab_ids [Vd] or None) -> its d2t's problem
+    vocab_fix: str | None = None  # the fix for a d2t it reads as other tokens
+    draft_file_fix: str | None = None  # what to pass where the doctor was shown no draft file
     read_draft_file: Callable[..., Any] | None = None  # (path, draft, *, emb_rows) -> FieldReading of its own file
     draft_file_layers: Callable[[Any], "list[int] | None"] | None = None  # path -> the boundaries its file feeds
     # (engine config, declared, num_layers, the layout served or None, dflash) -> the fix, for an engine whose layout

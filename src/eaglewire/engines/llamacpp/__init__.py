@@ -12,6 +12,7 @@
 | dflash_export.py | the DFlash export (the converter over z-lab's layout; a pruned vocabulary's d2t) |
 | lint.py      | llama-server's speculative launch flags                                   |
 | served.py    | every field llama.cpp computes a draft GGUF with (its own token_embd, norm before fc, eps, RoPE) |
+| draft_file.py | what it makes of the files it serves: the target's architecture, the GGUF draft's boundaries, layout fix, d2t |
 """
 
 from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Linter, Sampling
@@ -30,6 +31,8 @@ from eaglewire.engines.llamacpp.smoke import SmokeFailed, smoke_run
 from eaglewire.engines.llamacpp.lint import (ACCEPTANCE_RULE, DEFAULT_N_MAX, TEMPLATE_KWARGS_FLAG, LlamaFlags,
                                             launch_temperature, launch_template_kwargs,
                                             lint_dflash_flags, lint_flags, template_kwargs_fix)
+from eaglewire.engines.llamacpp.draft_file import (DRAFT_FILE_FIX, VOCAB_FIX, arch_reading, draft_file_layers,
+                                                   draft_file_layout, draft_file_vocab, layout_fix, target_file_arch)
 from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, EAGLE3_TARGET_ARCHS, GGUF_ARCH, HF_TO_LLAMACPP_ARCH,
                                                  NUM_AUX, TARGET_OUTTYPES, layer_input_archs, llamacpp_arch,
                                                  dflash_to_boundaries, dflash_to_ids, reads_export, refusal, to_boundaries,
@@ -58,13 +61,6 @@ from eaglewire.engines.llamacpp.served import REEXPORT_FIX  # noqa: E402
 from eaglewire.engines.llamacpp.server import served_version  # noqa: E402
 
 
-def doctor_serving(*args, **kwargs):
-    """``doctor --engine llamacpp``'s serving checks (engines/llamacpp/doctor.py, imported when the doctor runs)."""
-    from eaglewire.engines.llamacpp.doctor import serving
-
-    return serving(*args, **kwargs)
-
-
 def _flags_label(n_max: int, p_min: float, n_min: int, block: bool) -> str:
     return (("--spec-type draft-dflash " if block else "") + f"--spec-draft-n-max {n_max} --spec-draft-n-min {n_min} "
             f"--spec-draft-p-min {p_min:g}")
@@ -79,18 +75,6 @@ def doctor_fields(*args, **kwargs):
     from eaglewire.engines.llamacpp.served import read_fields
 
     return read_fields(*args, **kwargs)
-
-
-def doctor_layers(path) -> list[int] | None:
-    from eaglewire.engines.llamacpp.doctor import draft_file_layers
-
-    return draft_file_layers(path)
-
-
-def doctor_layout_fix(*args, **kwargs) -> str:
-    from eaglewire.engines.llamacpp.doctor import layout_fix
-
-    return layout_fix(*args, **kwargs)
 
 
 def judged(served: str | None) -> tuple[str, str]:
@@ -110,7 +94,10 @@ SPEC = EngineSpec(
     sampling=Sampling(acceptance_rule=ACCEPTANCE_RULE, launch_temperature=launch_temperature),
     linter=Linter(lint_flags=lint_flags, lint_dflash_flags=lint_dflash_flags, launch_template_kwargs=launch_template_kwargs,
                   template_kwargs_fix=template_kwargs_fix, template_kwargs_flag=TEMPLATE_KWARGS_FLAG,
-                  refusal=refusal, serving_checks=doctor_serving, read_draft_file=doctor_fields,
-                  draft_file_layers=doctor_layers, layout_fix=doctor_layout_fix, field_fix=REEXPORT_FIX,
+                  refusal=refusal, label="llama.cpp", default_n_max=DEFAULT_N_MAX, arch_reading=arch_reading,
+                  target_file_arch=target_file_arch, draft_file_layout=draft_file_layout,
+                  draft_file_vocab=draft_file_vocab, vocab_fix=VOCAB_FIX, draft_file_fix=DRAFT_FILE_FIX,
+                  read_draft_file=doctor_fields, draft_file_layers=draft_file_layers, layout_fix=layout_fix,
+                  field_fix=REEXPORT_FIX,
                   norm_flags=("norm_before_residual", "norm_before_fc"), d2t_reading="ids"),
 )
