@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from eaglewire import engines
-from eaglewire.core.verdicts import flags_check
 from eaglewire.core.errors import read_json_object
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
@@ -145,6 +144,14 @@ def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int
     else:
         report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
     return reading.readings, steps, config
+
+
+def flags_check(engine: str, problems: list[tuple[str, str, str]]) -> Check:
+    """The "serving flags" check of a lint's (verdict, what, fix) problems."""
+    worst = "fail" if any(v == "fail" for v, _, _ in problems) else ("warn" if problems else "ok")
+    return Check("serving flags", worst, f"{engine} flags: " + ("nothing silently changed" if not problems
+                                                                else f"{len(problems)} problem(s)"),
+                 [what for _, what, _ in problems], fix="; ".join(f for _, _, f in problems) or None)
 
 
 def default_steps(engine: str, dflash_block: int | None = None) -> int:

@@ -5,12 +5,26 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eaglewire.core.verdicts import VERDICTS, Check  # noqa: F401 (the doctor's modules import them here)
 from eaglewire.core.configs import RESOLVED_KEY
+
+VERDICTS = ("ok", "warn", "fail", "skip", "inconclusive")
 
 # Exit codes: passed 0, failed 1 (2 is the CLI's user error), inconclusive 3: too little evidence
 # to pass, and nothing found wrong.
 EXIT_CODES = {"passed": 0, "failed": 1, "inconclusive": 3}
+
+
+@dataclass
+class Check:
+    name: str
+    verdict: str  # ok / warn / fail / skip / inconclusive (too little evidence to judge)
+    summary: str
+    evidence: list[str] = field(default_factory=list)
+    fix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r} is not one of {VERDICTS}")
 
 
 @dataclass
