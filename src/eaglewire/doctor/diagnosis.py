@@ -240,7 +240,7 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
         out.append(Wiring(layout, "the target's lm_head", "scores the draft's tokens with the target's lm_head over "
                           f"its whole vocabulary ({V:,} ids)", f"with its own lm_head over {Vd:,} draft ids", fix,
                           aspect="lm_head", build=lambda: target_head_draft(draft, target)))
-    if engine != "sglang":  # SGLang's draft always embeds with the target's rows (sglang.read_served)
+    if lint is None or lint.draft_embedding:  # an engine that always embeds with the target's rows: no candidate
         out.append(Wiring(layout, "another embedding", "embeds the tokens with rows other than the target's (replayed "
                           "with the target's rows permuted: any unrelated embedding looks alike)",
                           "with the target's embed_tokens", refix or

@@ -122,6 +122,7 @@ class Linter:
     norm_flags: tuple[str, ...] = ()  # the norm flags it reads from a draft's config (it computes with those only)
     d2t_reading: str | None = None  # how it reads d2t: "offsets" (target id = draft id + d2t) or "ids" (absolute)
     field_fix: str | None = None  # the one fix for any field it reads otherwise (llama.cpp: re-export the GGUF)
+    draft_embedding: bool = True  # it may embed draft tokens with a draft checkpoint's own embed_tokens (SGLang: never)
 
 
 @dataclass(frozen=True, kw_only=True)

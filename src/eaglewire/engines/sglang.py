@@ -763,5 +763,5 @@ SPEC = EngineSpec(
                   launch_template_kwargs=launch_template_kwargs, template_kwargs_fix=template_kwargs_fix,
                   template_kwargs_flag=TEMPLATE_KWARGS_FLAG, refusal=refusal, file_for=file_for,
                   cannot_feed=cannot_feed, num_aux=num_aux, norm_flags=("norm_before_fc", "fc_norm", "norm_output"),
-                  d2t_reading="offsets", readings=readings),
+                  d2t_reading="offsets", readings=readings, draft_embedding=False),  # read_served: the target's rows
 )
