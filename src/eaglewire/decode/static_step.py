@@ -33,6 +33,7 @@ import torch
 
 from eaglewire.decode.attention import attend
 from eaglewire.decode.runner import LeanWeights, rope
+from eaglewire.decode.step_graphs import capture
 
 COLUMN_BUCKET = 256  # cache widths are rounded up to this, so calls of similar length reuse one graph
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (PyTorch's CUDA graphs docs)
@@ -128,17 +129,7 @@ class StaticStep:
         """Record ``_body`` as one CUDA graph in ``pool``, after a warm-up on a side stream. The
         warm-up runs real steps from column 0 on zeros: the columns and tokens it writes are
         prefilled, masked or overwritten before any call reads them."""
-        device = self.k.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                self._body()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = self._body()
-        self.graph, self.logits = graph, logits
+        self.graph, self.logits = capture(self._body, pool, warmup=WARMUP_STEPS, device=self.k.device)
 
     def run(self, pick: Pick) -> None:
         """One step: the graph's replay where captured, else the same ops eagerly; a sampled

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -64,15 +65,23 @@ class StepGraphs:
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> _Captured:
         static = {name: value.clone() for name, value in inputs.items()}  # buffers that outlive this call
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_CALLS):
-                self.fn(**static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.fn(**static)
+        graph, outputs = capture(lambda: self.fn(**static), self._pool)
         self._pool = graph.pool()
         log.debug("captured a step graph for %s", {k: tuple(v.shape) for k, v in static.items()})
         return _Captured(graph=graph, inputs=static, outputs=tuple(outputs))
+
+
+def capture(body: Callable[[], Any], pool=None, *, warmup: int = WARMUP_CALLS,
+            device: torch.device | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``body`` run ``warmup`` times on a side stream, then recorded as one CUDA graph in ``pool``: (the graph,
+    what the recorded call returned: the buffers each replay writes)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = body()
+    return graph, outputs

@@ -14,7 +14,7 @@ target's argmax at t+1+j lies in the draft vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +163,19 @@ def counted_per_step(loss_mask: torch.Tensor, in_vocab: torch.Tensor, ttt_steps:
     return [int(counted_positions(loss_mask, in_vocab, j).sum()) for j in range(ttt_steps)]
 
 
+def ttt_hidden_states(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor,
+                      ttt_steps: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """The unroll's draft side: (j, step j's pre-norm output [B, T, H]) for j < ``ttt_steps``, each step fed the
+    previous one's output and the embeddings shifted by 1 + j (emb [B, T, H]; aux_hidden [B, T, k*Ht])."""
+    B, T, _ = emb.shape
+    position_ids = torch.arange(T, device=emb.device).expand(B, T)  # [B, T]
+    hidden = draft.fuse(aux_hidden.to(emb.dtype))  # [B, T, H]
+    cache: list = []
+    for j in range(ttt_steps):
+        hidden = draft.forward_ttt(shift_left(emb, 1 + j), hidden, position_ids + j, cache)
+        yield j, hidden
+
+
 def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
                signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8,
                normalizers: list[int] | None = None,
@@ -179,15 +192,11 @@ def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, 
     every earlier step was right there.
     """
     B, T, _ = emb.shape
-    position_ids = torch.arange(T, device=emb.device).expand(B, T)  # [B, T]
     draft_to_target = draft.draft_to_target
-    hidden = draft.fuse(aux_hidden.to(emb.dtype))  # [B, T, H]
-    cache: list = []
     all_right_so_far = torch.ones(B, T, dtype=torch.bool, device=emb.device)
     total = emb.new_zeros(())
     counts = []
-    for j in range(ttt_steps):
-        hidden = draft.forward_ttt(shift_left(emb, 1 + j), hidden, position_ids + j, cache)
+    for j, hidden in ttt_hidden_states(draft, emb, aux_hidden, ttt_steps):
         # Only positions that count reach the head and the loss: the draft vocabulary head
         # and the soft cross-entropy are most of a step's cost, padding and prompt tokens
         # would be thrown away. Step j at t is judged against the target at t+1+j.

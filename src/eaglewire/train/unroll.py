@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from eaglewire.model.draft import Eagle3Draft
-from eaglewire.model.ttt import TargetSignal, counted_positions, shift_left
+from eaglewire.model.ttt import TargetSignal, counted_positions, ttt_hidden_states
 
 COUNT_FIELDS = 5  # StepCounts' fields in order: loss_sum, valid, correct, cond_valid, cond_correct
 
@@ -66,15 +66,11 @@ def ttt_unroll_on_device(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torc
     """``ttt_unroll`` with ``normalizers`` [K] a device tensor (each step's count over the whole optimizer step)
     and the counts returned as a [K, 5] float64 device tensor (``StepCounts`` fields per step)."""
     B, T, _ = emb.shape
-    position_ids = torch.arange(T, device=emb.device).expand(B, T)  # [B, T]
     draft_to_target = draft.draft_to_target
-    hidden = draft.fuse(aux_hidden.to(emb.dtype))  # [B, T, H]
-    cache: list = []
     all_right_so_far = torch.ones(B, T, dtype=torch.bool, device=emb.device)
     total = emb.new_zeros(())
     counts = []
-    for j in range(ttt_steps):
-        hidden = draft.forward_ttt(shift_left(emb, 1 + j), hidden, position_ids + j, cache)
+    for j, hidden in ttt_hidden_states(draft, emb, aux_hidden, ttt_steps):
         n_pos = max(T - 1 - j, 0)
         valid = counted_positions(loss_mask, signal.in_vocab, j)  # [B, n]
         logits = draft.logits(hidden[:, :n_pos])  # [B, n, Vd]
