@@ -139,11 +139,13 @@ def test_field_variants_are_those_each_engine_reads(tiny_draft):
                                                                                           "eaglewire")}
     assert labels["eaglewire"] == []  # its server runs the draft directory as trained
     assert labels["vllm"] == ["norm_before_residual true", "norm_before_fc true", "fc_norm true", "norm_output true",
-                              "no d2t", "the target's lm_head", "another embedding", "another lm_head"]
+                              "no d2t", "another vocabulary's d2t", "the target's lm_head", "another embedding",
+                              "another lm_head"]
     assert "norm_before_residual true" not in labels["sglang"]  # SGLang never reads it
     assert "another embedding" not in labels["sglang"]  # its draft always embeds with the target's rows
     assert labels["llamacpp"] == ["norm_before_residual true", "norm_before_fc true", "no d2t",
-                                  "d2t's offsets read as absolute target ids", "the target's lm_head",
+                                  "d2t's offsets read as absolute target ids", "another vocabulary's d2t",
+                                  "the target's lm_head",
                                   "another embedding", "another lm_head"]
     vllm = {w.label: w for w in field_wirings("vllm", draft, target, [1, 2, 3])}
     assert vllm["norm_before_residual true"].fix == ('write "norm_before_residual": false at the top level of the '

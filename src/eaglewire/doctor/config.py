@@ -32,6 +32,9 @@ class DoctorConfig:
     engine_url: str | None = field(default=None, metadata={"help": "base URL of the running --engine server (sglang, vllm, llamacpp, eaglewire): its served τ and per-position acceptance on the held-out prompts, against the replay on its own text"})
     engine_prompts: int = field(default=4, metadata={"help": "prompts for the measured acceptance (0 skips it)"})
     engine_tokens: int = field(default=32, metadata={"help": "new tokens per prompt for the measured acceptance"})
+    probe_tokens: int = field(default=1024, metadata={"help": "--engine-url: new tokens the doctor may ask of the "
+                              "server on probe prompts chosen to separate the wirings its first answers cannot tell "
+                              "apart (0: no probes)"})
     min_tokens: int = field(default=1000, metadata={"help": "judged reply tokens below which the verdict is "
                                                              "inconclusive (too little evidence to pass)"})
     tune: bool = field(default=True, metadata={"help": "rank chain shapes by predicted tokens/s for --engine and say "
@@ -88,3 +91,5 @@ class DoctorConfig:
         for name in ("num_sequences", "max_length", "steps", "min_tokens", "traffic_prompts", "traffic_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.probe_tokens < 0:
+            raise ValueError(f"--probe-tokens must be >= 0 (0: no probes), got {self.probe_tokens}")

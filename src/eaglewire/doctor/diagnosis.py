@@ -12,11 +12,13 @@ per-position acceptance is the server's:
 - the declared states concatenated in another order (``order_wirings``: a served fc whose columns take them
   otherwise);
 - field readings (EAGLE-3): each norm flag the serving engine reads (``served_draft.TRAINED_NORMS``,
-  built by ``served_draft.as_served``; ``norm_output`` here), d2t read in the other convention or
-  missing, the target's lm_head over its whole vocabulary, another embedding than the target's (its rows
-  permuted, seeded: any unrelated embedding looks alike), another lm_head than the draft's (its rows
-  permuted), and the engine's own reading of ``--engine-config`` (``serving.read_fields`` /
+  built by ``served_draft.as_served``; ``norm_output`` here), d2t read in the other convention, missing or
+  another draft vocabulary's, the target's lm_head over its whole vocabulary, another embedding than the
+  target's (its rows permuted, seeded: any unrelated embedding looks alike), another lm_head than the draft's
+  (its rows permuted), and the engine's own reading of ``--engine-config`` (``serving.read_fields`` /
   ``read_file_fields``) with each of its layouts.
+
+Where several with different fixes fit, ``probes.separate`` asks the server more, on prompts chosen by replay.
 
 ``--engine-config`` ranks the candidates (what the engine reads from it comes first among equally good
 matches) and never removes one: the server may load another copy than the user's. Every fix is proven
@@ -52,6 +54,7 @@ from eaglewire.core.contract import default_aux_boundaries
 from eaglewire.doctor.evidence import MIN_LEAD, Z
 from eaglewire.doctor.fix_proof import LAYOUT, ConfigView, held_fields, prove
 from eaglewire.doctor.layouts import candidate_layouts
+from eaglewire.doctor.probes import Probed, Prober, separate
 from eaglewire.doctor.report import Check
 from eaglewire.engines.served_counts import AcceptanceRates
 
@@ -189,7 +192,7 @@ def feeds_post_norm_state(draft):
 
 def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wiring]:
     """The field readings ``engine`` may compute the draft with other than trained, each at the declared
-    layout: its norm flags, d2t in the other convention or missing, the target's lm_head."""
+    layout: its norm flags, d2t in the other convention, missing or another vocabulary's, the target's lm_head."""
     from eaglewire import engines
     from eaglewire.engines.served_draft import TRAINED_NORMS, as_served
 
@@ -224,6 +227,9 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
             variants.append(("d2t written as absolute target ids, read as offsets", torch.arange(Vd) + trained,
                              "rewrite d2t as d2t - arange(draft_vocab_size) (offsets), or re-export with "
                              "`eaglewire export`"))
+        variants.append(("another vocabulary's d2t: the draft's ids mapped onto another selection of target ids",
+                         other_vocabulary(V, Vd), refix or "the served copy's d2t is not the draft's: write the "
+                         "draft's own d2t back (re-export with `eaglewire export`)"))
     seen = [trained]
     for what, mapped, fix in variants:
         if int(mapped.min()) >= 0 and int(mapped.max()) < V and not any(torch.equal(mapped, m) for m in seen):
@@ -257,6 +263,12 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
 
 def _permutation(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # [n]
+
+
+def other_vocabulary(V: int, Vd: int, seed: int = 0) -> torch.Tensor:
+    """Draft id -> target id of another draft vocabulary of ``Vd`` ids out of ``V`` (seeded, ascending as a
+    frequency selection's d2t is): the map a served copy holds when its d2t came from another draft."""
+    return _permutation(V, seed)[:Vd].sort().values  # [Vd]
 
 
 def other_embedding(target, seed: int = 0) -> Callable:
@@ -465,15 +477,18 @@ def _row(f: Fit) -> str:
 
 def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], trained: AcceptanceRates,
                     best: Fit | None, ranked: list[Fit], causes: list[str], *, seconds: float = 0.0,
-                    tokens: int = 0) -> Check:
+                    tokens: int = 0, probed: Probed | None = None) -> Check:
     """The served-wiring Check: the wiring whose replay is the server's acceptance (``best``, with the config
-    line that restores training's), or none, saying so and what else remains (``causes``)."""
+    line that restores training's), or none, saying so and what else remains (``causes``); ``probed``: the probe
+    prompts sent to separate the wirings the first answers could not (their drafts are in ``served``)."""
     name = "served wiring"
     n = served.drafts
     as_trained = fit(served, Wiring(tuple(declared), f"as trained {declared}", "", ""), trained)
     evidence = [f"{len(ranked)} wirings replayed on the server's own {tokens:,} output tokens in {seconds:.1f} s; "
                 f"noise: {Z:g} binomial standard errors of each position's rate over the server's {n:,} drafts, "
                 f"at least {MIN_LEAD}; of τ, {Z:g} standard errors of the tokens accepted per draft",
+                *([f"probes (the wirings within noise of the first answers, replayed on prompts chosen to separate "
+                   f"them): {probed.said()}"] if probed else []),
                 f"served: {_rates(as_trained.served_per_position) or '-'} per position, τ {served.tau:.2f}",
                 _row(as_trained)]
     evidence += [_row(f) for f in ranked[:SHOWN]]
@@ -500,8 +515,10 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
     if len(fixes) > 1:  # wirings this text cannot tell apart, with different fixes
         evidence.append("within noise, closest first: " + "; ".join(f"{f.wiring.label} (fix: {f.wiring.fix})"
                                                                    for f in matches))
+        apart = f" (after {probed.said()})" if probed else ""
         return Check(name, "fail", f"the {engine} server's acceptance is what {len(matches)} wirings eaglewire knows "
-                     f"give on its text, which it cannot tell apart: {', '.join(f.wiring.label for f in matches)}; "
+                     f"give on its text, which it cannot tell apart{apart}: "
+                     f"{', '.join(f.wiring.label for f in matches)}; "
                      f"the closest: the server {best.wiring.what}, the draft was trained {best.wiring.trained}: "
                      f"{per_pos} with {best.wiring.label} ({noise})", evidence,
                      fix="one of, closest first: " + "; or ".join(fixes))
@@ -509,6 +526,8 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
         evidence.append("also within noise (the same fix): " + ", ".join(f.wiring.label for f in matches[1:]))
     summary = (f"the {engine} server {best.wiring.what}, the draft was trained {best.wiring.trained}: {per_pos} with "
                f"{best.wiring.label} ({noise})")
+    if probed and probed.sent:
+        summary += f"; told apart from the others by {len(probed.sent)} probe prompts ({probed.tokens:,} tokens)"
     return Check(name, "fail", summary, evidence, fix=best.wiring.fix)
 
 
@@ -608,10 +627,25 @@ def replay_wiring(wiring: Wiring, draft, batches: list, steps: int):
     return total
 
 
+def _probe(prober: Prober, target, draft, declared: list[int], counts, replayed, ranked: list[Fit], steps: int):
+    """``probes.separate`` the wirings within noise of ``counts``: (the server's account with the probes, the trained
+    wiring's replay on all of it, the best and the ranking after them, what probing did). The wirings ruled out
+    before probing follow, ranked on the first text."""
+    matched = [f for f in ranked if f.matches]
+    candidates = {i: f.wiring for i, f in enumerate(matched)}
+    trained = Wiring(tuple(declared), "as trained", "", "")
+    replays = {i: f.replayed for i, f in enumerate(matched)} | {"trained": replayed}
+    counts, replays, probed = separate(prober, target, draft, candidates, counts, replays, steps,
+                                       shown={"trained": trained})
+    best, after = judge(counts, [(w, replays[i]) for i, w in candidates.items()])
+    return counts, replays["trained"], best, after + [f for f in ranked if not f.matches], probed
+
+
 def diagnose(report, config, target, draft, declared: list[int], prompts: list[list[int]], counts, replayed,
-             steps: int, causes: list[str]) -> Check:
+             steps: int, causes: list[str], prober: Prober | None = None) -> Check:
     """The served-wiring Check for a server whose ``counts`` fall below the ``replayed`` (as trained) on its own
-    ``counts.outputs``: every candidate wiring replayed on that text, the one that reproduces the counters named."""
+    ``counts.outputs``: every candidate wiring replayed on that text, the one that reproduces the counters named;
+    where several with different fixes do, ``prober`` asks the server more on prompts that separate them."""
     from eaglewire.engines import canonical
     from eaglewire.model.dflash_blocks import is_block_draft
 
@@ -644,9 +678,13 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
     texts = capture_texts(target, draft, prompts, counts.outputs, {b for w in wirings for b in w.layout})
     replays = [(w, replay_wiring(w, draft, texts, steps)) for w in wirings]
     best, ranked = judge(counts, replays)
+    probed = None
+    if prober is not None and prober.budget > 0 and len({f.wiring.fix for f in ranked if f.matches}) > 1:
+        counts, replayed, best, ranked, probed = _probe(prober, target, draft, declared, counts, replayed, ranked,
+                                                        steps)
     seconds = time.perf_counter() - start
     check = diagnosis_check(counts, counts.engine, declared, replayed, best, ranked, causes, seconds=seconds,
-                            tokens=sum(len(o) for o in counts.outputs))
+                            tokens=sum(len(o) for o in counts.outputs), probed=probed)
     check.evidence += [f"the fix for {f.wiring.label}: {f.wiring.dropped}" for f in ranked
                        if f.matches and f.wiring.dropped]
     check.evidence += notes
@@ -661,6 +699,8 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
         "within_noise": [f.wiring.label for f in ranked if f.matches],
         "dropped_fixes": {f.wiring.label: f.wiring.dropped for f in ranked if f.matches and f.wiring.dropped},
         "seconds": round(seconds, 1),
+        "probes": None if probed is None else {"prompts": [p.source for p in probed.sent], "tokens": probed.tokens,
+                                               "rounds": probed.rounds, "stopped": probed.stopped},
         "candidates": [{"label": f.wiring.label, "layout": list(f.wiring.layout), "tau": f.replayed.tau,
                         "per_position": f.per_position, "score": round(f.score, 2)} for f in ranked]}
     log.info("served wiring: %d candidates in %.1f s", len(ranked), seconds)

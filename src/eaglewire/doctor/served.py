@@ -140,6 +140,11 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
     if check.verdict == "fail" and counts.draft_tokens and replayed.judged:  # a serving-side fault: which wiring?
         from eaglewire.doctor.diagnosis import diagnose
 
+        from eaglewire.doctor.probes import Prober, probe_pool
+
+        prober = Prober(lambda ps: spec.measure(config.engine_url, ps, max_new_tokens=config.engine_tokens),
+                        probe_pool(target, [s.prompt_ids for s in sequences[len(prompts):]], config.traffic),
+                        budget=config.probe_tokens, tokens=config.engine_tokens)
         report.add(diagnose(report, config, target, draft, layout, prompts, counts, replayed, steps,
-                            candidate_causes(report, replayed)))
+                            candidate_causes(report, replayed), prober))
     return check

@@ -1,0 +1,235 @@
+"""``doctor --engine-url``: probe prompts that separate the wirings the server's text could not tell apart.
+
+When several candidate wirings with different fixes each reproduce the server's counters within noise
+(``diagnosis.judge``), the doctor asks the server more, on prompts chosen by replay: greedy decoding is
+lossless, so the server answers a probe prompt with the target's own greedy text, which the doctor writes
+itself (``traffic.Replier``) and replays every remaining candidate on. A probe separates two candidates where
+their predicted acceptance differs; the doctor sends the probes whose predictions set the candidates
+furthest apart in units of the noise over the drafts they add (``choose``), replays every remaining candidate
+on what the server actually returned, judges again on all the server's drafts together, and repeats until
+one fix is left or the probe budget (new tokens asked of the server) is spent. The pool: held-out
+conversations not yet sent, code (HumanEval), repetitive text, and the user's ``--traffic``.
+
+The pure part (``separation``, ``unseparated``, ``choose``, ``combined``) takes replayed counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from eaglewire.engines.served_counts import AcceptanceRates, ServedCounts, add_lists
+
+SEPARATION = 3.0  # noise widths between two candidates' predictions that a probe set must reach for each pair
+PER_SOURCE = 6  # pool prompts drawn from each source
+REPETITIVE = (  # text whose continuation a draft predicts from the tokens before it, not from the topic
+    "Repeat the following sentence exactly ten times, one per line: The quick brown fox jumps over the lazy dog.",
+    "Count from 1 to 100, separated by commas.",
+    "Write the days of the week in order, one per line, and then write the same list four more times.",
+    "Write the English alphabet in order with spaces between the letters, three times.",
+    "Print the word 'hello' twenty times, separated by spaces.",
+    "List the numbers from 10 to 60 in steps of 2, one per line.",
+)
+
+
+@dataclass(frozen=True)
+class Probe:
+    source: str  # "held-out", "code", "repetitive", "traffic"
+    prompt: list[int]
+
+
+@dataclass
+class Counts(AcceptanceRates):
+    """Drafts summed over texts (a candidate's replays, or the server's accounts of several requests)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+def combined(*parts: AcceptanceRates) -> Counts:
+    out = Counts()
+    for p in parts:
+        out.drafts += p.drafts
+        out.draft_tokens += p.draft_tokens
+        out.accepted += p.accepted
+        out.accepted_per_pos = add_lists(out.accepted_per_pos, p.accepted_per_pos)
+    return out
+
+
+def combined_served(first: ServedCounts, more: ServedCounts) -> ServedCounts:
+    """The server's account of two sets of requests as one (outputs in request order)."""
+    total = combined(first, more)
+    return ServedCounts(first.engine, total.drafts, total.draft_tokens, total.accepted, total.accepted_per_pos,
+                        outputs=list(first.outputs) + list(more.outputs),
+                        source=first.source if first.source == more.source else "mixed",
+                        notes=list(dict.fromkeys(first.notes + more.notes)))
+
+
+def separation(a: AcceptanceRates, b: AcceptanceRates) -> float:
+    """How far apart two candidates' replays of the same drafts are, in noise widths: the served-wiring fit
+    (``diagnosis.fit``) of ``b`` as if ``a`` were the server's counters."""
+    from eaglewire.doctor.diagnosis import Wiring, fit
+
+    return fit(a, Wiring((), "", "", ""), b).score
+
+
+def unseparated(pairs: list[tuple[str, str]], totals: dict[str, AcceptanceRates]) -> list[tuple[str, str]]:
+    """The pairs of candidates whose summed replays are fewer than SEPARATION noise widths apart (either way)."""
+    return [(a, b) for a, b in pairs if min(separation(totals[a], totals[b]), separation(totals[b], totals[a]))
+            < SEPARATION]
+
+
+def pairs_to_separate(fixes: dict[str, str | None]) -> list[tuple[str, str]]:
+    """The pairs of candidates (label -> fix) that ask for different fixes: those the doctor must tell apart."""
+    return [(a, b) for a, b in itertools.combinations(fixes, 2) if fixes[a] != fixes[b]]
+
+
+def choose(pairs: list[tuple[str, str]], prior: dict[str, AcceptanceRates],
+           predicted: list[dict[str, AcceptanceRates]], cost: list[int], budget: int) -> list[int]:
+    """The probes (indexes into ``predicted``: candidate label -> its replay on that probe's text) to send, at most
+    ``budget`` in ``cost``: added one at a time, each the one that leaves the fewest ``pairs`` less than SEPARATION
+    apart on the prior drafts plus those chosen (ties: the largest summed separation, capped, per token), until
+    every pair is apart or no probe brings one closer to it."""
+    chosen: list[int] = []
+    totals = dict(prior)
+    spent = 0
+
+    def score(with_probe: dict[str, AcceptanceRates]) -> tuple[int, float]:
+        seps = [min(separation(with_probe[a], with_probe[b]), separation(with_probe[b], with_probe[a]))
+                for a, b in pairs]
+        return sum(s >= SEPARATION for s in seps), sum(min(s, SEPARATION) for s in seps)
+
+    current = score(totals)
+    while current[0] < len(pairs):
+        best = None
+        for i, replays in enumerate(predicted):
+            if i in chosen or spent + cost[i] > budget or not replays:
+                continue
+            trial = {k: combined(totals[k], replays[k]) for k in totals}
+            got = score(trial)
+            gain = (got[0] - current[0], (got[1] - current[1]) / max(cost[i], 1))
+            if gain > (0, 0.0) and (best is None or gain > best[0]):
+                best = (gain, i, trial, got)
+        if best is None:
+            break
+        _, i, totals, current = best
+        chosen.append(i)
+        spent += cost[i]
+    return chosen
+
+
+# ---------------------------------------------------------------- the pool and the server
+
+
+def probe_pool(target, held_out: list[list[int]], traffic: str | None, *, per_source: int = PER_SOURCE,
+               room: int | None = None) -> list[Probe]:
+    """Prompts the doctor may probe the server with: held-out prompts not yet sent, code, repetitive text and
+    the user's ``--traffic``, ``per_source`` of each (those that fit ``room`` tokens)."""
+    from eaglewire.core.prompts import load_prompts
+    from eaglewire.decode.text import encode_prompt
+
+    tok = target.tokenizer
+    pool = [Probe("held-out", list(p)) for p in held_out[:per_source] if p]
+    pool += [Probe("code", encode_prompt(tok, p.text, chat=False)) for p in load_prompts("humaneval", per_source)]
+    pool += [Probe("repetitive", encode_prompt(tok, text, chat=True)) for text in REPETITIVE[:per_source]]
+    if traffic:
+        from eaglewire.doctor.traffic import load_traffic
+
+        for p in load_traffic(traffic, per_source):
+            ids = encode_prompt(tok, p.messages if p.messages is not None else p.text, chat=p.messages is not None)
+            pool.append(Probe("traffic", ids))
+    return [p for p in pool if room is None or len(p.prompt) <= room]
+
+
+@dataclass
+class Prober:
+    """What probing needs beside the candidates: the server and the pool."""
+
+    measure: Callable[[list[list[int]]], ServedCounts]  # prompts -> the server's account of its greedy replies
+    pool: list[Probe]
+    budget: int  # new tokens the probes may ask of the server in all
+    tokens: int  # new tokens per probe
+
+
+@dataclass
+class Probed:
+    """What probing did: the rounds' probes by source, the tokens the server wrote for them, why it stopped."""
+
+    sent: list[Probe] = field(default_factory=list)
+    indexes: list[int] = field(default_factory=list)  # the sent probes' places in the pool
+    tokens: int = 0
+    rounds: int = 0
+    stopped: str = ""
+
+    def said(self) -> str:
+        by = {}
+        for p in self.sent:
+            by[p.source] = by.get(p.source, 0) + 1
+        sources = ", ".join(f"{n} {s}" for s, n in by.items()) or "none"
+        return (f"{len(self.sent)} probe prompts ({sources}) in {self.rounds} round(s), {self.tokens:,} probe "
+                f"tokens: {self.stopped}")
+
+
+def replay_one(target, draft, wirings: dict, prompt: list[int], output: list[int], steps: int) -> dict:
+    """Each wiring's (key -> Wiring) replay of the greedy chain on one (prompt, output) text."""
+    from eaglewire.doctor.diagnosis import capture_texts, replay_wiring
+
+    texts = capture_texts(target, draft, [prompt], [output], {b for w in wirings.values() for b in w.layout})
+    return {k: replay_wiring(w, draft, texts, steps) for k, w in wirings.items()}
+
+
+def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCounts, replays: dict, steps: int,
+             *, shown: dict | None = None) -> tuple[ServedCounts, dict, Probed]:
+    """Probe the server until the ``candidates`` (key -> Wiring, each within noise of ``counts``) that ask for
+    different fixes are down to one fix, or the budget is spent. ``replays``: key -> its replay on the server's
+    text so far, for the candidates and ``shown`` (key -> Wiring replayed alongside on every probe, not judged:
+    the trained wiring). Returns (the server's account of every request, each one's replay on all of it, what
+    probing did)."""
+    from eaglewire.doctor.diagnosis import judge
+    from eaglewire.doctor.traffic import Replier
+    from eaglewire.engines.served_counts import ServedError
+
+    probed = Probed()
+    replayed_too = dict(candidates) | dict(shown or {})
+    live = dict(candidates)
+    replier = Replier(target, prober.tokens)
+    pool = [p for p in prober.pool if len(p.prompt) <= replier.room]
+    predicted: list[dict] = []
+    for i, probe in enumerate(pool):  # the server's greedy reply is the target's own: the doctor writes it
+        reply = replier(probe.prompt, f"probe {i}").input_ids[len(probe.prompt):].tolist()
+        predicted.append(replay_one(target, draft, candidates, probe.prompt, reply, steps) if reply else {})
+    while True:
+        if not pairs_to_separate({k: w.fix for k, w in live.items()}):
+            probed.stopped = "one fix left" if live else "no candidate fits the server's acceptance on the probes"
+            break
+        left = prober.budget - probed.tokens
+        unsent = [i for i in range(len(pool)) if i not in probed.indexes]
+        order = choose(pairs_to_separate({k: w.fix for k, w in live.items()}), {k: replays[k] for k in live},
+                       [{k: predicted[i][k] for k in live} if predicted[i] else {} for i in unsent],
+                       [prober.tokens] * len(unsent), left)
+        if not order:
+            probed.stopped = ("the probe budget is spent" if left < prober.tokens else
+                              "no probe left in the pool separates them further")
+            break
+        picked = [unsent[j] for j in order]
+        try:
+            more = prober.measure([pool[i].prompt for i in picked])
+        except ServedError as e:
+            probed.stopped = f"the server did not answer the probes: {e}"
+            break
+        probed.rounds += 1
+        probed.indexes += picked
+        probed.sent += [pool[i] for i in picked]
+        probed.tokens += sum(len(o) for o in more.outputs)
+        counts = combined_served(counts, more)
+        for i, output in zip(picked, more.outputs):
+            if output:
+                got = replay_one(target, draft, replayed_too, pool[i].prompt, list(output), steps)
+                replays = {k: combined(replays[k], got[k]) if k in got else replays[k] for k in replays}
+        _, ranked = judge(counts, [(w, replays[k]) for k, w in candidates.items()])
+        kept = {id(f.wiring) for f in ranked if f.matches}
+        live = {k: w for k, w in candidates.items() if id(w) in kept}
+    return counts, replays, probed

@@ -1,0 +1,76 @@
+"""``doctor --engine-url``: probe prompts chosen by replay to separate the wirings the server's first answers
+cannot tell apart (doctor/probes.py). The choice and the bookkeeping on made-up counts; then the real target
+with the reference draft behind a simulated server that runs one wiring fault (its replies the target's greedy
+text, its counters the fault's replay on it: what a real server wired that way reports, greedy decoding being
+lossless): with probes the doctor names the fault where the first answers left several.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglewire.doctor.probes import (SEPARATION, Counts, Probe, choose, combined, combined_served, pairs_to_separate,
+                                     separation, unseparated)
+from eaglewire.engines.served_counts import ServedCounts
+
+
+def _rates(per_pos, drafts):
+    return Counts(drafts, 3 * drafts, sum(per_pos), list(per_pos))
+
+
+def test_only_candidates_with_different_fixes_need_telling_apart():
+    assert pairs_to_separate({"a": "fix 1", "b": "fix 1", "c": "fix 2"}) == [("a", "c"), ("b", "c")]
+    assert pairs_to_separate({"a": "fix 1", "b": "fix 1"}) == []
+
+
+def test_separation_grows_with_the_drafts_behind_the_same_rates():
+    few = separation(_rates([40, 20, 10], 100), _rates([50, 25, 12], 100))
+    many = separation(_rates([400, 200, 100], 1000), _rates([500, 250, 120], 1000))
+    assert few < SEPARATION <= many
+
+
+def test_the_probe_that_sets_the_candidates_apart_is_chosen_and_one_that_does_not_is_not():
+    prior = {"a": _rates([30, 10, 3], 100), "b": _rates([31, 10, 3], 100)}
+    alike = {"a": _rates([30, 10, 3], 100), "b": _rates([30, 10, 3], 100)}  # a probe where both replay the same
+    apart = {"a": _rates([80, 60, 40], 100), "b": _rates([5, 1, 0], 100)}  # repetitive text one of them predicts
+    pairs = [("a", "b")]
+    assert unseparated(pairs, prior) == pairs
+    assert choose(pairs, prior, [alike, apart], [48, 48], budget=1000) == [1]
+    assert choose(pairs, prior, [alike, alike], [48, 48], budget=1000) == []  # nothing brings them apart: none sent
+    assert choose(pairs, prior, [alike, apart], [48, 48], budget=40) == []  # over the budget
+
+
+def test_probes_are_added_until_every_pair_with_different_fixes_is_apart():
+    prior = {k: _rates([30, 10, 3], 100) for k in "abc"}
+    ab = {"a": _rates([70, 50, 30], 100), "b": _rates([5, 1, 0], 100), "c": _rates([5, 1, 0], 100)}
+    bc = {"a": _rates([70, 50, 30], 100), "b": _rates([70, 50, 30], 100), "c": _rates([5, 1, 0], 100)}
+    pairs = pairs_to_separate({"a": 1, "b": 2, "c": 3})
+    got = choose(pairs, prior, [ab, ab, bc], [48, 48, 48], budget=1000)
+    assert sorted(got) in ([0, 2], [1, 2])  # one of the two alike probes, and the one that parts b from c
+    assert unseparated(pairs, {k: combined(prior[k], ab[k], bc[k]) for k in "abc"}) == []
+
+
+def test_the_servers_accounts_add_up():
+    a = ServedCounts("vllm", 10, 30, 12, [8, 3, 1], outputs=[[1, 2]], source="per-request", notes=["x"])
+    b = ServedCounts("vllm", 5, 15, 3, [3], outputs=[[3]], source="counters", notes=["x", "y"])
+    both = combined_served(a, b)
+    assert (both.drafts, both.draft_tokens, both.accepted, both.accepted_per_pos) == (15, 45, 15, [11, 3, 1])
+    assert both.outputs == [[1, 2], [3]] and both.source == "mixed" and both.notes == ["x", "y"]
+
+
+def test_the_pool_draws_every_source_and_drops_what_does_not_fit(smollm2_tokenizer, tmp_path):
+    import json
+    import types
+
+    from eaglewire.doctor.probes import PER_SOURCE, probe_pool
+
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]})
+                                 for i in range(3)))
+    target = types.SimpleNamespace(tokenizer=smollm2_tokenizer)
+    pool = probe_pool(target, [[1, 2, 3]] * 10, str(traffic))
+    sources = [p.source for p in pool]
+    assert sources.count("held-out") == PER_SOURCE and sources.count("traffic") == 3
+    assert sources.count("code") == PER_SOURCE and sources.count("repetitive") == PER_SOURCE
+    assert all(isinstance(p, Probe) and p.prompt for p in pool)
+    assert all(len(p.prompt) <= 40 for p in probe_pool(target, [[1, 2, 3]], None, room=40))
