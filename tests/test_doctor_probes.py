@@ -74,3 +74,43 @@ def test_the_pool_draws_every_source_and_drops_what_does_not_fit(smollm2_tokeniz
     assert sources.count("code") == PER_SOURCE and sources.count("repetitive") == PER_SOURCE
     assert all(isinstance(p, Probe) and p.prompt for p in pool)
     assert all(len(p.prompt) <= 40 for p in probe_pool(target, [[1, 2, 3]], None, room=40))
+
+
+# ------------------------------------------------------------------ the real target, a simulated server
+
+
+@pytest.mark.real
+def test_a_fault_the_first_answers_cannot_name_is_named_after_probes(smollm2_target):
+    """The server feeds boundary 1 for 2 ([1, 15, 27]): on 4 MT-bench answers 9 wirings with different fixes fit
+    its counters within noise; probe prompts chosen by replay name the layout, within the budget, and the probes
+    sent are said (benchmarks/doctor_probes.py runs every fault)."""
+    from simulated_server import SimulatedServer
+
+    from eaglewire.core.prompts import load_prompts
+    from eaglewire.decode.text import encode_prompt
+    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.diagnosis import Wiring, diagnose, layout_wirings
+    from eaglewire.doctor.probes import Prober, probe_pool
+    from eaglewire.doctor.report import DoctorReport
+    from eaglewire.doctor.serving import config_fix
+    from eaglewire.engines.foreign_draft import load_any_draft
+
+    declared, L, tokens, steps = [2, 15, 27], smollm2_target.num_layers, 48, 3
+    draft, _, _, _ = load_any_draft("reference", target=smollm2_target)
+    texts = [encode_prompt(smollm2_target.tokenizer, p.text, chat=True) for p in load_prompts("mt-bench", 8)]
+    [fault] = [w for w in layout_wirings(declared, L, {}, config_fix("vllm", declared, L, "LlamaForCausalLM"))
+               if w.label == "[1, 15, 27]"]
+    server = SimulatedServer(smollm2_target, draft, fault, tokens, steps)
+    counts = server(texts[:4])
+    trained = SimulatedServer(smollm2_target, draft, Wiring(tuple(declared), "t", "", ""), tokens, steps)(texts[:4])
+    report = DoctorReport("reference", "smollm2-135m")
+    config = DoctorConfig(draft="reference", engine="vllm", engine_url="http://simulated", engine_tokens=tokens)
+    prober = Prober(server, probe_pool(smollm2_target, texts[4:], None), budget=config.probe_tokens, tokens=tokens)
+    check = diagnose(report, config, smollm2_target, draft, declared, texts[:4], counts, trained, steps, [], prober)
+    got = report.served["diagnosis"]
+    print(check.summary, got["probes"])
+    assert got["probes"]["rounds"] >= 1 and got["probes"]["stopped"] == "one fix left"
+    assert 0 < got["probes"]["tokens"] <= config.probe_tokens and server.requests == 4 + len(got["probes"]["prompts"])
+    assert check.verdict == "fail" and got["match"]["layout"] == [1, 15, 27]
+    assert "cannot tell apart" not in check.summary and "told apart from the others by" in check.summary
+    assert "eagle_aux_hidden_state_layer_ids" in check.fix

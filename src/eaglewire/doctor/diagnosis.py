@@ -40,12 +40,11 @@ import copy
 import itertools
 import json
 import logging
-import math
 import time
 import types
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -55,13 +54,14 @@ from eaglewire.doctor.evidence import MIN_LEAD, Z
 from eaglewire.doctor.fix_proof import LAYOUT, ConfigView, held_fields, prove
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.probes import Probed, Prober, separate
+from eaglewire.doctor.wiring_fit import (POST_NORM, Fit, Wiring, capture_texts, fit, judge,  # noqa: F401 (re-exported)
+                                         rate_noise, replay_wiring, tau_noise)
 from eaglewire.doctor.report import Check
 from eaglewire.engines.served_counts import AcceptanceRates
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LAYERS = "default layers"  # the candidate of an engine that finds no ids in its config
-POST_NORM = -1  # a layout entry: boundary L after the target's final norm (what HF's hidden_states[-1] holds)
 SHOWN = 6  # candidates listed in the evidence, closest first
 
 # The norm flags an engine reads from a draft's config (a server can only compute with those) and how it reads
@@ -69,23 +69,6 @@ SHOWN = 6  # candidates listed in the evidence, closest first
 
 
 # ---------------------------------------------------------------- candidates
-
-
-@dataclass(frozen=True)
-class Wiring:
-    """One way a server may run the draft: the boundaries it feeds and the fields it reads otherwise."""
-
-    layout: tuple[int, ...]  # boundaries fed, in order (POST_NORM: boundary L after the final norm)
-    label: str  # short: "[0, 2, 15]", "norm_before_residual true"
-    what: str  # what the server does: "feeds boundaries [0, 2, 15] (...)"
-    trained: str  # what training did instead: "on [2, 15, 27]", "without it"
-    fix: str | None = None  # the config line that gives the trained wiring back
-    from_config: bool = False  # what the engine reads from --engine-config: first among equally good matches
-    # what it reads otherwise (fix_proof.LAYOUT, a config field): None where no reading of a config shows it
-    aspect: str | None = None
-    dropped: str = ""  # why the fix first written for it is not printed as is (fix_proof.prove)
-    # () -> (the draft as the server runs it, a batch transform or None); None: the trained draft
-    build: Callable[[], tuple[Any, Callable | None]] | None = field(default=None, compare=False, repr=False)
 
 
 def show_layout(layout, num_layers: int) -> str:
@@ -404,67 +387,6 @@ def _field_names(found) -> set[str]:
 # ---------------------------------------------------------------- matching
 
 
-@dataclass
-class Fit:
-    """One wiring's replay on the server's text against the server's own counters."""
-
-    wiring: Wiring
-    replayed: AcceptanceRates
-    served_per_position: list[float]
-    per_position: list[float]  # replayed, as many as served
-    noise: list[float]  # each position's half-width
-    tau_noise: float
-    score: float  # the largest |served - replayed| over positions and τ, in units of its noise
-
-    @property
-    def matches(self) -> bool:
-        return self.score <= 1.0
-
-    @property
-    def widest(self) -> float:
-        return max(self.noise, default=0.0)
-
-
-def rate_noise(p: float, n: int) -> float:
-    """Half-width of a per-draft rate ``p`` over ``n`` drafts: Z binomial standard errors, at least MIN_LEAD."""
-    return max(MIN_LEAD, Z * math.sqrt(max(p * (1 - p), 0.0) / max(n, 1)))
-
-
-def tau_noise(per_position: list[float], n: int) -> float:
-    """Half-width of τ over ``n`` drafts whose position i is accepted at rate ``per_position[i]``: Z standard
-    errors of the accepted count per draft (P(A > i) = per_position[i]), at least SERVED_TAU_TOLERANCE."""
-    from eaglewire.doctor.served_replay import SERVED_TAU_TOLERANCE
-
-    mean = sum(per_position)
-    square = sum((2 * i + 1) * p for i, p in enumerate(per_position))
-    return max(SERVED_TAU_TOLERANCE, Z * math.sqrt(max(square - mean * mean, 0.0) / max(n, 1)))
-
-
-def _padded(values: list[float], n: int) -> list[float]:
-    return list(values[:n]) + [0.0] * (n - len(values))
-
-
-def fit(served: AcceptanceRates, wiring: Wiring, replayed: AcceptanceRates) -> Fit:
-    """How far ``replayed`` (``wiring``'s replay on the server's text) is from the server's counters, per
-    position (where the server counts them) and in τ, each in units of its noise over the server's drafts."""
-    n = served.drafts
-    positions = max(len(served.accepted_per_pos), len(replayed.accepted_per_pos)) if served.accepted_per_pos else 0
-    mine = _padded(replayed.per_position, positions)
-    theirs = _padded(served.per_position, positions)
-    noise = [rate_noise(p, n) for p in mine]
-    tau_half = tau_noise(_padded(replayed.per_position, len(replayed.accepted_per_pos)), n)
-    gaps = [abs(s - r) / h for s, r, h in zip(theirs, mine, noise)] + [abs(served.tau - replayed.tau) / tau_half]
-    return Fit(wiring, replayed, theirs, mine, noise, tau_half, max(gaps))
-
-
-def judge(served: AcceptanceRates, replays: list[tuple[Wiring, AcceptanceRates]]) -> tuple[Fit | None, list[Fit]]:
-    """(the wiring that reproduces the server's counters within noise, or None; every fit, closest first): the
-    closest of those within noise, what the engine reads from its config before any other."""
-    ranked = sorted((fit(served, w, r) for w, r in replays), key=lambda f: f.score)
-    matches = sorted((f for f in ranked if f.matches), key=lambda f: not f.wiring.from_config)
-    return (matches[0] if matches else None), ranked
-
-
 def _rates(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
@@ -588,43 +510,6 @@ def layout_fix(report, config, declared: list[int], num_layers: int, arch: str |
                 cfg = {}
         return serving.dflash_config_fix(engine, declared, num_layers, arch, cfg)
     return serving.config_fix(engine, declared, num_layers, arch)
-
-
-def capture_texts(target, draft, prompts: list[list[int]], outputs: list[list[int]], boundaries: set[int]) -> list:
-    """The (prompt, server output) pairs as ``measure.EvalBatch``es (right-padded, a few sequences each),
-    captured once at ``boundaries`` (POST_NORM: L after the final norm); a row's reply (loss mask) is the output."""
-    from eaglewire.doctor.measure import Sequence, capture_batches
-
-    sequences = []
-    for prompt, output in zip(prompts, outputs):
-        if output:
-            text = torch.tensor(list(prompt) + list(output))  # [T]
-            sequences.append(Sequence("served output", text, torch.arange(len(text)) >= len(prompt)))
-    if not sequences:
-        return []
-    batches = capture_batches(target, draft, sequences, sorted(b for b in boundaries if b >= 0))
-    if POST_NORM in boundaries:
-        for batch in batches:
-            with torch.no_grad():
-                last = batch.states[target.num_layers].to(target.device, target.dtype)  # [B, T, H]
-                batch.states[POST_NORM] = target.decoder.norm(last).float()
-    return batches
-
-
-def replay_wiring(wiring: Wiring, draft, batches: list, steps: int):
-    """``wiring``'s replay of the greedy chain on every captured text (``served.replay_chain``'s rounds)."""
-    from eaglewire.doctor.measure import step_rightness
-    from eaglewire.doctor.served_replay import Replayed, replay_chain
-
-    served, transform = wiring.build() if wiring.build is not None else (draft, None)
-    total = Replayed(accepted_per_pos=[0] * steps)
-    for batch in batches:
-        judged = batch if transform is None else transform(batch)
-        right = step_rightness(served, judged, list(wiring.layout), steps=steps)  # [B, S, T]
-        for row, length in enumerate(batch.lengths):
-            prompt_len = int(batch.loss_mask[row].int().argmax())
-            total.add(replay_chain(right[row, :, :length], prompt_len))
-    return total
 
 
 def _probe(prober: Prober, target, draft, declared: list[int], counts, replayed, ranked: list[Fit], steps: int):

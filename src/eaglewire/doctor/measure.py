@@ -53,6 +53,7 @@ class EvalBatch:
     stored_aux: torch.Tensor | None = None  # [B, T, k*H]
     stored_last: torch.Tensor | None = None  # [B, T, H]
     lengths: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # each row's Sequence.id (rows are sorted by length)
     mask_emb: torch.Tensor | None = None  # [H] a DFlash draft's mask token, the target's embedding of it
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # a DFlash draft's head: the target's lm_head
 
@@ -92,7 +93,7 @@ def capture_batches(target: Target, draft: Eagle3Draft, sequences: list[Sequence
             stored_aux=padded([x.float() for x in stored]) if stored[0] is not None else None,
             stored_last=(padded([s.stored_last.float() for s in batch])
                          if stored[0] is not None and batch[0].stored_last is not None else None),  # top-K shards: none
-            lengths=[len(s.input_ids) for s in batch], **block_parts(target, draft)))
+            lengths=[len(s.input_ids) for s in batch], names=[s.id for s in batch], **block_parts(target, draft)))
     return out
 
 

@@ -1,9 +1,9 @@
 """``doctor --engine-url``: probe prompts that separate the wirings the server's text could not tell apart.
 
 When several candidate wirings with different fixes each reproduce the server's counters within noise
-(``diagnosis.judge``), the doctor asks the server more, on prompts chosen by replay: greedy decoding is
+(``wiring_fit.judge``), the doctor asks the server more, on prompts chosen by replay: greedy decoding is
 lossless, so the server answers a probe prompt with the target's own greedy text, which the doctor writes
-itself (``traffic.Replier``) and replays every remaining candidate on. A probe separates two candidates where
+itself (``greedy_replies``) and replays every remaining candidate on. A probe separates two candidates where
 their predicted acceptance differs; the doctor sends the probes whose predictions set the candidates
 furthest apart in units of the noise over the drafts they add (``choose``), replays every remaining candidate
 on what the server actually returned, judges again on all the server's drafts together, and repeats until
@@ -22,7 +22,7 @@ from typing import Callable
 from eaglewire.engines.served_counts import AcceptanceRates, ServedCounts, add_lists
 
 SEPARATION = 3.0  # noise widths between two candidates' predictions that a probe set must reach for each pair
-PER_SOURCE = 6  # pool prompts drawn from each source
+PER_SOURCE = 4  # pool prompts drawn from each source
 REPETITIVE = (  # text whose continuation a draft predicts from the tokens before it, not from the topic
     "Repeat the following sentence exactly ten times, one per line: The quick brown fox jumps over the lazy dog.",
     "Count from 1 to 100, separated by commas.",
@@ -70,8 +70,8 @@ def combined_served(first: ServedCounts, more: ServedCounts) -> ServedCounts:
 
 def separation(a: AcceptanceRates, b: AcceptanceRates) -> float:
     """How far apart two candidates' replays of the same drafts are, in noise widths: the served-wiring fit
-    (``diagnosis.fit``) of ``b`` as if ``a`` were the server's counters."""
-    from eaglewire.doctor.diagnosis import Wiring, fit
+    (``wiring_fit.fit``) of ``b`` as if ``a`` were the server's counters."""
+    from eaglewire.doctor.wiring_fit import Wiring, fit
 
     return fit(a, Wiring((), "", "", ""), b).score
 
@@ -173,12 +173,42 @@ class Probed:
                 f"tokens: {self.stopped}")
 
 
-def replay_one(target, draft, wirings: dict, prompt: list[int], output: list[int], steps: int) -> dict:
-    """Each wiring's (key -> Wiring) replay of the greedy chain on one (prompt, output) text."""
-    from eaglewire.doctor.diagnosis import capture_texts, replay_wiring
+def replay_texts(target, draft, built: dict, prompts: list[list[int]], outputs: list[list[int]],
+                 steps: int) -> list[dict]:
+    """Per (prompt, output) text: each built wiring's (key -> (layout, the draft as it runs it, its batch
+    transform): ``wiring_fit.built``) replay of the greedy chain there ({} for an empty output). The texts are
+    captured together, once, for ``draft`` (the trained one)."""
+    from eaglewire.doctor.wiring_fit import capture_texts, replay_rows
 
-    texts = capture_texts(target, draft, [prompt], [output], {b for w in wirings.values() for b in w.layout})
-    return {k: replay_wiring(w, draft, texts, steps) for k, w in wirings.items()}
+    out: list[dict] = [{} for _ in prompts]
+    texts = capture_texts(target, draft, prompts, outputs, {b for layout, _, _ in built.values() for b in layout})
+    for k, (layout, served, transform) in built.items():
+        for name, one in replay_rows(layout, served, transform, texts, steps):
+            out[int(name.removeprefix("text "))][k] = one
+    return out
+
+
+def build_all(wirings: dict, draft) -> dict:
+    """key -> Wiring  =>  key -> (its layout, the draft as it runs it, its batch transform), each built once."""
+    from eaglewire.doctor.wiring_fit import built
+
+    return {k: (w.layout, *built(w, draft)) for k, w in wirings.items()}
+
+
+def greedy_replies(target, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """The target's own greedy reply to each prompt (what a server answers, greedy decoding being lossless):
+    batched where the target has a lean forward, else one at a time."""
+    from eaglewire.core.tokens import stop_token_ids
+    from eaglewire.decode.batched import generate_batch
+
+    stop = stop_token_ids(target.tokenizer, target.model)
+    try:
+        return [reply for reply, _ in generate_batch(target, prompts, max_new_tokens=tokens, stop_token_ids=stop)]
+    except ValueError:  # no lean forward for this model type
+        from eaglewire.doctor.traffic import Replier
+
+        replier = Replier(target, tokens)
+        return [replier(p, "probe").input_ids[len(p):].tolist() for p in prompts]
 
 
 def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCounts, replays: dict, steps: int,
@@ -188,19 +218,18 @@ def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCoun
     text so far, for the candidates and ``shown`` (key -> Wiring replayed alongside on every probe, not judged:
     the trained wiring). Returns (the server's account of every request, each one's replay on all of it, what
     probing did)."""
-    from eaglewire.doctor.diagnosis import judge
-    from eaglewire.doctor.traffic import Replier
+    from eaglewire.doctor.wiring_fit import judge
     from eaglewire.engines.served_counts import ServedError
 
     probed = Probed()
-    replayed_too = dict(candidates) | dict(shown or {})
+    everyone = build_all(dict(candidates) | dict(shown or {}), draft)
+    judged = {k: everyone[k] for k in candidates}
     live = dict(candidates)
-    replier = Replier(target, prober.tokens)
-    pool = [p for p in prober.pool if len(p.prompt) <= replier.room]
-    predicted: list[dict] = []
-    for i, probe in enumerate(pool):  # the server's greedy reply is the target's own: the doctor writes it
-        reply = replier(probe.prompt, f"probe {i}").input_ids[len(probe.prompt):].tolist()
-        predicted.append(replay_one(target, draft, candidates, probe.prompt, reply, steps) if reply else {})
+    room = int(target.text_config.max_position_embeddings) - prober.tokens
+    pool = [p for p in prober.pool if len(p.prompt) <= room]
+    # the server's greedy reply is the target's own: the doctor writes it and replays each candidate there
+    replies = greedy_replies(target, [p.prompt for p in pool], prober.tokens) if pool else []
+    predicted = replay_texts(target, draft, judged, [p.prompt for p in pool], replies, steps) if pool else []
     while True:
         if not pairs_to_separate({k: w.fix for k, w in live.items()}):
             probed.stopped = "one fix left" if live else "no candidate fits the server's acceptance on the probes"
@@ -225,10 +254,9 @@ def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCoun
         probed.sent += [pool[i] for i in picked]
         probed.tokens += sum(len(o) for o in more.outputs)
         counts = combined_served(counts, more)
-        for i, output in zip(picked, more.outputs):
-            if output:
-                got = replay_one(target, draft, replayed_too, pool[i].prompt, list(output), steps)
-                replays = {k: combined(replays[k], got[k]) if k in got else replays[k] for k in replays}
+        for got in replay_texts(target, draft, everyone, [pool[i].prompt for i in picked], list(more.outputs),
+                                steps):
+            replays = {k: combined(replays[k], got[k]) if k in got else replays[k] for k in replays}
         _, ranked = judge(counts, [(w, replays[k]) for k, w in candidates.items()])
         kept = {id(f.wiring) for f in ranked if f.matches}
         live = {k: w for k, w in candidates.items() if id(w) in kept}
