@@ -108,6 +108,25 @@ def test_wirings_the_text_cannot_tell_apart_are_all_named_with_their_fixes():
     assert check.fix == "one of, closest first: the layout fix; or the d2t fix"
 
 
+def test_wirings_the_users_config_holds_as_trained_share_one_fix_however_many_fit():
+    """The served copy is not the user's (their --engine-config holds every candidate's field as trained): whichever
+    of the wirings that fit it is, loading the user's copy fixes it, so that is the one fix printed."""
+    remedy = "make the server load /x/config.json (restart it on that directory)"
+    served = _counts([8, 2, 0])
+    fits = [(_wiring("norm_before_residual true", f"{remedy}, or in the copy it serves: A", remedy=remedy),
+             _replayed([8, 2, 0])),
+            (_wiring("fc_norm true", f"{remedy}, or in the copy it serves: B", remedy=remedy), _replayed([6, 1, 0]))]
+    best, ranked = judge(served, fits)
+    check = diagnosis_check(served, "vllm", DECLARED, _replayed([150, 50, 12]), best, ranked, [])
+    assert check.verdict == "fail" and "does not run --engine-config" in check.summary
+    assert "norm_before_residual true, fc_norm true" in check.summary
+    assert check.fix.startswith(remedy + ":") and "; or " not in check.fix
+    fits[1] = (_wiring("no d2t", "the d2t fix"), _replayed([6, 1, 0]))  # one the config does not hold: the list
+    best, ranked = judge(served, fits)
+    assert diagnosis_check(served, "vllm", DECLARED, _replayed([150, 50, 12]), best, ranked, []).fix.startswith(
+        "one of, closest first:")
+
+
 def test_candidate_layouts_are_the_sweeps_and_the_post_norm_last_state():
     wirings = {w.layout: w for w in layout_wirings(DECLARED, L, {"vLLM (config)": [1, 14, 26]}, "F")}
     assert (0, 2, 15) in wirings and (15, 27, 30) in wirings and (3, 16, 28) in wirings and (2, 15, 28) in wirings
@@ -627,7 +646,9 @@ def test_a_served_norm_flag_with_the_correct_engine_config_names_the_flag_not_th
     assert check.verdict == "fail" and "norm_before_residual" in check.summary, report.render()
     assert "does not run --engine-config" in check.summary
     assert "norm_before_residual true" in report.served["diagnosis"]["within_noise"]
-    assert '"norm_before_residual": false' in check.fix
+    # the user's config holds every wiring within noise as trained: loading it is the one fix; else each is listed
+    assert check.fix.startswith(f"make the server load {config.engine_config} (restart it on that directory):") or \
+        '"norm_before_residual": false' in check.fix
     for part in check.fix.split("; or "):
         if "eagle_aux_hidden_state_layer_ids" in part or '"norm_before_residual": false' in part:
             assert part.startswith(("make the server load", "one of, closest first: make the server load")), part

@@ -438,6 +438,15 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
         evidence.append("within noise, closest first: " + "; ".join(f"{f.wiring.label} (fix: {f.wiring.fix})"
                                                                    for f in matches))
         apart = f" (after {probed.said()})" if probed else ""
+        remedies = {f.wiring.remedy for f in matches}
+        if len(remedies) == 1 and None not in remedies:  # --engine-config holds each of them as trained: one fix
+            [remedy] = remedies
+            return Check(name, "fail", f"the {engine} server does not run --engine-config: its acceptance is what "
+                         f"{len(matches)} wirings eaglewire knows give on its text, each of which that config holds "
+                         f"as trained, and which the text cannot tell apart{apart}: "
+                         f"{', '.join(f.wiring.label for f in matches)}; the closest: {per_pos} with "
+                         f"{best.wiring.label} ({noise})", evidence,
+                         fix=f"{remedy}: whichever of them the copy it serves holds, yours has it as trained")
         return Check(name, "fail", f"the {engine} server's acceptance is what {len(matches)} wirings eaglewire knows "
                      f"give on its text, which it cannot tell apart{apart}: "
                      f"{', '.join(f.wiring.label for f in matches)}; "
@@ -469,9 +478,10 @@ def proven(wirings: list[Wiring], view: ConfigView | None) -> list[Wiring]:
             done[key] = prove(w.aspect, w.fix, view)
         verdict, why = done[key]
         if verdict == "held":
+            remedy = f"make the server load {view.path} (restart it on that directory)"
             out.append(replace(w, what=f"does not run --engine-config {view.path} ({why}): it runs a copy that "
-                               f"{w.what}", fix=f"make the server load {view.path} (restart it on that directory), "
-                               f"or in the copy it serves: {w.fix}", dropped=f"{why}: \"{w.fix}\" changes nothing there"))
+                               f"{w.what}", fix=f"{remedy}, or in the copy it serves: {w.fix}", remedy=remedy,
+                               dropped=f"{why}: \"{w.fix}\" changes nothing there"))
         elif verdict == "unproven":
             out.append(replace(w, fix=None, dropped=f"{why}: \"{w.fix}\" is not printed"))
         else:

@@ -31,6 +31,8 @@ class Wiring:
     # what it reads otherwise (fix_proof.LAYOUT, a config field): None where no reading of a config shows it
     aspect: str | None = None
     dropped: str = ""  # why the fix first written for it is not printed as is (fix_proof.prove)
+    # what the user's --engine-config holds as trained for it: the one line that fixes it, "make the server load ..."
+    remedy: str | None = None
     # () -> (the draft as the server runs it, a batch transform or None); None: the trained draft
     build: Callable[[], tuple[Any, Callable | None]] | None = field(default=None, compare=False, repr=False)
 
