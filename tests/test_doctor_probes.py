@@ -114,3 +114,30 @@ def test_a_fault_the_first_answers_cannot_name_is_named_after_probes(smollm2_tar
     assert check.verdict == "fail" and got["match"]["layout"] == [1, 15, 27]
     assert "cannot tell apart" not in check.summary and "told apart from the others by" in check.summary
     assert "eagle_aux_hidden_state_layer_ids" in check.fix
+
+
+@pytest.mark.real
+def test_a_foreign_embedding_other_than_the_stand_ins_is_within_noise_of_one(smollm2_target):
+    """A real server's foreign embedding is not the doctor's seeded permutation: what the draft accepts under
+    unrelated rows depends on which rows (a real vLLM served one outside one stand-in's noise). The server here
+    embeds with a permutation of another seed than any stand-in's; "another embedding" is among what fits it."""
+    from simulated_server import SimulatedServer
+
+    from eaglewire.core.prompts import load_prompts
+    from eaglewire.decode.text import encode_prompt
+    from eaglewire.doctor.diagnosis import STAND_INS, field_wirings, judge, other_embedding
+    from eaglewire.doctor.wiring_fit import Wiring, capture_texts, replay_wiring
+    from eaglewire.engines.foreign_draft import load_any_draft
+
+    declared, tokens, steps = [2, 15, 27], 48, 3
+    draft, _, _, _ = load_any_draft("reference", target=smollm2_target)
+    texts = [encode_prompt(smollm2_target.tokenizer, p.text, chat=True) for p in load_prompts("mt-bench", 4)]
+    foreign = Wiring(tuple(declared), "served", "", "", build=lambda: (draft, other_embedding(smollm2_target,
+                                                                                           seed=STAND_INS + 4)))
+    counts = SimulatedServer(smollm2_target, draft, foreign, tokens, steps)(texts)
+    candidates = [w for w in field_wirings("vllm", draft, smollm2_target, declared) if w.label == "another embedding"]
+    assert len(candidates) == STAND_INS
+    batches = capture_texts(smollm2_target, draft, texts, counts.outputs, set(declared))
+    best, ranked = judge(counts, [(w, replay_wiring(w, draft, batches, steps)) for w in candidates])
+    print(counts.tau, [(round(f.replayed.tau, 3), round(f.score, 2)) for f in ranked])
+    assert best is not None and best.wiring.label == "another embedding"

@@ -14,8 +14,8 @@ per-position acceptance is the server's:
 - field readings (EAGLE-3): each norm flag the serving engine reads (``served_draft.TRAINED_NORMS``,
   built by ``served_draft.as_served``; ``norm_output`` here), d2t read in the other convention, missing or
   another draft vocabulary's, the target's lm_head over its whole vocabulary, another embedding than the
-  target's (its rows permuted, seeded: any unrelated embedding looks alike), another lm_head than the draft's
-  (its rows permuted), and the engine's own reading of ``--engine-config`` (``serving.read_fields`` /
+  target's (its rows permuted, several seeded ways: ``STAND_INS``), another lm_head than the draft's (its rows
+  permuted so), and the engine's own reading of ``--engine-config`` (``serving.read_fields`` /
   ``read_file_fields``) with each of its layouts.
 
 Where several with different fixes fit, ``probes.separate`` asks the server more, on prompts chosen by replay.
@@ -63,6 +63,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LAYERS = "default layers"  # the candidate of an engine that finds no ids in its config
 SHOWN = 6  # candidates listed in the evidence, closest first
+# Another model's rows (an embedding, an lm_head, a d2t from another draft) are replayed as this many seeded
+# permutations, each a candidate with the same label and fix: what the draft accepts under unrelated rows depends on
+# which rows they are (one permutation's replay left a real vLLM's foreign embedding outside noise), so the server
+# fits "another embedding" where it fits any of them
+STAND_INS = 3
 
 # The norm flags an engine reads from a draft's config (a server can only compute with those) and how it reads
 # d2t are its linter's (``Linter.norm_flags`` / ``d2t_reading``); eaglewire's server runs the draft as trained.
@@ -210,9 +215,9 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
             variants.append(("d2t written as absolute target ids, read as offsets", torch.arange(Vd) + trained,
                              "rewrite d2t as d2t - arange(draft_vocab_size) (offsets), or re-export with "
                              "`eaglewire export`"))
-        variants.append(("another vocabulary's d2t: the draft's ids mapped onto another selection of target ids",
-                         other_vocabulary(V, Vd), refix or "the served copy's d2t is not the draft's: write the "
-                         "draft's own d2t back (re-export with `eaglewire export`)"))
+        variants += [("another vocabulary's d2t: the draft's ids mapped onto another selection of target ids",
+                      other_vocabulary(V, Vd, seed), refix or "the served copy's d2t is not the draft's: write the "
+                      "draft's own d2t back (re-export with `eaglewire export`)") for seed in range(STAND_INS)]
     seen = [trained]
     for what, mapped, fix in variants:
         if int(mapped.min()) >= 0 and int(mapped.max()) < V and not any(torch.equal(mapped, m) for m in seen):
@@ -229,18 +234,21 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
         out.append(Wiring(layout, "the target's lm_head", "scores the draft's tokens with the target's lm_head over "
                           f"its whole vocabulary ({V:,} ids)", f"with its own lm_head over {Vd:,} draft ids", fix,
                           aspect="lm_head", build=lambda: target_head_draft(draft, target)))
-    if lint is None or lint.draft_embedding:  # an engine that always embeds with the target's rows: no candidate
-        out.append(Wiring(layout, "another embedding", "embeds the tokens with rows other than the target's (replayed "
-                          "with the target's rows permuted: any unrelated embedding looks alike)",
-                          "with the target's embed_tokens", refix or
-                          "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
-                          "served draft checkpoint or write the target's rows there (re-export with `eaglewire "
-                          "export`)", aspect="embed_tokens", build=lambda: (draft, other_embedding(target))))
-    out.append(Wiring(layout, "another lm_head", "scores the draft's tokens with lm_head rows other than its own "
-                      "(replayed with its rows permuted: the draft's ids mean other tokens)",
-                      "with its own lm_head", refix or
-                      "the served copy's lm_head.weight is not the trained one: write the draft's own lm_head.weight "
-                      "back (re-export with `eaglewire export`)", build=lambda: (other_head(draft), None)))
+    for seed in range(STAND_INS):  # another model's rows, replayed as several seeded stand-ins (see STAND_INS)
+        if lint is None or lint.draft_embedding:  # an engine that always embeds with the target's rows: none
+            out.append(Wiring(layout, "another embedding", "embeds the tokens with rows other than the target's "
+                              "(replayed with the target's rows permuted, several ways)",
+                              "with the target's embed_tokens", refix or
+                              "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
+                              "served draft checkpoint or write the target's rows there (re-export with `eaglewire "
+                              "export`)", aspect="embed_tokens",
+                              build=lambda seed=seed: (draft, other_embedding(target, seed))))
+        out.append(Wiring(layout, "another lm_head", "scores the draft's tokens with lm_head rows other than its own "
+                          "(replayed with its rows permuted, several ways: the draft's ids mean other tokens)",
+                          "with its own lm_head", refix or
+                          "the served copy's lm_head.weight is not the trained one: write the draft's own "
+                          "lm_head.weight back (re-export with `eaglewire export`)",
+                          build=lambda seed=seed: (other_head(draft, seed), None)))
     return out
 
 
@@ -438,18 +446,17 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
         evidence.append("within noise, closest first: " + "; ".join(f"{f.wiring.label} (fix: {f.wiring.fix})"
                                                                    for f in matches))
         apart = f" (after {probed.said()})" if probed else ""
+        labels = list(dict.fromkeys(f.wiring.label for f in matches))  # a stand-in's copies share a label
         remedies = {f.wiring.remedy for f in matches}
         if len(remedies) == 1 and None not in remedies:  # --engine-config holds each of them as trained: one fix
             [remedy] = remedies
             return Check(name, "fail", f"the {engine} server does not run --engine-config: its acceptance is what "
-                         f"{len(matches)} wirings eaglewire knows give on its text, each of which that config holds "
-                         f"as trained, and which the text cannot tell apart{apart}: "
-                         f"{', '.join(f.wiring.label for f in matches)}; the closest: {per_pos} with "
-                         f"{best.wiring.label} ({noise})", evidence,
+                         f"{len(labels)} wirings eaglewire knows give on its text, each of which that config holds "
+                         f"as trained, and which the text cannot tell apart{apart}: {', '.join(labels)}; the closest: "
+                         f"{per_pos} with {best.wiring.label} ({noise})", evidence,
                          fix=f"{remedy}: whichever of them the copy it serves holds, yours has it as trained")
-        return Check(name, "fail", f"the {engine} server's acceptance is what {len(matches)} wirings eaglewire knows "
-                     f"give on its text, which it cannot tell apart{apart}: "
-                     f"{', '.join(f.wiring.label for f in matches)}; "
+        return Check(name, "fail", f"the {engine} server's acceptance is what {len(labels)} wirings eaglewire knows "
+                     f"give on its text, which it cannot tell apart{apart}: {', '.join(labels)}; "
                      f"the closest: the server {best.wiring.what}, the draft was trained {best.wiring.trained}: "
                      f"{per_pos} with {best.wiring.label} ({noise})", evidence,
                      fix="one of, closest first: " + "; or ".join(fixes))
@@ -591,7 +598,7 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
     report.served["diagnosis"] = {
         "match": None if best is None else {"label": best.wiring.label, "layout": list(best.wiring.layout),
                                             "fix": best.wiring.fix},
-        "within_noise": [f.wiring.label for f in ranked if f.matches],
+        "within_noise": list(dict.fromkeys(f.wiring.label for f in ranked if f.matches)),
         "dropped_fixes": {f.wiring.label: f.wiring.dropped for f in ranked if f.matches and f.wiring.dropped},
         "seconds": round(seconds, 1),
         "probes": None if probed is None else {"prompts": [p.source for p in probed.sent], "tokens": probed.tokens,
