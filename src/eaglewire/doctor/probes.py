@@ -76,10 +76,14 @@ def separation(a: AcceptanceRates, b: AcceptanceRates) -> float:
     return fit(a, Wiring((), "", "", ""), b).score
 
 
+def apart(a: AcceptanceRates, b: AcceptanceRates) -> float:
+    """Noise widths between two candidates' replays, the closer way round (each noise is its own replay's)."""
+    return min(separation(a, b), separation(b, a))
+
+
 def unseparated(pairs: list[tuple[str, str]], totals: dict[str, AcceptanceRates]) -> list[tuple[str, str]]:
     """The pairs of candidates whose summed replays are fewer than SEPARATION noise widths apart (either way)."""
-    return [(a, b) for a, b in pairs if min(separation(totals[a], totals[b]), separation(totals[b], totals[a]))
-            < SEPARATION]
+    return [(a, b) for a, b in pairs if apart(totals[a], totals[b]) < SEPARATION]
 
 
 def pairs_to_separate(fixes: dict[str, str | None]) -> list[tuple[str, str]]:
@@ -98,8 +102,7 @@ def choose(pairs: list[tuple[str, str]], prior: dict[str, AcceptanceRates],
     spent = 0
 
     def score(with_probe: dict[str, AcceptanceRates]) -> tuple[int, float]:
-        seps = [min(separation(with_probe[a], with_probe[b]), separation(with_probe[b], with_probe[a]))
-                for a, b in pairs]
+        seps = [apart(with_probe[a], with_probe[b]) for a, b in pairs]
         return sum(s >= SEPARATION for s in seps), sum(min(s, SEPARATION) for s in seps)
 
     current = score(totals)
@@ -231,12 +234,13 @@ def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCoun
     replies = greedy_replies(target, [p.prompt for p in pool], prober.tokens) if pool else []
     predicted = replay_texts(target, draft, judged, [p.prompt for p in pool], replies, steps) if pool else []
     while True:
-        if not pairs_to_separate({k: w.fix for k, w in live.items()}):
+        pairs = pairs_to_separate({k: w.fix for k, w in live.items()})
+        if not pairs:
             probed.stopped = "one fix left" if live else "no candidate fits the server's acceptance on the probes"
             break
         left = prober.budget - probed.tokens
         unsent = [i for i in range(len(pool)) if i not in probed.indexes]
-        order = choose(pairs_to_separate({k: w.fix for k, w in live.items()}), {k: replays[k] for k in live},
+        order = choose(pairs, {k: replays[k] for k in live},
                        [{k: predicted[i][k] for k in live} if predicted[i] else {} for i in unsent],
                        [prober.tokens] * len(unsent), left)
         if not order:
