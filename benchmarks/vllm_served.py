@@ -132,6 +132,8 @@ def main() -> int:
         files = type(base)(base.target, served, base.family)
         start = time.perf_counter()
         runs = []
+        doctor_cache = served / "doctor-cache"  # empty per case: the first run is cold whatever ran before
+        shutil.rmtree(doctor_cache, ignore_errors=True)
         with runtime.serve(files, Shape(n_max=args.steps), settings, log_path=served / "vllm.log") as server:
             ready = time.perf_counter() - start
             for _ in range(2 if name == "as exported" else 1):  # cold, then warm (the doctor's cache)
@@ -142,9 +144,11 @@ def main() -> int:
                        str(report)]
                 t0 = time.perf_counter()
                 proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-                runs.append((time.perf_counter() - t0, proc))
-        seconds, proc = runs[-1]
+                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
+                                           "EAGLEWIRE_DOCTOR_CACHE": str(doctor_cache)})
+                stages = json.loads(report.read_text()).get("stage_seconds", {}) if report.exists() else {}
+                runs.append((time.perf_counter() - t0, proc, stages))
+        seconds, proc, _ = runs[-1]
         got = json.loads(report.read_text()) if report.exists() else {}
         checks = {c["name"]: c for c in got.get("checks", [])}
         wiring = checks.get("served wiring") or {}
@@ -152,7 +156,8 @@ def main() -> int:
         diagnosis = got.get("served", {}).get("diagnosis") or {}
         match = (diagnosis.get("match") or {}).get("label")
         row = {"case": name, "expect": expect, "verdict": got.get("status"),
-               "doctor_seconds": [round(t, 1) for t, _ in runs], "server_ready_seconds": round(ready, 1),
+               "doctor_seconds": [round(t, 1) for t, _, _ in runs],
+               "doctor_stage_seconds": [stages for _, _, stages in runs], "server_ready_seconds": round(ready, 1),
                "served": got.get("served", {}).get("tau"), "replayed": got.get("served", {}).get("replayed_tau"),
                "served_per_position": got.get("served", {}).get("per_position"),
                "named": match if match and "cannot tell apart" not in (wiring.get("summary") or "") else None,

@@ -25,6 +25,23 @@ def fp32_where_auto():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_doctor_cache(tmp_path_factory):
+    """Doctor runs in module fixtures write here, never to the user's cache (see own_doctor_cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLEWIRE_DOCTOR_CACHE", str(tmp_path_factory.mktemp("doctor-cache")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def own_doctor_cache(tmp_path, monkeypatch):
+    """Each test's doctor runs (in-process or a subprocess) start with an empty cache of their own: a test
+    that patches the doctor's code would otherwise read the checks of an unpatched earlier run with the same
+    inputs (the cache keys eaglewire's source files, not patches in memory). tests/test_doctor_cache.py runs
+    the doctor twice within one test to prove the reuse."""
+    monkeypatch.setenv("EAGLEWIRE_DOCTOR_CACHE", str(tmp_path / "doctor-cache"))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from a second thread, and on a busy machine (or beside a server's engine

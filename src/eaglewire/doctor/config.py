@@ -42,6 +42,9 @@ class DoctorConfig:
                                                         "speculators: a stated GPU cost model; llamacpp: run "
                                                         "`eaglewire tune --engine llamacpp`)"})
     json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
+    cache: bool = field(default=True, metadata={"help": "reuse the checks an earlier run computed from the same "
+                        "draft, target, held-out data and settings (in $EAGLEWIRE_CACHE/doctor): a check of a "
+                        "running server then measures only the server; --no-cache recomputes them"})
     stored: bool = field(default=False, metadata={"help": "judge from the stored states in --data alone, the target never "
                                                           "run: --target needs only its config, tokenizer, embedding, "
                                                           "final norm and lm_head"})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from eaglewire.core.configs import RESOLVED_KEY
 
@@ -49,6 +51,17 @@ class DoctorReport:
     engine_version: str | None = None  # --engine-url: the version the server reports ("0.32.0"), if it says one
     traffic: dict[str, Any] = field(default_factory=dict)  # --traffic: acceptance per slice of traffic (JSON)
     sampling: dict[str, Any] = field(default_factory=dict)  # the temperature users sample at: τ there and greedy (JSON)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # where the run's time went, by stage (JSON)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the seconds spent inside to ``stage`` (a run's breakdown, in the JSON report)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self.stage_seconds[stage] = round(self.stage_seconds.get(stage, 0.0) + spent, 2)
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
@@ -73,7 +86,8 @@ class DoctorReport:
         return {"draft": self.draft, "target": self.target, "ok": self.status == "passed", "status": self.status,
                 "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
                 "facts": self.facts, "accuracy": self.accuracy, RESOLVED_KEY: self.resolved_config} | \
-            {k: v for k, v in (("served", self.served), ("traffic", self.traffic), ("sampling", self.sampling)) if v}
+            {k: v for k, v in (("served", self.served), ("traffic", self.traffic), ("sampling", self.sampling),
+                                            ("stage_seconds", self.stage_seconds)) if v}
 
     def render(self) -> str:
         lines = [f"eaglewire doctor: draft {self.draft} on target {self.target}"]

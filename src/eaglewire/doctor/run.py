@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,6 +17,7 @@ from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (check_engine_version, Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving, served_labels)
+from eaglewire.doctor import cache as doctor_cache
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.served import check_served
@@ -29,6 +32,7 @@ from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire import engines
 from eaglewire.doctor.serving import predicted_tau
 from eaglewire.engines.foreign_draft import load_any_draft
+from eaglewire.core.presets import resolve_draft
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.target import Target, load_target
 
@@ -41,12 +45,15 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
 
         return run_stored_doctor(config)
     start = time.perf_counter()
-    target = target or load_target(config.target, device=config.device)
     report = DoctorReport(draft=config.draft, target=config.target, resolved_config=config_record(config))
+    with report.timed("load target"):
+        target = target or load_target(config.target, device=config.device)
     # a native draft's contract is checked below, as a verdict; a foreign one records no target, so it is
     # converted for this one and its reading stated
     allow = set(config.allow_target_mismatch or ())
-    draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False, allow=allow)
+    with report.timed("load draft"):
+        draft, contract, draft_cfg, notes = load_any_draft(config.draft, target=target, check_native=False,
+                                                           allow=allow)
     if notes:
         report.add(Check("draft format", "warn" if len(notes) > 1 else "ok", notes[0], notes[1:]))
     draft = draft.to(target.device)
@@ -65,16 +72,83 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     serving = served_labels(serving, engines.get(config.engine).version, report.engine_version)  # as the server says
     check_template_switch(report, config, contract, target.tokenizer,
                           load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
-    sequences, source = _load_sequences(config, target, contract, summary, report)
+    with report.timed("held-out sequences"):
+        sequences, source = _load_sequences(config, target, contract, summary, report)
     if not sequences:
         report.add(Check("data", "fail", "no held-out sequence with reply tokens to measure on",
                          fix="pass --data SHARDS or --conversations FILE with assistant replies"))
         return report
     if not identity_ok:
         return report  # the wrong target: every measurement below would be noise
-    layouts = candidate_layouts(declared, L, serving)
+    key = None
+    if config.cache:  # what an earlier run computed from the same draft, target, data and settings
+        with report.timed("cache key"):
+            key = doctor_cache.cache_key(config, resolve_draft(config.draft), target, sequences,
+                                         report.engine_version)
+    cached = doctor_cache.load(key) if key else None
+    held_out = _HeldOut(config, target, draft, contract, summary, source, sequences, declared, serving, serving_steps)
+    first = len(report.checks)
+    if cached:
+        cached.restore_before(report)
+        judged = cached.facts["judged tokens"]
+    else:
+        judged = _held_out_checks(report, held_out)
+    before = report.checks[first:]
+    if config.engine_url:  # the running server against the replay on its own text (doctor/served.py)
+        check_served(report, config, target, draft, declared, sequences, serving_steps)  # times its own stages
+    first = len(report.checks)
+    if cached:
+        cached.restore_after(report)
+    else:
+        _later_checks(report, held_out)
+    report.facts = {"held-out sequences": len(sequences), "judged tokens": judged,
+                    "source": source, "seconds": round(time.perf_counter() - start, 1)}
+    if cached:
+        report.facts["reused"] = (f"{len(cached.before) + len(cached.after)} checks computed at {cached.created} "
+                                  f"in {cached.saved_seconds} s (same draft, target, data and settings; "
+                                  "--no-cache recomputes)")
+    elif key:
+        computed = {k: v for k, v in report.stage_seconds.items() if k in CACHED_STAGES}
+        doctor_cache.store(key, doctor_cache.Cached(
+            before=before, after=report.checks[first:], layouts=report.layouts, accuracy=dict(report.accuracy),
+            facts={"judged tokens": judged}, extras={"sampling": report.sampling, "traffic": report.traffic},
+            stage_seconds=computed, created=doctor_cache.now()))
+    if config.json:
+        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.json).write_text(json.dumps(report.to_dict(), indent=1))
+    return report
+
+
+# The stages whose checks read only the draft, the target, the held-out data and the settings (cached).
+CACHED_STAGES = {"capture", "isolation accuracy", "layout sweep", "stored states", "acceptance (eaglewire's engine)",
+                 "sampling", "traffic", "tune"}
+
+
+@dataclass(frozen=True)
+class _HeldOut:
+    """What the server-independent checks read."""
+
+    config: DoctorConfig
+    target: Target
+    draft: Any
+    contract: HiddenStateContract
+    summary: dict
+    source: str
+    sequences: list[Sequence]
+    declared: list[int]
+    serving: Any
+    serving_steps: int
+
+
+def _held_out_checks(report: DoctorReport, h: _HeldOut) -> int:
+    """The checks on held-out data before the served one: capture at every candidate boundary, coverage,
+    accuracy, the layout sweep, stored states, eaglewire's engine, sampling. Returns the judged tokens."""
+    config, target, draft, declared = h.config, h.target, h.draft, h.declared
+    L = target.num_layers
+    layouts = candidate_layouts(declared, L, h.serving)
     needed = sorted({b for layout in layouts for b in layout})
-    batches = capture_batches(target, draft, sequences, needed)
+    with report.timed("capture"):
+        batches = capture_batches(target, draft, h.sequences, needed)
 
     inside, counted = coverage(batches)
     share = inside / max(counted, 1)
@@ -83,31 +157,33 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
                      f"({draft.config.draft_vocab_size:,} of {draft.config.vocab_size:,})",
                      fix=None if share >= 0.85 else "retrain with a larger --draft-vocab-size"))
 
-    m = Measured(config=config, draft=draft, batches=batches, declared=declared, num_layers=L, serving=serving,
-                 counts=isolation_accuracy(draft, batches, declared, steps=config.steps))
+    with report.timed("isolation accuracy"):
+        m = Measured(config=config, draft=draft, batches=batches, declared=declared, num_layers=L, serving=h.serving,
+                     counts=isolation_accuracy(draft, batches, declared, steps=config.steps))
     report.accuracy = {"acc@0": m.acc0} | {f"cond acc@{j}": c for j, c in enumerate(m.cond, 1)}
-    check_evidence(report, m.n, len(sequences), config, summary)
-    check_accuracy(report, m, summary, source)
-    check_layouts(report, m, layouts)
-    check_stored_boundaries(report, config, target)  # which boundary each stored state is (doctor/stored.py)
-    _check_drift(report, m)
+    check_evidence(report, m.n, len(h.sequences), config, h.summary)
+    check_accuracy(report, m, h.summary, h.source)
+    with report.timed("layout sweep"):
+        check_layouts(report, m, layouts)
+    with report.timed("stored states"):
+        check_stored_boundaries(report, config, target)  # which boundary each stored state is (doctor/stored.py)
+        _check_drift(report, m)
     check_alignment(report, m)
-    _check_acceptance(report, m, target, contract, sequences, serving_steps)
-    check_sampling(report, config, target, draft, declared, sequences, serving_steps)  # doctor/sampling.py
-    if config.engine_url:  # the running server against the replay on its own text (doctor/served.py)
-        check_served(report, config, target, draft, declared, sequences, serving_steps)
-    if config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)
-        check_traffic(report, config, target, draft, declared, sequences, serving_steps)
+    with report.timed("acceptance (eaglewire's engine)"):
+        _check_acceptance(report, m, target, h.contract, h.sequences, h.serving_steps)
+    with report.timed("sampling"):
+        check_sampling(report, config, target, draft, declared, h.sequences, h.serving_steps)  # doctor/sampling.py
+    return m.n
 
-    if config.tune:
-        _check_speed(report, config, target, draft, contract, sequences)
 
-    report.facts = {"held-out sequences": len(sequences), "judged tokens": m.n,
-                    "source": source, "seconds": round(time.perf_counter() - start, 1)}
-    if config.json:
-        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.json).write_text(json.dumps(report.to_dict(), indent=1))
-    return report
+def _later_checks(report: DoctorReport, h: _HeldOut) -> None:
+    """The checks after the served one: the users' traffic, and what to serve for speed."""
+    if h.config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)
+        with report.timed("traffic"):
+            check_traffic(report, h.config, h.target, h.draft, h.declared, h.sequences, h.serving_steps)
+    if h.config.tune:
+        with report.timed("tune"):
+            _check_speed(report, h.config, h.target, h.draft, h.contract, h.sequences)
 
 
 # ------------------------------------------------------------------ checks

@@ -126,13 +126,15 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]]
     spec = engines.get(config.engine, Ability.MEASURE, param="--engine")
     try:
-        counts = spec.measure(config.engine_url, prompts, max_new_tokens=config.engine_tokens)
+        with report.timed("served: the server's answers"):
+            counts = spec.measure(config.engine_url, prompts, max_new_tokens=config.engine_tokens)
     except ServedError as e:
         return report.add(Check("served acceptance", "fail", f"could not read the served acceptance: {e}",
                                 fix=f"check that --engine-url {config.engine_url} is the {config.engine} server "
                                     "serving this draft"))
     steps = chain_length(counts, default_steps)
-    replayed = replay_served(target, draft, layout, prompts, counts.outputs, steps)
+    with report.timed("served: replay"):
+        replayed = replay_served(target, draft, layout, prompts, counts.outputs, steps)
     check = report.add(served_check(counts, replayed, report))
     report.served = {"engine": counts.engine, "source": counts.source, "tau": counts.tau,
                      "per_position": counts.per_position, "replayed_tau": replayed.tau,
@@ -145,6 +147,7 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
         prober = Prober(lambda ps: spec.measure(config.engine_url, ps, max_new_tokens=config.engine_tokens),
                         probe_pool(target, [s.prompt_ids for s in sequences[len(prompts):]], config.traffic),
                         budget=config.probe_tokens, tokens=config.engine_tokens)
-        report.add(diagnose(report, config, target, draft, layout, prompts, counts, replayed, steps,
-                            candidate_causes(report, replayed), prober))
+        with report.timed("served: diagnosis"):
+            report.add(diagnose(report, config, target, draft, layout, prompts, counts, replayed, steps,
+                                candidate_causes(report, replayed), prober))
     return check
