@@ -2,9 +2,10 @@
 
 A simulated vLLM server runs the reference draft under one wiring fault at a time (every candidate the
 served-wiring diagnosis knows for vLLM: layouts, orders, norm flags, d2t, the target's lm_head, another
-embedding, another head). Greedy decoding is lossless, so the server's text is the target's own greedy text
-and its counters are the fault's replay on that text: exactly what a real server wired that way reports
-(tests/real_vllm checks the real one). For each fault, the doctor's diagnosis runs twice on the same first
+embedding, another head; another model's rows served as a permutation none of the doctor's stand-ins is).
+Greedy decoding is lossless, so the server's text is the target's own greedy text and its counters are the
+fault's replay on that text: exactly what a real server wired that way reports (tests/real_vllm checks the
+real one). For each fault, the doctor's diagnosis runs twice on the same first
 answers: without probes, and with ``--probe-tokens`` of probing; the table says what each named.
 
     OMP_NUM_THREADS=2 python benchmarks/doctor_probes.py [--prompts 4] [--tokens 48] [--probe-tokens 1024]
@@ -24,6 +25,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from simulated_server import SimulatedServer  # noqa: E402 (tests/ holds it: the tests simulate the same server)
 
 DECLARED = [2, 15, 27]
+
+
+FOREIGN_SEED = 11  # the served copy's foreign rows: a permutation none of the doctor's stand-ins (seeds 0-2) is
+
+
+def served_elsewhere(faults: list, target, draft) -> list:
+    """The faults with one fault per family of stand-ins (another embedding, lm_head, vocabulary's d2t), served
+    with rows of FOREIGN_SEED: a served copy holds another model's rows, never one of the doctor's stand-ins."""
+    from dataclasses import replace
+
+    from eaglewire.doctor.diagnosis import other_embedding, other_head, other_vocabulary
+    from eaglewire.engines.served_draft import as_served
+
+    V, Vd = draft.config.vocab_size, draft.config.draft_vocab_size
+    builds = {"another embedding": lambda: (draft, other_embedding(target, FOREIGN_SEED)),
+              "another lm_head": lambda: (other_head(draft, FOREIGN_SEED), None),
+              "another vocabulary's d2t": lambda: (as_served(draft, [], d2t=other_vocabulary(V, Vd, FOREIGN_SEED)
+                                                             - torch.arange(Vd)), None)}
+    out, seen = [], set()
+    for w in faults:
+        if w.stand_in:
+            if w.label in seen:
+                continue
+            seen.add(w.label)
+            w = replace(w, build=builds[w.label], stand_in=False)
+        out.append(w)
+    return out
 
 
 def main() -> None:
@@ -57,6 +85,7 @@ def main() -> None:
     fix = config_fix("vllm", DECLARED, L, "LlamaForCausalLM")
     faults = (layout_wirings(DECLARED, L, {}, fix) + order_wirings("vllm", DECLARED, L)
               + field_wirings("vllm", draft, target, DECLARED))
+    faults = served_elsewhere(faults, target, draft)
     if args.only:
         faults = [w for w in faults if w.label in args.only.split(";")]
     trained = Wiring(tuple(DECLARED), "as trained", "", "")

@@ -50,6 +50,43 @@ def test_probes_are_added_until_every_pair_with_different_fixes_is_apart():
     assert unseparated(pairs, {k: combined(prior[k], ab[k], bc[k]) for k in "abc"}) == []
 
 
+def test_stand_ins_are_judged_with_their_familys_spread():
+    """Another model's rows are a family of hypotheses, each permutation accepting otherwise; the served copy
+    holds none of the doctor's. Measured on a real vLLM (benchmarks/vllm_served.py): stand-ins replaying
+    0.15/0.21/0.22 at position 0 against a server at 0.10 over ~600 drafts: each is outside binomial noise alone,
+    and a wrong layout that happened to fit was named. With the family's spread the family fits."""
+    from dataclasses import replace
+
+    from eaglewire.doctor.wiring_fit import Wiring, family_spread, judge, still_fitting
+
+    served = _rates([60, 6, 0], 600)
+    family = [_rates([90, 12, 0], 600), _rates([126, 0, 0], 600), _rates([132, 0, 0], 600)]
+    spread = family_spread(family)
+    assert spread.per_position[0] == pytest.approx(2 * 0.0379, abs=1e-3) and spread.per_position[2] == 0.0
+    embedding = Wiring((2, 15, 27), "another embedding", "", "", "fix embed", stand_in=True)
+    alone = [(replace(embedding, stand_in=False), r) for r in family]
+    assert judge(served, alone)[0] is None  # each stand-in outside binomial noise alone
+    best, ranked = judge(served, [(embedding, r) for r in family])
+    assert best is not None and best.wiring.label == "another embedding"
+    assert len(still_fitting(ranked)) == 3  # every stand-in stays with the one that fits: the spread needs them
+    layout = Wiring((15, 27, 30), "[15, 27, 30]", "", "", "fix ids")
+    _, both = judge(served, [(embedding, r) for r in family] + [(layout, _rates([70, 5, 1], 600))])
+    assert {f.wiring.label for f in both if f.matches} == {"another embedding", "[15, 27, 30]"}  # a set of two
+
+
+def test_a_probe_parts_a_family_from_a_candidate_only_beyond_its_spread():
+    prior = {"e0": _rates([30, 3, 0], 200), "e1": _rates([42, 0, 0], 200), "x": _rates([34, 2, 0], 200)}
+    pairs = [("e0", "x"), ("e1", "x")]
+    families = {"e0": "another embedding", "e1": "another embedding"}
+    # a probe where the stand-ins disagree with each other as much as with x: apart point by point, not as a family
+    split = {"e0": _rates([10, 0, 0], 200), "e1": _rates([130, 0, 0], 200), "x": _rates([60, 2, 0], 200)}
+    # one where the family agrees and x does not
+    parted = {"e0": _rates([20, 0, 0], 200), "e1": _rates([22, 0, 0], 200), "x": _rates([150, 90, 40], 200)}
+    with_split = {k: combined(prior[k], split[k]) for k in prior}
+    assert unseparated(pairs, with_split) == [] and unseparated(pairs, with_split, families) != []
+    assert choose(pairs, prior, [split, parted], [48, 48], budget=1000, families=families) == [1]
+
+
 def test_the_servers_accounts_add_up():
     a = ServedCounts("vllm", 10, 30, 12, [8, 3, 1], outputs=[[1, 2]], source="per-request", notes=["x"])
     b = ServedCounts("vllm", 5, 15, 3, [3], outputs=[[3]], source="counters", notes=["x", "y"])

@@ -55,7 +55,7 @@ from eaglewire.doctor.fix_proof import LAYOUT, ConfigView, held_fields, prove
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.probes import Probed, Prober, separate
 from eaglewire.doctor.wiring_fit import (POST_NORM, Fit, Wiring, capture_texts, fit, judge,  # noqa: F401 (re-exported)
-                                         rate_noise, replay_wiring, tau_noise)
+                                         rate_noise, replay_wiring, still_fitting, tau_noise)
 from eaglewire.doctor.report import Check
 from eaglewire.engines.served_counts import AcceptanceRates
 
@@ -64,9 +64,10 @@ log = logging.getLogger(__name__)
 DEFAULT_LAYERS = "default layers"  # the candidate of an engine that finds no ids in its config
 SHOWN = 6  # candidates listed in the evidence, closest first
 # Another model's rows (an embedding, an lm_head, a d2t from another draft) are replayed as this many seeded
-# permutations, each a candidate with the same label and fix: what the draft accepts under unrelated rows depends on
-# which rows they are (one permutation's replay left a real vLLM's foreign embedding outside noise), so the server
-# fits "another embedding" where it fits any of them
+# permutations, each a candidate with the same label and fix (``Wiring.stand_in``): what the draft accepts under
+# unrelated rows depends on which rows they are, and the served copy holds none of the doctor's, so each is judged
+# with the family's spread on the same text (``wiring_fit.family_spread``). Without it, a real vLLM serving another
+# permutation fell outside noise of all three, and a wrong layout that happened to fit was named.
 STAND_INS = 3
 
 # The norm flags an engine reads from a draft's config (a server can only compute with those) and how it reads
@@ -224,6 +225,7 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
             seen.append(mapped)
             out.append(Wiring(layout, what.split(":")[0], f"maps the draft's ids with {what}",
                               "with d2t as offsets (target id = draft id + d2t)", fix, aspect="d2t",
+                              stand_in=what.startswith("another vocabulary"),
                               build=lambda mapped=mapped: (as_served(draft, [], d2t=mapped - torch.arange(Vd)), None)))
     head = target.model.get_output_embeddings().weight
     if tuple(head.shape) == (V, cfg.hidden_size):
@@ -241,13 +243,13 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
                               "with the target's embed_tokens", refix or
                               "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
                               "served draft checkpoint or write the target's rows there (re-export with `eaglewire "
-                              "export`)", aspect="embed_tokens",
+                              "export`)", aspect="embed_tokens", stand_in=True,
                               build=lambda seed=seed: (draft, other_embedding(target, seed))))
         out.append(Wiring(layout, "another lm_head", "scores the draft's tokens with lm_head rows other than its own "
                           "(replayed with its rows permuted, several ways: the draft's ids mean other tokens)",
                           "with its own lm_head", refix or
                           "the served copy's lm_head.weight is not the trained one: write the draft's own "
-                          "lm_head.weight back (re-export with `eaglewire export`)",
+                          "lm_head.weight back (re-export with `eaglewire export`)", stand_in=True,
                           build=lambda seed=seed: (other_head(draft, seed), None)))
     return out
 
@@ -533,14 +535,15 @@ def _probe(prober: Prober, target, draft, declared: list[int], counts, replayed,
     """``probes.separate`` the wirings within noise of ``counts``: (the server's account with the probes, the trained
     wiring's replay on all of it, the best and the ranking after them, what probing did). The wirings ruled out
     before probing follow, ranked on the first text."""
-    matched = [f for f in ranked if f.matches]
+    matched = still_fitting(ranked)
     candidates = {i: f.wiring for i, f in enumerate(matched)}
     trained = Wiring(tuple(declared), "as trained", "", "")
     replays = {i: f.replayed for i, f in enumerate(matched)} | {"trained": replayed}
     counts, replays, probed = separate(prober, target, draft, candidates, counts, replays, steps,
                                        shown={"trained": trained})
     best, after = judge(counts, [(w, replays[i]) for i, w in candidates.items()])
-    return counts, replays["trained"], best, after + [f for f in ranked if not f.matches], probed
+    kept = {id(f) for f in matched}
+    return counts, replays["trained"], best, after + [f for f in ranked if id(f) not in kept], probed
 
 
 def diagnose(report, config, target, draft, declared: list[int], prompts: list[list[int]], counts, replayed,

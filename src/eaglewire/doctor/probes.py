@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
+from eaglewire.doctor.wiring_fit import Spread, family_spread
 from eaglewire.engines.served_counts import AcceptanceRates, ServedCounts, add_lists
 
 SEPARATION = 3.0  # noise widths between two candidates' predictions that a probe set must reach for each pair
@@ -68,22 +69,36 @@ def combined_served(first: ServedCounts, more: ServedCounts) -> ServedCounts:
                         notes=list(dict.fromkeys(first.notes + more.notes)))
 
 
-def separation(a: AcceptanceRates, b: AcceptanceRates) -> float:
+def separation(a: AcceptanceRates, b: AcceptanceRates, spread: Spread = Spread()) -> float:
     """How far apart two candidates' replays of the same drafts are, in noise widths: the served-wiring fit
-    (``wiring_fit.fit``) of ``b`` as if ``a`` were the server's counters."""
+    (``wiring_fit.fit``) of ``b`` (a stand-in: with its family's ``spread``) as if ``a`` were the server's counters."""
     from eaglewire.doctor.wiring_fit import Wiring, fit
 
-    return fit(a, Wiring((), "", "", ""), b).score
+    return fit(a, Wiring((), "", "", ""), b, spread).score
 
 
-def apart(a: AcceptanceRates, b: AcceptanceRates) -> float:
+def apart(a: AcceptanceRates, b: AcceptanceRates, spread_a: Spread = Spread(), spread_b: Spread = Spread()) -> float:
     """Noise widths between two candidates' replays, the closer way round (each noise is its own replay's)."""
-    return min(separation(a, b), separation(b, a))
+    return min(separation(a, b, spread_b), separation(b, a, spread_a))
 
 
-def unseparated(pairs: list[tuple[str, str]], totals: dict[str, AcceptanceRates]) -> list[tuple[str, str]]:
+def family_spreads(totals: dict, families: dict) -> dict:
+    """key -> its family's spread over ``totals`` (key -> replay), for the keys ``families`` (key -> family label)
+    names: stand-ins of one hypothesis are told apart from the others with their spread, as they are judged."""
+    members: dict[str, list] = {}
+    for k, label in families.items():
+        if k in totals:
+            members.setdefault(label, []).append(totals[k])
+    spread = {label: family_spread(rs) for label, rs in members.items()}
+    return {k: spread[label] for k, label in families.items() if k in totals}
+
+
+def unseparated(pairs: list[tuple[str, str]], totals: dict[str, AcceptanceRates],
+                families: dict | None = None) -> list[tuple[str, str]]:
     """The pairs of candidates whose summed replays are fewer than SEPARATION noise widths apart (either way)."""
-    return [(a, b) for a, b in pairs if apart(totals[a], totals[b]) < SEPARATION]
+    wide = family_spreads(totals, families or {})
+    return [(a, b) for a, b in pairs
+            if apart(totals[a], totals[b], wide.get(a, Spread()), wide.get(b, Spread())) < SEPARATION]
 
 
 def pairs_to_separate(fixes: dict[str, str | None]) -> list[tuple[str, str]]:
@@ -92,17 +107,20 @@ def pairs_to_separate(fixes: dict[str, str | None]) -> list[tuple[str, str]]:
 
 
 def choose(pairs: list[tuple[str, str]], prior: dict[str, AcceptanceRates],
-           predicted: list[dict[str, AcceptanceRates]], cost: list[int], budget: int) -> list[int]:
+           predicted: list[dict[str, AcceptanceRates]], cost: list[int], budget: int,
+           families: dict | None = None) -> list[int]:
     """The probes (indexes into ``predicted``: candidate label -> its replay on that probe's text) to send, at most
     ``budget`` in ``cost``: added one at a time, each the one that leaves the fewest ``pairs`` less than SEPARATION
     apart on the prior drafts plus those chosen (ties: the largest summed separation, capped, per token), until
-    every pair is apart or no probe brings one closer to it."""
+    every pair is apart or no probe brings one closer to it. ``families``: key -> family label of the stand-ins
+    (``Wiring.stand_in``), told apart with their family's spread."""
     chosen: list[int] = []
     totals = dict(prior)
     spent = 0
 
     def score(with_probe: dict[str, AcceptanceRates]) -> tuple[int, float]:
-        seps = [apart(with_probe[a], with_probe[b]) for a, b in pairs]
+        wide = family_spreads(with_probe, families or {})
+        seps = [apart(with_probe[a], with_probe[b], wide.get(a, Spread()), wide.get(b, Spread())) for a, b in pairs]
         return sum(s >= SEPARATION for s in seps), sum(min(s, SEPARATION) for s in seps)
 
     current = score(totals)
@@ -221,7 +239,7 @@ def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCoun
     text so far, for the candidates and ``shown`` (key -> Wiring replayed alongside on every probe, not judged:
     the trained wiring). Returns (the server's account of every request, each one's replay on all of it, what
     probing did)."""
-    from eaglewire.doctor.wiring_fit import judge
+    from eaglewire.doctor.wiring_fit import judge, still_fitting
     from eaglewire.engines.served_counts import ServedError
 
     probed = Probed()
@@ -242,7 +260,7 @@ def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCoun
         unsent = [i for i in range(len(pool)) if i not in probed.indexes]
         order = choose(pairs, {k: replays[k] for k in live},
                        [{k: predicted[i][k] for k in live} if predicted[i] else {} for i in unsent],
-                       [prober.tokens] * len(unsent), left)
+                       [prober.tokens] * len(unsent), left, {k: w.label for k, w in live.items() if w.stand_in})
         if not order:
             probed.stopped = ("the probe budget is spent" if left < prober.tokens else
                               "no probe left in the pool separates them further")
@@ -262,6 +280,6 @@ def separate(prober: Prober, target, draft, candidates: dict, counts: ServedCoun
                                 steps):
             replays = {k: combined(replays[k], got[k]) if k in got else replays[k] for k in replays}
         _, ranked = judge(counts, [(w, replays[k]) for k, w in candidates.items()])
-        kept = {id(f.wiring) for f in ranked if f.matches}
+        kept = {id(f.wiring) for f in still_fitting(ranked)}
         live = {k: w for k, w in candidates.items() if id(w) in kept}
     return counts, replays, probed

@@ -33,6 +33,9 @@ class Wiring:
     dropped: str = ""  # why the fix first written for it is not printed as is (fix_proof.prove)
     # what the user's --engine-config holds as trained for it: the one line that fixes it, "make the server load ..."
     remedy: str | None = None
+    # one of several seeded samples of a hypothesis whose acceptance depends on which rows it is (another model's
+    # embedding, lm_head, d2t): the served copy holds rows none of them is, so the family is judged with its spread
+    stand_in: bool = False
     # () -> (the draft as the server runs it, a batch transform or None); None: the trained draft
     build: Callable[[], tuple[Any, Callable | None]] | None = field(default=None, compare=False, repr=False)
 
@@ -80,25 +83,69 @@ def _padded(values: list[float], n: int) -> list[float]:
     return list(values[:n]) + [0.0] * (n - len(values))
 
 
-def fit(served: AcceptanceRates, wiring: Wiring, replayed: AcceptanceRates) -> Fit:
+@dataclass(frozen=True)
+class Spread:
+    """How far a family of stand-ins' replays of the same text lie apart: Z sample standard deviations of each
+    position's rate and of τ. Added to the binomial noise (in quadrature) when one of them is judged."""
+
+    per_position: tuple[float, ...] = ()
+    tau: float = 0.0
+
+
+def family_spread(replays: list[AcceptanceRates]) -> Spread:
+    """The ``Spread`` of several stand-ins' replays of one text (none for fewer than two)."""
+    if len(replays) < 2:
+        return Spread()
+
+    def sd(values: list[float]) -> float:
+        mean = sum(values) / len(values)
+        return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+    positions = max(len(r.per_position) for r in replays)
+    rates = [_padded(r.per_position, positions) for r in replays]
+    return Spread(tuple(Z * sd([r[i] for r in rates]) for i in range(positions)), Z * sd([r.tau for r in replays]))
+
+
+def fit(served: AcceptanceRates, wiring: Wiring, replayed: AcceptanceRates, spread: Spread = Spread()) -> Fit:
     """How far ``replayed`` (``wiring``'s replay on the server's text) is from the server's counters, per
-    position (where the server counts them) and in τ, each in units of its noise over the server's drafts."""
+    position (where the server counts them) and in τ, each in units of its noise over the server's drafts
+    (widened by ``spread`` for a stand-in: its family's own spread on the same text)."""
     n = served.drafts
     positions = max(len(served.accepted_per_pos), len(replayed.accepted_per_pos)) if served.accepted_per_pos else 0
     mine = _padded(replayed.per_position, positions)
     theirs = _padded(served.per_position, positions)
-    noise = [rate_noise(p, n) for p in mine]
-    tau_half = tau_noise(_padded(replayed.per_position, len(replayed.accepted_per_pos)), n)
+    wide = _padded(list(spread.per_position), positions)
+    noise = [math.hypot(rate_noise(p, n), w) for p, w in zip(mine, wide)]
+    tau_half = math.hypot(tau_noise(_padded(replayed.per_position, len(replayed.accepted_per_pos)), n), spread.tau)
     gaps = [abs(s - r) / h for s, r, h in zip(theirs, mine, noise)] + [abs(served.tau - replayed.tau) / tau_half]
     return Fit(wiring, replayed, theirs, mine, noise, tau_half, max(gaps))
 
 
+def spreads(replays: list[tuple[Wiring, AcceptanceRates]]) -> dict[str, Spread]:
+    """label -> the spread of its stand-ins' replays (``family_spread``), for each family of stand-ins."""
+    families: dict[str, list[AcceptanceRates]] = {}
+    for w, r in replays:
+        if w.stand_in:
+            families.setdefault(w.label, []).append(r)
+    return {label: family_spread(rs) for label, rs in families.items()}
+
+
 def judge(served: AcceptanceRates, replays: list[tuple[Wiring, AcceptanceRates]]) -> tuple[Fit | None, list[Fit]]:
     """(the wiring that reproduces the server's counters within noise, or None; every fit, closest first): the
-    closest of those within noise, what the engine reads from its config before any other."""
-    ranked = sorted((fit(served, w, r) for w, r in replays), key=lambda f: f.score)
+    closest of those within noise, what the engine reads from its config before any other. A stand-in is judged
+    with its family's spread on this text."""
+    wide = spreads(replays)
+    ranked = sorted((fit(served, w, r, wide.get(w.label, Spread()) if w.stand_in else Spread()) for w, r in replays),
+                    key=lambda f: f.score)
     matches = sorted((f for f in ranked if f.matches), key=lambda f: not f.wiring.from_config)
     return (matches[0] if matches else None), ranked
+
+
+def still_fitting(ranked: list[Fit]) -> list[Fit]:
+    """The fits within noise, and with them every stand-in of a family one of whose stand-ins is: a family is
+    judged by its spread, which needs all of its stand-ins."""
+    families = {f.wiring.label for f in ranked if f.matches and f.wiring.stand_in}
+    return [f for f in ranked if f.matches or (f.wiring.stand_in and f.wiring.label in families)]
 
 
 # ---------------------------------------------------------------- replaying
