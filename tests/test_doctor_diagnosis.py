@@ -547,6 +547,33 @@ def tiny_export(tiny_draft, tmp_path_factory):
     return target, draft.eval(), root / "vllm" / "config.json"
 
 
+def test_the_users_export_holds_the_drafts_own_head_rows_and_a_copy_with_others_does_not(tiny_export, tmp_path):
+    """No config field shows the lm_head's rows: the checkpoint beside --engine-config is read. Where it holds the
+    draft's own rows (in the dtype stored), "another lm_head" is another copy's, fixed by loading the user's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eaglewire.doctor.fix_proof import holds_trained_head
+
+    _, draft, config_path = tiny_export
+    assert holds_trained_head(config_path.parent, draft)
+    copy = tmp_path / "copy"
+    shutil.copytree(config_path.parent, copy)
+    (weights,) = copy.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    name = next(k for k in tensors if k.endswith("lm_head.weight"))
+    tensors[name] = tensors[name].to(torch.bfloat16)  # an export in bf16: the same rows, rounded
+    save_file(tensors, str(weights))
+    assert holds_trained_head(copy, draft)
+    tensors[name] = tensors[name][torch.randperm(tensors[name].shape[0], generator=torch.Generator().manual_seed(3))]
+    save_file(tensors, str(weights))  # another model's rows
+    assert not holds_trained_head(copy, draft)
+    weights.write_bytes(weights.read_bytes()[:50])  # cut: nothing proven
+    assert not holds_trained_head(copy, draft)
+    assert not holds_trained_head(tmp_path / "nothing here", draft)
+
+
 def test_a_correct_engine_config_ranks_the_candidates_and_removes_none(tiny_export):
     """Issue 53's first case on a tiny target: the served copy sets norm_before_residual true, the user passes
     their correct config. Every variant is still replayed, and no fix that sets what the user's file already holds

@@ -51,7 +51,7 @@ import torch
 from eaglewire import engines
 from eaglewire.core.contract import default_aux_boundaries
 from eaglewire.doctor.evidence import MIN_LEAD, Z
-from eaglewire.doctor.fix_proof import LAYOUT, ConfigView, held_fields, prove
+from eaglewire.doctor.fix_proof import HEAD_ROWS, LAYOUT, ConfigView, held_fields, holds_trained_head, prove
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.probes import Probed, Prober, separate
 from eaglewire.doctor.wiring_fit import (POST_NORM, Fit, Wiring, capture_texts, fit, judge,  # noqa: F401 (re-exported)
@@ -249,7 +249,7 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
                           "(replayed with its rows permuted, several ways: the draft's ids mean other tokens)",
                           "with its own lm_head", refix or
                           "the served copy's lm_head.weight is not the trained one: write the draft's own "
-                          "lm_head.weight back (re-export with `eaglewire export`)", stand_in=True,
+                          "lm_head.weight back (re-export with `eaglewire export`)", stand_in=True, aspect=HEAD_ROWS,
                           build=lambda seed=seed: (other_head(draft, seed), None)))
     return out
 
@@ -357,6 +357,8 @@ def config_wirings(config, draft, declared: list[int], num_layers: int, arch: st
         return aspects(dict(reader(engine, edited, num_layers, declared, arch).readings), fields)
 
     held, differs = aspects(readings, reading)
+    if cfg is not None and holds_trained_head(path.parent, draft):  # the head's rows: no config field shows them
+        held.add(HEAD_ROWS)
     view = ConfigView(str(path), cfg, held, differs, reread if cfg is not None else None)
     if reading is None or not reading.found or not all(f.measurable for f in reading.found):
         return readings, [], [], view

@@ -20,6 +20,7 @@ import copy
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 LAYOUT = "layout"  # the aspect of a wiring that feeds other boundaries (the ids in the engine's config)
@@ -78,6 +79,29 @@ def held_fields(readings: dict[str, list[int]], declared: list[int], found: list
     return held | (set(fields) - set(found) if found is not None else set())
 
 
+HEAD_ROWS = "lm_head rows"  # an aspect no config field shows: the rows of the checkpoint's lm_head.weight
+
+
+def holds_trained_head(directory: Path, draft) -> bool:
+    """Whether the draft checkpoint beside an ``--engine-config`` (its ``*.safetensors``) holds the draft's own
+    lm_head rows, compared in the dtype stored (an export in bf16 rounds them): then "another lm_head" is another
+    copy's, and loading this one fixes it."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    mine = draft.lm_head.weight.detach().float().cpu()  # [Vd, H]
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as f:
+                name = next((k for k in f.keys() if k.endswith("lm_head.weight")), None)
+                if name is not None:
+                    rows = f.get_tensor(name)  # [Vd, H] as stored
+                    return tuple(rows.shape) == tuple(mine.shape) and torch.equal(rows, mine.to(rows.dtype))
+        except (OSError, SafetensorError):  # a cut or foreign file: nothing proven
+            return False
+    return False
+
+
 @dataclass(frozen=True)
 class ConfigView:
     """The user's ``--engine-config`` as the engine reads it: what it holds as trained, and how to read an edit."""
@@ -111,4 +135,4 @@ def prove(aspect: str | None, fix: str | None, view: ConfigView | None) -> tuple
 
 
 def _said(aspect: str) -> str:
-    return "the layers fed" if aspect == LAYOUT else aspect
+    return "the layers fed" if aspect == LAYOUT else "the draft's lm_head rows" if aspect == HEAD_ROWS else aspect
