@@ -67,11 +67,15 @@ def edited(export: Path, work: Path, name: str, changes: dict, tensor: str | Non
 
 def fix_gives_export_back(fix: str | None, served: Path, export: Path, tensor: str | None) -> bool | None:
     """Does the printed fix, applied to the served copy, give the export back? A fix that writes config keys:
-    applied to the served config and compared; a tensor fault: the fix names the re-export."""
+    applied to the served config and compared; a tensor fault: the fix names the re-export; the fix "make the server
+    load" the user's copy (every wiring left is one the user's --engine-config holds as trained): the export's own
+    directory named."""
     from eaglewire.doctor.fix_proof import apply_edit, config_edit
 
     if not fix:
         return None
+    if fix.startswith("make the server load "):
+        return fix.removeprefix("make the server load ").split(" (")[0] == str(export / "config.json")
     if tensor:
         return "eaglewire export" in fix
     edit = config_edit(fix)
