@@ -475,6 +475,48 @@ def test_the_diagnosis_runs_every_candidate_of_either_family(family, tiny_draft)
     assert "[0, 1, 2]" in labels and ("[1, 2, 4 post-norm]" in labels) == (family == "eagle3")
     assert all(POST_NORM not in c["layout"] for c in report.served["diagnosis"]["candidates"]) == (family == "dflash")
     assert ("norm_output true" in labels) == (family == "eagle3")  # field readings are EAGLE-3's
+    assert "another embedding" in labels and "another lm_head" in labels  # rows a served copy may ship: both families
+
+
+def test_a_dflash_drafts_foreign_rows_are_fed_as_a_served_copy_shipping_them(tiny_draft):
+    """vLLM's DFlash loads a checkpoint's own embed_tokens and lm_head where it ships them (qwen3_dflash.py
+    load_weights): another embedding reads the text's rows and the mask token's under one permutation; another
+    lm_head gives column i the head's logit of another id."""
+    from eaglewire.doctor.diagnosis import _permutation, other_block_embedding, other_block_head
+    from eaglewire.doctor.measure import Sequence, capture_batches
+    from tiny import random_dflash_draft
+
+    target, _ = tiny_draft
+    draft, _ = random_dflash_draft(target, [1, 2, 3], block_size=4)
+    text = torch.arange(3, 13)  # [T]
+    [batch] = capture_batches(target, draft, [Sequence("s", text, torch.arange(10) >= 4)], [1, 2, 3])
+    perm = _permutation(target.embed_tokens.weight.shape[0], 1)  # [V]
+    fed = other_block_embedding(target, draft, 1)(batch)
+    with torch.no_grad():
+        assert torch.equal(fed.emb, target.embed_tokens(perm[batch.input_ids]).to(fed.emb.dtype))
+        assert torch.equal(fed.mask_emb, target.embed_tokens(perm[[draft.config.mask_token_id]])[0].float())
+    assert not torch.equal(fed.emb, batch.emb) and torch.equal(fed.states[1], batch.states[1])
+    scored = other_block_head(draft, 1)(batch)
+    hidden = torch.randn(5, target.text_config.hidden_size)  # [N, H]
+    rows = _permutation(draft.config.draft_vocab_size, 1)  # [Vd]
+    assert torch.equal(scored.lm_head(hidden), batch.lm_head(hidden)[:, rows])
+
+
+def test_the_tensors_a_dflash_copy_does_not_ship_are_the_targets(tmp_path):
+    """A DFlash export ships no embed_tokens (and an lm_head only for a pruned vocabulary): the engine takes the
+    target's, as the draft was trained, so the user's copy holds those aspects. A cut file proves nothing."""
+    from safetensors.torch import save_file
+
+    from eaglewire.doctor.fix_proof import absent_tensors
+
+    names = ("embed_tokens.weight", "lm_head.weight")
+    assert absent_tensors(tmp_path, names) == set()  # no checkpoint: nothing proven
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    assert absent_tensors(tmp_path, names) == set(names)
+    save_file({"fc.weight": torch.zeros(2, 2), "lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    assert absent_tensors(tmp_path, names) == {"embed_tokens.weight"}
+    (tmp_path / "model.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes()[:40])
+    assert absent_tensors(tmp_path, names) == set()
 
 
 # ------------------------------------------------------------------ issue 53: every variant a served copy may hold

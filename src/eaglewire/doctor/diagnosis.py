@@ -51,7 +51,8 @@ import torch
 from eaglewire import engines
 from eaglewire.core.contract import default_aux_boundaries
 from eaglewire.doctor.evidence import MIN_LEAD, Z
-from eaglewire.doctor.fix_proof import HEAD_ROWS, LAYOUT, ConfigView, held_fields, holds_trained_head, prove
+from eaglewire.doctor.fix_proof import (HEAD_ROWS, LAYOUT, ConfigView, absent_tensors, held_fields, holds_trained_head,
+                                        prove)
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.probes import Probed, Prober, separate
 from eaglewire.doctor.wiring_fit import (POST_NORM, Fit, Wiring, capture_texts, fit, judge,  # noqa: F401 (re-exported)
@@ -254,6 +255,70 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
     return out
 
 
+def block_field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wiring]:
+    """A DFlash draft's rows a served copy may hold otherwise, each at the declared layout and replayed as
+    STAND_INS seeded stand-ins: the draft embeds its block (the anchor and the mask token) and scores it with the
+    target's rows unless the checkpoint ships its own, which vLLM loads where present (qwen3_dflash.py
+    load_weights: ``embed_tokens`` into the model, ``lm_head`` as is; the mask slot reads
+    embed_tokens[mask_token_id])."""
+    from eaglewire import engines
+
+    spec = engines.get(engine) if engine in engines.names() else None
+    lint = spec.linter if spec is not None else None
+    if spec is not None and spec.in_process:
+        return []  # it runs the draft directory as trained
+    refix = lint.field_fix if lint is not None else None
+    layout, out = tuple(declared), []
+    for seed in range(STAND_INS):
+        if lint is None or lint.draft_embedding:
+            out.append(Wiring(layout, "another embedding", "embeds the block (its anchor and mask tokens) with rows "
+                              "other than the target's (replayed with the target's rows permuted, several ways)",
+                              "with the target's embed_tokens", refix or
+                              "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
+                              "served draft checkpoint (the engine then shares the target's; re-export with "
+                              "`eaglewire export`)", aspect="embed_tokens", stand_in=True,
+                              build=lambda seed=seed: (draft, other_block_embedding(target, draft, seed))))
+        out.append(Wiring(layout, "another lm_head", "scores the block with lm_head rows other than the target's "
+                          "(replayed with them permuted, several ways: the draft's ids mean other tokens)",
+                          "with the target's lm_head", refix or
+                          "the served copy's lm_head.weight is not the target's: remove it from the served draft "
+                          "checkpoint (the engine then shares the target's; re-export with `eaglewire export`)",
+                          aspect="lm_head", stand_in=True,
+                          build=lambda seed=seed: (draft, other_block_head(draft, seed))))
+    return out
+
+
+def other_block_embedding(target, draft, seed: int = 0) -> Callable:
+    """The batch transform that feeds a DFlash draft another embedding than the target's: the text's and the mask
+    token's rows both read under a seeded permutation of the vocabulary, as a served copy's own embed_tokens is."""
+    from eaglewire.model.dflash_blocks import mask_embedding
+
+    perm = _permutation(target.embed_tokens.weight.shape[0], seed).to(target.device)  # [V]
+    text = other_embedding(target, seed)
+    mask = mask_embedding(draft, lambda ids: target.embed_tokens(perm[ids]), target.device)  # [H]
+
+    def fed(batch):
+        return replace(text(batch), mask_emb=mask.to(batch.mask_emb.device, batch.mask_emb.dtype))
+
+    return fed
+
+
+def other_block_head(draft, seed: int = 0) -> Callable:
+    """The batch transform that scores a DFlash draft's block with permuted head rows (seeded): logit i is the
+    trained head's logit of another id, as a served copy's foreign lm_head.weight gives it."""
+    perm = _permutation(draft.config.draft_vocab_size, seed)  # [Vd] the head's rows (Vd = V: the whole head)
+
+    def fed(batch):
+        head = batch.lm_head
+
+        def scored(hidden):  # [N, H] -> [N, Vd]: column i the trained head's logit of id perm[i]
+            return head(hidden)[:, perm.to(hidden.device)]
+
+        return replace(batch, lm_head=scored)
+
+    return fed
+
+
 def _permutation(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # [n]
 
@@ -357,8 +422,11 @@ def config_wirings(config, draft, declared: list[int], num_layers: int, arch: st
         return aspects(dict(reader(engine, edited, num_layers, declared, arch).readings), fields)
 
     held, differs = aspects(readings, reading)
-    if cfg is not None and holds_trained_head(path.parent, draft):  # the head's rows: no config field shows them
+    if cfg is not None and not dflash and holds_trained_head(path.parent, draft):  # no config field shows the rows
         held.add(HEAD_ROWS)
+    if cfg is not None and dflash:  # a tensor the copy does not ship is the target's: the draft was trained so
+        absent = absent_tensors(path.parent, ("embed_tokens.weight", "lm_head.weight"))
+        held |= {name.split(".")[0] for name in absent}
     view = ConfigView(str(path), cfg, held, differs, reread if cfg is not None else None)
     if reading is None or not reading.found or not all(f.measurable for f in reading.found):
         return readings, [], [], view
@@ -576,8 +644,7 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
     wirings = layout_wirings(declared, L, readings, fix, post_norm=not dflash) + from_config
     if not spec.in_process:
         wirings += order_wirings(engine, declared, L)
-    if not dflash:
-        wirings += field_wirings(engine, draft, target, declared)
+    wirings += (block_field_wirings if dflash else field_wirings)(engine, draft, target, declared)
     if engines.get(engine).linter.layout_fix is not None:  # its fix names the layout it was fed
         wirings = [replace(w, fix=layout_fix(report, config, declared, L, arch, dflash, list(w.layout)))
                    if w.fix == fix else w for w in wirings]

@@ -102,6 +102,25 @@ def holds_trained_head(directory: Path, draft) -> bool:
     return False
 
 
+def absent_tensors(directory: Path, names: tuple[str, ...]) -> set[str]:
+    """Of ``names`` (tensor names, matched as suffixes), those no ``*.safetensors`` beside an ``--engine-config``
+    carries: the engine takes the target's rows for those (a DFlash export ships no embed_tokens, and an lm_head
+    only for a pruned vocabulary). None proven where there is no checkpoint or one cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return set()
+    keys: list[str] = []
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                keys += list(f.keys())
+        except (OSError, SafetensorError):  # a cut or foreign file: nothing proven
+            return set()
+    return {name for name in names if not any(k.endswith(name) for k in keys)}
+
+
 @dataclass(frozen=True)
 class ConfigView:
     """The user's ``--engine-config`` as the engine reads it: what it holds as trained, and how to read an edit."""
