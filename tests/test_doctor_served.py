@@ -93,11 +93,15 @@ def test_engine_url_is_taken_for_every_engine_that_can_be_measured():
 
 @contextmanager
 def stub_server(routes: dict[str, list]):
-    """A loopback HTTP server answering each path with the next body of its list (JSON or text)."""
+    """A loopback HTTP server answering each path with the next body of its list (JSON, text, or an int: that HTTP
+    error)."""
     calls: list[tuple[str, dict | None]] = []
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, body):
+            if isinstance(body, int):
+                self.send_error(body)
+                return
             data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -182,6 +186,28 @@ def test_a_server_that_is_not_there_is_named():
         port = s.getsockname()[1]
     with pytest.raises(ServedError, match="--engine-url"):
         vllm.measure_served(f"http://127.0.0.1:{port}", [[1]], max_new_tokens=2, timeout=5)
+
+
+def test_a_server_failing_on_the_requests_is_told_from_one_that_is_not_there():
+    """vLLM serving a copy whose d2t holds absolute ids dies at the first draft and answers 500 (BENCHMARKS.md,
+    against a real vLLM): the fix names the copy it cannot compute with and the user's copy to restart it on, not
+    the URL."""
+    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.served import unanswered_fix
+    from eaglewire.engines import vllm
+
+    config = DoctorConfig(draft="d", engine="vllm", engine_url="http://x", engine_config="/exports/mine/config.json")
+    with stub_server({"/metrics": [vllm_metrics(1, 3, 1, [1, 0, 0])], "/v1/completions": [500]}) as (url, _):
+        with pytest.raises(ServedError, match="answered 500") as failed:
+            vllm.measure_served(url, [[1]], max_new_tokens=2)
+    fix = unanswered_fix(failed.value, config)
+    assert "failed on a request" in fix and "absolute target ids" in fix and "restart it on /exports/mine" in fix
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ServedError) as absent:
+        vllm.measure_served(f"http://127.0.0.1:{port}", [[1]], max_new_tokens=2, timeout=5)
+    assert unanswered_fix(absent.value, config).startswith("check that --engine-url http://x is the vllm server")
 
 
 # ------------------------------------------------------------------ eaglewire's server end to end

@@ -15,6 +15,8 @@ Shapes: S draft steps, T tokens.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+
 import torch
 
 from eaglewire import engines
@@ -23,7 +25,7 @@ from eaglewire.doctor.evidence import wilson_bounds
 from eaglewire.doctor.measure import Sequence, capture_batches, step_rightness
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.served_replay import SERVED_TAU_TOLERANCE, Replayed, replay_chain  # noqa: F401 (re-exported)
-from eaglewire.engines.served_counts import ServedCounts, ServedError
+from eaglewire.engines.served_counts import ServedCounts, ServedError, server_failed
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,18 @@ def served_check(counts: ServedCounts, replayed: Replayed, report: DoctorReport)
                  "noise)", evidence)
 
 
+def unanswered_fix(error: ServedError, config) -> str:
+    """What to do when the server did not answer the doctor's requests: a server that failed on them (HTTP 5xx)
+    runs a copy it cannot compute with; otherwise the URL is not this draft's server."""
+    if not server_failed(error):
+        return f"check that --engine-url {config.engine_url} is the {config.engine} server serving this draft"
+    load = (f"restart it on {Path(config.engine_config).parent} (your --engine-config's copy)" if config.engine_config
+            else "re-export the draft with `eaglewire export` and restart it on that")
+    return (f"the {config.engine} server failed on a request: its log says why. A served draft copy with tensors "
+            "the engine cannot compute with fails so at the first draft (a d2t written as absolute target ids where "
+            f"the engine reads offsets indexes past the vocabulary): {load}")
+
+
 def check_served(report: DoctorReport, config, target, draft, layout: list[int], sequences: list[Sequence],
                  default_steps: int) -> Check:
     """Measure the server at ``config.engine_url`` on the held-out prompts and judge it."""
@@ -130,8 +144,7 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
             counts = spec.measure(config.engine_url, prompts, max_new_tokens=config.engine_tokens)
     except ServedError as e:
         return report.add(Check("served acceptance", "fail", f"could not read the served acceptance: {e}",
-                                fix=f"check that --engine-url {config.engine_url} is the {config.engine} server "
-                                    "serving this draft"))
+                                fix=unanswered_fix(e, config)))
     steps = chain_length(counts, default_steps)
     with report.timed("served: replay"):
         replayed = replay_served(target, draft, layout, prompts, counts.outputs, steps)

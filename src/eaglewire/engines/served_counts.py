@@ -90,6 +90,13 @@ def post_json(url: str, body: dict, *, timeout: float, who: str, error: type[Exc
         raise error(f"{who} at {url} answered something that is not JSON ({e})") from e
 
 
+def server_failed(error: Exception) -> bool:
+    """Whether ``error`` (raised by ``post_json`` or ``get_text``) is the server's own failure on a request (an
+    HTTP 5xx), not a server that cannot be reached or answers something else."""
+    cause = error.__cause__
+    return isinstance(cause, urllib.error.HTTPError) and cause.code >= 500
+
+
 def get_text(url: str, *, timeout: float, who: str) -> str | None:
     """GET ``url`` as text; None when the server has no such route (404, 501: e.g. metrics off)."""
     try:
