@@ -11,7 +11,6 @@ the replay of the same draft on the server's own text; and where the doctor has 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
@@ -104,22 +103,10 @@ def test_served_the_flag_is_served_far_below_the_replay_and_the_served_check_fai
     assert checks["engine version"].verdict == "ok" and "0.32.0" in checks["engine version"].summary
 
 
-def _diagnosis_reads_vllm_norm_flags() -> bool:
-    """The doctor has a served-wiring diagnosis that replays vLLM's norm flags (the flags an engine reads are its
-    linter's ``norm_flags``; an earlier form kept them in diagnosis.ENGINE_NORMS)."""
-    if importlib.util.find_spec("eaglewire.doctor.diagnosis") is None:
-        return False
-    from eaglewire import engines
-    from eaglewire.doctor import diagnosis
-
-    flags = (getattr(engines.get("vllm").linter, "norm_flags", None)
-             or getattr(diagnosis, "ENGINE_NORMS", {}).get("vllm", ()))
-    return hasattr(diagnosis, "diagnose") and FLAG in flags
-
-
 def test_served_the_wiring_diagnosis_names_the_flag(served):
-    if not _diagnosis_reads_vllm_norm_flags():
-        pytest.skip("the doctor has no served-wiring diagnosis of vLLM's norm flags (doctor/diagnosis.py)")
+    from eaglewire import engines
+
+    assert FLAG in engines.get("vllm").linter.norm_flags  # the flags the diagnosis replays are the ones vLLM reads
     report, checks, _ = served
     check = checks["served wiring"]
     print(f"served wiring: {check.verdict}: {check.summary}\nfix: {check.fix}")

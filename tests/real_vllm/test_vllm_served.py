@@ -1,9 +1,11 @@
-"""The real vLLM serving the reference EAGLE-3 draft on SmolLM2 (three server starts for the module: plain,
-the export as written, the export with the seeds' fault in its config).
+"""The real vLLM serving the reference EAGLE-3 draft on SmolLM2 (five server starts for the module: plain,
+the export as written, the export with the seeds' fault in its config, and copies holding another model's
+embedding or lm_head).
 
 (a) greedy outputs with the draft are vLLM's plain outputs; (b) the τ vLLM's own counters report is the
 doctor's replay of the same draft on those outputs; (c) an export whose ``eagle_aux_hidden_state_layer_ids``
-names other layers ([0, 2, 15]) is served far below the replay, and the doctor's served check says so.
+names other layers ([0, 2, 15]) is served far below the replay, and the doctor's served check says so;
+(d) another model's rows in the served copy are told from the user's export, with one fix.
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ def _measured(server, prompts):
     return counts, answer, server.draft_totals()
 
 
-def _doctor_served(server, target, reference, prompts, held_out):
+def _doctor_served(server, target, reference, prompts, held_out, engine_config=None):
     """The doctor's served check (and, where it fails, its served-wiring diagnosis with probes) against the running
-    ``server`` on ``prompts``, ``held_out`` left for its probe pool: the report."""
+    ``server`` on ``prompts``, ``held_out`` left for its probe pool, ``engine_config`` the copy the user holds:
+    the report."""
     import torch
 
     from eaglewire.doctor.config import DoctorConfig
@@ -103,7 +106,7 @@ def _doctor_served(server, target, reference, prompts, held_out):
                  for i, p in enumerate(prompts + held_out)]
     report = DoctorReport("reference", "smollm2-135m")
     config = DoctorConfig(draft="reference", engine="vllm", engine_url=server.url, engine_prompts=len(prompts),
-                          engine_tokens=NEW_TOKENS)
+                          engine_tokens=NEW_TOKENS, engine_config=engine_config and str(engine_config))
     check_served(report, config, target, draft, layout, sequences, CHAIN)
     return report
 
@@ -148,6 +151,32 @@ def faulty(vllm_installation, served_files, prompts, prompt_sets, smollm2_target
     (measured, report), record = _serve(vllm_installation, ServedFiles(target=files.target, draft=bad),
                                         Shape(n_max=CHAIN), work / "faulty.log", work_on)
     return measured, record, report
+
+
+FOREIGN_SEED = 11  # another model's rows: a permutation of the export's that none of the doctor's stand-ins (0-2) is
+
+
+@pytest.fixture(scope="module", params=["embed_tokens.weight", "lm_head.weight"])
+def foreign(request, vllm_installation, served_files, prompts, prompt_sets, smollm2_target, reference):
+    """A served copy whose one tensor holds another model's rows; the user's ``--engine-config`` is the export as
+    written (the server loads the other copy): (the tensor, the doctor's report)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    work, files = served_files
+    name = request.param
+    bad = work / f"vllm-export-another-{name.split('.')[0]}"
+    shutil.copytree(files.draft, bad)
+    tensors = load_file(bad / "model.safetensors")
+    rows = tensors[name]  # [V or Vd, H]
+    tensors[name] = rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(FOREIGN_SEED))]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    user_config = files.draft / "config.json"
+    report, _ = _serve(vllm_installation, ServedFiles(target=files.target, draft=bad), Shape(n_max=CHAIN),
+                       work / f"{bad.name}.log",
+                       lambda s: _doctor_served(s, smollm2_target, reference, prompts,
+                                                [p for ps in prompt_sets for p in ps], engine_config=user_config))
+    return name, report
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +279,26 @@ def test_the_seeds_fault_is_among_what_the_diagnosis_names_and_its_fix_gives_the
     served = json.loads((work / "vllm-export-faulty" / "config.json").read_text())
     fixed = apply_edit(served, config_edit(layout_fix))
     assert fixed == json.loads((files.draft / "config.json").read_text())
+
+
+def test_another_models_rows_in_the_served_copy_are_told_and_the_one_fix_is_to_serve_the_users_export(
+        served_files, foreign):
+    """The served copy's embedding or lm_head holds another model's rows (none of the doctor's stand-ins), the user
+    passes the export as written: the draft accepts less (another embedding) or nothing (another lm_head). The
+    embedding is named among the wirings replayed (its stand-ins judged with their spread); a foreign head at τ ≈ 1
+    looks like a missing d2t or the target's head on any text, but the user's copy holds all of them as trained
+    (its config and its checkpoint's lm_head rows), so what is served is another copy, and the one fix printed is
+    to serve the user's, which is the export vLLM serves at the replay's τ (test_served_tau_is_the_replay...)."""
+    _, files = served_files
+    name, report = foreign
+    check = {c.name: c for c in report.checks}["served wiring"]
+    diagnosis = report.served["diagnosis"]
+    print(name, report.served["tau"], report.served["replayed_tau"], check.summary, "\nfix:", check.fix,
+          "\nprobes:", diagnosis["probes"])
+    assert check.verdict == "fail", check
+    family = {"embed_tokens.weight": "another embedding", "lm_head.weight": "another lm_head"}[name]
+    assert family in diagnosis["within_noise"], diagnosis
+    if name == "embed_tokens.weight":
+        assert diagnosis["match"]["label"] == family, diagnosis
+    assert check.fix.startswith(f"make the server load {files.draft / 'config.json'}"), check.fix
+    assert "; or " not in check.fix  # one fix, not a list to try
