@@ -1,4 +1,5 @@
-"""The real vLLM serving a DFlash draft (``"method": "dflash"``) on SmolLM2: one server start for the module.
+"""The real vLLM serving a DFlash draft (``"method": "dflash"``) on SmolLM2: two server starts for the module
+(the export as written, and a copy whose checkpoint ships another model's embed_tokens).
 
 The draft is trained here, in about two minutes: five prompts ask SmolLM2 to repeat a pattern, the assistant
 reply starting with two repeats; the data is SmolLM2's own greedy continuation of them (eaglewire's plain
@@ -11,7 +12,9 @@ rows). vLLM then serves the same prompts at a chain of BLOCK - 1 (its DFlash dra
 server start for vLLM's plain outputs: fp32 on both sides, on text the target is sure of; the EAGLE-3 module
 shows vLLM's plain outputs are its speculative ones); (b) the τ vLLM's own counters report is the doctor's
 replay of the draft on those outputs (``served.replay_served``, which runs a DFlash draft's blocks) and
-eaglewire's own DFlash decoding of the same prompts at the same block shape.
+eaglewire's own DFlash decoding of the same prompts at the same block shape; (c) a served copy shipping another
+model's embed_tokens (vLLM then embeds the block, its mask token too, with those rows) is served far below the
+replay, and the doctor, given the user's export, names another embedding and the one fix: serve the export.
 """
 
 from __future__ import annotations
@@ -176,3 +179,62 @@ def test_vllm_reads_the_export_as_a_dflash_block_of_the_trained_size(served):
     text = (files.draft / "SERVING.md").read_text()
     spec = {"method": "dflash", "model": os.fspath(files.draft.resolve()), "num_speculative_tokens": CHAIN}
     assert f"--speculative-config '{json.dumps(spec)}'" in text
+
+
+FOREIGN_SEED = 11  # another model's rows: the target's permuted, by a seed none of the doctor's stand-ins (0-2) uses
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory, vllm_installation, served, trained, draft, smollm2_target):
+    """vLLM serving a copy of the export whose checkpoint also ships embed_tokens.weight of another model (the
+    target's rows permuted), the doctor's served check against it with the user's export as --engine-config."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.measure import Sequence
+    from eaglewire.doctor.report import DoctorReport
+    from eaglewire.doctor.served import check_served
+    from eaglewire.engines.interface import ServedFiles
+    from eaglewire.engines.vllm.server import RUNTIME
+
+    files = served[0]
+    draft_dir, prompts = trained
+    dflash, contract = draft
+    copy = tmp_path_factory.mktemp("vllm-dflash-foreign") / "another-embedding"
+    shutil.copytree(files.draft, copy)
+    [weights] = copy.glob("*.safetensors")
+    tensors = load_file(weights)
+    assert not any(k.endswith("embed_tokens.weight") for k in tensors)  # the export shares the target's
+    rows = smollm2_target.embed_tokens.weight.detach().float().cpu()  # [V, H]
+    tensors["embed_tokens.weight"] = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(
+        FOREIGN_SEED))].contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    ids = [p for p, _ in prompts]
+    sequences = [Sequence(f"p{i}", torch.tensor(p + [0]), torch.arange(len(p) + 1) >= len(p))
+                 for i, p in enumerate(ids)]
+    settings = RunSettings(install=str(vllm_installation.python))
+    with RUNTIME.serve(ServedFiles(target=files.target, draft=copy, family=files.family), Shape(n_max=CHAIN), settings,
+                       log_path=copy / "vllm.log") as server:
+        pgid = server._proc.pid
+        report = DoctorReport(str(draft_dir), "smollm2-135m")
+        config = DoctorConfig(draft=str(draft_dir), engine="vllm", engine_url=server.url, engine_prompts=len(ids),
+                              engine_tokens=NEW_TOKENS, engine_config=str(files.draft / "config.json"))
+        check_served(report, config, smollm2_target, dflash, list(contract.aux_boundaries), sequences, CHAIN)
+    assert _group_gone(pgid), f"vLLM's processes (group {pgid}) outlived the server: see {copy / 'vllm.log'}"
+    return files, copy, report
+
+
+def test_a_served_copy_with_another_embedding_is_named_and_the_one_fix_is_to_serve_the_users_export(foreign):
+    files, copy, report = foreign
+    checks = {c.name: c for c in report.checks}
+    assert report.served.get("tau") is not None, report.render()  # the server answered
+    print(f"another embedding: served τ {report.served['tau']:.3f} vs replayed {report.served['replayed_tau']:.3f}")
+    assert "Detected EAGLE model with distinct embed_tokens" in (copy / "vllm.log").read_text()  # vLLM read them
+    assert report.served["tau"] < report.served["replayed_tau"] - 0.3, report.served
+    check = checks["served wiring"]
+    diagnosis = report.served["diagnosis"]
+    print(check.summary, "\nfix:", check.fix, "\nprobes:", diagnosis["probes"])
+    assert check.verdict == "fail" and diagnosis["match"]["label"] == "another embedding", diagnosis
+    assert check.fix.startswith(f"make the server load {files.draft / 'config.json'}"), check.fix
