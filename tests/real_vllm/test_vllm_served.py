@@ -1,11 +1,11 @@
-"""The real vLLM serving the reference EAGLE-3 draft on SmolLM2 (five server starts for the module: plain,
-the export as written, the export with the seeds' fault in its config, and copies holding another model's
-embedding or lm_head).
+"""The real vLLM serving the reference EAGLE-3 draft on SmolLM2 (seven server starts for the module: plain,
+the export as written, the export with the seeds' fault in its config, and copies differing from it one way
+each: another model's embedding or lm_head, norm_output, d2t as absolute ids).
 
 (a) greedy outputs with the draft are vLLM's plain outputs; (b) the τ vLLM's own counters report is the
 doctor's replay of the same draft on those outputs; (c) an export whose ``eagle_aux_hidden_state_layer_ids``
 names other layers ([0, 2, 15]) is served far below the replay, and the doctor's served check says so;
-(d) another model's rows in the served copy are told from the user's export, with one fix.
+(d) a served copy differing one way from the user's export gets one fix: serve the user's export.
 """
 
 from __future__ import annotations
@@ -154,29 +154,45 @@ def faulty(vllm_installation, served_files, prompts, prompt_sets, smollm2_target
 
 
 FOREIGN_SEED = 11  # another model's rows: a permutation of the export's that none of the doctor's stand-ins (0-2) is
+# A served copy differing from the user's export one way -> what the doctor names (None: a set it cannot split)
+ONE_WAY = {"another embedding": "another embedding", "another lm_head": None, "norm_output true": "norm_output true",
+           "d2t written as absolute ids": None}
 
 
-@pytest.fixture(scope="module", params=["embed_tokens.weight", "lm_head.weight"])
-def foreign(request, vllm_installation, served_files, prompts, prompt_sets, smollm2_target, reference):
-    """A served copy whose one tensor holds another model's rows; the user's ``--engine-config`` is the export as
-    written (the server loads the other copy): (the tensor, the doctor's report)."""
+def _edited_copy(export, out, kind: str):
+    """A copy of ``export`` at ``out`` differing from it in ``kind`` (a key of ONE_WAY)."""
     import torch
     from safetensors.torch import load_file, save_file
 
+    shutil.copytree(export, out)
+    if kind == "norm_output true":
+        config = json.loads((out / "config.json").read_text())
+        assert config["norm_output"] is False
+        (out / "config.json").write_text(json.dumps({**config, "norm_output": True}, indent=2))
+        return out
+    tensors = load_file(out / "model.safetensors")
+    if kind == "d2t written as absolute ids":  # offsets -> target ids: vLLM adds arange again, past the vocabulary
+        tensors["d2t"] = tensors["d2t"] + torch.arange(len(tensors["d2t"]), dtype=tensors["d2t"].dtype)
+    else:
+        name = {"another embedding": "embed_tokens.weight", "another lm_head": "lm_head.weight"}[kind]
+        rows = tensors[name]  # [V or Vd, H]
+        tensors[name] = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(FOREIGN_SEED))]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module", params=list(ONE_WAY))
+def one_way(request, vllm_installation, served_files, prompts, prompt_sets, smollm2_target, reference):
+    """A served copy differing from the export one way; the user's ``--engine-config`` is the export as written
+    (the server loads the other copy): (the kind, the doctor's report)."""
     work, files = served_files
-    name = request.param
-    bad = work / f"vllm-export-another-{name.split('.')[0]}"
-    shutil.copytree(files.draft, bad)
-    tensors = load_file(bad / "model.safetensors")
-    rows = tensors[name]  # [V or Vd, H]
-    tensors[name] = rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(FOREIGN_SEED))]
-    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
-    user_config = files.draft / "config.json"
-    report, _ = _serve(vllm_installation, ServedFiles(target=files.target, draft=bad), Shape(n_max=CHAIN),
-                       work / f"{bad.name}.log",
+    copy = _edited_copy(files.draft, work / request.param.replace(" ", "-"), request.param)
+    report, _ = _serve(vllm_installation, ServedFiles(target=files.target, draft=copy), Shape(n_max=CHAIN),
+                       work / f"{copy.name}.log",
                        lambda s: _doctor_served(s, smollm2_target, reference, prompts,
-                                                [p for ps in prompt_sets for p in ps], engine_config=user_config))
-    return name, report
+                                                [p for ps in prompt_sets for p in ps],
+                                                engine_config=files.draft / "config.json"))
+    return request.param, report
 
 
 @pytest.fixture(scope="module")
@@ -281,24 +297,31 @@ def test_the_seeds_fault_is_among_what_the_diagnosis_names_and_its_fix_gives_the
     assert fixed == json.loads((files.draft / "config.json").read_text())
 
 
-def test_another_models_rows_in_the_served_copy_are_told_and_the_one_fix_is_to_serve_the_users_export(
-        served_files, foreign):
-    """The served copy's embedding or lm_head holds another model's rows (none of the doctor's stand-ins), the user
-    passes the export as written: the draft accepts less (another embedding) or nothing (another lm_head). The
-    embedding is named among the wirings replayed (its stand-ins judged with their spread); a foreign head at τ ≈ 1
-    looks like a missing d2t or the target's head on any text, but the user's copy holds all of them as trained
-    (its config and its checkpoint's lm_head rows), so what is served is another copy, and the one fix printed is
-    to serve the user's, which is the export vLLM serves at the replay's τ (test_served_tau_is_the_replay...)."""
+def test_a_served_copy_differing_one_way_from_the_users_export_gets_the_one_fix_of_serving_it(served_files,
+                                                                                            one_way):
+    """Issue 53's served copies, the user passing the export as written. Where the draft still accepts something
+    (another embedding: none of the doctor's stand-ins, judged with their spread; norm_output) the difference is
+    named; a foreign head at τ ≈ 1 looks like a missing d2t or the target's head on any text, and the set is said.
+    Each is one the user's copy holds as trained (its config; its checkpoint's lm_head rows), so the one fix is to
+    serve it: the export vLLM serves at the replay's τ (test_served_tau_is_the_replay_of_the_same_draft). d2t as
+    absolute ids kills vLLM's engine at the first draft (HTTP 500): the fix says what fails so and to restart it on
+    the user's copy."""
     _, files = served_files
-    name, report = foreign
-    check = {c.name: c for c in report.checks}["served wiring"]
+    kind, report = one_way
+    checks = {c.name: c for c in report.checks}
+    served = checks["served acceptance"]
+    load = f"make the server load {files.draft / 'config.json'}"
+    if kind == "d2t written as absolute ids":
+        print(served.summary, "\nfix:", served.fix)
+        assert served.verdict == "fail" and "answered 500" in served.summary, served
+        assert "absolute target ids" in served.fix and f"restart it on {files.draft}" in served.fix, served.fix
+        return
+    check = checks["served wiring"]
     diagnosis = report.served["diagnosis"]
-    print(name, report.served["tau"], report.served["replayed_tau"], check.summary, "\nfix:", check.fix,
+    print(kind, report.served["tau"], report.served["replayed_tau"], check.summary, "\nfix:", check.fix,
           "\nprobes:", diagnosis["probes"])
-    assert check.verdict == "fail", check
-    family = {"embed_tokens.weight": "another embedding", "lm_head.weight": "another lm_head"}[name]
-    assert family in diagnosis["within_noise"], diagnosis
-    if name == "embed_tokens.weight":
-        assert diagnosis["match"]["label"] == family, diagnosis
-    assert check.fix.startswith(f"make the server load {files.draft / 'config.json'}"), check.fix
+    assert check.verdict == "fail" and kind in diagnosis["within_noise"], diagnosis
+    if ONE_WAY[kind] is not None:
+        assert diagnosis["match"]["label"] == ONE_WAY[kind], diagnosis
+    assert check.fix.startswith(load), check.fix
     assert "; or " not in check.fix  # one fix, not a list to try
