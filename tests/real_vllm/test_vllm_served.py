@@ -1,6 +1,6 @@
-"""The real vLLM serving the reference EAGLE-3 draft on SmolLM2 (seven server starts for the module: plain,
+"""The real vLLM serving the reference EAGLE-3 draft on SmolLM2 (nine server starts for the module: plain,
 the export as written, the export with the seeds' fault in its config, and copies differing from it one way
-each: another model's embedding or lm_head, norm_output, d2t as absolute ids).
+each: another model's embedding or lm_head, three norm flags, d2t as absolute ids).
 
 (a) greedy outputs with the draft are vLLM's plain outputs; (b) the τ vLLM's own counters report is the
 doctor's replay of the same draft on those outputs; (c) an export whose ``eagle_aux_hidden_state_layer_ids``
@@ -156,7 +156,7 @@ def faulty(vllm_installation, served_files, prompts, prompt_sets, smollm2_target
 FOREIGN_SEED = 11  # another model's rows: a permutation of the export's that none of the doctor's stand-ins (0-2) is
 # A served copy differing from the user's export one way -> what the doctor names (None: a set it cannot split)
 ONE_WAY = {"another embedding": "another embedding", "another lm_head": None, "norm_output true": "norm_output true",
-           "d2t written as absolute ids": None}
+           "norm_before_fc true": None, "fc_norm true": None, "d2t written as absolute ids": None}
 
 
 def _edited_copy(export, out, kind: str):
@@ -165,10 +165,11 @@ def _edited_copy(export, out, kind: str):
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(export, out)
-    if kind == "norm_output true":
+    if kind.endswith(" true"):  # a norm flag vLLM reads, set where the draft was trained without it
+        flag = kind.removesuffix(" true")
         config = json.loads((out / "config.json").read_text())
-        assert config["norm_output"] is False
-        (out / "config.json").write_text(json.dumps({**config, "norm_output": True}, indent=2))
+        assert config[flag] is False
+        (out / "config.json").write_text(json.dumps({**config, flag: True}, indent=2))
         return out
     tensors = load_file(out / "model.safetensors")
     if kind == "d2t written as absolute ids":  # offsets -> target ids: vLLM adds arange again, past the vocabulary
@@ -301,7 +302,8 @@ def test_a_served_copy_differing_one_way_from_the_users_export_gets_the_one_fix_
                                                                                             one_way):
     """Issue 53's served copies, the user passing the export as written. Where the draft still accepts something
     (another embedding: none of the doctor's stand-ins, judged with their spread; norm_output) the difference is
-    named; a foreign head at τ ≈ 1 looks like a missing d2t or the target's head on any text, and the set is said.
+    named; at τ ≈ 1 (a foreign head, norm_before_fc, fc_norm) several faults look alike on any text (a missing d2t,
+    the target's head, other norm flags, the seeds' ids), and the set is said.
     Each is one the user's copy holds as trained (its config; its checkpoint's lm_head rows), so the one fix is to
     serve it: the export vLLM serves at the replay's τ (test_served_tau_is_the_replay_of_the_same_draft). d2t as
     absolute ids kills vLLM's engine at the first draft (HTTP 500): the fix says what fails so and to restart it on
