@@ -237,22 +237,25 @@ def field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wirin
         out.append(Wiring(layout, "the target's lm_head", "scores the draft's tokens with the target's lm_head over "
                           f"its whole vocabulary ({V:,} ids)", f"with its own lm_head over {Vd:,} draft ids", fix,
                           aspect="lm_head", build=lambda: target_head_draft(draft, target)))
-    for seed in range(STAND_INS):  # another model's rows, replayed as several seeded stand-ins (see STAND_INS)
-        if lint is None or lint.draft_embedding:  # an engine that always embeds with the target's rows: none
-            out.append(Wiring(layout, "another embedding", "embeds the tokens with rows other than the target's "
-                              "(replayed with the target's rows permuted, several ways)",
-                              "with the target's embed_tokens", refix or
-                              "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
-                              "served draft checkpoint or write the target's rows there (re-export with `eaglewire "
-                              "export`)", aspect="embed_tokens", stand_in=True,
-                              build=lambda seed=seed: (draft, other_embedding(target, seed))))
-        out.append(Wiring(layout, "another lm_head", "scores the draft's tokens with lm_head rows other than its own "
-                          "(replayed with its rows permuted, several ways: the draft's ids mean other tokens)",
-                          "with its own lm_head", refix or
-                          "the served copy's lm_head.weight is not the trained one: write the draft's own "
-                          "lm_head.weight back (re-export with `eaglewire export`)", stand_in=True, aspect=HEAD_ROWS,
-                          build=lambda seed=seed: (other_head(draft, seed), None)))
-    return out
+    embedding = ("another embedding", "embeds the tokens with rows other than the target's (replayed with the "
+                 "target's rows permuted, several ways)", "with the target's embed_tokens", refix or
+                 "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the served "
+                 "draft checkpoint or write the target's rows there (re-export with `eaglewire export`)",
+                 "embed_tokens", lambda seed: (draft, other_embedding(target, seed)))
+    head = ("another lm_head", "scores the draft's tokens with lm_head rows other than its own (replayed with its rows "
+            "permuted, several ways: the draft's ids mean other tokens)", "with its own lm_head", refix or
+            "the served copy's lm_head.weight is not the trained one: write the draft's own lm_head.weight back "
+            "(re-export with `eaglewire export`)", HEAD_ROWS, lambda seed: (other_head(draft, seed), None))
+    embeds = lint is None or lint.draft_embedding  # an engine that always embeds with the target's rows: none
+    return out + row_stand_ins(layout, [embedding, head] if embeds else [head])
+
+
+def row_stand_ins(layout: tuple[int, ...], families: list[tuple]) -> list[Wiring]:
+    """Each family of another model's rows, (label, what, trained, fix, aspect, build(seed)), as STAND_INS seeded
+    stand-ins (see STAND_INS), seed by seed."""
+    return [Wiring(layout, label, what, trained, fix, aspect=aspect, stand_in=True,
+                   build=lambda build=build, seed=seed: build(seed))
+            for seed in range(STAND_INS) for label, what, trained, fix, aspect, build in families]
 
 
 def block_field_wirings(engine: str, draft, target, declared: list[int]) -> list[Wiring]:
@@ -268,24 +271,18 @@ def block_field_wirings(engine: str, draft, target, declared: list[int]) -> list
     if spec is not None and spec.in_process:
         return []  # it runs the draft directory as trained
     refix = lint.field_fix if lint is not None else None
-    layout, out = tuple(declared), []
-    for seed in range(STAND_INS):
-        if lint is None or lint.draft_embedding:
-            out.append(Wiring(layout, "another embedding", "embeds the block (its anchor and mask tokens) with rows "
-                              "other than the target's (replayed with the target's rows permuted, several ways)",
-                              "with the target's embed_tokens", refix or
-                              "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
-                              "served draft checkpoint (the engine then shares the target's; re-export with "
-                              "`eaglewire export`)", aspect="embed_tokens", stand_in=True,
-                              build=lambda seed=seed: (draft, other_block_embedding(target, draft, seed))))
-        out.append(Wiring(layout, "another lm_head", "scores the block with lm_head rows other than the target's "
-                          "(replayed with them permuted, several ways: the draft's ids mean other tokens)",
-                          "with the target's lm_head", refix or
-                          "the served copy's lm_head.weight is not the target's: remove it from the served draft "
-                          "checkpoint (the engine then shares the target's; re-export with `eaglewire export`)",
-                          aspect="lm_head", stand_in=True,
-                          build=lambda seed=seed: (draft, other_block_head(draft, seed))))
-    return out
+    embedding = ("another embedding", "embeds the block (its anchor and mask tokens) with rows other than the "
+                 "target's (replayed with the target's rows permuted, several ways)", "with the target's embed_tokens",
+                 refix or "the served copy's embed_tokens is not the target's: remove embed_tokens.weight from the "
+                 "served draft checkpoint (the engine then shares the target's; re-export with `eaglewire export`)",
+                 "embed_tokens", lambda seed: (draft, other_block_embedding(target, draft, seed)))
+    head = ("another lm_head", "scores the block with lm_head rows other than the target's (replayed with them "
+            "permuted, several ways: the draft's ids mean other tokens)", "with the target's lm_head", refix or
+            "the served copy's lm_head.weight is not the target's: remove it from the served draft checkpoint (the "
+            "engine then shares the target's; re-export with `eaglewire export`)", "lm_head",
+            lambda seed: (draft, other_block_head(draft, seed)))
+    embeds = lint is None or lint.draft_embedding
+    return row_stand_ins(tuple(declared), [embedding, head] if embeds else [head])
 
 
 def other_block_embedding(target, draft, seed: int = 0) -> Callable:

@@ -17,7 +17,7 @@ from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (check_engine_version, Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving, served_labels)
-from eaglewire.doctor import cache as doctor_cache
+from eaglewire.doctor.cache import Cached, cache_key, load, now, store
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.served import check_served
@@ -83,9 +83,9 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     key = None
     if config.cache:  # what an earlier run computed from the same draft, target, data and settings
         with report.timed("cache key"):
-            key = doctor_cache.cache_key(config, resolve_draft(config.draft), target, sequences,
+            key = cache_key(config, resolve_draft(config.draft), target, sequences,
                                          report.engine_version)
-    cached = doctor_cache.load(key) if key else None
+    cached = load(key) if key else None
     held_out = _HeldOut(config, target, draft, contract, summary, source, sequences, declared, serving, serving_steps)
     first = len(report.checks)
     if cached:
@@ -109,10 +109,10 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
                                   "--no-cache recomputes)")
     elif key:
         computed = {k: v for k, v in report.stage_seconds.items() if k in CACHED_STAGES}
-        doctor_cache.store(key, doctor_cache.Cached(
+        store(key, Cached(
             before=before, after=report.checks[first:], layouts=report.layouts, accuracy=dict(report.accuracy),
             facts={"judged tokens": judged}, extras={"sampling": report.sampling, "traffic": report.traffic},
-            stage_seconds=computed, created=doctor_cache.now()))
+            stage_seconds=computed, created=now()))
     if config.json:
         Path(config.json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.json).write_text(json.dumps(report.to_dict(), indent=1))
