@@ -173,3 +173,27 @@ def test_static_draft_cache_drafts_as_the_growing_one(spec):
         got, got_stats = static.generate(prompt, max_new_tokens=20)
         assert got == want and got_stats.accept_lengths == want_stats.accept_lengths
     assert sum(got_stats.accept_lengths) > got_stats.rounds and cache.k.shape[2] > 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the static draft cache's CPU tests cover its ops")
+@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+def test_draft_levels_replayed_from_graphs_draft_as_eagerly_on_cuda(spec):
+    """On CUDA a drafted level (the draft step, its head's log-softmax and top-k) replays one graph per block
+    length: the same kernels as the eager level, so the same trees, accept lengths and output."""
+    from eaglewire.decode.kv_cache import StaticDraftCache
+
+    target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
+    target.model.to("cuda")
+    draft, contract = random_draft(target)
+    prompts = [[1, 4, 2, 5, 0, 3], [2, 2, 5, 1]]
+    graphs = SpecDecoder(target, draft, contract, spec)
+    eager = SpecDecoder(target, draft, contract, spec)
+    cache = StaticDraftCache(eager.draft, 64, torch.device("cuda"), torch.float32, graphs=False)
+    eager._draft_cache = lambda: (cache.reset(), cache)[1]
+    for prompt in prompts:
+        want, want_stats = eager.generate(prompt, max_new_tokens=20)
+        got, got_stats = graphs.generate(prompt, max_new_tokens=20)
+        assert got == want and got_stats.accept_lengths == want_stats.accept_lengths
+    assert graphs._static_draft_cache is not None and graphs._static_draft_cache.use_graphs
+    assert len(graphs._static_draft_cache.graphs[spec.topk]) > 0  # the levels did replay graphs

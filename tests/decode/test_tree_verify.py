@@ -5,7 +5,7 @@ import torch
 
 from eaglewire.decode.spec_decoder import SpecConfig, check_spec_flags
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
-from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
+from eaglewire.decode.tree import Candidate, Tree, grow_tree, max_tree_tokens, select_tree
 from eaglewire.decode.verify import greedy_verify, sampling_verify
 
 
@@ -40,12 +40,22 @@ def test_greedy_verify_takes_the_longest_matching_path():
     assert greedy_verify(t, argmax) == ([0], 4)
 
 
+def two_levels(first: list[float], second: list[float], topk: int) -> list[Candidate]:
+    """The candidates of a root whose children have log-probabilities ``first`` and each of whose best children's
+    children have ``second`` (the same for every parent)."""
+    first_top = torch.tensor([first]).topk(topk, dim=-1)
+    second_top = torch.tensor([second]).topk(topk, dim=-1)
+    return grow_tree(first_top, lambda depth, order, tokens: (second_top.values.expand(order.numel(), -1),
+                                                               second_top.indices.expand(order.numel(), -1)),
+                     2, topk, torch.arange(10))
+
+
 def test_select_tree_keeps_best_and_is_closed_under_ancestors():
-    d2t = torch.arange(10)
-    level1 = top_children(torch.log_softmax(torch.tensor([[3.0, 2.0, 0.0, -1.0]]), -1), [0.0], [-1], 1, 2, d2t)
-    assert [c.token for c in level1] == [0, 1]
-    level2 = top_children(torch.log_softmax(torch.tensor([[0.0, 5.0, 1.0, 0.0]]), -1), [level1[0].score], [0], 2, 2, d2t)
-    t, chosen = select_tree(7, level1 + level2, 4)
+    first = torch.log_softmax(torch.tensor([3.0, 2.0, 0.0, -1.0]), -1).tolist()
+    second = torch.log_softmax(torch.tensor([0.0, 5.0, 1.0, 0.0]), -1).tolist()
+    cands = two_levels(first, second, 2)
+    assert [c.token for c in cands[:2]] == [0, 1] and [c.parent for c in cands] == [-1, -1, 0, 0, 1, 1]
+    t, chosen = select_tree(7, cands, 4)
     assert t.tokens.tolist()[0] == 7 and len(t) == 4
     for i in range(1, len(t)):
         assert int(t.parents[i]) < i  # parents precede children
@@ -53,15 +63,58 @@ def test_select_tree_keeps_best_and_is_closed_under_ancestors():
 
 
 def test_select_tree_drops_candidates_below_the_least_path_probability():
-    d2t = torch.arange(10)
-    level1 = top_children(torch.log(torch.tensor([[0.6, 0.3, 0.1]])), [0.0], [-1], 1, 2, d2t)
-    level2 = top_children(torch.log(torch.tensor([[0.5, 0.4, 0.1]])), [level1[0].score], [0], 2, 2, d2t)
-    cands = level1 + level2  # path probabilities 0.6, 0.3, 0.3, 0.24
+    cands = two_levels(torch.log(torch.tensor([0.6, 0.3, 0.1])).tolist(),
+                       torch.log(torch.tensor([0.5, 0.4, 0.1])).tolist(), 2)
+    # path probabilities 0.6, 0.3; under 0.6: 0.3, 0.24; under 0.3: 0.15, 0.12
     assert len(select_tree(7, cands, 5)[0]) == 5
     t, chosen = select_tree(7, cands, 5, min_score=math.log(0.25))
     assert chosen == [0, 1, 2] and t.parents.tolist() == [-1, 0, 0, 1]
     t, chosen = select_tree(7, cands, 5, min_score=math.log(0.7))
     assert chosen == [] and t.tokens.tolist() == [7]  # the root alone: a plain step
+
+
+def frontier_tree(table: torch.Tensor, root: int, num_steps: int, topk: int, num_draft_tokens: int,
+                  min_score: float) -> Tree:
+    """The tree as the host grew it before ``grow_tree`` (a frontier cut at ``min_score``, scores summed in
+    Python floats, ties to the lower index), for a draft whose next-token log-probabilities after token t
+    are ``table[t]`` [V]: the oracle."""
+    def top(parent_scores, parents, rows, depth):
+        values, ids = table[rows].topk(topk, dim=-1)
+        return [Candidate(token=int(ids[f, j]), score=parent_scores[f] + float(values[f, j]), parent=parents[f],
+                          depth=depth) for f in range(len(parents)) for j in range(topk)]
+
+    candidates: list[Candidate] = []
+    level = top([0.0], [-1], [root], 1)
+    for depth in range(1, num_steps + 1):
+        base = len(candidates)
+        candidates += level
+        if depth == num_steps:
+            break
+        ranked = sorted(range(len(level)), key=lambda i: -level[i].score)[:topk]
+        frontier = [base + i for i in ranked if level[i].score >= min_score]
+        if not frontier:
+            break
+        level = top([candidates[c].score for c in frontier], frontier, [candidates[c].token for c in frontier],
+                    depth + 1)
+    return select_tree(root, candidates, num_draft_tokens, min_score)[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("min_prob", [0.0, 0.02, 0.2])
+@pytest.mark.parametrize("num_draft_tokens", [9, 31])  # 31: every candidate, so every parent shows
+def test_grow_tree_gives_the_frontier_cut_tree(seed, min_prob, num_draft_tokens):
+    """Every level's best nodes drafted, also those under the floor, and the tree is the one a frontier cut at the
+    floor gives: same tokens, parents and order (scores in double, ties to the lower index, as the host did)."""
+    V, num_steps, topk = 12, 4, 3
+    table = torch.log_softmax(2 * torch.randn(V, V, generator=torch.Generator().manual_seed(seed)), -1)
+    table[:, 5] = table[:, 6]  # a tie in every row
+    min_score = math.log(min_prob) if min_prob else -math.inf
+    want = frontier_tree(table, 3, num_steps, topk, num_draft_tokens, min_score)
+    cands = grow_tree(table[[3]].topk(topk, dim=-1), lambda depth, order, tokens: table[tokens].topk(topk, dim=-1),
+                      num_steps, topk, None, min_score)
+    got = select_tree(3, cands, num_draft_tokens, min_score)[0]
+    assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+    assert got.scores.tolist() == want.scores.tolist()
 
 
 def test_flags_are_checked_not_adjusted():

@@ -4,7 +4,7 @@ Shapes: B = 1 sequence, nKV key/value heads, S cached tokens, hd head dim, W a s
 N tokens of one verify/draft block, T tokens of one draft forward, H hidden.
 
 The draft has two caches with one interface (``forward`` runs the draft over T new tokens and keeps their K/V,
-``commit`` / ``rollback`` end a round): ``DraftCache`` grows by concatenation (the CPU's: it attends over what
+``forward_top`` does so and also gives each new token's best next tokens, ``commit`` / ``rollback`` end a round): ``DraftCache`` grows by concatenation (the CPU's: it attends over what
 is there and nothing more), ``StaticDraftCache`` holds a fixed width and replays a CUDA graph per T (the GPU's:
 a draft step is a few dozen small kernels, which launched one by one cost ten times their work).
 """
@@ -40,6 +40,12 @@ def compact_target_cache(cache, prefix: int, keep: list[int]) -> None:
         layer.values = keep_rows(layer.values, prefix, idx_dev)
 
 
+def top_next(draft, prenorm: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft head's ``topk`` best next tokens after each state: prenorm [T, H] -> (log-probabilities [T, k]
+    fp32, draft ids [T, k])."""
+    return torch.log_softmax(draft.logits(prenorm).float(), dim=-1).topk(topk, dim=-1)
+
+
 class DraftCache:
     """The draft's own KV cache: committed context plus a scratch tree while drafting."""
 
@@ -56,6 +62,13 @@ class DraftCache:
                                          None if mask is None else mask.to(emb.device))
         self.append(k, v)
         return out
+
+    def forward_top(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    mask: torch.Tensor | None, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward``, then each new token's ``topk`` best next tokens -> (pre-norm [1, T, H], log-probabilities
+        [T, k], draft ids [T, k])."""
+        out = self.forward(draft, emb, hidden, positions, mask)
+        return (out, *top_next(draft, out[0], topk))
 
     def reserve(self, entries: int) -> None:
         """Nothing to reserve: this cache grows as it goes."""
@@ -91,6 +104,14 @@ def static_draft_forward(draft, k_cache: torch.Tensor, v_cache: torch.Tensor, em
     return (layer.finish(hidden, attn.out(heads)),)
 
 
+def static_draft_level(draft, k_cache: torch.Tensor, v_cache: torch.Tensor, topk: int, **inputs: torch.Tensor
+                       ) -> tuple[torch.Tensor, ...]:
+    """``static_draft_forward``, then (``topk`` > 0) the head's ``topk`` best next tokens, in one graph:
+    (pre-norm [1, T, H],) or (pre-norm [1, T, H], log-probabilities [T, k], draft ids [T, k])."""
+    out, = static_draft_forward(draft, k_cache, v_cache, **inputs)
+    return (out, *top_next(draft, out[0], topk)) if topk else (out,)
+
+
 class StaticDraftCache:
     """The draft's KV cache at a fixed width W: context entries 0..committed-1, a round's scratch after them.
 
@@ -106,15 +127,12 @@ class StaticDraftCache:
         self.v = torch.zeros_like(self.k)
         self.length = 0
         self.committed = 0
-        use_graphs = device.type == "cuda" if graphs is None else graphs
-        self.graphs = StepGraphs(self._forward) if use_graphs else None
+        self.use_graphs = device.type == "cuda" if graphs is None else graphs
+        self.graphs: dict[int, StepGraphs] = {}  # the head's top-k (0: none) -> one graph per T
 
     def reset(self) -> None:
         """Forget every entry: a new sequence (the width and the captured graphs stay)."""
         self.length = self.committed = 0
-
-    def _forward(self, **inputs: torch.Tensor) -> tuple[torch.Tensor]:
-        return static_draft_forward(self.draft, self.k, self.v, **inputs)
 
     def reserve(self, entries: int) -> None:
         """Room for ``entries`` columns (a growth moves the cache: its graphs are captured again)."""
@@ -124,33 +142,50 @@ class StaticDraftCache:
         pad = torch.zeros(*self.k.shape[:2], max(entries, 2 * width) - width, self.k.shape[3], dtype=self.k.dtype,
                           device=self.k.device)
         self.k, self.v = torch.cat([self.k, pad], dim=2), torch.cat([self.v, pad.clone()], dim=2)
-        if self.graphs is not None:
-            self.graphs.clear()
+        self.graphs.clear()  # they read the old buffers
 
     def forward(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """As ``DraftCache.forward``: emb/hidden [1, T, H]; positions [1, T]; mask [1, 1, T, S+T] bool or None
         (causal) -> pre-norm [1, T, H]."""
+        return self._run(0, self._inputs(draft, emb, hidden, positions, mask))[0]
+
+    def forward_top(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    mask: torch.Tensor | None, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As ``DraftCache.forward_top``; on CUDA the head's log-softmax and top-k replay in the step's graph."""
+        return self._run(topk, self._inputs(draft, emb, hidden, positions, mask))
+
+    def _run(self, topk: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The step over ``inputs``, replayed from its graph on CUDA (one per T up to MAX_GRAPH_TOKENS)."""
+        T = inputs["emb"].shape[1]
+        if self.use_graphs and T <= MAX_GRAPH_TOKENS:
+            if topk not in self.graphs:
+                self.graphs[topk] = StepGraphs(
+                    lambda **step: static_draft_level(self.draft, self.k, self.v, topk, **step))
+            try:
+                return tuple(t.clone() for t in self.graphs[topk](T, **inputs))  # the next replay overwrites them
+            except RuntimeError as err:  # no capture here: run it eagerly
+                log.warning("drafting without CUDA graphs: capturing a %d-token draft step failed (%s)", T, err)
+                self.use_graphs = False
+        return static_draft_level(self.draft, self.k, self.v, topk, **inputs)
+
+    def _inputs(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """A step's graph inputs, built on the cache's device (no host copy, so no wait for the device): the T new
+        tokens go to columns S..S+T-1, the mask is widened to the cache's W columns."""
         assert draft is self.draft, "a static draft cache runs the draft it was made for"
         T, S = emb.shape[1], self.length
         self.reserve(S + T)
         W, dev = self.k.shape[2], self.k.device
-        full = torch.zeros(1, 1, T, W, dtype=torch.bool)  # [1, 1, T, W], built here and sent once
+        full = torch.zeros(1, 1, T, W, dtype=torch.bool, device=dev)  # [1, 1, T, W]
         if mask is None:
             full[..., :S] = True
-            full[0, 0, :, S:S + T] = torch.ones(T, T, dtype=torch.bool).tril()
+            full[0, 0, :, S:S + T] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         else:
-            full[..., :S + T] = mask.cpu()
-        inputs = dict(emb=emb, hidden=hidden, positions=positions.to(dev), slots=torch.arange(S, S + T, device=dev),
-                      mask=full.to(dev))
+            full[..., :S + T] = mask.to(dev)
         self.length = S + T
-        if self.graphs is not None and T <= MAX_GRAPH_TOKENS:
-            try:
-                return self.graphs(T, **inputs)[0].clone()  # the graph's buffer is overwritten by its next replay
-            except RuntimeError as err:  # no capture here: run it eagerly
-                log.warning("drafting without CUDA graphs: capturing a %d-token draft step failed (%s)", T, err)
-                self.graphs = None
-        return self._forward(**inputs)[0]
+        return dict(emb=emb, hidden=hidden, positions=positions.to(dev), slots=torch.arange(S, S + T, device=dev),
+                    mask=full)
 
     def commit(self) -> None:
         self.committed = self.length

@@ -22,16 +22,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from eaglewire.core.contract import HiddenStateContract
 from eaglewire.core.generation import GenerationStats
 from eaglewire.decode.dflash_drafter import DFlashDrafter
 from eaglewire.decode.gemm import pack_linears
-from eaglewire.decode.kv_cache import DraftCache, StaticDraftCache
+from eaglewire.decode.kv_cache import DraftCache, StaticDraftCache, top_next
 from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams, logits_to_probs, sample
-from eaglewire.decode.tree import Candidate, Tree, max_tree_tokens, select_tree, top_children
+from eaglewire.decode.tree import Tree, grow_tree, max_tree_tokens, select_tree
 from eaglewire.decode.verify import greedy_verify, sampling_verify
 from eaglewire.model.dflash import DFlashDraft
 from eaglewire.model.draft import Eagle3Draft
@@ -148,9 +147,12 @@ class SpecDecoder:
         return self._static_draft_cache
 
     def _embed(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], device=self.target.device)
+        return self._embed_ids(torch.tensor(tokens, device=self.target.device))  # [1, n, H]
+
+    def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids [n] on the target's device -> the draft's input embeddings [1, n, H]."""
         with torch.no_grad():
-            return self.target.embed_tokens(ids).to(self.draft_dtype)  # [1, n, H]
+            return self.target.embed_tokens(ids[None]).to(self.draft_dtype)
 
     # -- draft side --------------------------------------------------------
 
@@ -164,45 +166,14 @@ class SpecDecoder:
         dcache.commit()
         return out[:, -1:]
 
-    def _logprobs(self, prenorm: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(self.draft.logits(prenorm).float(), dim=-1)  # [..., Vd]
-
     @torch.no_grad()
     def _build_tree(self, root: int, root_out: torch.Tensor, dcache: DraftCache | StaticDraftCache, P: int) -> Tree:
-        """Draft ``num_steps`` levels with the draft's KV cache; return the tree to verify."""
+        """Draft ``num_steps`` levels with the draft's KV cache; return the tree to verify. The levels are grown on
+        the draft's device (``grow_tree``) and read once, when the tree is chosen."""
         spec = self.spec
-        candidates: list[Candidate] = []
-        level = top_children(self._logprobs(root_out[0]), [0.0], [-1], 1, spec.topk, self.draft_to_target)
-        hidden_of = [root_out[0, 0]] * len(level)  # prenorm state each candidate's logits came from
-        scratch_of: dict[int, int] = {}  # candidate index -> row in the draft cache
-        ancestors: dict[int, list[int]] = {}  # candidate index -> candidate ancestors
-        for depth in range(1, spec.num_steps + 1):
-            base = len(candidates)
-            candidates += level
-            for i, cand in enumerate(level):
-                ancestors[base + i] = [] if cand.parent < 0 else ancestors[cand.parent] + [cand.parent]
-            if depth == spec.num_steps:
-                break
-            ranked = sorted(range(len(level)), key=lambda i: -level[i].score)[:spec.topk]
-            frontier = [base + i for i in ranked if level[i].score >= spec.min_score]  # [F] candidate indices
-            if not frontier:  # deeper nodes score lower still: none could be verified
-                break
-            S = dcache.length
-            mask = torch.zeros(1, 1, len(frontier), S + len(frontier), dtype=torch.bool)  # built here, sent once
-            mask[..., :dcache.committed] = True
-            for f, c in enumerate(frontier):
-                for a in ancestors[c]:
-                    mask[0, 0, f, scratch_of[a]] = True
-                mask[0, 0, f, S + f] = True
-            emb = self._embed([candidates[c].token for c in frontier])  # [1, F, H]
-            hidden = torch.stack([hidden_of[c - base] for c in frontier])[None]  # [1, F, H]
-            positions = torch.full((1, len(frontier)), P - 1 + depth, device=emb.device)
-            out = dcache.forward(self.draft, emb, hidden, positions, mask)  # [1, F, H]
-            for f, c in enumerate(frontier):
-                scratch_of[c] = S + f
-            level = top_children(self._logprobs(out[0]), [candidates[c].score for c in frontier], frontier,
-                                 depth + 1, spec.topk, self.draft_to_target)
-            hidden_of = [out[0, f] for f in range(len(frontier)) for _ in range(spec.topk)]
+        levels = _DraftLevels(self.draft, dcache, self._embed_ids, root_out, P, spec)
+        root_top = top_next(self.draft, root_out[0], spec.topk)  # ([1, k], [1, k])
+        candidates = grow_tree(root_top, levels, spec.num_steps, spec.topk, self.draft_to_target, spec.min_score)
         dcache.rollback()
         tree, _ = select_tree(root, candidates, spec.num_draft_tokens, spec.min_score)
         return tree
@@ -321,6 +292,36 @@ def _take(produced: list[int], new: list[int], max_new_tokens: int, stop_token_i
         if len(produced) >= max_new_tokens:
             return "length"
     return None
+
+
+class _DraftLevels:
+    """``grow_tree``'s ``children`` for an EAGLE-3 draft: a level's best nodes run through the draft as one block
+    (each attending to the committed context, its ancestors' scratch entries and itself), their states kept
+    in the cache's scratch columns, the head's top-k read off their outputs; everything stays on the draft's
+    device. Shapes: C candidates of the level, F of them drafted, W the round's most columns."""
+
+    def __init__(self, draft, dcache: DraftCache | StaticDraftCache, embed: Callable[[torch.Tensor], torch.Tensor],
+                 root_out: torch.Tensor, P: int, spec: SpecConfig) -> None:
+        self.draft, self.dcache, self.embed, self.P, self.topk = draft, dcache, embed, P, spec.topk
+        H, dev = root_out.shape[-1], root_out.device
+        width = dcache.length + spec.num_steps * spec.topk  # the round's scratch never passes this
+        self.hidden = root_out[0, :1].expand(spec.topk, H)  # [C, H] the state each candidate's logits came from
+        rows = torch.zeros(1, width, dtype=torch.bool, device=dev)  # [1, W]
+        rows[:, :dcache.committed] = True
+        self.rows = rows.expand(spec.topk, width)  # [C, W] what each candidate's parent attends to
+
+    def __call__(self, depth: int, order: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        F, S, dev = order.numel(), self.dcache.length, order.device
+        rows = self.rows[order].clone()  # [F, W]
+        slots = torch.arange(S, S + F, device=dev)  # [F] the scratch column each node's K/V goes to
+        rows[torch.arange(F, device=dev), slots] = True  # each node attends to itself too
+        hidden = self.hidden[order][None]  # [1, F, H]
+        positions = torch.full((1, F), self.P - 1 + depth, device=dev)  # a node of depth d runs at P - 1 + d
+        out, values, ids = self.dcache.forward_top(self.draft, self.embed(tokens), hidden, positions,
+                                                   rows[None, None, :, :S + F], self.topk)  # [1, F, H], [F, k] x2
+        self.hidden = out[0].repeat_interleave(self.topk, dim=0)  # [F*k, H]: the next level's candidates
+        self.rows = rows.repeat_interleave(self.topk, dim=0)  # [F*k, W]
+        return values, ids
 
 
 def _root_only(root: int) -> Tree:

@@ -13,6 +13,7 @@ its parent's, so the selection is closed under ancestors, also when a floor on t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,17 +55,55 @@ class Candidate:
     depth: int
 
 
-def top_children(logprobs: torch.Tensor, parent_scores: list[float], parents: list[int], depth: int,
-                 topk: int, draft_to_target: torch.Tensor) -> list[Candidate]:
-    """The ``topk`` best children of each frontier node.
+Children = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-    logprobs [F, Vd] draft log-probabilities of the F frontier nodes; returns F*topk candidates.
+
+def grow_tree(root_top: tuple[torch.Tensor, torch.Tensor], children: Children, num_levels: int, topk: int,
+              ids_to_tokens: torch.Tensor | None, min_score: float = -math.inf) -> list[Candidate]:
+    """EAGLE-2's levels, grown on the device the log-probabilities live on and read to the host once.
+
+    ``root_top`` (values [1, k], ids [1, k]): the root's ``topk`` best children, log-probabilities and draft
+    ids. ``children(depth, order, tokens)`` -> (values [F, k], ids [F, k]): the ``topk`` best children of a
+    level's F best nodes (``order`` [F]: their indices within the level, best first; ``tokens`` [F]: their
+    target ids; ``depth``: theirs). ``ids_to_tokens`` [Vd] maps draft ids to target ids (None: the same).
+
+    Every level's F = ``topk`` best nodes get children, also those below ``min_score``: their subtrees score
+    lower still, so ``select_tree`` never takes them, and the nodes it takes keep their relative order, so
+    the tree is the one a frontier cut at ``min_score`` gives. A fixed F keeps every level's shapes fixed
+    and the host out of the loop (on a GPU a read is a synchronisation); only with a floor set is one
+    scalar read per level, to stop where no node reaches it. Scores are summed in double, ties go to the
+    lower index (a stable sort): as the host summed and sorted them.
     """
-    values, ids = logprobs.topk(topk, dim=-1)  # [F, k]
-    tokens = draft_to_target[ids]  # [F, k] target ids
-    tokens, values = tokens.tolist(), values.tolist()  # one read each: on a GPU every element read is a sync
-    return [Candidate(token=tokens[f][j], score=parent_scores[f] + values[f][j], parent=parents[f], depth=depth)
-            for f in range(len(tokens)) for j in range(topk)]
+    def tokens_of(ids: torch.Tensor) -> torch.Tensor:
+        return ids if ids_to_tokens is None else ids_to_tokens[ids]
+
+    values, ids = root_top
+    scores = values[0].double()  # [k] cumulative log-probability of each candidate of the level
+    tokens = tokens_of(ids[0])  # [k]
+    parents = torch.full_like(tokens, -1)  # [k] candidate index of each one's parent (-1: the root)
+    levels = [(tokens, parents, scores)]
+    base = 0  # candidate index of the level's first node
+    for depth in range(1, num_levels):
+        order = torch.sort(scores, descending=True, stable=True).indices[:topk]  # [F] the level's best
+        best = scores[order]  # [F]
+        if min_score > -math.inf and not bool(best[0] >= min_score):  # deeper nodes score lower still
+            break
+        values, ids = children(depth, order, tokens[order])  # [F, k] each
+        parents = (base + order).repeat_interleave(topk)  # [F*k]
+        base += scores.numel()
+        scores = (best[:, None] + values.double()).reshape(-1)  # [F, k] -> [F*k]
+        tokens = tokens_of(ids).reshape(-1)  # [F, k] -> [F*k]
+        levels.append((tokens, parents, scores))
+    return _read_candidates(levels)
+
+
+def _read_candidates(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[Candidate]:
+    """The levels' (tokens, parents, scores) as Candidates: two reads for the whole tree."""
+    ints = torch.stack([torch.cat([t for t, _, _ in levels]).long(), torch.cat([p for _, p, _ in levels]).long()])
+    tokens, parents = ints.tolist()  # [2, C]
+    scores = torch.cat([s for _, _, s in levels]).tolist()  # [C]
+    depths = [d + 1 for d, (t, _, _) in enumerate(levels) for _ in range(t.numel())]
+    return [Candidate(token=t, score=s, parent=p, depth=d) for t, s, p, d in zip(tokens, scores, parents, depths)]
 
 
 def select_tree(root_token: int, candidates: list[Candidate], num_draft_tokens: int,
@@ -100,20 +139,12 @@ def block_tree(root_token: int, logprobs: torch.Tensor, topk: int, num_draft_tok
     ``topk`` best tokens of the next position. A block does not see which token its earlier
     positions took, so siblings' children are the same tokens; with topk 1 it is the chain of
     each position's best token (cut where the path probability falls below ``min_score``)."""
-    n = logprobs.shape[0]
-    ids = torch.arange(logprobs.shape[1], device=logprobs.device)  # [V] the block predicts target ids
-    candidates: list[Candidate] = []
-    level = top_children(logprobs[:1], [0.0], [-1], 1, topk, ids)
-    for depth in range(1, n + 1):
-        base = len(candidates)
-        candidates += level
-        if depth == n:
-            break
-        ranked = sorted(range(len(level)), key=lambda i: -level[i].score)[:topk]
-        frontier = [base + i for i in ranked if level[i].score >= min_score]  # [F] candidate indices
-        if not frontier:  # deeper nodes score lower still: none could be verified
-            break
-        rows = logprobs[depth:depth + 1].expand(len(frontier), -1)  # [F, V]: one distribution per position
-        level = top_children(rows, [candidates[c].score for c in frontier], frontier, depth + 1, topk, ids)
+    values, ids = logprobs.topk(topk, dim=-1)  # [n, k]: the block predicts target ids
+
+    def children(depth: int, order: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        F = order.numel()
+        return values[depth:depth + 1].expand(F, -1), ids[depth:depth + 1].expand(F, -1)  # [F, k] each
+
+    candidates = grow_tree((values[:1], ids[:1]), children, logprobs.shape[0], topk, None, min_score)
     tree, _ = select_tree(root_token, candidates, num_draft_tokens, min_score)
     return tree
