@@ -275,6 +275,8 @@ def main() -> int:
     k.add_argument("--out", type=Path, default=ROOT / "gpu_kit")
     k.add_argument("--conversations", type=int, default=400)  # 160 captured, 32+ regenerated after them
     k.add_argument("--python", default="3.12", help="the GPU machine's Python")
+    i = sub.add_parser("install", help="install the kit's wheels where they are missing (on the GPU machine)")
+    i.add_argument("--kit", type=Path, default=ROOT / "gpu_kit")
     r = sub.add_parser("run", help="run every command (on the GPU machine)")
     r.add_argument("--kit", type=Path, default=ROOT / "gpu_kit")
     r.add_argument("--out", type=Path, default=Path("/tmp/eaglewire-gpu"))
@@ -284,6 +286,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.step == "kit":
         make_kit(args.out, args.conversations, args.python)
+        return 0
+    if args.step == "install":
+        install_kit(args.kit)
         return 0
     rows = run_harness(args.kit, args.out, args.device, args.shape, args.skip)
     return 0 if all(r["ok"] for r in rows) else 1
