@@ -103,8 +103,8 @@ def frontier_tree(table: torch.Tensor, root: int, num_steps: int, topk: int, num
 @pytest.mark.parametrize("min_prob", [0.0, 0.02, 0.2])
 @pytest.mark.parametrize("num_draft_tokens", [9, 31])  # 31: every candidate, so every parent shows
 def test_grow_tree_gives_the_frontier_cut_tree(seed, min_prob, num_draft_tokens):
-    """Every level's best nodes drafted, also those under the floor, and the tree is the one a frontier cut at the
-    floor gives: same tokens, parents and order (scores in double, ties to the lower index, as the host did)."""
+    """The levels grown on the device give the tree the host grew: same tokens, parents, order and scores (summed
+    in double, ties to the lower index), with and without a floor."""
     V, num_steps, topk = 12, 4, 3
     table = torch.log_softmax(2 * torch.randn(V, V, generator=torch.Generator().manual_seed(seed)), -1)
     table[:, 5] = table[:, 6]  # a tie in every row

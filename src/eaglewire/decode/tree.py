@@ -67,12 +67,11 @@ def grow_tree(root_top: tuple[torch.Tensor, torch.Tensor], children: Children, n
     level's F best nodes (``order`` [F]: their indices within the level, best first; ``tokens`` [F]: their
     target ids; ``depth``: theirs). ``ids_to_tokens`` [Vd] maps draft ids to target ids (None: the same).
 
-    Every level's F = ``topk`` best nodes get children, also those below ``min_score``: their subtrees score
-    lower still, so ``select_tree`` never takes them, and the nodes it takes keep their relative order, so
-    the tree is the one a frontier cut at ``min_score`` gives. A fixed F keeps every level's shapes fixed
-    and the host out of the loop (on a GPU a read is a synchronisation); only with a floor set is one
-    scalar read per level, to stop where no node reaches it. Scores are summed in double, ties go to the
-    lower index (a stable sort): as the host summed and sorted them.
+    Without a floor every level's F = ``topk`` best nodes get children: fixed shapes, and the host out of the
+    loop (on a GPU a read is a synchronisation). With one, a count is read per level: the nodes under it are
+    left out (their subtrees score lower still, so ``select_tree`` would never take them), and
+    none left stops the drafting. Scores are summed in double, ties go to the lower index (a stable sort):
+    as the host summed and sorted them.
     """
     def tokens_of(ids: torch.Tensor) -> torch.Tensor:
         return ids if ids_to_tokens is None else ids_to_tokens[ids]
@@ -85,9 +84,12 @@ def grow_tree(root_top: tuple[torch.Tensor, torch.Tensor], children: Children, n
     base = 0  # candidate index of the level's first node
     for depth in range(1, num_levels):
         order = torch.sort(scores, descending=True, stable=True).indices[:topk]  # [F] the level's best
-        best = scores[order]  # [F]
-        if min_score > -math.inf and not bool(best[0] >= min_score):  # deeper nodes score lower still
-            break
+        best = scores[order]  # [F], best first
+        if min_score > -math.inf:
+            reach = int((best >= min_score).sum())  # a host read, only where a floor is set
+            if not reach:  # deeper nodes score lower still: none could be verified
+                break
+            order, best = order[:reach], best[:reach]
         values, ids = children(depth, order, tokens[order])  # [F, k] each
         parents = (base + order).repeat_interleave(topk)  # [F*k]
         base += scores.numel()
