@@ -12,6 +12,7 @@ device runs behind; the total is synchronised):
 - ``new``: batches read ahead on a thread (pinned, non_blocking), the sync-free unroll (counts stay on the
   device, chunked soft cross-entropy), fused AdamW on CUDA, TTT attention through CUDA's flash kernel;
 - ``new, dense TTT attention``: ``new`` with the dense attention (the flash kernel's share);
+- ``new, 2x the tokens a step``: ``new`` over twice the rows a micro-batch (what a larger ``--batch-tokens`` buys);
 - ``new+compile``: ``new`` with the layer's norms and MLP compiled (skipped when the time budget is spent).
 
     python benchmarks/gpu_train_probe.py --device cuda --shape llama-3.1-8b     # <= 60 s on an H200
@@ -42,6 +43,7 @@ DRAFT_VOCAB, TTT_STEPS, NUM_AUX = 8192, 7, 3
 VARIANTS = {"old": dict(prefetch=False, sync_free=False, compile_layer=False, dense_attention=True),
             "new": dict(prefetch=True, sync_free=True, compile_layer=False),
             "new, dense TTT attention": dict(prefetch=True, sync_free=True, compile_layer=False, dense_attention=True),
+            "new, 2x the tokens a step": dict(prefetch=True, sync_free=True, compile_layer=False, rows_scale=2),
             "new+compile": dict(prefetch=True, sync_free=True, compile_layer=True)}
 
 
@@ -111,9 +113,10 @@ def _random_batches(n: int, rows: int, tokens: int, H: int, vocab: int):
 
 
 def run_variant(name: str, shape: str, device, *, prefetch: bool, sync_free: bool, compile_layer: bool,
-                dense_attention: bool = False) -> dict:
+                dense_attention: bool = False, rows_scale: int = 1) -> dict:
     """``dense_attention``: TTT attention through the [B, nH, T, T] score matrix, as before the flash paths (on
-    CUDA; the CPU's fp32 path was flash already)."""
+    CUDA; the CPU's fp32 path was flash already). ``rows_scale``: that many times the shape's rows a micro-batch
+    (``train --batch-tokens`` raised alike)."""
     import torch
 
     import eaglewire.model.draft as draft_module
@@ -139,7 +142,7 @@ def run_variant(name: str, shape: str, device, *, prefetch: bool, sync_free: boo
     fused = True if device.type == "cuda" and sync_free else None
     optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=fused)
     n = run["warmup"] + run["steps"]
-    host = make_batches(n, run["rows"], run["tokens"], cfg.hidden_size, run["vocab"])
+    host = make_batches(n, run["rows"] * rows_scale, run["tokens"], cfg.hidden_size, run["vocab"])
     plan = [[i] for i in range(n)]
     load = (lambda idx: host[idx[0]]) if prefetch else (lambda idx: _moved(host[idx[0]], device))
     batches = Prefetcher(load, plan, device, depth=2) if prefetch else InStep(load, plan, device)
