@@ -5,8 +5,16 @@ on (``cuda`` when made with ``device="cuda"``, moved by ``.to("cuda")`` / ``.cud
 ``cuda`` tensor), ``Tensor.device`` answers that device, and an op that mixes the two raises CUDA's own
 error: the faults that crashed ``train`` and ``doctor`` on the first GPU (a CPU tensor indexed by a CUDA
 one; two devices in one op) fail here the same way, in the CPU suite. What it cannot show: kernels,
-speed, numerics (the arithmetic is the CPU's), NCCL, CUDA graphs; autocast for ``cuda`` is the CPU's
-autocast. Those need a GPU (the ``cuda`` marker).
+speed, numerics (the arithmetic is the CPU's), NCCL; autocast for ``cuda`` is the CPU's autocast. Those
+need a GPU (the ``cuda`` marker).
+
+CUDA graphs (``fake_cuda(graphs=True)``; without it a capture fails, as on a machine that refuses one): a
+capture records the aten calls its body makes, with their arguments (the very tensors, and Python values as
+they were), and a replay calls them again in order, writing each result into the tensor the capture made --
+what a graph does with its kernels and their buffers. So a body whose replay would read a value baked in at
+capture (a Python int, a tensor the caller replaced), or a caller that keeps a graph's output past the next
+replay, goes as wrong here as on a GPU; and a host synchronisation inside a capture (``.item()``,
+``.tolist()``, a copy to or from the host) raises CUDA's capture error.
 
 Rules mirrored from CUDA: a 0-dim CPU tensor may join a CUDA op (a scalar); ``copy_`` and ``.to`` cross
 devices; a CUDA tensor may be indexed by CPU indices, a CPU tensor not by CUDA ones; ``.numpy()`` of a
@@ -153,6 +161,7 @@ class _Function(TorchFunctionMode):
         self.tags = tags
         self.pending: str | None = None  # the device a call asked for (device=, .to, .cuda, .cpu)
         self.context: str | None = None  # the device of the call's own tensors
+        self.capturing = False  # inside a fake CUDA graph's capture
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -169,11 +178,14 @@ class _Function(TorchFunctionMode):
             if prop_name == "is_cpu":
                 return self.tags.of(t) != "cuda"
             return func(*args, **kwargs)
+        if self.capturing and func in (torch.Tensor.tolist, torch.Tensor.item) and self.tags.of(args[0]) == "cuda":
+            raise RuntimeError(f"{CAPTURING} (a host read: {name})")
         if func is torch.Tensor.numpy and self.tags.of(args[0]) == "cuda":
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
                             "tensor to host memory first.")
         if func is torch.Tensor.pin_memory or func is torch.Tensor.is_pinned:
             return args[0] if func is torch.Tensor.pin_memory else False
+        kwargs.pop("pin_memory", None)  # page-locked host memory: ordinary memory here
         gen = kwargs.get("generator")
         if gen is not None and not _cuda_generator(gen) and any(self.tags.of(t) == "cuda" for t in _tensors(args)):
             raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
@@ -236,6 +248,79 @@ class _Function(TorchFunctionMode):
         return target, (self_t,), kwargs
 
 
+CAPTURING = "CUDA error: operation not permitted when stream is capturing"
+
+
+class _GraphRecorder(TorchDispatchMode):
+    """Inside a capture: every aten call is made (the body runs) and recorded for the graph's replays."""
+
+    def __init__(self, tags: _Tags, function_mode: _Function) -> None:
+        super().__init__()
+        self.tags, self.fn = tags, function_mode
+        self.trace: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name == "aten::_local_scalar_dense":
+            raise RuntimeError(f"{CAPTURING} (a host read: {name})")
+        places = {self.tags.of(t) for t in _tensors(args, kwargs) if t.dim() > 0} - {None}
+        moved = self.fn.pending is not None and places and places != {self.fn.pending}  # .to / .cpu / .cuda
+        copied = name in ("aten::copy_", "aten::_copy_from") and len(places) > 1
+        if moved or copied:
+            raise RuntimeError(f"{CAPTURING} (a copy between the host and the device: {name})")
+        out = func(*args, **kwargs)
+        self.trace.append((func, args, kwargs, out))
+        return out
+
+
+class _Graph:
+    """``torch.cuda.CUDAGraph()``: replays the aten calls its capture recorded, into the capture's tensors."""
+
+    def __init__(self, *_, **__) -> None:
+        self.trace: list[tuple] | None = None
+
+    def replay(self) -> None:
+        assert self.trace is not None, "replay of a graph never captured"
+        for func, args, kwargs, out in self.trace:
+            new = func(*args, **kwargs)
+            for old, fresh in zip(_tensors(out), _tensors(new)):
+                if old.untyped_storage().data_ptr() != fresh.untyped_storage().data_ptr():  # not a view, not in place
+                    old.copy_(fresh)
+
+    def pool(self) -> object:
+        return ("fake graph pool", id(self))
+
+    def reset(self) -> None:
+        self.trace = None
+
+
+class _Stream:
+    def __init__(self, *_, **__) -> None:
+        pass
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _graph_context(tags: _Tags, function_mode: _Function):
+    """``torch.cuda.graph(graph, pool=...)``: record the body's calls into ``graph``."""
+    @contextlib.contextmanager
+    def graph(cuda_graph: _Graph, pool=None, stream=None, capture_error_mode=None):
+        recorder = _GraphRecorder(tags, function_mode)
+        function_mode.capturing = True
+        try:
+            with recorder:
+                yield
+        finally:
+            function_mode.capturing = False
+        cuda_graph.trace = recorder.trace
+    return graph
+
+
 class _Event:
     """``torch.cuda.Event(enable_timing=True)`` on the host clock."""
 
@@ -278,8 +363,9 @@ class _Generator(torch.Generator):
 
 
 @contextlib.contextmanager
-def fake_cuda() -> Iterator[_Tags]:
-    """Run the body as if one CUDA device were present (see the module's docstring)."""
+def fake_cuda(*, graphs: bool = False) -> Iterator[_Tags]:
+    """Run the body as if one CUDA device were present (see the module's docstring); ``graphs``: with CUDA
+    graphs that capture and replay (else a capture fails)."""
     tags = _Tags()
     function_mode = _Function(tags)
     dispatch_mode = _Dispatch(tags, function_mode)
@@ -304,6 +390,15 @@ def fake_cuda() -> Iterator[_Tags]:
         mock.patch("torch.cuda.Event", _Event),
         mock.patch("torch.Generator", _Generator),
     ]
+    if graphs:
+        patches += [
+            mock.patch("torch.cuda.CUDAGraph", _Graph),
+            mock.patch("torch.cuda.graph", _graph_context(tags, function_mode)),
+            mock.patch("torch.cuda.Stream", _Stream),
+            mock.patch("torch.cuda.current_stream", lambda device=None: _Stream()),
+            mock.patch("torch.cuda.stream", lambda stream: contextlib.nullcontext()),
+            mock.patch("torch.cuda.graph_pool_handle", lambda: ("fake graph pool", None)),
+        ]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

@@ -4,8 +4,9 @@ train, the doctor (conversations, --data, --stored), generate, bench, tune, serv
 Two devices run the same test: a real GPU where torch sees one (marker ``cuda``: ``pytest -m cuda`` on a GPU
 machine), and everywhere else the CPU's stand-in for one (``fake_cuda.py``), which tags every tensor with the
 device CUDA would have put it on and raises CUDA's own errors where an op mixes devices: the two crashes of the
-first GPU run (train's vocabulary coverage, the doctor's batches) fail it on the CPU. The CPU path itself is
-what the rest of the suite runs.
+first GPU run (train's vocabulary coverage, the doctor's batches) fail it on the CPU. Its CUDA graphs capture and
+replay (a host read inside a capture raises), so the steps run the graph path they run on a GPU. The CPU path
+itself is what the rest of the suite runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ DEVICES = [pytest.param("fake", id="fake-cuda"),
 @pytest.fixture(params=DEVICES)
 def on_device(request):
     """A context that runs its body on the device (the fake one patches torch while it lasts)."""
-    return fake_cuda if request.param == "fake" else contextlib.nullcontext
+    return (lambda: fake_cuda(graphs=True)) if request.param == "fake" else contextlib.nullcontext
 
 
 @pytest.fixture(scope="module")

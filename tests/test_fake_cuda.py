@@ -72,3 +72,41 @@ def test_an_engines_host_states_are_checked_against_states_on_the_device(chat_ti
         engine = torch.stack([here[2].cpu(), here[5].cpu()], dim=1)  # [T, 2, H] as read from a file
         checks = check_slots(engine, [2, 5], here)
     assert [(c.boundary, c.closest) for c in checks] == [(2, 2), (5, 5)]
+
+
+def test_fake_graphs_replay_into_the_captured_buffers_as_cuda_graphs_do():
+    """A replay recomputes from the static inputs into the very tensors the capture returned (a caller keeping one
+    past the next replay sees it overwritten), and a Python value read at capture stays baked in."""
+    from eaglewire.decode.step_graphs import StepGraphs
+
+    scale = {"now": 2.0}
+    weight = None
+
+    def step(x):
+        return (x * weight + scale["now"],)  # weight: a device tensor; scale: a Python float, baked in
+
+    with fake_cuda(graphs=True):
+        weight = torch.full((3,), 10.0, device="cuda")
+        graphs = StepGraphs(step)
+        first = graphs("k", x=torch.ones(3, device="cuda"))[0]
+        assert first.tolist() == [12.0] * 3 and first.device.type == "cuda"
+        scale["now"] = 100.0  # a graph never sees it
+        weight.fill_(1.0)  # a buffer it reads: it does
+        second = graphs("k", x=torch.full((3,), 5.0, device="cuda"))[0]
+        assert second is first and first.tolist() == [7.0] * 3  # the same buffer, overwritten
+        assert len(graphs) == 1
+
+
+def test_fake_graphs_refuse_a_host_read_or_copy_inside_a_capture():
+    from eaglewire.decode.step_graphs import capture
+
+    with fake_cuda(graphs=True):
+        x = torch.ones(4, device="cuda")
+        for body in (lambda: x.sum().item(), lambda: x.tolist(), lambda: x.cpu(),
+                     lambda: x + torch.tensor([1.0, 2.0, 3.0, 4.0]).to("cuda")):
+            with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+                capture(body, warmup=0)
+        graph, out = capture(lambda: x * 2 + torch.arange(4, device="cuda"), warmup=1)  # device-only: captured
+        x.fill_(3.0)
+        graph.replay()
+        assert out.tolist() == [6.0, 7.0, 8.0, 9.0]

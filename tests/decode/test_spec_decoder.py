@@ -175,25 +175,48 @@ def test_static_draft_cache_drafts_as_the_growing_one(spec):
     assert sum(got_stats.accept_lengths) > got_stats.rounds and cache.k.shape[2] > 4
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the static draft cache's CPU tests cover its ops")
-@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
-def test_draft_levels_replayed_from_graphs_draft_as_eagerly_on_cuda(spec):
+def graphs_draft_as_eagerly(spec: SpecConfig) -> None:
     """On CUDA a drafted level (the draft step, its head's log-softmax and top-k) replays one graph per block
-    length: the same kernels as the eager level, so the same trees, accept lengths and output."""
+    length, and the target's steps theirs: the same kernels as eagerly, so the same trees, accept lengths and
+    output as the eager static caches, and plain greedy output (fp32)."""
     from eaglewire.decode.kv_cache import StaticDraftCache
+    from eaglewire.decode.runner import LeanRunner
 
     target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
-    target.model.to("cuda")
-    draft, contract = random_draft(target)
     prompts = [[1, 4, 2, 5, 0, 3], [2, 2, 5, 1]]
-    graphs = SpecDecoder(target, draft, contract, spec)
-    eager = SpecDecoder(target, draft, contract, spec)
-    cache = StaticDraftCache(eager.draft, 64, torch.device("cuda"), torch.float32, graphs=False)
-    eager._draft_cache = lambda: (cache.reset(), cache)[1]
-    for prompt in prompts:
-        want, want_stats = eager.generate(prompt, max_new_tokens=20)
-        got, got_stats = graphs.generate(prompt, max_new_tokens=20)
-        assert got == want and got_stats.accept_lengths == want_stats.accept_lengths
-    assert graphs._static_draft_cache is not None and graphs._static_draft_cache.use_graphs
-    assert len(graphs._static_draft_cache.graphs[spec.topk]) > 0  # the levels did replay graphs
+    plain = [SpecDecoder(target).generate(p, max_new_tokens=20)[0] for p in prompts]
+    target.model.to("cuda")
+    try:
+        draft, contract = random_draft(target)
+        graphs = SpecDecoder(target, draft, contract, spec)
+        eager = SpecDecoder(target, draft, contract, spec)
+        cache = StaticDraftCache(eager.draft, 64, torch.device("cuda"), torch.float32, graphs=False)
+        eager._draft_cache = lambda: (cache.reset(), cache)[1]
+        eager._target_runner = LeanRunner(target, eager.boundaries, static=True)
+        eager._target_runner.graphs = None
+        for prompt, want_plain in zip(prompts, plain):
+            want, want_stats = eager.generate(prompt, max_new_tokens=20)
+            got, got_stats = graphs.generate(prompt, max_new_tokens=20)
+            assert got == want == want_plain and got_stats.accept_lengths == want_stats.accept_lengths
+        assert sum(got_stats.accept_lengths) > got_stats.rounds
+        assert graphs._static_draft_cache.use_graphs and len(graphs._static_draft_cache.graphs[spec.topk]) > 0
+        assert graphs._target_runner.graphs is not None and len(graphs._target_runner.graphs) > 1  # steps, verifies
+    finally:
+        target.model.to("cpu")
+
+
+@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+def test_draft_levels_and_steps_replayed_from_graphs_on_the_stand_in_for_cuda(spec):
+    """The CUDA path, graphs and all, on the CPU's stand-in (fake_cuda's graphs replay the captured calls into
+    the captured buffers and refuse a host read inside a capture): no fallback, the eager output."""
+    from fake_cuda import fake_cuda
+
+    with fake_cuda(graphs=True):
+        graphs_draft_as_eagerly(spec)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the stand-in's test covers the path")
+@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+def test_draft_levels_replayed_from_graphs_draft_as_eagerly_on_cuda(spec):
+    graphs_draft_as_eagerly(spec)

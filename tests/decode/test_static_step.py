@@ -129,6 +129,24 @@ def test_failed_capture_falls_back_to_the_grouped_path_with_one_warning(caplog):
     assert len(warnings) == 1 and "CUDA graph capture failed" in warnings[0]
 
 
+def test_graph_mode_on_the_stand_in_for_cuda_gives_the_eager_tokens():
+    """The graph path on the CPU's stand-in with graphs (fake_cuda: a replay re-runs the captured calls into the
+    captured buffers, a host read inside a capture raises): captured, replayed across calls, no fallback, the
+    tokens of the grouped path (fp32)."""
+    target = tiny_target("llama", initializer_range=0.2)
+    prompts = _prompts()
+    expected = BatchedDecoder(target, mode="grouped").generate(prompts, max_new_tokens=NEW, stop_token_ids={0})
+    with fake_cuda(graphs=True):
+        target.model.to("cuda")
+        try:
+            decoder = BatchedDecoder(target)
+            for _ in range(2):
+                assert decoder.generate(prompts, max_new_tokens=NEW, stop_token_ids={0}) == expected
+                assert decoder.stats.mode == "graph"
+        finally:
+            target.model.to("cpu")
+
+
 def test_key_mask_sees_each_rows_prompt_and_new_tokens_up_to_the_column():
     mask = key_mask(torch.tensor([0, 2, 3]), torch.tensor([3]), torch.arange(6))
     assert mask.shape == (3, 1, 1, 6)
