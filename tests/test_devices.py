@@ -1,5 +1,6 @@
 """Every command on a CUDA device, end to end on a tiny chat target: prepare (capture, in-process regeneration),
-train, the doctor (conversations, --data, --stored), generate, bench, tune, serve, export.
+train, the doctor (conversations, --data, --stored, users' traffic, a temperature, --engine-url against the
+served draft), generate, bench, tune, serve, export, the quickstart.
 
 Two devices run the same test: a real GPU where torch sees one (marker ``cuda``: ``pytest -m cuda`` on a GPU
 machine), and everywhere else the CPU's stand-in for one (``fake_cuda.py``), which tags every tensor with the
@@ -125,6 +126,22 @@ def test_every_command_runs_on_cuda(tmp_path, workspace, on_device, capsys):
                 r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": words}],
                                                    max_tokens=6, temperature=0)
                 assert r.usage.completion_tokens > 0
+            # the doctor against the running server: its served acceptance read, on the device
+            code = run("doctor", "--draft", out / "draft", *target, *cuda, "--conversations", w / "chats.json",
+                       "--engine", "eaglewire", "--engine-url", url, "--engine-prompts", 1, "--engine-tokens", 8,
+                       "--min-tokens", 50, "--skip-label-check", "--num-sequences", 4, "--no-tune",
+                       "--json", out / "doctor-served.json")
+            report = json.loads((out / "doctor-served.json").read_text())
+            assert code in (0, 1, 3) and "served acceptance" in {c["name"] for c in report["checks"]}, report
+
+    # the quickstart, every stage on the device (regeneration, capture, training, the doctor, bench, tune)
+    with on_device():
+        assert run("quickstart", *target, *cuda, "--data", w / "chats.json", "--num-conversations", 5,
+                   "--heldout-conversations", 3, "--max-length", 64, "--max-new-tokens", 6, "--minutes", 0.03,
+                   "--draft-vocab-size", 128, "--ttt-steps", 2, "--bench-dataset", w / "prompts.jsonl",
+                   "--bench-prompts", 1, "--tune-prompts", 1, "--bench-tokens", 4, "--bench-configs",
+                   "1,0,0,0;1,2,1,3", "--out", out / "quickstart") in (0, 1)  # 1: the doctor's verdict on a toy draft
+        assert (out / "quickstart" / "summary.md").is_file()
 
     # export reads a draft trained on the device as any other (device-agnostic files)
     assert run("export", "--draft", out / "draft", "--to", "vllm", "--out", out / "vllm") == 0
