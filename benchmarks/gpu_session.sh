@@ -3,14 +3,18 @@
 # $OUT as soon as it exists (a call cut short keeps what ran). Run from the repository root with gpu_kit/ carried
 # (python benchmarks/gpu_harness.py kit --out gpu_kit, here):
 #
-#   bash benchmarks/gpu_session.sh proof    # ~8 min on an H200: the cuda-marked tests, then every command
-#   bash benchmarks/gpu_session.sh limits   # ~5 min: decoding (graphs, then inductor), capture, the writer, training
-#   DEVICE=cpu SHAPE=tiny bash benchmarks/gpu_session.sh proof    # the rehearsal here
+#   bash benchmarks/gpu_session.sh tests     # <= 4 min on an H200: the cuda-marked tests
+#   bash benchmarks/gpu_session.sh harness   # ~7.5 min: every command on the 8B-shaped target, one table
+#   bash benchmarks/gpu_session.sh limits    # <= 9 min: decoding (graphs, then inductor), capture, the writer, training
+#   DEVICE=cpu SHAPE=tiny bash benchmarks/gpu_session.sh harness  # the rehearsal here
+#
+# One stage a call (a call is at most 10 minutes); a session's 15 minutes of device time, the machine's start
+# included, hold two of them: harness + tests proves issue 51, harness + limits measures issue 52.
 #
 # Issues 51 and 52: what each figure is, and the earlier run's, in BENCHMARKS.md ("Every command on a GPU",
 # "The GPU at its limits").
 set -u
-stage=${1:?"proof or limits"}
+stage=${1:?"tests, harness or limits"}
 OUT=${OUT:-/tmp/gpu-session}
 DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -38,23 +42,25 @@ step() {  # step NAME SECONDS CMD...: run under a timeout, its output in $OUT/NA
 $PY benchmarks/gpu_harness.py install --kit gpu_kit > "$OUT/install.txt" 2>&1
 
 case $stage in
-proof)
-  step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py \
+tests)
+  step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py \
     tests/decode/test_static_step.py tests/decode/test_spec_decoder.py tests/test_draft.py
-  step harness 420 $PY benchmarks/gpu_harness.py run --kit gpu_kit --device "$DEVICE" --shape "$SHAPE" \
+  ;;
+harness)
+  step harness 540 $PY benchmarks/gpu_harness.py run --kit gpu_kit --device "$DEVICE" --shape "$SHAPE" \
     --out "$WORK/harness"
   mkdir -p "$OUT/harness" && cp -r "$WORK/harness/table.md" "$WORK/harness/table.json" "$WORK/harness/logs" \
     "$OUT/harness/" 2>/dev/null
   ;;
 limits)
-  step decode 150 $PY benchmarks/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --tokens 128
+  step decode 120 $PY benchmarks/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --tokens 128
   step capture 100 $PY benchmarks/gpu_capture_probe.py --device "$DEVICE" --shape "$SHAPE" --variants forward,new
   step shard_write 60 $PY benchmarks/shard_write.py --dir "$WORK/shard-write" --shards 1 --repeats 1
-  step decode_compiled 200 $PY benchmarks/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --compile
+  step decode_compiled 160 $PY benchmarks/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --compile
   step train 120 $PY benchmarks/gpu_train_probe.py --device "$DEVICE" --shape "$SHAPE" --budget 100
   ;;
 *)
-  echo "unknown stage $stage (proof or limits)" >&2
+  echo "unknown stage $stage (tests, harness or limits)" >&2
   exit 2
   ;;
 esac
