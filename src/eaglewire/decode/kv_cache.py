@@ -4,9 +4,10 @@ Shapes: B = 1 sequence, nKV key/value heads, S cached tokens, hd head dim, W a s
 N tokens of one verify/draft block, T tokens of one draft forward, H hidden.
 
 The draft has two caches with one interface (``forward`` runs the draft over T new tokens and keeps their K/V,
-``forward_top`` does so and also gives each new token's best next tokens, ``commit`` / ``rollback`` end a round): ``DraftCache`` grows by concatenation (the CPU's: it attends over what
-is there and nothing more), ``StaticDraftCache`` holds a fixed width and replays a CUDA graph per T (the GPU's:
-a draft step is a few dozen small kernels, which launched one by one cost ten times their work).
+``forward_top`` also gives each new token's best next tokens, ``commit`` / ``rollback`` end a round):
+``DraftCache`` grows by concatenation (the CPU's: it attends over what is there and nothing more),
+``StaticDraftCache`` holds a fixed width and replays a CUDA graph per T, the head's top-k inside (the GPU's: a
+draft step is a few dozen small kernels, which launched one by one cost ten times their work).
 """
 
 from __future__ import annotations
