@@ -83,8 +83,7 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     key = None
     if config.cache:  # what an earlier run computed from the same draft, target, data and settings
         with report.timed("cache key"):
-            key = cache_key(config, resolve_draft(config.draft), target, sequences,
-                                         report.engine_version)
+            key = cache_key(config, resolve_draft(config.draft), target, sequences, report.engine_version)
     cached = load(key) if key else None
     held_out = _HeldOut(config, target, draft, contract, summary, source, sequences, declared, serving, serving_steps)
     first = len(report.checks)
