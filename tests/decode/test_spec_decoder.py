@@ -184,9 +184,9 @@ def graphs_draft_as_eagerly(spec: SpecConfig) -> None:
 
     target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
     prompts = [[1, 4, 2, 5, 0, 3], [2, 2, 5, 1]]
-    plain = [SpecDecoder(target).generate(p, max_new_tokens=20)[0] for p in prompts]
     target.model.to("cuda")
     try:
+        plain = [SpecDecoder(target).generate(p, max_new_tokens=20)[0] for p in prompts]  # on the same device
         draft, contract = random_draft(target)
         graphs = SpecDecoder(target, draft, contract, spec)
         eager = SpecDecoder(target, draft, contract, spec)
