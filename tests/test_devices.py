@@ -1,5 +1,5 @@
-"""Every command on a CUDA device, end to end on a tiny chat target: prepare (capture, in-process regeneration),
-train, the doctor (conversations, --data, --stored, users' traffic, a temperature, --engine-url against the
+"""Every command on a CUDA device, end to end on a tiny chat target: prepare (capture, in-process regeneration,
+--head-only from an engine's host states), train, the doctor (conversations, --data, --stored, users' traffic, a temperature, --engine-url against the
 served draft), generate, bench, tune, serve, export, the quickstart.
 
 Two devices run the same test: a real GPU where torch sees one (marker ``cuda``: ``pytest -m cuda`` on a GPU
@@ -146,3 +146,48 @@ def test_every_command_runs_on_cuda(tmp_path, workspace, on_device, capsys):
     # export reads a draft trained on the device as any other (device-agnostic files)
     assert run("export", "--draft", out / "draft", "--to", "vllm", "--out", out / "vllm") == 0
     assert (out / "vllm" / "config.json").exists()
+
+
+class _EngineOnTheHost:
+    """An engine's capture as ``prepare --capture vllm`` reads it: every boundary asked for, as host tensors (an
+    engine hands its states through files), computed by the whole target loaded in this process on the CPU."""
+
+    def __init__(self, target, boundaries):
+        self.target, self.boundaries, self.version = target, boundaries, "fake 1.0"
+
+    def states(self, ids):
+        from eaglewire.data.engine_capture import states_here
+
+        here = states_here(self.target, ids)
+        return torch.stack([here[b] for b in self.boundaries], dim=1).cpu()  # [T, n, H] on the host
+
+
+def test_prepare_head_only_checks_an_engines_host_states_on_the_device(tmp_path, workspace, on_device, monkeypatch,
+                                                                       capsys):
+    """``prepare --head-only --capture ENGINE`` on the device: the engine's states arrive on the host, the head-only
+    target's last layer and head run on the device (the last-layer check, then the label check), shards written.
+    The label check's head-only rule (calibration) refuses a random target's honest states, as it should: it runs
+    to its verdict on the device, then ``--skip-label-check`` lets the capture through."""
+    from eaglewire.engines.vllm import capture as vcap
+    from eaglewire.model.target import load_target
+
+    whole = load_target(str(workspace / "target"), device="cpu", dtype=torch.float32)
+    L = whole.num_layers
+
+    @contextlib.contextmanager
+    def capture(self, target, boundaries, num_layers, arch, settings, *, work_dir, url=None):
+        assert L - 1 in boundaries and num_layers == L  # the head-only check's boundary L-1 was asked for
+        yield _EngineOnTheHost(whole, [*boundaries, num_layers])
+
+    monkeypatch.setattr(vcap.VllmCapturer, "capture", capture)
+    prepare = ["prepare", "--target", workspace / "target", "--device", "cuda", "--dtype", "fp32", "--capture", "vllm",
+               "--head-only", "--aux-boundaries", "1,4", "--data", workspace / "chats.json", "--max-length", 64,
+               "--no-progress"]
+    with on_device():
+        assert run(*prepare, "--out", tmp_path / "judged") == 2
+        assert "argmax agrees with the stored next token" in capsys.readouterr().err  # the verdict, not a crash
+        assert run(*prepare, "--out", tmp_path / "shards", "--skip-label-check") == 0
+    status = json.loads((tmp_path / "shards" / "manifest.json").read_text())["status"]
+    assert status["capture"] == "fake 1.0" and status["capture_precision"]["device"] == "cuda", status
+    check = status["capture_check"]
+    assert check["sequences"] > 0 and check["max_relative_error"][str(L)] < 1e-4 and "instead" in check, check

@@ -72,6 +72,7 @@ class PrepareConfig:
     capture_python: str | None = field(default=None, metadata={"help": "the python of the vLLM to launch (default: `eaglewire engines install vllm`'s)"})
     capture_threads: int = field(default=2, metadata={"help": "threads of the engine launched to capture"})
     head_only: bool = field(default=False, metadata={"help": "a target too large for this process: read only its tokenizer, embedding, last decoder layer, final norm and lm_head; the states come from --capture ENGINE, checked with the last layer on the engine's boundary L-1 instead of a whole in-process capture"})
+    skip_label_check: bool = field(default=False, metadata={"help": "no label check after the capture (the target's head on the stored last state against the stored next tokens); only for a target that is not a language model of this text, e.g. a random test target captured --head-only", "record": False})
     labels: str = field(default="hidden", metadata={"help": "the target's signal on disk: hidden (the last hidden state) or topk:K (the target's K most likely tokens and log-probabilities at reply positions, e.g. topk:32)"})
 
     def __post_init__(self) -> None:
@@ -501,7 +502,10 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                           truncated_to_max_length_this_run=truncated)
     bar.close()
     if world == 1 and totals["sequences"]:  # under torchrun the other ranks' parts may not be written yet
-        _check_labels(out, target)
+        if config.skip_label_check:
+            log.warning("label check skipped (--skip-label-check): train and doctor --stored run it again")
+        else:
+            _check_labels(out, target)
     return PrepareSummary(
         out=str(out), conversations_loaded=len(conversations), sequences=totals["sequences"],
         tokens=totals["tokens"], loss_tokens=totals["loss_tokens"], bytes_on_disk=totals["bytes"],
