@@ -12,23 +12,45 @@ import torch.nn.functional as F
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
+           scale: float) -> torch.Tensor:
     """q [..., nH, n, hd]; k/v [..., nKV, m, hd]; mask [..., 1, n, m] bool or None (all keys)
+    -> [..., nH, n, hd]. A forward of many layers prepares the mask once (``attention_bias``) and calls
+    ``attend_biased`` a layer."""
+    groups = q.shape[-3] // k.shape[-3]
+    return attend_biased(q, k, v, attention_bias(mask, groups, q.dtype), scale)
+
+
+def attention_bias(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """mask [..., 1, n, m] bool (True: attend) -> the additive bias [..., 1, G*n, m] (0 or -inf in ``dtype``) for
+    ``attend_biased``, its rows tiled for the G = ``groups`` query heads of a key-value head (ordered (g, t)).
+
+    SDPA turns a bool mask into exactly this bias (0 where True, -inf elsewhere) before its kernel runs, so the
+    attention is the same to the bit (tests/decode/test_attention.py); made once per forward instead of once a
+    layer, a step of L layers launches ~4L fewer small kernels on CUDA (the tiling, SDPA's two scalar fills and
+    its where). Every row must see some key: a row of -inf gives NaN, as a row of False does."""
+    if mask is None:
+        return None
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias if groups == 1 else torch.cat([bias] * groups, dim=-2)  # [..., 1, G*n, m]
+
+
+def attend_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """q [..., nH, n, hd]; k/v [..., nKV, m, hd]; bias [..., 1, G*n, m] from ``attention_bias`` or None (all keys)
     -> [..., nH, n, hd].
 
     Grouped-query attention without repeating K/V: the G query heads of a key-value head are
-    stacked as G*n query rows of that head (rows ordered (g, t)), the mask tiled to match. This
+    stacked as G*n query rows of that head (rows ordered (g, t)), the bias tiled to match. This
     keeps SDPA on its fused CPU kernel; ``enable_gqa`` sends it to the slow math path, and so
     do unbatched (3-d) inputs, which therefore get a batch dimension of one.
     """
     if q.dim() == 3:
-        return attend(q[None], k[None], v[None], None if mask is None else mask[None], scale)[0]
+        return attend_biased(q[None], k[None], v[None], None if bias is None else bias[None], scale)[0]
     *lead, nH, n, hd = q.shape
     G = nH // k.shape[-3]
     if G > 1:
         q = q.reshape(*lead, nH // G, G * n, hd)  # [..., nKV, G*n, hd]
-        mask = None if mask is None else torch.cat([mask] * G, dim=-2)  # [..., 1, G*n, m]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [..., nKV, G*n, hd]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # [..., nKV, G*n, hd]
     return out.reshape(*lead, nH, n, hd)
 
 

@@ -18,7 +18,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from eaglewire.decode.attention import attend, attend_rows, block_rows
+from eaglewire.decode.attention import attend_biased, attend_rows, attention_bias, block_rows
 from eaglewire.model.capture import capture
 from eaglewire.decode.gemm import MAX_EXACT_ROWS, PackedLinear
 from eaglewire.decode.kv_cache import compact_target_cache
@@ -81,15 +81,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(rotary: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's rotary module at ``positions`` [N] -> cos, sin [N, 1, hd], once per forward."""
+    """The target's rotary module at ``positions`` [N] -> (cos, signed sin) [N, 1, hd] for ``_rotate``, once per
+    forward: the sin's first half negated, which rotate-half RoPE applies to the second half of x (HF's rotary
+    modules repeat one half's angles in the other, so only the sign differs)."""
     cos, sin = rotary(h[None], positions[None])  # [1, N, hd]
-    return cos[0, :, None], sin[0, :, None]  # [N, 1, hd]
+    half = sin.shape[-1] // 2
+    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [1, N, hd]
+    return cos[0, :, None], signed[0, :, None]  # [N, 1, hd]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, n, hd]; cos/sin [N, 1, hd] (rotate-half RoPE)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x [N, n, hd]; cos/signed_sin [N, 1, hd] from ``rope``. The same values to the bit as
+    ``x * cos + cat(-x2, x1) * sin`` (a sign moves between factors exactly), in one kernel fewer a layer: the
+    halves swap by a roll rather than a negation and a concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def exact_rows(dtype: torch.dtype, device: torch.device) -> bool:
@@ -260,6 +265,7 @@ class LeanRunner:
             mask = mask[None]  # [1, N, P+N]
         elif N > 1:
             mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
+        bias = attention_bias(mask, w.nH // w.nKV, w.dtype)  # [1, G*N, P+N] or None, for every layer
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             seen[i] = h
@@ -269,7 +275,7 @@ class LeanRunner:
             if rows is not None:
                 attn = attend_rows(q, self.k_cache[i], self.v_cache[i], P, rows, w.scale)  # [nH, N, hd]
             else:
-                attn = attend(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], mask, w.scale)  # [nH, N, hd]
+                attn = attend_biased(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], bias, w.scale)  # [nH, N, hd]
             h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
         seen[len(w.layers)] = h
         return h, torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, H], [N, k*H]
@@ -282,14 +288,14 @@ class LeanRunner:
         N = ids.shape[0]
         h = w.embed(ids)  # [N, H]
         cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
-        mask = static_mask(self.columns, length, slots, block)[None]  # [1, N, S]
+        bias = attention_bias(static_mask(self.columns, length, slots, block)[None], w.nH // w.nKV, w.dtype)  # [1, G*N, S]
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             seen[i] = h
             q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
             self.k_cache[i].index_copy_(1, slots, k)  # [nKV, S, hd]
             self.v_cache[i].index_copy_(1, slots, v)
-            attn = attend(q, self.k_cache[i], self.v_cache[i], mask, w.scale)  # [nH, N, hd]
+            attn = attend_biased(q, self.k_cache[i], self.v_cache[i], bias, w.scale)  # [nH, N, hd]
             h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
         seen[len(w.layers)] = h
         return h, torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, H], [N, k*H]

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from eaglewire.decode.attention import attend
+from eaglewire.decode.attention import attend_biased, attention_bias
 from eaglewire.decode.runner import LeanWeights, rope
 from eaglewire.decode.step_graphs import capture
 
@@ -102,13 +102,13 @@ class StaticStep:
         w, B = self.w, self.rows
         h = w.embed(self.token)  # [B, H]
         cos, sin = rope(w.rotary, h, self.col - self.pad)  # [B, 1, hd]
-        mask = key_mask(self.pad, self.col, self.column_ids)  # [B, 1, 1, S]
+        bias = attention_bias(key_mask(self.pad, self.col, self.column_ids), w.nH // w.nKV, w.dtype)  # [B, 1, G, S]
         for i, layer in enumerate(w.layers):
             q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # q [nH, B, hd], k/v [nKV, B, hd]
             self.k[i].index_copy_(2, self.col, k.transpose(0, 1)[:, :, None])  # [B, nKV, 1, hd] at col
             self.v[i].index_copy_(2, self.col, v.transpose(0, 1)[:, :, None])
             q = q.transpose(0, 1)[:, :, None]  # [B, nH, 1, hd]
-            attn = attend(q, self.k[i], self.v[i], mask, w.scale)  # [B, nH, 1, hd]
+            attn = attend_biased(q, self.k[i], self.v[i], bias, w.scale)  # [B, nH, 1, hd]
             h = layer.out_mlp(h, attn.reshape(B, w.nH * w.hd))  # [B, H]
         return w.head(h)  # [B, V]
 
