@@ -177,3 +177,37 @@ def test_cuda_flash_ttt_attention_matches_full_mask(steps):
         torch.testing.assert_close(g_, w, atol=5e-2, rtol=5e-2)
     half = [t.detach().bfloat16() for t in inputs]  # a bf16 draft outside autocast (tune's trace): bf16 out
     assert ttt_attention_flash_cuda(half[0], half[1::2], half[2::2]).dtype == torch.bfloat16
+
+
+def test_the_draft_norm_is_torchs_fused_kernel_when_decoding_on_cuda():
+    """On CUDA in the weight's dtype (a draft decoding in its target's dtype) the norm is one fused kernel, within a
+    bf16 ulp of the fp32-normalised ops (which round twice); training's mixed dtypes (fp32 weights, bf16 input
+    under autocast) and the CPU keep those ops."""
+    from torch.overrides import TorchFunctionMode
+
+    from eaglewire.model.draft import RMSNorm
+    from fake_cuda import fake_cuda
+
+    class Called(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.fused = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.fused += func in (torch.nn.functional.rms_norm, torch.rms_norm)
+            return func(*args, **(kwargs or {}))
+
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(-1, 3, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 4
+    want = norm.to(torch.bfloat16)(x.to(torch.bfloat16))  # CPU: the ops, rounded twice
+    for cuda, dtype, fused in ((True, torch.bfloat16, 1), (True, torch.float32, 1), (False, torch.bfloat16, 0)):
+        with fake_cuda(), Called() as calls:
+            device = "cuda" if cuda else "cpu"
+            got = norm.to(device, dtype)(x.to(device, dtype))
+        assert calls.fused == fused, (cuda, dtype)
+        torch.testing.assert_close(got.cpu().to(torch.bfloat16), want, rtol=2 ** -7, atol=0)  # a bf16 ulp
+    with fake_cuda(), Called() as calls:  # training on CUDA: fp32 weights, a bf16 input
+        norm.to("cuda", torch.float32)(x.to("cuda", torch.bfloat16))
+    assert calls.fused == 0
