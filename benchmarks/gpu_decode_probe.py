@@ -179,34 +179,62 @@ def draft_forward(draft, target, contract, device: torch.device, dtype: torch.dt
 
 
 def draft_graph_forward(draft, target, contract, device: torch.device, dtype: torch.dtype, reps: int) -> float:
-    """The draft step as the decoder runs it on CUDA (its fixed-width cache, a replayed graph) plus its
-    log-probabilities and top-k, ms."""
+    """A drafted level as the decoder runs it on CUDA (its fixed-width cache, one replayed graph holding the step
+    and its head's log-probabilities and top-k), ms."""
+    _, call = _draft_level(draft, target, contract, device, dtype)
+    with torch.no_grad():
+        return round(1e3 * timed(call, device, reps), 3)
+
+
+def _draft_level(draft, target, contract, device: torch.device, dtype: torch.dtype, *, graphs: bool = True):
+    """(the draft's static cache after a PREFILL-token context, a call drafting one level of one token)."""
     from eaglewire.decode.gemm import pack_linears
     from eaglewire.decode.kv_cache import StaticDraftCache
 
     packed = pack_linears(draft.eval())
     H, k = target.hidden_size, len(contract.aux_boundaries)
-    cache = StaticDraftCache(packed, PREFILL + 64, device, dtype)
+    cache = StaticDraftCache(packed, PREFILL + 64, device, dtype, graphs=graphs)
     with torch.no_grad():
         hidden = packed.fuse(torch.randn(1, PREFILL, k * H, device=device, dtype=dtype))  # [1, P, H]
         emb = target.embed_tokens(torch.randint(0, VOCAB, (1, PREFILL), device=device)).to(dtype)
         cache.forward(packed, emb, hidden, torch.arange(PREFILL, device=device)[None], None)
         cache.commit()
-        pos = torch.tensor([[PREFILL]], device=device)
+    pos = torch.tensor([[PREFILL]], device=device)
 
-        def call():
-            out = cache.forward(packed, emb[:, :1], hidden[:, :1], pos, None)
-            cache.rollback()
-            torch.log_softmax(packed.logits(out).float(), dim=-1).topk(1)
+    def call():
+        cache.forward_top(packed, emb[:, :1], hidden[:, :1], pos, None, 1)
+        cache.rollback()
 
-        return round(1e3 * timed(call, device, reps), 3)
+    return cache, call
+
+
+def profile_kernels(call, device: torch.device) -> dict:
+    """``call`` run eagerly under the profiler: how many kernels, their summed GPU time, and the largest by time --
+    what a replayed graph of it still pays (its kernels) against the roofline (its bytes). Elsewhere (the CPU
+    rehearsal) the same figures of its top-level aten ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with torch.no_grad():
+        call()  # warm: no first-call allocations in the trace
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            call()
+            sync(device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"] if cuda else \
+        [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:60], []).append(e.cpu_time_total if not cuda else e.device_time_total
+                                                    if hasattr(e, "device_time_total") else e.cuda_time_total)
+    total_us = sum(sum(v) for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return {"kernels": len(kernels), "kernel_ms": round(total_us / 1e3, 3),
+            "top": [{"name": n, "count": len(v), "ms": round(sum(v) / 1e3, 3)} for n, v in top]}
 
 
 def kernel_breakdown(target, boundaries: list[int], device: torch.device) -> dict:
-    """One static step (N = 1) run eagerly under the profiler: how many kernels, their summed GPU time, and the
-    largest by time -- what a replayed graph still pays (its kernels) against the roofline (its bytes)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """One static target step (N = 1), eagerly: ``profile_kernels``."""
     from eaglewire.decode.runner import LeanRunner
 
     runner = LeanRunner(target, boundaries, max_length=PREFILL + 64, static=True)
@@ -214,20 +242,13 @@ def kernel_breakdown(target, boundaries: list[int], device: torch.device) -> dic
     runner.forward(torch.randint(0, VOCAB, (PREFILL,)), torch.arange(PREFILL), None)
     runner.commit(list(range(PREFILL)))
     one, pos = torch.tensor([5]), torch.tensor([PREFILL])
-    runner.forward(one, pos, None)
-    sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.forward(one, pos, None)
-        sync(device)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name[:60], []).append(e.device_time_total if hasattr(e, "device_time_total")
-                                                    else e.cuda_time_total)
-    total_us = sum(sum(v) for v in by_name.values())
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]
-    return {"kernels": len(kernels), "kernel_ms": round(total_us / 1e3, 3),
-            "top": [{"name": n, "count": len(v), "ms": round(sum(v) / 1e3, 3)} for n, v in top]}
+    return profile_kernels(lambda: runner.forward(one, pos, None), device)
+
+
+def draft_kernel_breakdown(draft, target, contract, device: torch.device, dtype: torch.dtype) -> dict:
+    """One drafted level (step, head, log-softmax, top-k), eagerly: ``profile_kernels``."""
+    _, call = _draft_level(draft, target, contract, device, dtype, graphs=False)
+    return profile_kernels(call, device)
 
 
 def part(results: dict, name: str, fn) -> None:
@@ -273,8 +294,7 @@ def main() -> int:
     part(results, "hf_eager_step_ms", lambda: hf_step(target, device, args.reps))
     part(results, "lean_eager_ms", lambda: step_costs(target, boundaries, False, device, args.reps))
     part(results, "lean_graph_ms", lambda: step_costs(target, boundaries, True, device, args.reps))
-    if device.type == "cuda":
-        part(results, "step_kernels", lambda: kernel_breakdown(target, boundaries, device))
+    part(results, "step_kernels", lambda: kernel_breakdown(target, boundaries, device))
     draft = contract = None
     try:
         draft, contract = random_draft(target, boundaries, dtype)
@@ -283,6 +303,7 @@ def main() -> int:
     if draft is not None:
         part(results, "draft_forward_ms", lambda: draft_forward(draft, target, contract, device, dtype, args.reps))
         part(results, "draft_graph_ms", lambda: draft_graph_forward(draft, target, contract, device, dtype, args.reps))
+        part(results, "draft_level_kernels", lambda: draft_kernel_breakdown(draft, target, contract, device, dtype))
         part(results, "spec_eager", lambda: speculative(target, draft, contract, device, False, args.tokens))
         part(results, "spec_graph", lambda: speculative(target, draft, contract, device, True, args.tokens))
     graph = results.get("lean_graph_ms")
