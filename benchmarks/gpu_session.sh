@@ -44,7 +44,7 @@ $PY benchmarks/gpu_harness.py install --kit gpu_kit > "$OUT/install.txt" 2>&1
 
 case $stage in
 tests)
-  step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py \
+  step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/decode/test_runner.py \
     tests/decode/test_static_step.py tests/decode/test_spec_decoder.py tests/test_draft.py
   ;;
 harness)

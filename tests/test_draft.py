@@ -179,14 +179,20 @@ def test_cuda_flash_ttt_attention_matches_full_mask(steps):
     assert ttt_attention_flash_cuda(half[0], half[1::2], half[2::2]).dtype == torch.bfloat16
 
 
-def test_the_draft_norm_is_torchs_fused_kernel_when_decoding_on_cuda():
+@pytest.mark.parametrize("device", ["fake", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the fake one checks the choice")])])
+def test_the_draft_norm_is_torchs_fused_kernel_when_decoding_on_cuda(device):
     """On CUDA in the weight's dtype (a draft decoding in its target's dtype) the norm is one fused kernel, within a
     bf16 ulp of the fp32-normalised ops (which round twice); training's mixed dtypes (fp32 weights, bf16 input
     under autocast) and the CPU keep those ops."""
     from torch.overrides import TorchFunctionMode
 
+    from contextlib import nullcontext
+
     from eaglewire.model.draft import RMSNorm
     from fake_cuda import fake_cuda
+
+    on_device = fake_cuda if device == "fake" else nullcontext
 
     class Called(TorchFunctionMode):
         def __init__(self):
@@ -203,11 +209,11 @@ def test_the_draft_norm_is_torchs_fused_kernel_when_decoding_on_cuda():
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 4
     want = norm.to(torch.bfloat16)(x.to(torch.bfloat16))  # CPU: the ops, rounded twice
     for cuda, dtype, fused in ((True, torch.bfloat16, 1), (True, torch.float32, 1), (False, torch.bfloat16, 0)):
-        with fake_cuda(), Called() as calls:
-            device = "cuda" if cuda else "cpu"
-            got = norm.to(device, dtype)(x.to(device, dtype))
+        with on_device(), Called() as calls:
+            where = "cuda" if cuda else "cpu"
+            got = norm.to(where, dtype)(x.to(where, dtype))
         assert calls.fused == fused, (cuda, dtype)
         torch.testing.assert_close(got.cpu().to(torch.bfloat16), want, rtol=2 ** -7, atol=0)  # a bf16 ulp
-    with fake_cuda(), Called() as calls:  # training on CUDA: fp32 weights, a bf16 input
+    with on_device(), Called() as calls:  # training on CUDA: fp32 weights, a bf16 input
         norm.to("cuda", torch.float32)(x.to("cuda", torch.bfloat16))
     assert calls.fused == 0

@@ -9,6 +9,8 @@ from eaglewire.decode.runner import HFRunner, LeanRunner, make_runner
 from tiny import ARCHITECTURES, tiny_target
 
 LEAN = ["llama", "qwen2", "qwen3", "mistral"]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])]
 
 
 def tree_block(ids: torch.Tensor, P: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,16 +82,17 @@ def test_static_forward_is_the_dynamic_forward(arch):
         torch.testing.assert_close(static, dynamic, rtol=1e-3, atol=2e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups, rows", [(1, 1), (3, 1), (3, 5)])
-def test_attention_bias_attends_as_the_bool_mask_to_the_bit(dtype, groups, rows):
+def test_attention_bias_attends_as_the_bool_mask_to_the_bit(dtype, groups, rows, device):
     """SDPA turns a bool mask into this very bias before its kernel, so the outputs are equal, not close."""
     from eaglewire.decode.attention import attend, attend_biased, attention_bias
 
     g = torch.Generator().manual_seed(groups * 10 + rows)
-    q = torch.randn(2 * groups, rows, 16, generator=g).to(dtype)  # [nH, n, hd]
-    k, v = (torch.randn(2, 37, 16, generator=g).to(dtype) for _ in range(2))  # [nKV, m, hd]
-    mask = torch.rand(1, rows, 37, generator=g) > 0.4  # [1, n, m]
+    q = torch.randn(2 * groups, rows, 16, generator=g).to(device, dtype)  # [nH, n, hd]
+    k, v = (torch.randn(2, 37, 16, generator=g).to(device, dtype) for _ in range(2))  # [nKV, m, hd]
+    mask = (torch.rand(1, rows, 37, generator=g) > 0.4).to(device)  # [1, n, m]
     mask[..., 0] = True  # every row sees a key
     bias = attention_bias(mask, groups, dtype)
     assert bias.shape == (1, groups * rows, 37) and bias.dtype == dtype
@@ -100,16 +103,18 @@ def test_attention_bias_attends_as_the_bool_mask_to_the_bit(dtype, groups, rows)
                                atol=1e-2 if dtype != torch.float32 else 1e-6)  # another kernel: its rounding
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotate_with_a_signed_sin_is_rotate_half_to_the_bit(dtype):
+def test_rotate_with_a_signed_sin_is_rotate_half_to_the_bit(dtype, device):
     """The lean forward's RoPE (a roll and the sin's sign folded in once a forward) equals HF's rotate-half."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from eaglewire.decode.runner import _rotate, rope
 
     target = tiny_target("llama")
-    positions = torch.tensor([0, 3, 7, 200])
-    x = torch.randn(4, 6, target.text_config.head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    target.model.to(device)
+    positions = torch.tensor([0, 3, 7, 200], device=device)
+    x = torch.randn(4, 6, target.text_config.head_dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     cos, signed_sin = rope(target.decoder.rotary_emb, x[:, 0], positions)  # [N, 1, hd]
     hf_cos, hf_sin = target.decoder.rotary_emb(x[None, :, 0], positions[None])  # [1, N, hd]
     hf, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], hf_cos, hf_sin)  # [1, n, N, hd]
