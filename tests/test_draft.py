@@ -181,13 +181,13 @@ def test_cuda_flash_ttt_attention_matches_full_mask(steps):
 
 @pytest.mark.parametrize("device", ["fake", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: the fake one checks the choice")])])
-def test_the_draft_norm_is_torchs_fused_kernel_when_decoding_on_cuda(device):
-    """On CUDA in the weight's dtype (a draft decoding in its target's dtype) the norm is one fused kernel, within a
-    bf16 ulp of the fp32-normalised ops (which round twice); training's mixed dtypes (fp32 weights, bf16 input
-    under autocast) and the CPU keep those ops."""
-    from torch.overrides import TorchFunctionMode
-
+def test_the_draft_norm_is_torchs_fused_kernel_on_cuda(device):
+    """On CUDA the norm is one fused kernel in the input's dtype, decoding (weights in the input's dtype) and
+    training (fp32 weights, a bf16 input under autocast) alike: values and gradients within a bf16 ulp of the
+    fp32-normalised ops the CPU keeps (which round twice)."""
     from contextlib import nullcontext
+
+    from torch.overrides import TorchFunctionMode
 
     from eaglewire.model.draft import RMSNorm
     from fake_cuda import fake_cuda
@@ -203,17 +203,28 @@ def test_the_draft_norm_is_torchs_fused_kernel_when_decoding_on_cuda(device):
             self.fused += func in (torch.nn.functional.rms_norm, torch.rms_norm)
             return func(*args, **(kwargs or {}))
 
-    norm = RMSNorm(64, 1e-5)
-    with torch.no_grad():
-        norm.weight.uniform_(-1, 3, generator=torch.Generator().manual_seed(0))
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 4
-    want = norm.to(torch.bfloat16)(x.to(torch.bfloat16))  # CPU: the ops, rounded twice
-    for cuda, dtype, fused in ((True, torch.bfloat16, 1), (True, torch.float32, 1), (False, torch.bfloat16, 0)):
+    def run(where, weight_dtype, x_dtype):
+        """(output, d out / d x, d out / d weight) of a norm with random weights, all as fp32 on the host."""
+        norm = RMSNorm(64, 1e-5)
+        with torch.no_grad():
+            norm.weight.uniform_(-1, 3, generator=torch.Generator().manual_seed(0))
+        norm.to(where, weight_dtype)
+        x = (torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 4).to(where, x_dtype).requires_grad_()
+        grad = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(where)
+        out = norm(x)
+        (out.float() * grad).sum().backward()
+        return [t.detach().float().cpu() for t in (out, x.grad, norm.weight.grad)]
+
+    for weights, inputs in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                            (torch.float32, torch.float32)):
+        want = run("cpu", weights, inputs)
         with on_device(), Called() as calls:
-            where = "cuda" if cuda else "cpu"
-            got = norm.to(where, dtype)(x.to(where, dtype))
-        assert calls.fused == fused, (cuda, dtype)
-        torch.testing.assert_close(got.cpu().to(torch.bfloat16), want, rtol=2 ** -7, atol=0)  # a bf16 ulp
-    with on_device(), Called() as calls:  # training on CUDA: fp32 weights, a bf16 input
-        norm.to("cuda", torch.float32)(x.to("cuda", torch.bfloat16))
+            got = run("cuda", weights, inputs)
+        assert calls.fused == 1, (weights, inputs)
+        for a, b, what in zip(got, want, ("output", "x.grad", "weight.grad")):
+            # a bf16 ulp a value (2^-7 relative at worst); the weight's gradient sums 3 rows of such values
+            torch.testing.assert_close(a, b, rtol=2 ** -6, atol=2 ** -6 * b.abs().max().item(),
+                                       msg=lambda m: f"{weights} weights, {inputs} input, {what}: {m}")
+    with Called() as calls:  # the CPU: the ops
+        run("cpu", torch.bfloat16, torch.bfloat16)
     assert calls.fused == 0
