@@ -25,7 +25,7 @@ def attention_bias(mask: torch.Tensor | None, groups: int, dtype: torch.dtype) -
     ``attend_biased``, its rows tiled for the G = ``groups`` query heads of a key-value head (ordered (g, t)).
 
     SDPA turns a bool mask into exactly this bias (0 where True, -inf elsewhere) before its kernel runs, so the
-    attention is the same to the bit (tests/decode/test_attention.py); made once per forward instead of once a
+    attention is the same to the bit (tests/decode/test_runner.py); made once per forward instead of once a
     layer, a step of L layers launches ~4L fewer small kernels on CUDA (the tiling, SDPA's two scalar fills and
     its where). Every row must see some key: a row of -inf gives NaN, as a row of False does."""
     if mask is None:

@@ -191,9 +191,9 @@ class BatchedDecoder:
             masks = [torch.ones(e - s, e, dtype=torch.bool, device=dev).tril(s)[None]  # [1, n, e]
                      for _, s, e in chunk]
             h = w.embed(ids)  # [N, H]
-            cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
+            cos, signed_sin = rope(w.rotary, h, positions)  # [N, 1, hd]
             for i, layer in enumerate(w.layers):
-                q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
+                q, k, v = layer.qkv(h, cos, signed_sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
                 outs, o = [], 0
                 for (r, s, e), mask in zip(chunk, masks):
                     n, c = e - s, pad[r]  # c: the row's first prompt column
@@ -214,10 +214,10 @@ class BatchedDecoder:
         w = self.w
         B = token.shape[0]
         h = w.embed(token)  # [B, H]
-        cos, sin = rope(w.rotary, h, col - batch.pad)  # [B, 1, hd]; position = column - padding
+        cos, signed_sin = rope(w.rotary, h, col - batch.pad)  # [B, 1, hd]; position = column - padding
         mask = (torch.arange(col + 1, device=w.device) >= batch.pad[:, None])[:, None, None]  # [B, 1, 1, col+1]
         for i, layer in enumerate(w.layers):
-            q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # q [nH, B, hd], k/v [nKV, B, hd]
+            q, k, v = layer.qkv(h, cos, signed_sin, w.nH, w.nKV, w.hd)  # q [nH, B, hd], k/v [nKV, B, hd]
             batch.k[i, :, :, col] = k.transpose(0, 1)  # [B, nKV, hd]
             batch.v[i, :, :, col] = v.transpose(0, 1)
             q = q.transpose(0, 1)[:, :, None]  # [B, nH, 1, hd]

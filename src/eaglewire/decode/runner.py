@@ -124,15 +124,16 @@ class _Layer:
         self.down = PackedLinear(mlp.down_proj.weight, dtype=dtype, exact_rows=exact)
         self.ln1, self.ln2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
 
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nH: int, nKV: int, hd: int):
-        """h [N, H]; cos/sin [N, 1, hd] -> q [nH, N, hd], k/v [nKV, N, hd], normed (Qwen3) and rotated."""
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, nH: int, nKV: int, hd: int):
+        """h [N, H]; cos/signed_sin [N, 1, hd] (``rope``) -> q [nH, N, hd], k/v [nKV, N, hd], normed (Qwen3) and
+        rotated."""
         N = h.shape[0]
         qkv = self.qkv_proj(rms_norm(h, *self.ln1)).view(N, nH + 2 * nKV, hd)  # [N, nH+2nKV, hd]
         if self.q_norm is not None:
-            q = _rotate(rms_norm(qkv[:, :nH], *self.q_norm), cos, sin)  # [N, nH, hd]
-            k = _rotate(rms_norm(qkv[:, nH:nH + nKV], *self.k_norm), cos, sin)  # [N, nKV, hd]
+            q = _rotate(rms_norm(qkv[:, :nH], *self.q_norm), cos, signed_sin)  # [N, nH, hd]
+            k = _rotate(rms_norm(qkv[:, nH:nH + nKV], *self.k_norm), cos, signed_sin)  # [N, nKV, hd]
         else:  # q and k rotate together
-            qk = _rotate(qkv[:, :nH + nKV], cos, sin)  # [N, nH+nKV, hd]
+            qk = _rotate(qkv[:, :nH + nKV], cos, signed_sin)  # [N, nH+nKV, hd]
             q, k = qk[:, :nH], qk[:, nH:]
         return q.transpose(0, 1), k.transpose(0, 1), qkv[:, nH + nKV:].transpose(0, 1)  # [heads, N, hd]
 
@@ -256,7 +257,7 @@ class LeanRunner:
         N, P, dev = ids.numel(), self.length, ids.device
         w = self.w
         h = w.embed(ids)  # [N, H]
-        cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
+        cos, signed_sin = rope(w.rotary, h, positions)  # [N, 1, hd]
         # bf16: a verify's rows attend one at a time, as plain steps do (attend_rows); a prefill may batch
         rows = block_rows(mask, P, N) if w.exact_rows and 1 < N <= MAX_EXACT_ROWS else None
         if rows is not None:
@@ -269,13 +270,14 @@ class LeanRunner:
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             seen[i] = h
-            q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
+            q, k, v = layer.qkv(h, cos, signed_sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
             self.k_cache[i, :, P:P + N] = k
             self.v_cache[i, :, P:P + N] = v
             if rows is not None:
                 attn = attend_rows(q, self.k_cache[i], self.v_cache[i], P, rows, w.scale)  # [nH, N, hd]
             else:
-                attn = attend_biased(q, self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N], bias, w.scale)  # [nH, N, hd]
+                keys, values = self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N]  # [nKV, P+N, hd]
+                attn = attend_biased(q, keys, values, bias, w.scale)  # [nH, N, hd]
             h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
         seen[len(w.layers)] = h
         return h, torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, H], [N, k*H]
@@ -287,12 +289,13 @@ class LeanRunner:
         w = self.w
         N = ids.shape[0]
         h = w.embed(ids)  # [N, H]
-        cos, sin = rope(w.rotary, h, positions)  # [N, 1, hd]
-        bias = attention_bias(static_mask(self.columns, length, slots, block)[None], w.nH // w.nKV, w.dtype)  # [1, G*N, S]
+        cos, signed_sin = rope(w.rotary, h, positions)  # [N, 1, hd]
+        mask = static_mask(self.columns, length, slots, block)[None]  # [1, N, S]
+        bias = attention_bias(mask, w.nH // w.nKV, w.dtype)  # [1, G*N, S], for every layer
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(w.layers):
             seen[i] = h
-            q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
+            q, k, v = layer.qkv(h, cos, signed_sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
             self.k_cache[i].index_copy_(1, slots, k)  # [nKV, S, hd]
             self.v_cache[i].index_copy_(1, slots, v)
             attn = attend_biased(q, self.k_cache[i], self.v_cache[i], bias, w.scale)  # [nH, N, hd]

@@ -101,10 +101,10 @@ class StaticStep:
         """Feed ``token`` at column ``col`` -> next-token logits [B, V]; writes the cache column."""
         w, B = self.w, self.rows
         h = w.embed(self.token)  # [B, H]
-        cos, sin = rope(w.rotary, h, self.col - self.pad)  # [B, 1, hd]
+        cos, signed_sin = rope(w.rotary, h, self.col - self.pad)  # [B, 1, hd]
         bias = attention_bias(key_mask(self.pad, self.col, self.column_ids), w.nH // w.nKV, w.dtype)  # [B, 1, G, S]
         for i, layer in enumerate(w.layers):
-            q, k, v = layer.qkv(h, cos, sin, w.nH, w.nKV, w.hd)  # q [nH, B, hd], k/v [nKV, B, hd]
+            q, k, v = layer.qkv(h, cos, signed_sin, w.nH, w.nKV, w.hd)  # q [nH, B, hd], k/v [nKV, B, hd]
             self.k[i].index_copy_(2, self.col, k.transpose(0, 1)[:, :, None])  # [B, nKV, 1, hd] at col
             self.v[i].index_copy_(2, self.col, v.transpose(0, 1)[:, :, None])
             q = q.transpose(0, 1)[:, :, None]  # [B, nH, 1, hd]
