@@ -1,5 +1,5 @@
 """Every command on a CUDA device, end to end on a tiny chat target: prepare (capture, in-process regeneration,
---head-only from an engine's host states), train, the doctor (conversations, --data, --stored, users' traffic, a temperature, --engine-url against the
+--head-only from an engine's host states), train (EAGLE-3, and DFlash with its decoding and doctor), the doctor (conversations, --data, --stored, users' traffic, a temperature, --engine-url against the
 served draft), generate, bench, tune, serve, export, the quickstart.
 
 Two devices run the same test: a real GPU where torch sees one (marker ``cuda``: ``pytest -m cuda`` on a GPU
@@ -191,3 +191,31 @@ def test_prepare_head_only_checks_an_engines_host_states_on_the_device(tmp_path,
     assert status["capture"] == "fake 1.0" and status["capture_precision"]["device"] == "cuda", status
     check = status["capture_check"]
     assert check["sequences"] > 0 and check["max_relative_error"][str(L)] < 1e-4 and "instead" in check, check
+
+
+def test_a_dflash_draft_trains_decodes_and_is_judged_on_the_device(tmp_path, workspace, on_device, capsys):
+    """The other draft family on the device: ``train --family dflash`` from shards captured there, then generate
+    (speculative == plain), bench and the doctor with that draft (its block pass and context on the device)."""
+    w, out = workspace, tmp_path
+    target, cuda = ["--target", w / "target"], ["--device", "cuda"]
+    with on_device():
+        assert run("prepare", *target, *cuda, "--data", w / "chats.json", "--out", out / "shards", "--max-length", 64,
+                   "--batch-tokens", 256, "--no-progress") == 0
+        assert run("train", *target, *cuda, "--family", "dflash", "--block-size", 4, "--data", out / "shards", "--out",
+                   out / "draft", "--max-steps", 2, "--batch-tokens", 256, "--val-sequences", 2, "--no-progress") == 0
+        capsys.readouterr()
+        common = ["generate", *target, *cuda, "--dtype", "fp32", "--prompt", "Count to 5.", "--chat",
+                  "--max-new-tokens", 8]
+        assert run(*common) == 0
+        plain = capsys.readouterr().out
+        assert run(*common, "--draft", out / "draft", "--speculative-num-steps", 3, "--speculative-eagle-topk", 1,
+                   "--speculative-num-draft-tokens", 4) == 0
+        assert capsys.readouterr().out == plain
+        assert run("bench", *target, *cuda, "--draft", out / "draft", "--dataset", w / "prompts.jsonl",
+                   "--max-new-tokens", 8, "--warmup", 0, "--configs", "1,0,0,0;1,3,2,4", "--out", out / "bench",
+                   "--no-progress") == 0
+        code = run("doctor", "--draft", out / "draft", *target, *cuda, "--data", out / "shards", "--engine-prompts", 1,
+                   "--engine-tokens", 8, "--min-tokens", 50, "--skip-label-check", "--include-training",
+                   "--num-sequences", 4, "--no-tune", "--json", out / "doctor.json")
+        report = json.loads((out / "doctor.json").read_text())
+        assert code in (0, 1, 3) and report["checks"] and "judged tokens" in report["facts"], capsys.readouterr()
