@@ -170,3 +170,82 @@ def test_a_block_tree_is_each_positions_best_tokens():
         d, parent, tok = int(tree.depths[i]), int(tree.parents[i]), int(tree.tokens[i])
         assert int(tree.depths[parent]) == d - 1 and tok in top2[d - 1].tolist()
         assert float(tree.scores[i]) == pytest.approx(float(tree.scores[parent]) + float(logprobs[d - 1, tok]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_static_block_pass_is_the_growing_contexts(arch):
+    """The fixed-width context and its block pass (what a CUDA graph replays) give the block the growing context's
+    log-probabilities, round after round, and the same context K/V, also across a growth of its buffer. fp32; the
+    static pass attends over the whole buffer through a bias, another SDPA call and summation order (so close,
+    not equal)."""
+    from eaglewire.decode.dflash_drafter import DFlashDrafter, StaticDFlashContext
+
+    target = target_of(arch, 256)
+    draft, contract = random_dflash_draft(target, block_size=4)
+    prompt = prompt_of(3, 9, 256)
+    runner = make_runner(target, list(contract.aux_boundaries))
+    with torch.no_grad():
+        _, aux = runner.forward(torch.tensor(prompt), torch.arange(len(prompt)), None)  # [P, k*H]
+    shape = dict(num_steps=3, topk=1, num_draft_tokens=4, min_score=-math.inf, steps_flag="--steps")
+    growing = DFlashDrafter(target, draft, **shape, static=False)
+    static = DFlashDrafter(target, draft, **shape, static=True)
+    static.context = StaticDFlashContext(static.draft, 4, target.device, static.dtype)  # outgrown below
+    growing.start(aux[:5])
+    static.start(aux[:5], capacity=6)  # 6 + a block: 10 columns, then the rounds need 11 and 13
+    for lo, hi in ((5, 5), (5, 7), (7, 9)):  # the tokens each round's target processed, then the next root
+        for drafter in (growing, static):
+            if hi > lo:
+                drafter.extend(aux[lo:hi], lo)
+        root = prompt[hi] if hi < len(prompt) else 11
+        torch.testing.assert_close(static.block_logprobs(root, hi), growing.block_logprobs(root, hi),
+                                   rtol=1e-4, atol=1e-5)
+    assert static.context.length == growing.context.length == 9 and static.context.width >= 13
+    for layer, (k, v) in enumerate(growing.context.kv):
+        torch.testing.assert_close(static.context.k[layer, :, :, :9], k, rtol=0, atol=0)  # written, not computed again
+        torch.testing.assert_close(static.context.v[layer, :, :, :9], v, rtol=0, atol=0)
+
+
+def dflash_graphs_draft_as_eagerly(spec: SpecConfig) -> None:
+    """On CUDA a DFlash round's block pass replays one graph over the static context (and the target's steps
+    theirs): the same kernels as the eager static pass, so the same trees, accept lengths and output, which is
+    plain greedy output (fp32)."""
+    from eaglewire.decode.runner import LeanRunner
+
+    target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
+    prompts = [prompt_of(seed, 5 + seed, 6) for seed in range(3)]
+    target.model.to("cuda")
+    try:
+        plain = [SpecDecoder(target).generate(p, max_new_tokens=20)[0] for p in prompts]  # on the same device
+        draft, contract = random_dflash_draft(target, block_size=4)
+        graphs = SpecDecoder(target, draft, contract, spec)
+        eager = SpecDecoder(target, draft, contract, spec)
+        eager.dflash.graphs = None  # the static context's block pass, run eagerly
+        eager._target_runner = LeanRunner(target, eager.boundaries, static=True)
+        eager._target_runner.graphs = None
+        accepted = 0
+        for prompt, want_plain in zip(prompts, plain):
+            want, want_stats = eager.generate(prompt, max_new_tokens=20)
+            got, got_stats = graphs.generate(prompt, max_new_tokens=20)
+            assert got == want == want_plain and got_stats.accept_lengths == want_stats.accept_lengths
+            accepted += sum(got_stats.accept_lengths) - got_stats.rounds
+        assert accepted > 0  # drafts were kept: the blocks' trees were compared, not just the roots
+        assert graphs.dflash.static and graphs.dflash.graphs is not None and len(graphs.dflash.graphs) == 1
+    finally:
+        target.model.to("cpu")
+
+
+@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)])
+def test_dflash_block_passes_replayed_from_a_graph_on_the_stand_in_for_cuda(spec):
+    """The CUDA path on the CPU's stand-in (its graphs replay the captured calls into the captured buffers and
+    refuse a host read inside a capture): no fallback, the eager output."""
+    from fake_cuda import fake_cuda
+
+    with fake_cuda(graphs=True):
+        dflash_graphs_draft_as_eagerly(spec)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the stand-in's test covers the path")
+@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)])
+def test_dflash_block_passes_replayed_from_a_graph_draft_as_eagerly_on_cuda(spec):
+    dflash_graphs_draft_as_eagerly(spec)

@@ -14,14 +14,20 @@ normed: not ``Target.head``, which would apply the target's final norm again).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from eaglewire.decode.attention import attend_biased, attention_bias
 from eaglewire.decode.gemm import PackedLinear, pack_linears
+from eaglewire.decode.step_graphs import StepGraphs
 from eaglewire.decode.tree import Tree, block_tree
 from eaglewire.model.dflash import DFlashDraft
 from eaglewire.model.dflash_blocks import head_rows, to_target_vocab
 from eaglewire.model.target import Target
+
+log = logging.getLogger(__name__)
 
 
 def check_block_steps(num_steps: int, block_size: int, flag: str) -> None:
@@ -48,12 +54,74 @@ class DFlashContext:
         self.kv = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2)) for (k0, v0), (k, v) in zip(self.kv, kv)]
 
 
+class StaticDFlashContext:
+    """The context's keys and values at a fixed width W, every layer in one buffer [L, 1, nKV, W, hd]: token i at
+    column i. A block pass writes its own bs keys at columns S..S+bs-1 (scratch: the next ``extend`` writes the
+    context there) and attends to every column below S + bs through a bias, so its shapes never change: on CUDA one
+    graph replays every round's block pass."""
+
+    def __init__(self, draft: DFlashDraft, width: int, device: torch.device, dtype: torch.dtype) -> None:
+        attn = draft.layers[0].self_attn
+        shape = (len(draft.layers), 1, attn.num_kv_heads, width, attn.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, nKV, W, hd]
+        self.v = torch.zeros_like(self.k)
+        self.columns = torch.arange(width, device=device)  # [W]
+        self.length = 0
+
+    @property
+    def width(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, columns: int) -> bool:
+        """Room for ``columns``; True when the buffers moved (a graph that reads them must be captured again)."""
+        if columns <= self.width:
+            return False
+        pad = torch.zeros(*self.k.shape[:3], max(columns, 2 * self.width) - self.width, self.k.shape[4],
+                          dtype=self.k.dtype, device=self.k.device)  # [L, 1, nKV, W'-W, hd]
+        self.k, self.v = torch.cat([self.k, pad], dim=3), torch.cat([self.v, pad.clone()], dim=3)
+        self.columns = torch.arange(self.k.shape[3], device=self.k.device)
+        return True
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each layer's (k, v) [1, nKV, n, hd] of the next n context tokens."""
+        n = kv[0][0].shape[2]
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer, :, :, self.length:self.length + n] = k
+            self.v[layer, :, :, self.length:self.length + n] = v
+        self.length += n
+
+
+def static_block_pass(draft: DFlashDraft, context: StaticDFlashContext, anchor: torch.Tensor, mask_emb: torch.Tensor,
+                      length: torch.Tensor) -> torch.Tensor:
+    """One block anchored at position ``length`` (S, the context's length) over the static context: anchor [1, H]
+    the anchor's embedding, mask_emb [H] -> the block's output states after ``norm``, [1, bs, H]. Its shapes depend
+    on the block size alone (the context's length is a tensor), so a graph of it serves every round."""
+    bs = draft.config.block_size
+    attn = draft.layers[0].self_attn
+    block = torch.cat([anchor[:, None], mask_emb.expand(1, bs - 1, -1)], dim=1)  # [1, bs, H]
+    slots = length + torch.arange(bs, device=block.device)  # [bs]
+    cos, sin = draft.rotary(slots[None], block.dtype)  # [1, bs, hd]
+    seen = (context.columns < length + bs).expand(1, 1, bs, -1)  # [1, 1, bs, W]: the context and the whole block
+    bias = attention_bias(seen, attn.num_heads // attn.num_kv_heads, block.dtype)  # [1, 1, G*bs, W]
+    h = block
+    for i, layer in enumerate(draft.layers):
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int = i) -> torch.Tensor:
+            context.k[i].index_copy_(2, slots, k)  # [1, nKV, W, hd], the block at S..S+bs-1
+            context.v[i].index_copy_(2, slots, v)
+            return attend_biased(q, context.k[i], context.v[i], bias, attn.head_dim ** -0.5)  # [1, nH, bs, hd]
+
+        h = layer.block(h, cos, sin, attend)  # [1, bs, H]
+    return draft.norm(h)
+
+
 class DFlashDrafter:
     """A DFlash draft's side of the decoding loop: ``start`` with the prompt's states, ``propose``
     a tree for the root at P, ``extend`` with the states of the tokens the target kept."""
 
     def __init__(self, target: Target, draft: DFlashDraft, *, num_steps: int, topk: int, num_draft_tokens: int,
-                 min_score: float, steps_flag: str) -> None:
+                 min_score: float, steps_flag: str, static: bool | None = None) -> None:
+        """``static``: the context in a fixed-width buffer and the block pass over it (``StaticDFlashContext``),
+        replayed from a CUDA graph on CUDA; None: on CUDA. Elsewhere the context grows by concatenation."""
         check_block_steps(num_steps, draft.config.block_size, steps_flag)
         self.target = target
         self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
@@ -65,12 +133,24 @@ class DFlashDrafter:
         with torch.no_grad():
             mask_id = torch.tensor([draft.config.mask_token_id], device=target.device)
             self.mask_emb = target.embed_tokens(mask_id)[0].to(self.dtype)  # [H]
-        self.context = DFlashContext()
+        self.context: DFlashContext | StaticDFlashContext = DFlashContext()
+        self.static = target.device.type == "cuda" if static is None else static
+        self.graphs: StepGraphs | None = None
+        if self.static:
+            self.context = StaticDFlashContext(self.draft, 2048, target.device, self.dtype)
+            if target.device.type == "cuda":
+                self.graphs = StepGraphs(self._block_states)
 
     @torch.no_grad()
-    def start(self, aux: torch.Tensor) -> None:
-        """A new sequence: the context is the prompt's P tokens, aux [P, k*H]."""
-        self.context = DFlashContext()
+    def start(self, aux: torch.Tensor, capacity: int = 0) -> None:
+        """A new sequence: the context is the prompt's P tokens, aux [P, k*H]; room for ``capacity`` tokens in all
+        (a static context reserved once, so no round moves it)."""
+        if isinstance(self.context, StaticDFlashContext):
+            self.context.length = 0
+            if self.context.reserve(capacity + self.draft.config.block_size) and self.graphs is not None:
+                self.graphs.clear()  # they read the buffers that moved
+        else:
+            self.context = DFlashContext()
         self.extend(aux, 0)
 
     @torch.no_grad()
@@ -80,15 +160,39 @@ class DFlashDrafter:
             raise RuntimeError(f"DFlash context holds {self.context.length} tokens, asked to add position {start}")
         ctx = self.draft.fuse(aux[None].to(self.dtype))  # [1, n, H]
         positions = torch.arange(start, start + aux.shape[0], device=ctx.device)[None]  # [1, n]
+        if isinstance(self.context, StaticDFlashContext) and self.context.reserve(start + aux.shape[0] +
+                                                                                 self.draft.config.block_size):
+            if self.graphs is not None:
+                self.graphs.clear()  # a sequence longer than start() reserved: the buffers moved
         self.context.append(self.draft.context_kv(ctx, positions))
 
     @torch.no_grad()
     def block_logprobs(self, root: int, position: int) -> torch.Tensor:
         """One block pass anchored at ``root`` at ``position`` -> log-probabilities [n, V] of the
         tokens at position+1..position+n."""
-        anchor = self.target.embed_tokens(torch.tensor([root], device=self.target.device)).to(self.dtype)  # [1, H]
-        hidden = self.draft.draft_block(anchor, self.mask_emb, position, self.context.kv)[0, :self.num_steps]  # [n, H]
+        root_id = torch.tensor([root], device=self.target.device)  # [1]
+        if isinstance(self.context, StaticDFlashContext):
+            length = torch.tensor(position, device=self.target.device)  # []
+            hidden = self._static_states(root_id, length)[0, 1:1 + self.num_steps]  # [n, H]
+        else:
+            anchor = self.target.embed_tokens(root_id).to(self.dtype)  # [1, H]
+            hidden = self.draft.draft_block(anchor, self.mask_emb, position, self.context.kv)[0, :self.num_steps]  # [n, H]
         return to_target_vocab(F.log_softmax(self.lm_head(hidden).float(), dim=-1), self.draft)  # [n, V]
+
+    def _static_states(self, root_id: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """The block's states [1, bs, H] over the static context, from its graph on CUDA."""
+        if self.graphs is not None:
+            try:
+                return self.graphs(0, root_id=root_id, length=length)[0].clone()  # the next replay overwrites it
+            except RuntimeError as err:  # no capture here: run it eagerly
+                log.warning("DFlash drafting without CUDA graphs: capturing the block pass failed (%s)", err)
+                self.graphs = None
+        return self._block_states(root_id, length)[0]
+
+    def _block_states(self, root_id: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor]:
+        """What the block pass's graph records: root_id [1], length [] -> (states [1, bs, H],)."""
+        anchor = self.target.embed_tokens(root_id).to(self.dtype)  # [1, H]
+        return (static_block_pass(self.draft, self.context, anchor, self.mask_emb, length),)
 
     def propose(self, root: int, position: int) -> Tree:
         """The tree to verify for the root at ``position`` (a chain when topk is 1)."""

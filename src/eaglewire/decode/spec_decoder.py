@@ -213,7 +213,7 @@ class SpecDecoder:
         dcache, root_out = self._draft_cache(), None
         dcache.reserve(P + max_new_tokens + self.spec.num_steps * self.spec.topk + self.spec.num_draft_tokens)
         if self.dflash is not None:
-            self.dflash.start(aux)  # the context: prompt tokens 0..P-1
+            self.dflash.start(aux, P + max_new_tokens + self.spec.num_draft_tokens)  # the context: tokens 0..P-1
         elif self.draft is not None:
             root_out = self._extend_context(dcache, aux, prompt_ids[1:] + [root], 0)
         stats.prefill_seconds = time.perf_counter() - start

@@ -22,6 +22,7 @@ Tensor names follow z-lab's checkpoint (``fc``, ``hidden_norm``, ``layers.{i}.*`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -176,14 +177,25 @@ class DFlashLayer(nn.Module):
         """hidden [B, Q, H]; ctx_k / ctx_v [B, nKV, S, hd]; cos/sin [B, Q, hd]; attn_mask [B or 1, 1, Q, S + Q]
         bool (True = attend). Returns [B, Q, H]."""
         attn_mod = self.self_attn
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys = torch.cat([ctx_k, k], dim=2)  # [B, nKV, S+Q, hd]
+            values = torch.cat([ctx_v, v], dim=2)  # [B, nKV, S+Q, hd]
+            return F.scaled_dot_product_attention(q, attn_mod.expand_kv(keys), attn_mod.expand_kv(values),
+                                                  attn_mask=attn_mask)  # [B, nH, Q, hd]
+
+        return self.block(hidden, cos, sin, attend)
+
+    def block(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer over hidden [B, Q, H] (cos/sin [B, Q, hd]) with its attention left to ``attend``: (q [B, nH,
+        Q, hd], the block's own k / v [B, nKV, Q, hd]) -> [B, nH, Q, hd], which knows where the context's keys are
+        (``forward``: concatenated to the block's; decoding's static cache: written beside them)."""
+        attn_mod = self.self_attn
         x = self.input_layernorm(hidden)
         q = attn_mod.q(x, cos, sin)
         k, v = attn_mod.kv(x, cos, sin)
-        keys = torch.cat([ctx_k, k], dim=2)  # [B, nKV, S+Q, hd]
-        values = torch.cat([ctx_v, v], dim=2)  # [B, nKV, S+Q, hd]
-        attn = F.scaled_dot_product_attention(q, attn_mod.expand_kv(keys), attn_mod.expand_kv(values),
-                                              attn_mask=attn_mask)  # [B, nH, Q, hd]
-        h = hidden + attn_mod.out(attn)
+        h = hidden + attn_mod.out(attend(q, k, v))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
