@@ -45,7 +45,7 @@ $PY benchmarks/gpu_harness.py install --kit gpu_kit > "$OUT/install.txt" 2>&1
 case $stage in
 tests)
   step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/decode/test_runner.py \
-    tests/decode/test_static_step.py tests/decode/test_spec_decoder.py tests/test_draft.py
+    tests/decode/test_static_step.py tests/decode/test_spec_decoder.py tests/decode/test_dflash_decode.py tests/test_draft.py
   ;;
 harness)
   step harness 540 $PY benchmarks/gpu_harness.py run --kit gpu_kit --device "$DEVICE" --shape "$SHAPE" \
