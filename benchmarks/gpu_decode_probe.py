@@ -8,6 +8,8 @@ then measures side by side, each after a 512-token prefill:
 - a verify of 1..8 tokens (a chain) both ways; a random EAGLE-3 draft's step both ways;
 - greedy speculative decoding (chain of 3) against plain greedy decoding with graphs: whether the outputs
   match in bf16 (a batched verify may round differently from a one-token step) and where they part;
+- a random DFlash draft's block pass (5 layers, block of 16, after the same context) with its growing context
+  against the static context replayed from a graph, and the block pass's kernels;
 - the speed-up a draft would give at a stated tau of 3 with a chain of 3 (what ``tune`` predicts from the
   same costs: tau * plain step / (verify of 4 + 3 draft steps)).
 
@@ -112,14 +114,20 @@ def hf_step(target, device: torch.device, reps: int) -> float:
         return round(1e3 * timed(call, device, reps), 3)
 
 
+def random_fingerprint(target, dtype: torch.dtype):
+    from eaglewire.core.contract import TargetFingerprint
+
+    return TargetFingerprint(architecture="LlamaForCausalLM", num_layers=target.num_layers,
+                             hidden_size=target.hidden_size, vocab_size=target.vocab_size, tokenizer_sha256="random",
+                             chat_template_sha256="random", weights_sha256="random", dtype=str(dtype)[6:])
+
+
 def random_draft(target, boundaries: list[int], dtype: torch.dtype):
-    from eaglewire.core.contract import HiddenStateContract, TargetFingerprint
+    from eaglewire.core.contract import HiddenStateContract
     from eaglewire.model.draft import DraftConfig, Eagle3Draft
 
     V = target.vocab_size
-    fingerprint = TargetFingerprint(architecture="LlamaForCausalLM", num_layers=target.num_layers,
-                                    hidden_size=target.hidden_size, vocab_size=V, tokenizer_sha256="random",
-                                    chat_template_sha256="random", weights_sha256="random", dtype=str(dtype)[6:])
+    fingerprint = random_fingerprint(target, dtype)
     torch.manual_seed(1)
     Vd = min(32000, V)
     draft = Eagle3Draft(DraftConfig.from_target(target.text_config, num_aux=len(boundaries), draft_vocab_size=Vd,
@@ -251,6 +259,33 @@ def draft_kernel_breakdown(draft, target, contract, device: torch.device, dtype:
     return profile_kernels(call, device)
 
 
+DFLASH_LAYERS, DFLASH_BLOCK = 5, 16  # the shape of z-lab's published DFlash drafts for 8B targets
+
+
+def dflash_block_costs(target, boundaries: list[int], device: torch.device, dtype: torch.dtype, reps: int) -> dict:
+    """A random DFlash draft's block pass after a PREFILL-token context, ms: the growing context (the CPU's path,
+    eager) and the static one (CUDA's, its graph replayed), and the static pass's kernels run eagerly."""
+    from eaglewire.decode.dflash_drafter import DFlashDrafter
+    from eaglewire.model.dflash import DFlashConfig, DFlashDraft
+
+    V = target.vocab_size
+    torch.manual_seed(3)
+    config = DFlashConfig.from_target(target.text_config, num_aux=len(boundaries), vocab_size=V,
+                                      num_layers=DFLASH_LAYERS, block_size=DFLASH_BLOCK, mask_token_id=V - 1)
+    with torch.device(device):  # initialised where it runs: ~1.1 B parameters at the 8B shape
+        draft = DFlashDraft(config).to(dtype).eval()
+    aux = torch.randn(PREFILL, len(boundaries) * target.hidden_size, device=device, dtype=dtype)  # [P, k*H]
+    out: dict = {"layers": DFLASH_LAYERS, "block_size": DFLASH_BLOCK}
+    for name, static in (("growing_eager_ms", False), ("static_graph_ms", True)):
+        drafter = DFlashDrafter(target, draft, num_steps=DFLASH_BLOCK - 1, topk=1, num_draft_tokens=DFLASH_BLOCK,
+                                min_score=float("-inf"), steps_flag="--speculative-num-steps", static=static)
+        drafter.start(aux, PREFILL + 64)
+        out[name] = round(1e3 * timed(lambda: drafter.block_logprobs(5, PREFILL), device, reps), 3)
+    drafter.graphs = None  # the static pass eagerly: the profiler sees each kernel
+    out["static_kernels"] = profile_kernels(lambda: drafter.block_logprobs(5, PREFILL), device)
+    return out
+
+
 def part(results: dict, name: str, fn) -> None:
     start = time.perf_counter()
     try:
@@ -304,6 +339,7 @@ def main() -> int:
         part(results, "draft_forward_ms", lambda: draft_forward(draft, target, contract, device, dtype, args.reps))
         part(results, "draft_graph_ms", lambda: draft_graph_forward(draft, target, contract, device, dtype, args.reps))
         part(results, "draft_level_kernels", lambda: draft_kernel_breakdown(draft, target, contract, device, dtype))
+        part(results, "dflash_block", lambda: dflash_block_costs(target, boundaries, device, dtype, args.reps))
         part(results, "spec_eager", lambda: speculative(target, draft, contract, device, False, args.tokens))
         part(results, "spec_graph", lambda: speculative(target, draft, contract, device, True, args.tokens))
     graph = results.get("lean_graph_ms")
