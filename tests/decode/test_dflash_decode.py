@@ -209,6 +209,7 @@ def dflash_graphs_draft_as_eagerly(spec: SpecConfig) -> None:
     """On CUDA a DFlash round's block pass replays one graph over the static context (and the target's steps
     theirs): the same kernels as the eager static pass, so the same trees, accept lengths and output, which is
     plain greedy output (fp32)."""
+    from eaglewire.decode.dflash_drafter import StaticDFlashContext
     from eaglewire.decode.runner import LeanRunner
 
     target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
@@ -229,7 +230,7 @@ def dflash_graphs_draft_as_eagerly(spec: SpecConfig) -> None:
             assert got == want == want_plain and got_stats.accept_lengths == want_stats.accept_lengths
             accepted += sum(got_stats.accept_lengths) - got_stats.rounds
         assert accepted > 0  # drafts were kept: the blocks' trees were compared, not just the roots
-        assert graphs.dflash.static and graphs.dflash.graphs is not None and len(graphs.dflash.graphs) == 1
+        assert isinstance(graphs.dflash.context, StaticDFlashContext) and len(graphs.dflash.graphs) == 1
     finally:
         target.model.to("cpu")
 

@@ -134,9 +134,8 @@ class DFlashDrafter:
             mask_id = torch.tensor([draft.config.mask_token_id], device=target.device)
             self.mask_emb = target.embed_tokens(mask_id)[0].to(self.dtype)  # [H]
         self.context: DFlashContext | StaticDFlashContext = DFlashContext()
-        self.static = target.device.type == "cuda" if static is None else static
         self.graphs: StepGraphs | None = None
-        if self.static:
+        if target.device.type == "cuda" if static is None else static:
             self.context = StaticDFlashContext(self.draft, 2048, target.device, self.dtype)
             if target.device.type == "cuda":
                 self.graphs = StepGraphs(self._block_states)
@@ -147,11 +146,17 @@ class DFlashDrafter:
         (a static context reserved once, so no round moves it)."""
         if isinstance(self.context, StaticDFlashContext):
             self.context.length = 0
-            if self.context.reserve(capacity + self.draft.config.block_size) and self.graphs is not None:
-                self.graphs.clear()  # they read the buffers that moved
+            self._make_room(capacity)
         else:
             self.context = DFlashContext()
         self.extend(aux, 0)
+
+    def _make_room(self, tokens: int) -> None:
+        """A static context with room for ``tokens`` and a block after them; a buffer that moves has its graph
+        captured again."""
+        moved = self.context.reserve(tokens + self.draft.config.block_size)
+        if moved and self.graphs is not None:
+            self.graphs.clear()
 
     @torch.no_grad()
     def extend(self, aux: torch.Tensor, start: int) -> None:
@@ -160,23 +165,24 @@ class DFlashDrafter:
             raise RuntimeError(f"DFlash context holds {self.context.length} tokens, asked to add position {start}")
         ctx = self.draft.fuse(aux[None].to(self.dtype))  # [1, n, H]
         positions = torch.arange(start, start + aux.shape[0], device=ctx.device)[None]  # [1, n]
-        if isinstance(self.context, StaticDFlashContext) and self.context.reserve(start + aux.shape[0] +
-                                                                                 self.draft.config.block_size):
-            if self.graphs is not None:
-                self.graphs.clear()  # a sequence longer than start() reserved: the buffers moved
+        if isinstance(self.context, StaticDFlashContext):
+            self._make_room(start + aux.shape[0])  # a sequence longer than start() reserved for
         self.context.append(self.draft.context_kv(ctx, positions))
 
     @torch.no_grad()
     def block_logprobs(self, root: int, position: int) -> torch.Tensor:
         """One block pass anchored at ``root`` at ``position`` -> log-probabilities [n, V] of the
         tokens at position+1..position+n."""
+        if position != self.context.length:  # the block sits right after the context (its keys follow them)
+            raise RuntimeError(f"DFlash context holds {self.context.length} tokens, asked for a block at {position}")
         root_id = torch.tensor([root], device=self.target.device)  # [1]
         if isinstance(self.context, StaticDFlashContext):
             length = torch.tensor(position, device=self.target.device)  # []
             hidden = self._static_states(root_id, length)[0, 1:1 + self.num_steps]  # [n, H]
         else:
             anchor = self.target.embed_tokens(root_id).to(self.dtype)  # [1, H]
-            hidden = self.draft.draft_block(anchor, self.mask_emb, position, self.context.kv)[0, :self.num_steps]  # [n, H]
+            states = self.draft.draft_block(anchor, self.mask_emb, position, self.context.kv)  # [1, bs-1, H]
+            hidden = states[0, :self.num_steps]  # [n, H]
         return to_target_vocab(F.log_softmax(self.lm_head(hidden).float(), dim=-1), self.draft)  # [n, V]
 
     def _static_states(self, root_id: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
