@@ -57,6 +57,22 @@ def run(*argv: str) -> int:
     return main([str(a) for a in argv])
 
 
+def decode_on_device(w, out, bench_configs: str, capsys) -> dict[str, dict]:
+    """With the draft at ``out / "draft"``, on the device: greedy ``generate`` prints plain decoding's text, and
+    ``bench`` runs ``bench_configs`` -> its rows by name."""
+    target, cuda = ["--target", w / "target"], ["--device", "cuda"]
+    capsys.readouterr()
+    common = ["generate", *target, *cuda, "--dtype", "fp32", "--prompt", "Count to 5.", "--chat", "--max-new-tokens", 8]
+    assert run(*common) == 0
+    plain = capsys.readouterr().out
+    assert run(*common, "--draft", out / "draft", "--speculative-num-steps", 3, "--speculative-eagle-topk", 1,
+               "--speculative-num-draft-tokens", 4) == 0
+    assert capsys.readouterr().out == plain
+    assert run("bench", *target, *cuda, "--draft", out / "draft", "--dataset", w / "prompts.jsonl", "--max-new-tokens",
+               8, "--warmup", 0, "--configs", bench_configs, "--out", out / "bench", "--no-progress") == 0
+    return {r["name"]: r for r in json.loads((out / "bench" / "bench.json").read_text())["rows"]}
+
+
 def test_every_command_runs_on_cuda(tmp_path, workspace, on_device, capsys):
     w, out = workspace, tmp_path
     target = ["--target", w / "target"]
@@ -92,18 +108,7 @@ def test_every_command_runs_on_cuda(tmp_path, workspace, on_device, capsys):
             assert "acc@0" in report["accuracy"] and "judged tokens" in report["facts"], extra  # it measured
 
         # decoding: generate (greedy speculative == plain on the device), bench, tune
-        capsys.readouterr()
-        common = ["generate", *target, *cuda, "--dtype", "fp32", "--prompt", "Count to 5.", "--chat",
-                  "--max-new-tokens", 8]
-        assert run(*common) == 0
-        plain = capsys.readouterr().out
-        assert run(*common, "--draft", out / "draft", "--speculative-num-steps", 3, "--speculative-eagle-topk", 1,
-                   "--speculative-num-draft-tokens", 4) == 0
-        assert capsys.readouterr().out == plain
-        assert run("bench", *target, *cuda, "--draft", out / "draft", "--dataset", w / "prompts.jsonl",
-                   "--max-new-tokens", 8, "--warmup", 0, "--configs", "1,0,0,0;1,2,1,3", "--out", out / "bench",
-                   "--no-progress") == 0
-        rows = {r["name"]: r for r in json.loads((out / "bench" / "bench.json").read_text())["rows"]}
+        rows = decode_on_device(w, out, "1,0,0,0;1,2,1,3", capsys)
         assert rows["1,2,1,3"]["same_output_as_plain"] is not None
         assert run("tune", *target, *cuda, "--draft", out / "draft", "--dataset", w / "prompts.jsonl", "--offset", 0,
                    "--num-prompts", 1, "--max-new-tokens", 8, "--max-steps", 2, "--out", out / "tune.json") == 0
@@ -203,17 +208,7 @@ def test_a_dflash_draft_trains_decodes_and_is_judged_on_the_device(tmp_path, wor
                    "--batch-tokens", 256, "--no-progress") == 0
         assert run("train", *target, *cuda, "--family", "dflash", "--block-size", 4, "--data", out / "shards", "--out",
                    out / "draft", "--max-steps", 2, "--batch-tokens", 256, "--val-sequences", 2, "--no-progress") == 0
-        capsys.readouterr()
-        common = ["generate", *target, *cuda, "--dtype", "fp32", "--prompt", "Count to 5.", "--chat",
-                  "--max-new-tokens", 8]
-        assert run(*common) == 0
-        plain = capsys.readouterr().out
-        assert run(*common, "--draft", out / "draft", "--speculative-num-steps", 3, "--speculative-eagle-topk", 1,
-                   "--speculative-num-draft-tokens", 4) == 0
-        assert capsys.readouterr().out == plain
-        assert run("bench", *target, *cuda, "--draft", out / "draft", "--dataset", w / "prompts.jsonl",
-                   "--max-new-tokens", 8, "--warmup", 0, "--configs", "1,0,0,0;1,3,2,4", "--out", out / "bench",
-                   "--no-progress") == 0
+        decode_on_device(w, out, "1,0,0,0;1,3,2,4", capsys)
         code = run("doctor", "--draft", out / "draft", *target, *cuda, "--data", out / "shards", "--engine-prompts", 1,
                    "--engine-tokens", 8, "--min-tokens", 50, "--skip-label-check", "--include-training",
                    "--num-sequences", 4, "--no-tune", "--json", out / "doctor.json")

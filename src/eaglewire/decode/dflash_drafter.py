@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from eaglewire.decode.attention import attend_biased, attention_bias
 from eaglewire.decode.gemm import PackedLinear, pack_linears
+from eaglewire.decode.kv_cache import widened
 from eaglewire.decode.step_graphs import StepGraphs
 from eaglewire.decode.tree import Tree, block_tree
 from eaglewire.model.dflash import DFlashDraft
@@ -74,12 +75,11 @@ class StaticDFlashContext:
 
     def reserve(self, columns: int) -> bool:
         """Room for ``columns``; True when the buffers moved (a graph that reads them must be captured again)."""
-        if columns <= self.width:
+        k = widened(self.k, 3, columns)  # [L, 1, nKV, W', hd]
+        if k is self.k:
             return False
-        pad = torch.zeros(*self.k.shape[:3], max(columns, 2 * self.width) - self.width, self.k.shape[4],
-                          dtype=self.k.dtype, device=self.k.device)  # [L, 1, nKV, W'-W, hd]
-        self.k, self.v = torch.cat([self.k, pad], dim=3), torch.cat([self.v, pad.clone()], dim=3)
-        self.columns = torch.arange(self.k.shape[3], device=self.k.device)
+        self.k, self.v = k, widened(self.v, 3, columns)
+        self.columns = torch.arange(k.shape[3], device=k.device)
         return True
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

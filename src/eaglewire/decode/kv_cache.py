@@ -29,6 +29,18 @@ def keep_rows(x: torch.Tensor, prefix: int, keep: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[:, :, :prefix], x[:, :, prefix + keep]], dim=2)
 
 
+def widened(cache: torch.Tensor, dim: int, columns: int) -> torch.Tensor:
+    """``cache`` with room for ``columns`` along ``dim``: itself when it has it, else a copy at least twice as wide
+    (zeros past its old end), so a growing sequence copies it a logarithmic number of times. A copy moves it: a
+    graph that reads the old buffer must be captured again (``widened(...) is not cache``)."""
+    width = cache.shape[dim]
+    if columns <= width:
+        return cache
+    shape = list(cache.shape)
+    shape[dim] = max(columns, 2 * width) - width
+    return torch.cat([cache, cache.new_zeros(shape)], dim=dim)
+
+
 def compact_target_cache(cache, prefix: int, keep: list[int]) -> None:
     """Keep the first ``prefix`` entries and, of the block after them, the ``keep`` rows
     (the accepted path), in every layer of a transformers cache."""
@@ -137,13 +149,10 @@ class StaticDraftCache:
 
     def reserve(self, entries: int) -> None:
         """Room for ``entries`` columns (a growth moves the cache: its graphs are captured again)."""
-        width = self.k.shape[2]
-        if entries <= width:
-            return
-        pad = torch.zeros(*self.k.shape[:2], max(entries, 2 * width) - width, self.k.shape[3], dtype=self.k.dtype,
-                          device=self.k.device)
-        self.k, self.v = torch.cat([self.k, pad], dim=2), torch.cat([self.v, pad.clone()], dim=2)
-        self.graphs.clear()  # they read the old buffers
+        k = widened(self.k, 2, entries)  # [1, nKV, W', hd]
+        if k is not self.k:
+            self.k, self.v = k, widened(self.v, 2, entries)
+            self.graphs.clear()  # they read the old buffers
 
     def forward(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from eaglewire.decode.attention import attend_biased, attend_rows, attention_bias, block_rows
 from eaglewire.model.capture import capture
 from eaglewire.decode.gemm import MAX_EXACT_ROWS, PackedLinear
-from eaglewire.decode.kv_cache import compact_target_cache
+from eaglewire.decode.kv_cache import compact_target_cache, widened
 from eaglewire.decode.step_graphs import StepGraphs
 from eaglewire.model.target import Target
 
@@ -220,15 +220,11 @@ class LeanRunner:
         self._grow(tokens)
 
     def _grow(self, need: int) -> None:
-        size = self.k_cache.shape[2]
-        if need <= size:
+        k_cache = widened(self.k_cache, 2, need)  # [L, nKV, S', hd]
+        if k_cache is self.k_cache:
             return
-        new = max(need, 2 * size)
-        pad = torch.zeros(*self.k_cache.shape[:2], new - size, self.w.hd, dtype=self.k_cache.dtype,
-                          device=self.k_cache.device)
-        self.k_cache = torch.cat([self.k_cache, pad], dim=2)
-        self.v_cache = torch.cat([self.v_cache, pad.clone()], dim=2)
-        self.columns = torch.arange(new, device=self.k_cache.device)
+        self.k_cache, self.v_cache = k_cache, widened(self.v_cache, 2, need)
+        self.columns = torch.arange(k_cache.shape[2], device=k_cache.device)
         if self.graphs is not None:
             self.graphs.clear()
 
