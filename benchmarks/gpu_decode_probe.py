@@ -137,15 +137,18 @@ def random_draft(target, boundaries: list[int], dtype: torch.dtype):
 
 
 def speculative(target, draft, contract, device: torch.device, static: bool, tokens: int) -> dict:
-    """Greedy plain and chain-of-3 decoding of one prompt with the static (graph) or dynamic runner."""
+    """Greedy plain and chain-of-3 decoding of one prompt with the static (graph) or dynamic runner; the chain's
+    rounds drafted whole (one graph a round on CUDA) and, beside it, a level at a time."""
     from eaglewire.decode.runner import LeanRunner
     from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 
     prompt = torch.randint(0, VOCAB, (PREFILL,), generator=torch.Generator().manual_seed(2)).tolist()
     out = {}
     results = {}
-    for name, decoder in (("plain", SpecDecoder(target)), ("chain3", SpecDecoder(target, draft, contract,
-                                                                                  SpecConfig.chain(3)))):
+    for name in ("plain", "chain3", "chain3_levels"):
+        decoder = SpecDecoder(target) if name == "plain" else SpecDecoder(target, draft, contract, SpecConfig.chain(3))
+        if name == "chain3_levels":
+            decoder.drafter.whole_rounds = False
         decoder._target_runner = LeanRunner(target, decoder.boundaries, static=static)
         decoder.generate(prompt, max_new_tokens=8)  # warm-up: captures
         sync(device)
@@ -156,13 +159,13 @@ def speculative(target, draft, contract, device: torch.device, static: bool, tok
         results[name] = tokens_out
         row = {"ms_per_token": round(1e3 * seconds / len(tokens_out), 3), "rounds": stats.rounds,
                "verify_ms_per_round": round(1e3 * stats.verify_seconds / max(stats.rounds, 1), 3)}
-        if name == "chain3":  # per round: the context update and 2 tree levels (3 draft forwards)
+        if name != "plain":  # per round: the context update and 2 tree levels (3 draft forwards)
             row["draft_ms_per_forward"] = round(1e3 * stats.draft_seconds / max(3 * stats.rounds, 1), 3)
             row["accept_length"] = round(stats.accept_length, 3)
         out[name] = row
-    a, b = results["plain"], results["chain3"]
-    out["same_as_plain"] = a == b
-    out["first_difference"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    a = results["plain"]
+    out["same_as_plain"] = a == results["chain3"] == results["chain3_levels"]
+    out["first_difference"] = next((i for i, (x, y) in enumerate(zip(a, results["chain3"])) if x != y), None)
     return out
 
 
@@ -279,7 +282,7 @@ def dflash_block_costs(target, boundaries: list[int], device: torch.device, dtyp
     for name, static in (("growing_eager_ms", False), ("static_graph_ms", True)):
         drafter = DFlashDrafter(target, draft, num_steps=DFLASH_BLOCK - 1, topk=1, num_draft_tokens=DFLASH_BLOCK,
                                 min_score=float("-inf"), steps_flag="--speculative-num-steps", static=static)
-        drafter.start(aux, PREFILL + 64)
+        drafter.start(aux, capacity=PREFILL + 64)
         out[name] = round(1e3 * timed(lambda: drafter.block_logprobs(5, PREFILL), device, reps), 3)
     drafter.graphs = None  # the static pass eagerly: the profiler sees each kernel
     out["static_kernels"] = profile_kernels(lambda: drafter.block_logprobs(5, PREFILL), device)

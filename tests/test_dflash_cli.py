@@ -10,6 +10,7 @@ from openai import OpenAI
 
 from eaglewire.cli import main
 from eaglewire.core.tokens import stop_token_ids
+from eaglewire.decode.dflash_drafter import DFlashDrafter
 from eaglewire.decode.text import encode_prompt
 from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.decode.load import load_decoder
@@ -44,7 +45,7 @@ def test_generate_with_a_dflash_draft_prints_the_plain_text(target_dir, dflash_d
 
 def test_serve_with_a_dflash_draft_answers_as_plain(target_dir, dflash_dir, chat_tiny_target):
     decoder = load_decoder(str(target_dir), str(dflash_dir), SpecConfig.chain(3), device="cpu")
-    assert decoder.dflash is not None
+    assert isinstance(decoder.drafter, DFlashDrafter)
     messages = [{"role": "user", "content": "Name three colours."}]
     tok = decoder.target.tokenizer
     ids = encode_prompt(tok, messages, chat=True)

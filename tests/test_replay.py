@@ -60,16 +60,16 @@ def test_a_miswired_decoding_path_disagrees_with_the_unroll():
     """The engine feeds the draft the states of the token before each accepted one (an
     off-by-one in the feedback): output is unchanged, acceptance is not what training predicts."""
     draft, contract, decoder = _engine("llama")
-    extend, previous = decoder._extend_context, {}
+    extend, previous = decoder.drafter.extend, {}
 
-    def off_by_one(dcache, aux, next_tokens, start):
+    def off_by_one(aux, next_tokens, start):
         if start == 0:  # prefill: a new request
             previous["row"] = torch.zeros_like(aux[:1])
         shifted = torch.cat([previous["row"], aux[:-1]])  # [n, k*H]: the states of t-1 at t
         previous["row"] = aux[-1:]
-        return extend(dcache, shifted, next_tokens, start)
+        return extend(shifted, next_tokens, start)
 
-    decoder._extend_context = off_by_one
+    decoder.drafter.extend = off_by_one
     agree = rounds = 0
     for seed in range(3):
         prompt = torch.randint(0, 6, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -57,7 +57,7 @@ def oracle(decoder, sequence):
     ``position + j`` of ``sequence`` (the prompt and the plain greedy continuation), as the draft's
     alignment says it predicts. It also checks what the block is given: the anchor is the token at
     ``position`` and the context holds exactly the tokens before it."""
-    drafter = decoder.dflash
+    drafter = decoder.drafter
     bs, V = drafter.draft.config.block_size, decoder.target.vocab_size
     anchors = []
 
@@ -112,13 +112,13 @@ def test_the_context_holds_exactly_the_tokens_the_target_processed(lean, use_ora
     out, stats = decoder.generate(prompt, max_new_tokens=14)
     assert out == reference[:14]
     P = decoder._target_runner.length
-    assert decoder.dflash.context.length == P == len(prompt) + sum(stats.accept_lengths)
+    assert decoder.drafter.context.length == P == len(prompt) + sum(stats.accept_lengths)
     processed = (prompt + reference)[:P]
     runner = make_runner(target, list(contract.aux_boundaries), lean=lean)
     with torch.no_grad():
         _, aux = runner.forward(torch.tensor(processed), torch.arange(P), None)  # [P, k*H]
-        expected = decoder.dflash.draft.context_kv(decoder.dflash.draft.fuse(aux[None]), torch.arange(P)[None])
-    for (k, v), (k_want, v_want) in zip(decoder.dflash.context.kv, expected):
+        expected = decoder.drafter.draft.context_kv(decoder.drafter.draft.fuse(aux[None]), torch.arange(P)[None])
+    for (k, v), (k_want, v_want) in zip(decoder.drafter.context.kv, expected):
         # One prefill against many verify blocks: the target's GEMMs sum in another order.
         torch.testing.assert_close(k, k_want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, v_want, rtol=1e-4, atol=1e-5)
@@ -195,7 +195,7 @@ def test_the_static_block_pass_is_the_growing_contexts(arch):
     for lo, hi in ((5, 5), (5, 7), (7, 9)):  # the tokens each round's target processed, then the next root
         for drafter in (growing, static):
             if hi > lo:
-                drafter.extend(aux[lo:hi], lo)
+                drafter.extend(aux[lo:hi], None, lo)
         root = prompt[hi] if hi < len(prompt) else 11
         torch.testing.assert_close(static.block_logprobs(root, hi), growing.block_logprobs(root, hi),
                                    rtol=1e-4, atol=1e-5)
@@ -220,7 +220,7 @@ def dflash_graphs_draft_as_eagerly(spec: SpecConfig) -> None:
         draft, contract = random_dflash_draft(target, block_size=4)
         graphs = SpecDecoder(target, draft, contract, spec)
         eager = SpecDecoder(target, draft, contract, spec)
-        eager.dflash.graphs = None  # the static context's block pass, run eagerly
+        eager.drafter.graphs = None  # the static context's block pass, run eagerly
         eager._target_runner = LeanRunner(target, eager.boundaries, static=True)
         eager._target_runner.graphs = None
         accepted = 0
@@ -230,7 +230,7 @@ def dflash_graphs_draft_as_eagerly(spec: SpecConfig) -> None:
             assert got == want == want_plain and got_stats.accept_lengths == want_stats.accept_lengths
             accepted += sum(got_stats.accept_lengths) - got_stats.rounds
         assert accepted > 0  # drafts were kept: the blocks' trees were compared, not just the roots
-        assert isinstance(graphs.dflash.context, StaticDFlashContext) and len(graphs.dflash.graphs) == 1
+        assert isinstance(graphs.drafter.context, StaticDFlashContext) and len(graphs.drafter.graphs) == 1
     finally:
         target.model.to("cpu")
 

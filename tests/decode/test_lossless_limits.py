@@ -67,7 +67,7 @@ def oracle(decoder: SpecDecoder, continuation: list[int], prompt_len: int) -> No
     V = decoder.target.vocab_size
     spec = decoder.spec
 
-    def build(root, root_out, dcache, P):
+    def build(root, P):
         done = P - prompt_len + 1  # tokens produced so far, the root included
         tokens, parents, depths, parent = [root], [-1], [0], 0
         for depth in range(1, spec.num_steps + 1):
@@ -83,7 +83,7 @@ def oracle(decoder: SpecDecoder, continuation: list[int], prompt_len: int) -> No
         return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
                     scores=-torch.arange(len(tokens), dtype=torch.float))
 
-    decoder._build_tree = build
+    decoder.drafter.propose = build
 
 
 def plain_at(full: tuple[list[int], int, str, int], limit: int) -> tuple[list[int], int, str]:

@@ -29,7 +29,7 @@ def oracle_trees(decoder, reference, prompt_len, accept_prob, seed):
     rng = random.Random(seed)
     V = decoder.target.vocab_size
 
-    def build(root, root_out, dcache, P):
+    def build(root, P):
         done = P - prompt_len + 1  # tokens produced so far, the root included
         tokens, parents, parent = [root], [-1], 0
         for depth in range(decoder.spec.num_steps):
@@ -49,7 +49,7 @@ def oracle_trees(decoder, reference, prompt_len, accept_prob, seed):
         return Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
                     scores=-torch.arange(len(tokens), dtype=torch.float))
 
-    decoder._build_tree = build
+    decoder.drafter.propose = build
 
 
 @pytest.mark.parametrize("arch, lean", [(a, None) for a in ARCHITECTURES] + [("llama", False)])
@@ -155,31 +155,67 @@ def test_static_runner_decodes_as_plain(spec):
     assert out == plain and sum(stats.accept_lengths) > stats.rounds
 
 
-@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
-def test_static_draft_cache_drafts_as_the_growing_one(spec):
-    """The draft's fixed-width cache (what CUDA graphs replay; here eagerly, from a width that must grow) drafts
-    the same trees as the growing one: the same accept lengths and output, request after request."""
+SPECS = [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8),
+         SpecConfig(num_steps=3, topk=3, num_draft_tokens=8, min_prob=0.05)]
+
+
+def static_drafter(target, draft, spec, device, *, width, graphs, whole_rounds=True):
+    """An EAGLE-3 drafter over the fixed-width cache (``width`` columns first), its steps replayed from graphs or
+    run eagerly, a round drafted whole or a level at a time."""
+    from eaglewire.decode.eagle3_drafter import Eagle3Drafter
     from eaglewire.decode.kv_cache import StaticDraftCache
 
+    drafter = Eagle3Drafter(target, draft, spec, static=True, graphs=graphs)
+    drafter.cache = StaticDraftCache(drafter.draft, width, torch.device(device), torch.float32, graphs=graphs)
+    drafter.whole_rounds = whole_rounds and drafter.whole_rounds
+    return drafter
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_static_draft_cache_drafts_as_the_growing_one(spec):
+    """The draft's fixed-width cache (what CUDA graphs replay; here eagerly, from a width that must grow), a round
+    drafted whole (no floor) or a level at a time (``--draft-min-prob``), drafts the same trees as the growing
+    one: the same accept lengths and output, request after request."""
     target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
     draft, contract = random_draft(target)
     prompts = [[1, 4, 2, 5, 0, 3], [2, 2, 5, 1]]
     growing = SpecDecoder(target, draft, contract, spec)
     static = SpecDecoder(target, draft, contract, spec)
-    cache = StaticDraftCache(static.draft, 4, torch.device("cpu"), torch.float32, graphs=False)
-    static._draft_cache = lambda: (cache.reset(), cache)[1]
+    static.drafter = static_drafter(target, draft, spec, "cpu", width=4, graphs=False)
+    assert static.drafter.whole_rounds == (spec.min_prob == 0)
     for prompt in prompts:
         want, want_stats = growing.generate(prompt, max_new_tokens=20)
         got, got_stats = static.generate(prompt, max_new_tokens=20)
         assert got == want and got_stats.accept_lengths == want_stats.accept_lengths
-    assert sum(got_stats.accept_lengths) > got_stats.rounds and cache.k.shape[2] > 4
+    assert sum(got_stats.accept_lengths) > got_stats.rounds and static.drafter.cache.k.shape[2] > 4
+
+
+@pytest.mark.parametrize("spec", SPECS[:2])
+def test_a_whole_round_drafts_the_level_at_a_time_candidates_exactly(spec):
+    """A round drafted whole (``draft_round``: one graph on CUDA) and a level at a time over the same fixed-width
+    cache run the same kernels on the same inputs: the same candidates, scores to the bit, round after round."""
+    from eaglewire.decode import eagle3_drafter
+
+    target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
+    draft, contract = random_draft(target)
+    seen = {True: [], False: []}
+    read = eagle3_drafter.read_candidates, eagle3_drafter.grow_tree
+    for whole in (True, False):
+        decoder = SpecDecoder(target, draft, contract, spec)
+        decoder.drafter = static_drafter(target, draft, spec, "cpu", width=64, graphs=False, whole_rounds=whole)
+        eagle3_drafter.read_candidates = lambda packed, _k=whole: seen[_k].append(read[0](packed)) or seen[_k][-1]
+        eagle3_drafter.grow_tree = lambda *a, _k=whole, **kw: seen[_k].append(read[1](*a, **kw)) or seen[_k][-1]
+        try:
+            decoder.generate([1, 4, 2, 5, 0, 3], max_new_tokens=20)
+        finally:
+            eagle3_drafter.read_candidates, eagle3_drafter.grow_tree = read
+    assert len(seen[True]) == len(seen[False]) > 3 and seen[True] == seen[False]
 
 
 def graphs_draft_as_eagerly(spec: SpecConfig) -> None:
-    """On CUDA a drafted level (the draft step, its head's log-softmax and top-k) replays one graph per block
-    length, and the target's steps theirs: the same kernels as eagerly, so the same trees, accept lengths and
-    output as the eager static caches, and plain greedy output (fp32)."""
-    from eaglewire.decode.kv_cache import StaticDraftCache
+    """On CUDA a round (without a floor: the whole round; with one: each level's draft step, its head's
+    log-softmax and top-k) replays its graph, and the target's steps theirs: the same kernels as eagerly, so the
+    same trees, accept lengths and output as the eager static caches, and plain greedy output (fp32)."""
     from eaglewire.decode.runner import LeanRunner
 
     target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
@@ -190,8 +226,7 @@ def graphs_draft_as_eagerly(spec: SpecConfig) -> None:
         draft, contract = random_draft(target)
         graphs = SpecDecoder(target, draft, contract, spec)
         eager = SpecDecoder(target, draft, contract, spec)
-        cache = StaticDraftCache(eager.draft, 64, torch.device("cuda"), torch.float32, graphs=False)
-        eager._draft_cache = lambda: (cache.reset(), cache)[1]
+        eager.drafter = static_drafter(target, draft, spec, "cuda", width=64, graphs=False)
         eager._target_runner = LeanRunner(target, eager.boundaries, static=True)
         eager._target_runner.graphs = None
         for prompt, want_plain in zip(prompts, plain):
@@ -199,13 +234,15 @@ def graphs_draft_as_eagerly(spec: SpecConfig) -> None:
             got, got_stats = graphs.generate(prompt, max_new_tokens=20)
             assert got == want == want_plain and got_stats.accept_lengths == want_stats.accept_lengths
         assert sum(got_stats.accept_lengths) > got_stats.rounds
-        assert graphs._static_draft_cache.use_graphs and len(graphs._static_draft_cache.graphs[spec.topk]) > 0
+        cache = graphs.drafter.cache
+        step = ("round", spec.num_steps, spec.topk) if spec.min_prob == 0 else ("level", spec.topk)
+        assert cache.use_graphs and graphs.drafter.whole_rounds == (spec.min_prob == 0) and len(cache.graphs[step]) > 0
         assert graphs._target_runner.graphs is not None and len(graphs._target_runner.graphs) > 1  # steps, verifies
     finally:
         target.model.to("cpu")
 
 
-@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+@pytest.mark.parametrize("spec", SPECS)
 def test_draft_levels_and_steps_replayed_from_graphs_on_the_stand_in_for_cuda(spec):
     """The CUDA path, graphs and all, on the CPU's stand-in (fake_cuda's graphs replay the captured calls into
     the captured buffers and refuse a host read inside a capture): no fallback, the eager output."""
@@ -217,6 +254,6 @@ def test_draft_levels_and_steps_replayed_from_graphs_on_the_stand_in_for_cuda(sp
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the stand-in's test covers the path")
-@pytest.mark.parametrize("spec", [SpecConfig.chain(3), SpecConfig(num_steps=3, topk=3, num_draft_tokens=8)])
+@pytest.mark.parametrize("spec", SPECS)
 def test_draft_levels_replayed_from_graphs_draft_as_eagerly_on_cuda(spec):
     graphs_draft_as_eagerly(spec)

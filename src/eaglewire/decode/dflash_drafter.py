@@ -141,15 +141,16 @@ class DFlashDrafter:
                 self.graphs = StepGraphs(self._block_states)
 
     @torch.no_grad()
-    def start(self, aux: torch.Tensor, capacity: int = 0) -> None:
+    def start(self, aux: torch.Tensor, next_tokens: list[int] | None = None, capacity: int = 0) -> None:
         """A new sequence: the context is the prompt's P tokens, aux [P, k*H]; room for ``capacity`` tokens in all
-        (a static context reserved once, so no round moves it)."""
+        (a static context reserved once, so no round moves it). ``next_tokens``: unused (the context is states
+        alone; the loop's drafter interface)."""
         if isinstance(self.context, StaticDFlashContext):
             self.context.length = 0
             self._make_room(capacity)
         else:
             self.context = DFlashContext()
-        self.extend(aux, 0)
+        self.extend(aux, next_tokens, 0)
 
     def _make_room(self, tokens: int) -> None:
         """A static context with room for ``tokens`` and a block after them; a buffer that moves has its graph
@@ -159,8 +160,9 @@ class DFlashDrafter:
             self.graphs.clear()
 
     @torch.no_grad()
-    def extend(self, aux: torch.Tensor, start: int) -> None:
-        """The fused states of the tokens the target processed at positions start..start+n-1, aux [n, k*H]."""
+    def extend(self, aux: torch.Tensor, next_tokens: list[int] | None, start: int) -> None:
+        """The fused states of the tokens the target processed at positions start..start+n-1, aux [n, k*H]
+        (``next_tokens``: unused)."""
         if start != self.context.length:  # the context must stay exactly tokens 0..P-1
             raise RuntimeError(f"DFlash context holds {self.context.length} tokens, asked to add position {start}")
         ctx = self.draft.fuse(aux[None].to(self.dtype))  # [1, n, H]

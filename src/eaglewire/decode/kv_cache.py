@@ -13,6 +13,7 @@ draft step is a few dozen small kernels, which launched one by one cost ten time
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -141,7 +142,7 @@ class StaticDraftCache:
         self.length = 0
         self.committed = 0
         self.use_graphs = device.type == "cuda" if graphs is None else graphs
-        self.graphs: dict[int, StepGraphs] = {}  # the head's top-k (0: none) -> one graph per T
+        self.graphs: dict[Hashable, StepGraphs] = {}  # a step's name -> its graph per shape (``replay``)
 
     def reset(self) -> None:
         """Forget every entry: a new sequence (the width and the captured graphs stay)."""
@@ -168,16 +169,24 @@ class StaticDraftCache:
     def _run(self, topk: int, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The step over ``inputs``, replayed from its graph on CUDA (one per T up to MAX_GRAPH_TOKENS)."""
         T = inputs["emb"].shape[1]
-        if self.use_graphs and T <= MAX_GRAPH_TOKENS:
-            if topk not in self.graphs:
-                self.graphs[topk] = StepGraphs(
-                    lambda **step: static_draft_level(self.draft, self.k, self.v, topk, **step))
+        step = lambda **x: static_draft_level(self.draft, self.k, self.v, topk, **x)  # noqa: E731
+        return self.replay(("level", topk), T, step, inputs) if T <= MAX_GRAPH_TOKENS else step(**inputs)
+
+    def replay(self, name: Hashable, shape: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]],
+               inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``fn(**inputs)``, a step over this cache's buffers (read as ``self.k`` / ``self.v`` when it runs): on
+        CUDA replayed from the graph captured for (``name``, ``shape``) -- ``fn`` is the one given with ``name``
+        first -- elsewhere, or where a capture fails, eagerly. The outputs are copies (a replay overwrites its
+        buffers); a widened cache captures its graphs again."""
+        if self.use_graphs:
+            if name not in self.graphs:
+                self.graphs[name] = StepGraphs(fn)
             try:
-                return tuple(t.clone() for t in self.graphs[topk](T, **inputs))  # the next replay overwrites them
+                return tuple(t.clone() for t in self.graphs[name](shape, **inputs))
             except RuntimeError as err:  # no capture here: run it eagerly
-                log.warning("drafting without CUDA graphs: capturing a %d-token draft step failed (%s)", T, err)
+                log.warning("drafting without CUDA graphs: capturing the draft's %s %s failed (%s)", name, shape, err)
                 self.use_graphs = False
-        return static_draft_level(self.draft, self.k, self.v, topk, **inputs)
+        return fn(**inputs)
 
     def _inputs(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None) -> dict[str, torch.Tensor]:

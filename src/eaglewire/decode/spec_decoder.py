@@ -5,13 +5,12 @@ H hidden, k aux boundaries, V / Vd target / draft vocabulary.
 
 Positions: the target's cache holds tokens 0..P-1; the root (the last token the target
 produced, not yet in its cache) sits at position P and a tree node of depth d at P + d.
-The draft's context entry t pairs the target's fused state of token t with the embedding
-of token t+1 and sits at position t, so a draft node of depth d runs at position P - 1 + d.
 Without a draft the same loop verifies the root alone: plain decoding.
 
-A DFlash draft (decode/dflash_drafter.py) drafts one block per round instead of one pass per
-level: its context is the fused states of tokens 0..P-1 and its block, anchored at the root at P,
-predicts the tokens at P+1..P+n; the tree it proposes is verified exactly as an EAGLE-3 one.
+A draft is a ``Drafter``: an EAGLE-3 one (decode/eagle3_drafter.py) drafts a tree level by level
+from its own context of the target's states; a DFlash one (decode/dflash_drafter.py) drafts one
+block per round, anchored at the root at P, predicting the tokens at P+1..P+n. Their trees are
+verified alike.
 """
 
 from __future__ import annotations
@@ -19,18 +18,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from eaglewire.core.contract import HiddenStateContract
 from eaglewire.core.generation import GenerationStats
 from eaglewire.decode.dflash_drafter import DFlashDrafter
-from eaglewire.decode.gemm import pack_linears
-from eaglewire.decode.kv_cache import DraftCache, StaticDraftCache, top_next
+from eaglewire.decode.eagle3_drafter import Eagle3Drafter
 from eaglewire.decode.runner import make_runner
 from eaglewire.decode.sampling import MAX_NEW_TOKENS, SamplingParams, logits_to_probs, sample
-from eaglewire.decode.tree import Tree, grow_tree, max_tree_tokens, select_tree
+from eaglewire.decode.tree import Tree, max_tree_tokens
 from eaglewire.decode.verify import greedy_verify, sampling_verify
 from eaglewire.model.dflash import DFlashDraft
 from eaglewire.model.draft import Eagle3Draft
@@ -100,6 +98,20 @@ def check_spec_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
             f"{tokens} to at most {most} or raise {steps}/{k.removeprefix('--speculative')}")
 
 
+class Drafter(Protocol):
+    """A draft in the loop. Its context holds the target's states of the tokens before the root; ``next_tokens``
+    are the token after each state (an EAGLE-3 draft's inputs; a DFlash draft's context is states alone)."""
+
+    def start(self, aux: torch.Tensor, next_tokens: list[int], capacity: int) -> None:
+        """A new sequence: the prompt's states aux [P, k*H]; room for ``capacity`` tokens in all."""
+
+    def propose(self, root: int, position: int) -> Tree:
+        """The tree to verify for ``root`` at ``position`` (the context's length)."""
+
+    def extend(self, aux: torch.Tensor, next_tokens: list[int], start: int) -> None:
+        """The states of the accepted tokens at start..start+n-1, aux [n, k*H]."""
+
+
 class SpecDecoder:
     """Speculative decoding of one sequence with a target and an (optional) EAGLE-3 or DFlash draft."""
 
@@ -108,25 +120,18 @@ class SpecDecoder:
                  lean: bool | None = None) -> None:
         if draft is not None and contract is None:
             raise ValueError("a draft needs its hidden-state contract (load both with checkpoint.load_draft)")
-        self.target, self.draft, self.spec = target, draft, spec or SpecConfig()
+        self.target, self.spec = target, spec or SpecConfig()
         self.boundaries = list(contract.aux_boundaries) if draft is not None else [target.num_layers]
         self.lean = lean  # None: the lean forward where the architecture has one
         self._target_runner = None  # made at the first request
-        self._static_draft_cache: StaticDraftCache | None = None  # CUDA's, made at the first request
-        self.dflash: DFlashDrafter | None = None  # a DFlash draft's block drafting and context
+        self.drafter: Drafter | None = None
         if isinstance(draft, DFlashDraft):
-            self.dflash = DFlashDrafter(target, draft, num_steps=self.spec.num_steps, topk=self.spec.topk,
-                                        num_draft_tokens=self.spec.num_draft_tokens, min_score=self.spec.min_score,
-                                        steps_flag=spec_flag("num_steps"))
-            self.draft, self.draft_dtype = self.dflash.draft, self.dflash.dtype
-            self.draft_to_target = self.draft.draft_to_target  # the identity: the target's own head
+            self.drafter = DFlashDrafter(target, draft, num_steps=self.spec.num_steps, topk=self.spec.topk,
+                                         num_draft_tokens=self.spec.num_draft_tokens, min_score=self.spec.min_score,
+                                         steps_flag=spec_flag("num_steps"))
         elif draft is not None:
-            self.draft_dtype = next(draft.parameters()).dtype
-            self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
-            self.draft_to_target = self.draft.draft_to_target
+            self.drafter = Eagle3Drafter(target, draft, self.spec)
         self.stats = GenerationStats()
-
-    # -- target side -------------------------------------------------------
 
     def _runner(self):
         """One runner per decoder, reset per request: the lean runner's weight copies are
@@ -135,48 +140,6 @@ class SpecDecoder:
             self._target_runner = make_runner(self.target, self.boundaries, lean=self.lean)
         self._target_runner.reset()
         return self._target_runner
-
-    def _draft_cache(self) -> DraftCache | StaticDraftCache:
-        """The CPU's growing cache; on CUDA the fixed-width one whose steps replay graphs, made once per decoder
-        (its graphs are reused request after request)."""
-        if self.draft is None or self.dflash is not None or self.target.device.type != "cuda":
-            return DraftCache()
-        if self._static_draft_cache is None:
-            self._static_draft_cache = StaticDraftCache(self.draft, 2048, self.target.device, self.draft_dtype)
-        self._static_draft_cache.reset()
-        return self._static_draft_cache
-
-    def _embed(self, tokens: list[int]) -> torch.Tensor:
-        return self._embed_ids(torch.tensor(tokens, device=self.target.device))  # [1, n, H]
-
-    def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target ids [n] on the target's device -> the draft's input embeddings [1, n, H]."""
-        with torch.no_grad():
-            return self.target.embed_tokens(ids[None]).to(self.draft_dtype)
-
-    # -- draft side --------------------------------------------------------
-
-    @torch.no_grad()
-    def _extend_context(self, dcache: DraftCache | StaticDraftCache, aux: torch.Tensor, next_tokens: list[int], start: int) -> torch.Tensor:
-        """Feed the target states of accepted tokens to the draft; return the last output [1, 1, H]."""
-        n = len(next_tokens)
-        hidden = self.draft.fuse(aux[None].to(self.draft_dtype))  # [1, n, H]
-        positions = torch.arange(start, start + n, device=hidden.device)[None]  # [1, n]
-        out = dcache.forward(self.draft, self._embed(next_tokens), hidden, positions, None)  # [1, n, H]
-        dcache.commit()
-        return out[:, -1:]
-
-    @torch.no_grad()
-    def _build_tree(self, root: int, root_out: torch.Tensor, dcache: DraftCache | StaticDraftCache, P: int) -> Tree:
-        """Draft ``num_steps`` levels with the draft's KV cache; return the tree to verify. The levels are grown on
-        the draft's device (``grow_tree``) and read once, when the tree is chosen."""
-        spec = self.spec
-        levels = _DraftLevels(self.draft, dcache, self._embed_ids, root_out, P, spec)
-        root_top = top_next(self.draft, root_out[0], spec.topk)  # ([1, k], [1, k])
-        candidates = grow_tree(root_top, levels, spec.num_steps, spec.topk, self.draft_to_target, spec.min_score)
-        dcache.rollback()
-        tree, _ = select_tree(root, candidates, spec.num_draft_tokens, spec.min_score)
-        return tree
 
     # -- the loop ----------------------------------------------------------
 
@@ -201,7 +164,8 @@ class SpecDecoder:
         gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         stop_token_ids = stop_token_ids or set()
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        if self.draft is not None:
+        drafter = self.drafter
+        if drafter is not None:
             stats.position_accepts = [0] * self.spec.num_steps
         start = time.perf_counter()
         runner = self._runner()
@@ -210,12 +174,9 @@ class SpecDecoder:
         last, aux = runner.forward(torch.tensor(prompt_ids), torch.arange(P), None)
         runner.commit(list(range(P)))
         root = self._next_token(runner.head(last[-1:]), sampling, gen)
-        dcache, root_out = self._draft_cache(), None
-        dcache.reserve(P + max_new_tokens + self.spec.num_steps * self.spec.topk + self.spec.num_draft_tokens)
-        if self.dflash is not None:
-            self.dflash.start(aux, P + max_new_tokens + self.spec.num_draft_tokens)  # the context: tokens 0..P-1
-        elif self.draft is not None:
-            root_out = self._extend_context(dcache, aux, prompt_ids[1:] + [root], 0)
+        if drafter is not None:  # the context: tokens 0..P-1
+            drafter.start(aux, prompt_ids[1:] + [root],
+                          P + max_new_tokens + self.spec.num_steps * self.spec.topk + self.spec.num_draft_tokens)
         stats.prefill_seconds = time.perf_counter() - start
         produced: list[int] = []
         new = [root]
@@ -231,12 +192,7 @@ class SpecDecoder:
             if finish is not None:
                 return
             t0 = time.perf_counter()
-            if self.dflash is not None:
-                tree = self.dflash.propose(root, P)
-            elif self.draft is not None:
-                tree = self._build_tree(root, root_out, dcache, P)
-            else:
-                tree = _root_only(root)
+            tree = _root_only(root) if drafter is None else drafter.propose(root, P)
             t1 = time.perf_counter()
             mask = None  # one token: plain causal attention
             if len(tree) > 1:
@@ -251,11 +207,8 @@ class SpecDecoder:
             runner.commit(path)
             t2 = time.perf_counter()
             accepted = [int(tree.tokens[i]) for i in path[1:]]
-            if self.dflash is not None:
-                self.dflash.extend(aux[path], P)  # the root and the accepted drafts, at P..P+len(path)-1
-            elif self.draft is not None:
-                root_out = self._extend_context(dcache, aux[path], accepted + [bonus], P)
-            if self.draft is not None:
+            if drafter is not None:
+                drafter.extend(aux[path], accepted + [bonus], P)  # the root and the accepted drafts, at P..
                 for d in range(len(accepted)):
                     stats.position_accepts[d] += 1
             stats.accept_lengths.append(len(path))
@@ -292,36 +245,6 @@ def _take(produced: list[int], new: list[int], max_new_tokens: int, stop_token_i
         if len(produced) >= max_new_tokens:
             return "length"
     return None
-
-
-class _DraftLevels:
-    """``grow_tree``'s ``children`` for an EAGLE-3 draft: a level's best nodes run through the draft as one block
-    (each attending to the committed context, its ancestors' scratch entries and itself), their states kept
-    in the cache's scratch columns, the head's top-k read off their outputs; everything stays on the draft's
-    device. Shapes: C candidates of the level, F of them drafted, W the round's most columns."""
-
-    def __init__(self, draft, dcache: DraftCache | StaticDraftCache, embed: Callable[[torch.Tensor], torch.Tensor],
-                 root_out: torch.Tensor, P: int, spec: SpecConfig) -> None:
-        self.draft, self.dcache, self.embed, self.P, self.topk = draft, dcache, embed, P, spec.topk
-        H, dev = root_out.shape[-1], root_out.device
-        width = dcache.length + spec.num_steps * spec.topk  # the round's scratch never passes this
-        self.hidden = root_out[0, :1].expand(spec.topk, H)  # [C, H] the state each candidate's logits came from
-        rows = torch.zeros(1, width, dtype=torch.bool, device=dev)  # [1, W]
-        rows[:, :dcache.committed] = True
-        self.rows = rows.expand(spec.topk, width)  # [C, W] what each candidate's parent attends to
-
-    def __call__(self, depth: int, order: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        F, S, dev = order.numel(), self.dcache.length, order.device
-        rows = self.rows[order].clone()  # [F, W]
-        slots = torch.arange(S, S + F, device=dev)  # [F] the scratch column each node's K/V goes to
-        rows[torch.arange(F, device=dev), slots] = True  # each node attends to itself too
-        hidden = self.hidden[order][None]  # [1, F, H]
-        positions = torch.full((1, F), self.P - 1 + depth, device=dev)  # a node of depth d runs at P - 1 + d
-        out, values, ids = self.dcache.forward_top(self.draft, self.embed(tokens), hidden, positions,
-                                                   rows[None, None, :, :S + F], self.topk)  # [1, F, H], [F, k] x2
-        self.hidden = out[0].repeat_interleave(self.topk, dim=0)  # [F*k, H]: the next level's candidates
-        self.rows = rows.repeat_interleave(self.topk, dim=0)  # [F*k, W]
-        return values, ids
 
 
 def _root_only(root: int) -> Tree:

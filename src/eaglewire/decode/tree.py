@@ -58,9 +58,18 @@ class Candidate:
 Children = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+Level = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # one level's (tokens [C], parents [C], scores [C] double)
+
+
 def grow_tree(root_top: tuple[torch.Tensor, torch.Tensor], children: Children, num_levels: int, topk: int,
               ids_to_tokens: torch.Tensor | None, min_score: float = -math.inf) -> list[Candidate]:
-    """EAGLE-2's levels, grown on the device the log-probabilities live on and read to the host once.
+    """EAGLE-2's levels (``grow_levels``), read to the host once."""
+    return read_candidates(pack_levels(grow_levels(root_top, children, num_levels, topk, ids_to_tokens, min_score)))
+
+
+def grow_levels(root_top: tuple[torch.Tensor, torch.Tensor], children: Children, num_levels: int, topk: int,
+                ids_to_tokens: torch.Tensor | None, min_score: float = -math.inf) -> list[Level]:
+    """EAGLE-2's levels, grown on the device the log-probabilities live on.
 
     ``root_top`` (values [1, k], ids [1, k]): the root's ``topk`` best children, log-probabilities and draft
     ids. ``children(depth, order, tokens)`` -> (values [F, k], ids [F, k]): the ``topk`` best children of a
@@ -68,10 +77,10 @@ def grow_tree(root_top: tuple[torch.Tensor, torch.Tensor], children: Children, n
     target ids; ``depth``: theirs). ``ids_to_tokens`` [Vd] maps draft ids to target ids (None: the same).
 
     Without a floor every level's F = ``topk`` best nodes get children: fixed shapes, and the host out of the
-    loop (on a GPU a read is a synchronisation). With one, a count is read per level: the nodes under it are
-    left out (their subtrees score lower still, so ``select_tree`` would never take them), and
-    none left stops the drafting. Scores are summed in double, ties go to the lower index (a stable sort):
-    as the host summed and sorted them.
+    loop (on a GPU a read is a synchronisation; a CUDA graph can hold the whole of it). With one, a count is
+    read per level: the nodes under it are left out (their subtrees score lower still, so ``select_tree`` would
+    never take them), and none left stops the drafting. Scores are summed in double, ties go to the lower index
+    (a stable sort): as the host summed and sorted them.
     """
     def tokens_of(ids: torch.Tensor) -> torch.Tensor:
         return ids if ids_to_tokens is None else ids_to_tokens[ids]
@@ -96,16 +105,22 @@ def grow_tree(root_top: tuple[torch.Tensor, torch.Tensor], children: Children, n
         scores = (best[:, None] + values.double()).reshape(-1)  # [F, k] -> [F*k]
         tokens = tokens_of(ids).reshape(-1)  # [F, k] -> [F*k]
         levels.append((tokens, parents, scores))
-    return _read_candidates(levels)
+    return levels
 
 
-def _read_candidates(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[Candidate]:
-    """The levels' (tokens, parents, scores) as Candidates: two reads for the whole tree."""
-    ints = torch.stack([torch.cat([t for t, _, _ in levels]).long(), torch.cat([p for _, p, _ in levels]).long()])
-    tokens, parents = ints.tolist()  # [2, C]
-    scores = torch.cat([s for _, _, s in levels]).tolist()  # [C]
-    depths = [d + 1 for d, (t, _, _) in enumerate(levels) for _ in range(t.numel())]
-    return [Candidate(token=t, score=s, parent=p, depth=d) for t, s, p, d in zip(tokens, scores, parents, depths)]
+def pack_levels(levels: list[Level]) -> torch.Tensor:
+    """The levels as one tensor [4, C] double, rows (token, parent, depth, score) of every candidate in level
+    order: one read for the whole tree (ids and depths are exact in double)."""
+    depths = [torch.full_like(scores, d + 1) for d, (_, _, scores) in enumerate(levels)]
+    return torch.stack([torch.cat([t for t, _, _ in levels]).double(), torch.cat([p for _, p, _ in levels]).double(),
+                        torch.cat(depths), torch.cat([s for _, _, s in levels])])  # [4, C]
+
+
+def read_candidates(packed: torch.Tensor) -> list[Candidate]:
+    """``pack_levels``' tensor [4, C], read to the host, as Candidates."""
+    tokens, parents, depths, scores = packed.tolist()
+    return [Candidate(token=int(t), score=s, parent=int(p), depth=int(d))
+            for t, p, d, s in zip(tokens, parents, depths, scores)]
 
 
 def select_tree(root_token: int, candidates: list[Candidate], num_draft_tokens: int,

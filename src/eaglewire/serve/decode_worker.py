@@ -183,6 +183,6 @@ class DecodeWorker:
         if tail := text.finish():
             job.emit(Delta(tail))
         self._release(job)  # before the client can hear it is done and send the next request
-        steps = self.decoder.spec.num_steps if self.decoder.draft is not None else 0
+        steps = self.decoder.spec.num_steps if self.decoder.drafter is not None else 0
         job.emit(Done(stats.finish_reason, stats.prompt_tokens, stats.new_tokens, produced,
                       spec_decoding_metrics(stats, steps, self.per_request_metrics)))

@@ -247,7 +247,7 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
     if decoder.target.tokenizer is None:
         raise ValueError("the target has no tokenizer; load it with eaglewire.model.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
-    metrics = Metrics(decoder.spec.num_steps + 1 if decoder.draft is not None else 1, ROUTES)
+    metrics = Metrics(decoder.spec.num_steps + 1 if decoder.drafter is not None else 1, ROUTES)
     worker = DecodeWorker(decoder, max_queue, metrics, own_thread=engine_thread,
                           per_request_metrics=per_request_metrics)
     service = _Service(decoder, model_name, max_context, worker)
@@ -257,7 +257,7 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
     async def lifespan(app: FastAPI):
         worker.start()
         log.info("serving %s (context %d tokens, %s)", model_name, max_context,
-                 "speculative" if decoder.draft is not None else "no draft")
+                 "speculative" if decoder.drafter is not None else "no draft")
         yield
         worker.close()
         service.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
