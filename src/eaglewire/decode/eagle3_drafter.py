@@ -18,15 +18,19 @@ trees:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from eaglewire.decode.draft_round import draft_round
 from eaglewire.decode.gemm import pack_linears
 from eaglewire.decode.kv_cache import DraftCache, StaticDraftCache, top_next
-from eaglewire.decode.tree import Tree, grow_tree, read_candidates, select_tree
+from eaglewire.decode.tree import Candidate, Tree, grow_tree, read_candidates, select_tree
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
+
+if TYPE_CHECKING:
+    from eaglewire.decode.spec_decoder import SpecConfig
 
 STATIC_WIDTH = 2048  # the fixed-width cache's first width (``start`` widens it to what a request needs)
 
@@ -35,7 +39,7 @@ class Eagle3Drafter:
     """``spec``: the loop's SpecConfig (num_steps, topk, num_draft_tokens, min_score). ``static``: the fixed-width
     cache (None: on CUDA); ``graphs``: its steps replayed from CUDA graphs (None: on CUDA)."""
 
-    def __init__(self, target: Target, draft: Eagle3Draft, spec, *, static: bool | None = None,
+    def __init__(self, target: Target, draft: Eagle3Draft, spec: SpecConfig, *, static: bool | None = None,
                  graphs: bool | None = None) -> None:
         self.target, self.spec = target, spec
         self.dtype = next(draft.parameters()).dtype
@@ -98,7 +102,7 @@ class Eagle3Drafter:
 
     # -- whole rounds -----------------------------------------------------------
 
-    def _whole_round(self, position: int) -> list:
+    def _whole_round(self, position: int) -> list[Candidate]:
         """``draft_round`` over the static cache, replayed from its graph per number of entries it adds (0: the
         first round after a prompt, whose entries already ran): one replay, one read."""
         spec, cache, dev = self.spec, self.cache, self.target.device
@@ -130,7 +134,7 @@ class _DraftLevels:
     device."""
 
     def __init__(self, draft, dcache: DraftCache | StaticDraftCache, embed: Callable[[torch.Tensor], torch.Tensor],
-                 root_out: torch.Tensor, P: int, spec) -> None:
+                 root_out: torch.Tensor, P: int, spec: SpecConfig) -> None:
         self.draft, self.dcache, self.embed, self.P, self.topk = draft, dcache, embed, P, spec.topk
         H, dev = root_out.shape[-1], root_out.device
         width = dcache.length + spec.num_steps * spec.topk  # the round's scratch never passes this
