@@ -37,7 +37,7 @@ SERVER = """
 import logging, sys, torch
 torch.set_num_threads({threads})
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-from eaglewire.decode.spec_decoder import SpecConfig
+from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.serve.app import serve
 from eaglewire.serve.config import ServeConfig
 serve(ServeConfig(target={target!r}, draft={draft!r}, port={port}, max_queue=256, device="cpu", spec=SpecConfig(**{spec!r})))

@@ -10,7 +10,7 @@ from eaglewire.bench.run import (BenchConfig, Row, config_label, heldout_prompts
 from eaglewire.model.checkpoint import save_draft
 from eaglewire.cli import main
 from eaglewire.core.generation import GenerationStats
-from eaglewire.decode.spec_decoder import SpecConfig
+from eaglewire.decode.spec_config import SpecConfig
 
 
 def stats(accept_lengths, position_accepts=(), seconds=1.0, **kw):

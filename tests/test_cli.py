@@ -296,7 +296,7 @@ def test_a_truncated_draft_is_one_error_line_naming_the_file(tmp_path, chat_tiny
 # ---------------------------------------------------------------- one config per command
 
 def _spec(**kw):
-    from eaglewire.decode.spec_decoder import SpecConfig
+    from eaglewire.decode.spec_config import SpecConfig
 
     return SpecConfig(**kw)
 

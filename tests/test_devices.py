@@ -118,7 +118,7 @@ def test_every_command_runs_on_cuda(tmp_path, workspace, on_device, capsys):
     with on_device():
         from openai import OpenAI
 
-        from eaglewire.decode.spec_decoder import SpecConfig
+        from eaglewire.decode.spec_config import SpecConfig
         from eaglewire.decode.load import load_decoder
         from eaglewire.serve.routes import create_app
         from servers import live_server

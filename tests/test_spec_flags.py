@@ -10,7 +10,7 @@ import pytest
 from eaglewire.bench.run import config_label, parse_configs
 from eaglewire.cli import build_parser
 from eaglewire.core.configs import config_from_args, config_to_args
-from eaglewire.decode.spec_decoder import SpecConfig
+from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.serve.config import ServeConfig, add_serve_args
 
 

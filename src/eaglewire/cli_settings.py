@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eaglewire.core.device import device_field
-from eaglewire.decode.spec_decoder import SpecConfig
+from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.decode.sampling import MAX_NEW_TOKENS
 from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
 from eaglewire.core.presets import DEFAULT_TARGET

@@ -191,7 +191,7 @@ def test_static_draft_cache_drafts_as_the_growing_one(spec):
 
 
 @pytest.mark.parametrize("spec", SPECS[:2])
-def test_a_whole_round_drafts_the_level_at_a_time_candidates_exactly(spec):
+def test_a_whole_round_drafts_the_level_at_a_time_candidates_exactly(spec, monkeypatch):
     """A round drafted whole (``draft_round``: one graph on CUDA) and a level at a time over the same fixed-width
     cache run the same kernels on the same inputs: the same candidates, scores to the bit, round after round."""
     from eaglewire.decode import eagle3_drafter
@@ -199,16 +199,15 @@ def test_a_whole_round_drafts_the_level_at_a_time_candidates_exactly(spec):
     target = tiny_target("llama", initializer_range=0.2, vocab_size=6)
     draft, contract = random_draft(target)
     seen = {True: [], False: []}
-    read = eagle3_drafter.read_candidates, eagle3_drafter.grow_tree
-    for whole in (True, False):
+    read, grow = eagle3_drafter.read_candidates, eagle3_drafter.grow_tree
+    for whole in (True, False):  # the whole round reads its packed candidates, the level-at-a-time one grows them
+        monkeypatch.setattr(eagle3_drafter, "read_candidates", lambda packed, _w=whole: seen[_w].append(read(packed))
+                            or seen[_w][-1])
+        monkeypatch.setattr(eagle3_drafter, "grow_tree", lambda *a, _w=whole, **kw: seen[_w].append(grow(*a, **kw))
+                            or seen[_w][-1])
         decoder = SpecDecoder(target, draft, contract, spec)
         decoder.drafter = static_drafter(target, draft, spec, "cpu", width=64, graphs=False, whole_rounds=whole)
-        eagle3_drafter.read_candidates = lambda packed, _k=whole: seen[_k].append(read[0](packed)) or seen[_k][-1]
-        eagle3_drafter.grow_tree = lambda *a, _k=whole, **kw: seen[_k].append(read[1](*a, **kw)) or seen[_k][-1]
-        try:
-            decoder.generate([1, 4, 2, 5, 0, 3], max_new_tokens=20)
-        finally:
-            eagle3_drafter.read_candidates, eagle3_drafter.grow_tree = read
+        decoder.generate([1, 4, 2, 5, 0, 3], max_new_tokens=20)
     assert len(seen[True]) == len(seen[False]) > 3 and seen[True] == seen[False]
 
 

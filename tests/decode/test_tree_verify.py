@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from eaglewire.decode.spec_decoder import SpecConfig, check_spec_flags
+from eaglewire.decode.spec_config import SpecConfig, check_spec_flags
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
 from eaglewire.decode.tree import Candidate, Tree, grow_tree, max_tree_tokens, select_tree
 from eaglewire.decode.verify import greedy_verify, sampling_verify

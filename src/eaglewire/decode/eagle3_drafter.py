@@ -18,19 +18,16 @@ trees:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from eaglewire.decode.draft_round import draft_round
 from eaglewire.decode.gemm import pack_linears
 from eaglewire.decode.kv_cache import DraftCache, StaticDraftCache, top_next
+from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.decode.tree import Candidate, Tree, grow_tree, read_candidates, select_tree
 from eaglewire.model.draft import Eagle3Draft
 from eaglewire.model.target import Target
-
-if TYPE_CHECKING:
-    from eaglewire.decode.spec_decoder import SpecConfig
 
 STATIC_WIDTH = 2048  # the fixed-width cache's first width (``start`` widens it to what a request needs)
 
@@ -76,7 +73,8 @@ class Eagle3Drafter:
     @torch.no_grad()
     def extend(self, aux: torch.Tensor, next_tokens: list[int], start: int) -> None:
         """Context entries at start..start+n-1: the target's states aux [n, k*H] and the token after each. A whole
-        round enters a round's worth itself (``pending``); anything else (a prompt) runs now."""
+        round enters a round's worth itself (``pending``: ``aux`` is kept until then, so it must be a tensor nothing
+        overwrites, e.g. ``aux[path]``'s copy, not a graph's output buffer); anything else (a prompt) runs now."""
         ids = torch.tensor(next_tokens, device=self.target.device)  # [n]
         if self.whole_rounds and len(next_tokens) <= self.spec.num_draft_tokens:
             self.pending = (ids, aux, start)
@@ -108,11 +106,11 @@ class Eagle3Drafter:
         spec, cache, dev = self.spec, self.cache, self.target.device
         if self.pending is not None:
             ids, aux, start = self.pending
-            inputs = dict(ids=ids, aux=aux, start=torch.tensor(start, device=dev))
+            inputs, T = dict(ids=ids, aux=aux), ids.numel()
         else:
-            start = cache.committed
-            inputs = dict(root_out=self.root_out, start=torch.tensor(start, device=dev))
-        T = inputs["ids"].shape[0] if "ids" in inputs else 0
+            start, T = cache.committed, 0
+            inputs = dict(root_out=self.root_out)
+        inputs["start"] = torch.tensor(start, device=dev)  # []
         if start + T != position:  # the context must end right before the root's position
             raise RuntimeError(f"the draft's context would hold {start + T} entries, the round is at {position}")
         cache.reserve(position + spec.num_steps * spec.topk)  # before the replay: a widened cache is captured anew

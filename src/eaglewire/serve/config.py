@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from eaglewire.core.device import device_field
 from eaglewire.core.precision import DECODE_DTYPE_HELP, DTYPE_CHOICES
-from eaglewire.decode.spec_decoder import SpecConfig
+from eaglewire.decode.spec_config import SpecConfig
 
 MAX_REQUEST_BYTES = 4 << 20  # a full 128k-token context of text is ~0.5 MB of JSON; 8k (SmolLM2) ~40 kB
 REQUEST_TIMEOUT_SECONDS = 30.0  # 4 MB at a slow 1 Mbit/s; a client that sends less than it declared waits no longer
