@@ -58,11 +58,11 @@ def count_rounds(spec: SpecConfig, whole: bool, tokens: int) -> dict:
     counter = _Count()
     replay = kv_cache.StaticDraftCache.replay
 
-    def counted_replay(self, name, shape, fn, inputs):
+    def counted_replay(self, name, tokens, fn, inputs):
         outer = counter.on and not counter.inside
         counter.inside += 1
         try:
-            out = replay(self, name, shape, fn, inputs)
+            out = replay(self, name, tokens, fn, inputs)
         finally:
             counter.inside -= 1
         if outer:  # the replay, a copy of each input into the graph's buffers, a clone of each output

@@ -234,7 +234,7 @@ def graphs_draft_as_eagerly(spec: SpecConfig) -> None:
             assert got == want == want_plain and got_stats.accept_lengths == want_stats.accept_lengths
         assert sum(got_stats.accept_lengths) > got_stats.rounds
         cache = graphs.drafter.cache
-        step = ("round", spec.num_steps, spec.topk) if spec.min_prob == 0 else ("level", spec.topk)
+        step = f"round {spec.num_steps}x{spec.topk}" if spec.min_prob == 0 else f"level top-{spec.topk}"
         assert cache.use_graphs and graphs.drafter.whole_rounds == (spec.min_prob == 0) and len(cache.graphs[step]) > 0
         assert graphs._target_runner.graphs is not None and len(graphs._target_runner.graphs) > 1  # steps, verifies
     finally:

@@ -114,7 +114,7 @@ class Eagle3Drafter:
         if start + T != position:  # the context must end right before the root's position
             raise RuntimeError(f"the draft's context would hold {start + T} entries, the round is at {position}")
         cache.reserve(position + spec.num_steps * spec.topk)  # before the replay: a widened cache is captured anew
-        packed, = cache.replay(("round", spec.num_steps, spec.topk), T, self._round_step, inputs)
+        packed, = cache.replay(f"round {spec.num_steps}x{spec.topk}", T, self._round_step, inputs)
         cache.length = cache.committed = position  # the round's scratch columns are masked until rewritten
         self.pending = None
         return read_candidates(packed)

@@ -13,7 +13,7 @@ draft step is a few dozen small kernels, which launched one by one cost ten time
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import torch
 
@@ -142,7 +142,7 @@ class StaticDraftCache:
         self.length = 0
         self.committed = 0
         self.use_graphs = device.type == "cuda" if graphs is None else graphs
-        self.graphs: dict[Hashable, StepGraphs] = {}  # a step's name -> its graph per shape (``replay``)
+        self.graphs: dict[str, StepGraphs] = {}  # a step's name -> its graph per number of new entries (``replay``)
 
     def reset(self) -> None:
         """Forget every entry: a new sequence (the width and the captured graphs stay)."""
@@ -170,21 +170,22 @@ class StaticDraftCache:
         """The step over ``inputs``, replayed from its graph on CUDA (one per T up to MAX_GRAPH_TOKENS)."""
         T = inputs["emb"].shape[1]
         step = lambda **x: static_draft_level(self.draft, self.k, self.v, topk, **x)  # noqa: E731
-        return self.replay(("level", topk), T, step, inputs) if T <= MAX_GRAPH_TOKENS else step(**inputs)
+        return self.replay(f"level top-{topk}", T, step, inputs) if T <= MAX_GRAPH_TOKENS else step(**inputs)
 
-    def replay(self, name: Hashable, shape: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]],
+    def replay(self, name: str, tokens: int, fn: Callable[..., tuple[torch.Tensor, ...]],
                inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """``fn(**inputs)``, a step over this cache's buffers (read as ``self.k`` / ``self.v`` when it runs): on
-        CUDA replayed from the graph captured for (``name``, ``shape``) -- ``fn`` is the one given with ``name``
-        first -- elsewhere, or where a capture fails, eagerly. The outputs are copies (a replay overwrites its
-        buffers); a widened cache captures its graphs again."""
+        """``fn(**inputs)``, a step over this cache's buffers (read as ``self.k`` / ``self.v`` when it runs) that
+        writes ``tokens`` new entries: on CUDA replayed from the graph captured for (``name``, ``tokens``) --
+        ``fn`` is the one given with ``name`` first -- elsewhere, or where a capture fails, eagerly. The outputs
+        are copies (a replay overwrites its buffers); a widened cache captures its graphs again."""
         if self.use_graphs:
             if name not in self.graphs:
                 self.graphs[name] = StepGraphs(fn)
             try:
-                return tuple(t.clone() for t in self.graphs[name](shape, **inputs))
+                return tuple(t.clone() for t in self.graphs[name](tokens, **inputs))
             except RuntimeError as err:  # no capture here: run it eagerly
-                log.warning("drafting without CUDA graphs: capturing the draft's %s %s failed (%s)", name, shape, err)
+                log.warning("drafting without CUDA graphs: capturing the draft's %s step of %d new entries failed (%s)",
+                            name, tokens, err)
                 self.use_graphs = False
         return fn(**inputs)
 
