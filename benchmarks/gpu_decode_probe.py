@@ -164,8 +164,9 @@ def speculative(target, draft, contract, device: torch.device, static: bool, tok
             row["accept_length"] = round(stats.accept_length, 3)
         out[name] = row
     a = results["plain"]
-    out["same_as_plain"] = a == results["chain3"] == results["chain3_levels"]
+    out["same_as_plain"] = a == results["chain3"]
     out["first_difference"] = next((i for i, (x, y) in enumerate(zip(a, results["chain3"])) if x != y), None)
+    out["whole_rounds_same_as_levels"] = results["chain3"] == results["chain3_levels"]
     return out
 
 

@@ -14,8 +14,6 @@ normed: not ``Target.head``, which would apply the target's final norm again).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +25,6 @@ from eaglewire.decode.tree import Tree, block_tree
 from eaglewire.model.dflash import DFlashDraft
 from eaglewire.model.dflash_blocks import head_rows, to_target_vocab
 from eaglewire.model.target import Target
-
-log = logging.getLogger(__name__)
 
 
 def check_block_steps(num_steps: int, block_size: int, flag: str) -> None:
@@ -138,7 +134,7 @@ class DFlashDrafter:
         if target.device.type == "cuda" if static is None else static:
             self.context = StaticDFlashContext(self.draft, 2048, target.device, self.dtype)
             if target.device.type == "cuda":
-                self.graphs = StepGraphs(self._block_states)
+                self.graphs = StepGraphs(self._block_states, "DFlash's block pass")
 
     @torch.no_grad()
     def start(self, aux: torch.Tensor, next_tokens: list[int] | None = None, capacity: int = 0) -> None:
@@ -190,11 +186,10 @@ class DFlashDrafter:
     def _static_states(self, root_id: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """The block's states [1, bs, H] over the static context, from its graph on CUDA."""
         if self.graphs is not None:
-            try:
-                return self.graphs(0, root_id=root_id, length=length)[0].clone()  # the next replay overwrites it
-            except RuntimeError as err:  # no capture here: run it eagerly
-                log.warning("DFlash drafting without CUDA graphs: capturing the block pass failed (%s)", err)
-                self.graphs = None
+            replayed = self.graphs.copies(0, root_id=root_id, length=length)
+            if replayed is not None:
+                return replayed[0]
+            self.graphs = None
         return self._block_states(root_id, length)[0]
 
     def _block_states(self, root_id: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor]:

@@ -12,15 +12,12 @@ draft step is a few dozen small kernels, which launched one by one cost ten time
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 
 from eaglewire.decode.attention import attend
 from eaglewire.decode.step_graphs import StepGraphs
-
-log = logging.getLogger(__name__)
 
 MAX_GRAPH_TOKENS = 64  # a draft forward of at most this many tokens replays a graph (a longer one: the prompt)
 
@@ -180,13 +177,11 @@ class StaticDraftCache:
         are copies (a replay overwrites its buffers); a widened cache captures its graphs again."""
         if self.use_graphs:
             if name not in self.graphs:
-                self.graphs[name] = StepGraphs(fn)
-            try:
-                return tuple(t.clone() for t in self.graphs[name](tokens, **inputs))
-            except RuntimeError as err:  # no capture here: run it eagerly
-                log.warning("drafting without CUDA graphs: capturing the draft's %s step of %d new entries failed (%s)",
-                            name, tokens, err)
-                self.use_graphs = False
+                self.graphs[name] = StepGraphs(fn, f"the draft's {name} step")
+            replayed = self.graphs[name].copies(tokens, **inputs)
+            if replayed is not None:
+                return replayed
+            self.use_graphs = False
         return fn(**inputs)
 
     def _inputs(self, draft, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

@@ -13,8 +13,6 @@ keeps the accepted rows of that block and drops the rest.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
@@ -24,8 +22,6 @@ from eaglewire.decode.gemm import MAX_EXACT_ROWS, PackedLinear
 from eaglewire.decode.kv_cache import compact_target_cache, widened
 from eaglewire.decode.step_graphs import StepGraphs
 from eaglewire.model.target import Target
-
-log = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -208,7 +204,7 @@ class LeanRunner:
         self.columns = torch.arange(max_length, device=w.device)  # [S]
         self.length = 0
         self.static = w.device.type == "cuda" if static is None else static
-        self.graphs = StepGraphs(self._static_forward) if self.static and w.device.type == "cuda" else None
+        self.graphs = StepGraphs(self._static_forward, "the target's step") if self.static and w.device.type == "cuda" else None
 
     def reset(self) -> None:
         """Forget every token: the runner (and its packed weights) serves a new sequence."""
@@ -239,12 +235,10 @@ class LeanRunner:
             inputs = dict(ids=ids.to(dev), positions=positions.to(dev), slots=torch.arange(P, P + N, device=dev),
                           length=torch.tensor(P, device=dev), block=block.to(dev))
             if self.graphs is not None:
-                try:
-                    last, aux = self.graphs(N, **inputs)
-                    return last.clone(), aux.clone()  # the graph's buffers are overwritten by its next replay
-                except RuntimeError as err:  # no capture here (a driver, a kernel that refuses): run it eagerly
-                    log.warning("decoding without CUDA graphs: capturing a %d-token step failed (%s)", N, err)
-                    self.graphs = None
+                replayed = self.graphs.copies(N, **inputs)  # (last, aux), keyed by the block's tokens
+                if replayed is not None:
+                    return replayed
+                self.graphs = None
             return self._static_forward(**inputs)
         return self._dynamic_forward(ids.to(dev), positions.to(dev), None if mask is None else mask.to(dev))
 

@@ -40,8 +40,8 @@ class StepGraphs:
     graph's own buffers: read or copy them before the next call.
     """
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], name: str = "a step") -> None:
+        self.fn, self.name = fn, name
         self._graphs: dict[Hashable, _Captured] = {}
         self._pool = None  # one memory pool for every graph of this step: they never run at once
 
@@ -54,6 +54,16 @@ class StepGraphs:
                 captured.inputs[name].copy_(value, non_blocking=True)
         captured.graph.replay()
         return captured.outputs
+
+    def copies(self, key: Hashable, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """``self(key, **inputs)`` with its outputs copied (the next replay overwrites the graph's buffers); None,
+        with one warning, where capturing it fails here (a driver, a kernel that refuses): the caller runs ``fn``
+        eagerly from then on."""
+        try:
+            return tuple(t.clone() for t in self(key, **inputs))
+        except RuntimeError as err:
+            log.warning("%s runs without CUDA graphs: capturing it for %s failed (%s)", self.name, key, err)
+            return None
 
     def clear(self) -> None:
         """Forget every graph (what they read, e.g. a cache that grew, has moved)."""
