@@ -4,6 +4,7 @@ printed, imports them right; doctor --stored, which never runs the target, says 
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -59,13 +60,29 @@ def specforge_src(tmp_path_factory, captured, target) -> Path:
     return src
 
 
+def write_capture(src: Path, captured, boundaries: list[int], layout: str = "vllm") -> dict:
+    """The states of ``boundaries`` as ``layout`` stores them (vLLM: hidden_states [T, n, H] and token_ids per
+    request; speculators: hidden_states per row, rows in a jsonl); the import's settings for it."""
+    src.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (ids, every) in enumerate(captured):
+        states = torch.stack([every[b] for b in boundaries], dim=1).bfloat16()  # [T, n, H]
+        if layout == "vllm":
+            save_file({"hidden_states": states, "token_ids": ids}, str(src / f"req-{i}.safetensors"))
+        else:
+            save_file({"hidden_states": states}, str(src / f"hs_{i}.safetensors"))
+            rows.append(json.dumps({"input_ids": ids.tolist(), "loss_mask": [1] * len(ids)}))
+    if layout == "vllm":
+        return {"layout": layout}
+    (src.parent / f"{src.name}-rows.jsonl").write_text("\n".join(rows) + "\n")
+    return {"layout": layout, "tokens": str(src.parent / f"{src.name}-rows.jsonl")}
+
+
 @pytest.fixture(scope="module")
 def vllm_src(tmp_path_factory, captured) -> Path:
     """vLLM's files: hidden_states [T, 4, H] of boundaries TRUE + [L], token_ids."""
     src = tmp_path_factory.mktemp("vllm")
-    for i, (ids, every) in enumerate(captured):
-        states = torch.stack([every[b] for b in [*TRUE, L]], dim=1).bfloat16()  # [T, 4, H]
-        save_file({"hidden_states": states, "token_ids": ids}, str(src / f"req-{i}.safetensors"))
+    write_capture(src, captured, [*TRUE, L])
     return src
 
 
@@ -190,15 +207,33 @@ def test_a_last_slot_from_another_layer_is_named_and_no_line_is_offered(captured
     """A vLLM capture whose boundary-L slot is boundary 6: the slot is named, and since no stored state is
     boundary L, no import line would work: the refusal says why instead of printing one."""
     src = tmp_path / "src"
-    src.mkdir()
-    for i, (ids, every) in enumerate(captured):
-        states = torch.stack([every[b] for b in [2, 4, 5, 6]], dim=1)  # [T, 4, H]
-        save_file({"hidden_states": states, "token_ids": ids}, str(src / f"req-{i}.safetensors"))
+    write_capture(src, captured, [2, 4, 5, 6])
     with pytest.raises(BoundaryMismatchError) as e:
         import_data(config(src, tmp_path / "out", target_dir, [2, 4, 5, L], layout="vllm"))
     message = str(e.value)
     assert f"slot 3 (--boundaries says boundary {L}) is boundary 6" in message and "slot 0" not in message
     assert e.value.command is None and f"none is boundary {L}" in message
+
+
+@pytest.mark.parametrize("layout, no_last", [("speculators", False), ("vllm", False), ("vllm", True)])
+def test_a_last_state_said_one_below_is_named_with_the_line_that_takes_it_as_L(captured, target_dir, tmp_path,
+                                                                               layout, no_last):
+    """Boundary L said to be L - 1 (the last layer's index): not "none is boundary L ... pass --no-last", but the
+    slot named as boundary L and the import line with L, which imports it as the training signal (--no-last
+    dropped: a stored state is boundary L)."""
+    src = tmp_path / "src"
+    settings = write_capture(src, captured, [*TRUE, L], layout)
+    with pytest.raises(BoundaryMismatchError) as e:
+        import_data(config(src, tmp_path / "out", target_dir, [*TRUE, L - 1], no_last=no_last, **settings))
+    message = str(e.value)
+    assert f"slot 3 (--boundaries says boundary {L - 1}) is boundary {L}" in message and "slot 0" not in message
+    assert f"the last layer's index ({L - 1}, counting from 0)" in message and "SpecForge" not in message
+    line = e.value.command
+    assert line in message and f"--boundaries 2,4,6,{L}" in line and "--no-last" not in line
+    assert run_line(line) == 0
+    back = ShardDataset(tmp_path / "out")
+    assert list(back.contract.aux_boundaries) == TRUE
+    assert back.manifest["source"]["last_hidden"] == f"stored boundary {L}"
 
 
 @pytest.mark.real

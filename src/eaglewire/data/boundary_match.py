@@ -31,13 +31,15 @@ MAX_TOKENS = 256  # of each
 @dataclass(frozen=True)
 class Identification:
     """Each stored slot against every boundary of a fresh capture (``checks[j]``: the j-th slot compared, said to
-    be ``boundary``; ``slots[j]``: its index among the stored states, where only some were compared)."""
+    be ``boundary``; ``slots[j]``: its index among the stored states, where only some were compared;
+    ``num_layers``: L, the capture's last boundary)."""
 
     checks: list[SlotCheck]
     sequences: int
     tokens: int
     tolerance: float = TOLERANCE
     slots: tuple[int, ...] | None = None
+    num_layers: int | None = None
 
     def slot(self, j: int) -> int:
         return self.slots[j] if self.slots is not None else j
@@ -89,6 +91,11 @@ class Identification:
     def cause(self) -> str:
         """Why the slots are one off, where every misread slot is off by the same one layer."""
         shift = self.shift()
+        if shift == 1 and [c.closest for _, c in self.misread()] == [self.num_layers]:
+            L = self.num_layers
+            return (f"the misread slot is the last layer's output, boundary {L} (before the final norm): boundary b "
+                    f"is the input of layer b, so the last layer's index ({L - 1}, counting from 0) names the "
+                    "boundary below it")
         if shift == 1:
             return ("every misread slot is one layer above what was said: the capture's ids number layer outputs "
                     "(SpecForge and SGLang on Llama-family targets: id i is the output of layer i, boundary i + 1) "
@@ -127,4 +134,5 @@ def identify(target: Target, samples: list[tuple[list[int], torch.Tensor]], said
         stored.append(states[:len(ids)].to(target.device))
         fresh.append(states_here(target, ids))
     return Identification(match_slots(stored, fresh, said), sequences=len(samples),
-                          tokens=sum(s.shape[0] for s in stored), slots=None if slots is None else tuple(slots))
+                          tokens=sum(s.shape[0] for s in stored), slots=None if slots is None else tuple(slots),
+                          num_layers=target.num_layers)

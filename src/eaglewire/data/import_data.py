@@ -23,7 +23,9 @@ The boundaries are checked too where the target can run (``--identify-boundaries
 written, the first samples' tokens go through the target and each stored state is matched against every
 boundary it captures (``boundary_match.py``); a state that is another boundary than ``--boundaries`` says
 (ids that number layer outputs taken as inputs: one layer off) refuses the import, naming the slots and the
-import line with the boundaries the states are. A target over ``IDENTIFY_MAX_BYTES`` is loaded only when asked.
+import line with the boundaries the states are. ``--boundaries`` without L are identified before they are refused,
+so a boundary-L state said to be another names the slot. A target over ``IDENTIFY_MAX_BYTES`` is loaded only when
+asked.
 """
 
 from __future__ import annotations
@@ -129,6 +131,18 @@ class ImportDataConfig:
         return self.last_state or LAYOUT_LAST_STATE[self.layout]
 
 
+class NoLastStateError(ForeignDataError):
+    """``--boundaries`` (``stored``) name no boundary-L state, and --no-last is not passed."""
+
+    def __init__(self, stored: list[int], num_layers: int):
+        super().__init__(
+            f"--boundaries {stored}: none is boundary {num_layers} (the last layer's state before the final "
+            f"norm, of this {num_layers}-layer target), which training needs as the target's signal. "
+            f"Capture it too (layer id {num_layers} in vLLM/speculators), or pass --no-last to import the "
+            "states for doctor --stored --labels tokens only")
+        self.stored = stored
+
+
 @dataclass
 class Plan:
     """Where each shard tensor comes from: stored state indices for aux (in order) and for L."""
@@ -188,11 +202,7 @@ def make_plan(config: ImportDataConfig, first: Sample, num_layers: int) -> Plan:
         absent = True
     elif not separate:
         if num_layers not in stored:
-            raise ForeignDataError(
-                f"--boundaries {stored}: none is boundary {num_layers} (the last layer's state before the final "
-                f"norm, of this {num_layers}-layer target), which training needs as the target's signal. "
-                f"Capture it too (layer id {num_layers} in vLLM/speculators), or pass --no-last to import the "
-                "states for doctor --stored --labels tokens only")
+            raise NoLastStateError(stored, num_layers)
         if config.layout == "speculators" and stored[-1] != num_layers:
             raise ForeignDataError(f"--boundaries {stored}: speculators stores the verifier's last state last, "
                                    f"so the last boundary must be {num_layers}")
@@ -290,8 +300,8 @@ def _import(config: ImportDataConfig, src: Path, out: Path, partial: Path) -> Im
                                f"{config.target} must hold the weights (only the embedding, final norm and lm_head "
                                "are read), or import with --labels hidden")
     first, samples = _peek(_read(config, src), boundary_match.SEQUENCES)
-    plan = make_plan(config, first[0], fingerprint.num_layers) if first else None
-    identified = _identify(config, plan, first, fingerprint, head_target) if plan else None
+    plan = _plan(config, first, fingerprint, head_target) if first else None
+    identified = _identify(config, plan.stored, first, fingerprint, head_target) if plan else None
     skipped: Counter[str] = Counter()
     writer: ShardWriter | None = None
     added = 0
@@ -436,15 +446,27 @@ def _full_target(config: ImportDataConfig, head: Target | None) -> tuple[Target 
     return load_target(config.target), None
 
 
-def _identify(config: ImportDataConfig, plan: Plan, first: list[Sample], fingerprint: TargetFingerprint,
+def _plan(config: ImportDataConfig, first: list[Sample], fingerprint: TargetFingerprint, head: Target | None
+          ) -> Plan:
+    """``make_plan``; where ``--boundaries`` name no boundary L, the stored states are identified first, so a slot
+    that is boundary L said to be another is named with the import line that takes it as L."""
+    try:
+        return make_plan(config, first[0], fingerprint.num_layers)
+    except NoLastStateError as e:
+        _identify(config, e.stored, first, fingerprint, head)  # raises BoundaryMismatchError on a misread slot
+        raise
+
+
+def _identify(config: ImportDataConfig, stored: list[int], first: list[Sample], fingerprint: TargetFingerprint,
               head: Target | None) -> str | None:
-    """The first samples' stored states against every boundary of the target run on their tokens: raises
-    ``BoundaryMismatchError`` where ``--boundaries`` name other layers; else a note for the summary."""
+    """The first samples' stored states (``stored``: the boundary --boundaries says each is) against every boundary
+    of the target run on their tokens: raises ``BoundaryMismatchError`` where ``--boundaries`` name other layers;
+    else a note for the summary."""
     if config.identify_boundaries == "no":
         return None
-    L, H, n = fingerprint.num_layers, fingerprint.hidden_size, len(plan.stored)
+    L, H, n = fingerprint.num_layers, fingerprint.hidden_size, len(stored)
     # a post-norm boundary-L slot is no boundary (the label check judges it); SpecForge's is not among the slots
-    slots = [j for j, b in enumerate(plan.stored) if not (b == L and plan.last_state == POST_NORM)]
+    slots = [j for j, b in enumerate(stored) if not (b == L and config.stored_last_state == POST_NORM)]
     usable = [s for s in first if s.input_ids.ndim == 1 and list(s.states.shape) == [len(s.input_ids), n, H]
               and len(s.input_ids) and bool(torch.isfinite(s.states.float()).all())
               and 0 <= int(s.input_ids.min()) and int(s.input_ids.max()) < fingerprint.vocab_size]
@@ -454,7 +476,7 @@ def _identify(config: ImportDataConfig, plan: Plan, first: list[Sample], fingerp
     if target is None:
         return why
     found = boundary_match.identify(target, [(s.input_ids.tolist(), s.states[:, slots]) for s in usable],
-                                    [plan.stored[j] for j in slots], slots=slots)
+                                    [stored[j] for j in slots], slots=slots)
     del target
     if found.ok:
         if found.unmatched():
@@ -464,9 +486,9 @@ def _identify(config: ImportDataConfig, plan: Plan, first: list[Sample], fingerp
         return (f"each stored state is the boundary --boundaries names: matched against every boundary of the target "
                 f"run on {found.what()} (largest relative error {worst:.1e})")
     corrected = found.corrected()
-    boundaries = boundary_match.fix_boundaries(plan.stored, corrected)
+    boundaries = boundary_match.fix_boundaries(stored, corrected)
     aux = boundary_match.fix_boundaries(config.aux_boundaries, corrected) if config.aux_boundaries else None
-    said = ",".join(map(str, plan.stored))
+    said = ",".join(map(str, stored))
     message = (f"--boundaries {said} name other layers than the stored states are: each stored state of the first "
                f"samples was matched against every boundary of {config.target} run on their tokens ({found.what()}): "
                + "; ".join(found.lines("--boundaries says")) + ". ")
@@ -475,13 +497,15 @@ def _identify(config: ImportDataConfig, plan: Plan, first: list[Sample], fingerp
     if boundaries is None or (config.aux_boundaries and aux is None):
         raise BoundaryMismatchError(message + "Two stored states are one boundary, so no --boundaries describes "
                                     "this capture: check which layers it captured. Nothing was imported", found, None)
+    # --no-last stands only while no stored state is boundary L
+    changes = dict(boundaries=boundaries, aux_boundaries=aux, no_last=config.no_last and L not in boundaries)
     try:  # the boundaries the states are must make an import too (a capture whose boundary-L slot is another layer)
-        make_plan(dataclasses.replace(config, boundaries=boundaries, aux_boundaries=aux), first[0], L)
+        make_plan(dataclasses.replace(config, **changes), first[0], L)
     except ForeignDataError as e:
         raise BoundaryMismatchError(message + f"Nothing was imported, and as the boundaries they are "
                                     f"({','.join(map(str, boundaries))}) they do not import either: {e}", found,
                                     None) from None
-    command = import_command(config, boundaries=boundaries, aux_boundaries=aux)
+    command = import_command(config, **changes)
     raise BoundaryMismatchError(message + "Nothing was imported; import them as the boundaries they are:\n  "
                                 + command, found, command)
 
