@@ -14,6 +14,8 @@ normed: not ``Target.head``, which would apply the target's final norm again).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -119,7 +121,7 @@ class DFlashDrafter:
         """``static``: the context in a fixed-width buffer and the block pass over it (``StaticDFlashContext``),
         replayed from a CUDA graph on CUDA; None: on CUDA. Elsewhere the context grows by concatenation."""
         check_block_steps(num_steps, draft.config.block_size, steps_flag)
-        self.target = target
+        self.target, self.steps_flag, self.static = target, steps_flag, static
         self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
         self.dtype = next(draft.parameters()).dtype
         # the rows of the target's head the draft predicts over (all of them unless its vocabulary is pruned)
@@ -129,12 +131,26 @@ class DFlashDrafter:
         with torch.no_grad():
             mask_id = torch.tensor([draft.config.mask_token_id], device=target.device)
             self.mask_emb = target.embed_tokens(mask_id)[0].to(self.dtype)  # [H]
-        self.context: DFlashContext | StaticDFlashContext = DFlashContext()
-        self.graphs: StepGraphs | None = None
-        if target.device.type == "cuda" if static is None else static:
-            self.context = StaticDFlashContext(self.draft, 2048, target.device, self.dtype)
-            if target.device.type == "cuda":
-                self.graphs = StepGraphs(self._block_states, "DFlash's block pass")
+        self.context, self.graphs = self._new_context()
+
+    def _new_context(self) -> tuple[DFlashContext | StaticDFlashContext, StepGraphs | None]:
+        """An empty context, and the block pass's graphs where they replay (CUDA)."""
+        device = self.target.device
+        if not (device.type == "cuda" if self.static is None else self.static):
+            return DFlashContext(), None
+        graphs = StepGraphs(self._block_states, "DFlash's block pass") if device.type == "cuda" else None
+        return StaticDFlashContext(self.draft, 2048, device, self.dtype), graphs
+
+    def fork(self) -> DFlashDrafter:
+        """A drafter for another sequence: the same packed draft and head, a context of its own."""
+        other = copy.copy(self)
+        other.context, other.graphs = other._new_context()  # its graphs record its own context's buffers
+        return other
+
+    def use_shape(self, spec) -> None:
+        """Draft the next rounds in ``spec``'s shape (a SpecConfig: a schedule's choice for the live batch size)."""
+        check_block_steps(spec.num_steps, self.draft.config.block_size, self.steps_flag)
+        self.num_steps, self.topk, self.num_draft_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens
 
     @torch.no_grad()
     def start(self, aux: torch.Tensor, next_tokens: list[int] | None = None, capacity: int = 0) -> None:

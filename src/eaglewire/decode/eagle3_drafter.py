@@ -17,6 +17,7 @@ trees:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -42,14 +43,32 @@ class Eagle3Drafter:
         self.dtype = next(draft.parameters()).dtype
         self.draft = pack_linears(draft.to(target.device).eval())  # few-row GEMMs: see gemm.py
         self.draft_to_target = self.draft.draft_to_target
-        static = target.device.type == "cuda" if static is None else static
-        self.cache: DraftCache | StaticDraftCache = (
-            StaticDraftCache(self.draft, STATIC_WIDTH, target.device, self.dtype, graphs=graphs) if static
-            else DraftCache())
-        self.whole_rounds = static and spec.min_score == float("-inf")  # fixed shapes: one graph a round
+        self.static = target.device.type == "cuda" if static is None else static
+        self.use_graphs = graphs
+        self.cache = self._new_cache()
+        self.whole_rounds = self.static and spec.min_score == float("-inf")  # fixed shapes: one graph a round
         self.root_out: torch.Tensor | None = None  # [1, 1, H] the last context entry's output, where it was run
         self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (ids [n], aux [n, k*H], start): the
         # entries the next whole round enters first
+
+    def _new_cache(self) -> DraftCache | StaticDraftCache:
+        if self.static:
+            return StaticDraftCache(self.draft, STATIC_WIDTH, self.target.device, self.dtype, graphs=self.use_graphs)
+        return DraftCache()
+
+    def fork(self) -> Eagle3Drafter:
+        """A drafter for another sequence: the same packed draft, a context (cache) of its own."""
+        other = copy.copy(self)
+        other.cache, other.root_out, other.pending = self._new_cache(), None, None
+        return other
+
+    def use_shape(self, spec: SpecConfig) -> None:
+        """Draft the next rounds in ``spec``'s shape (a schedule's choice for the live batch size); the floor
+        decides whether a round can be one graph, so it stays the one the drafter was made with."""
+        if spec.min_score != self.spec.min_score:
+            raise ValueError(f"a schedule's shapes share the draft's --draft-min-prob {self.spec.min_prob}; "
+                             f"got {spec.min_prob}")
+        self.spec = spec
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Target ids [n] on the target's device -> the draft's input embeddings [1, n, H]."""

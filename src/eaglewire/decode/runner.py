@@ -196,8 +196,10 @@ class LeanRunner:
     """
 
     def __init__(self, target: Target, boundaries: list[int], max_length: int = 2048, *,
-                 static: bool | None = None) -> None:
-        self.w = w = LeanWeights(target)
+                 static: bool | None = None, weights: LeanWeights | None = None) -> None:
+        """``weights``: the target's packed weights when another runner made them (a batch of sequences shares
+        one copy)."""
+        self.w = w = weights or LeanWeights(target)
         self.boundaries = boundaries
         self.k_cache = torch.zeros(len(w.layers), w.nKV, max_length, w.hd, dtype=w.dtype, device=w.device)  # [L, nKV, S, hd]
         self.v_cache = torch.zeros_like(self.k_cache)
@@ -244,33 +246,7 @@ class LeanRunner:
 
     def _dynamic_forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
         """The block attends over the committed prefix only, written by slice (shapes follow P)."""
-        N, P, dev = ids.numel(), self.length, ids.device
-        w = self.w
-        h = w.embed(ids)  # [N, H]
-        cos, signed_sin = rope(w.rotary, h, positions)  # [N, 1, hd]
-        # bf16: a verify's rows attend one at a time, as plain steps do (attend_rows); a prefill may batch
-        rows = block_rows(mask, P, N) if w.exact_rows and 1 < N <= MAX_EXACT_ROWS else None
-        if rows is not None:
-            mask = None  # each row's keys are chosen by attend_rows
-        elif mask is not None:
-            mask = mask[None]  # [1, N, P+N]
-        elif N > 1:
-            mask = torch.ones(N, P + N, dtype=torch.bool, device=dev).tril(P)[None]  # causal block
-        bias = attention_bias(mask, w.nH // w.nKV, w.dtype)  # [1, G*N, P+N] or None, for every layer
-        seen: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(w.layers):
-            seen[i] = h
-            q, k, v = layer.qkv(h, cos, signed_sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
-            self.k_cache[i, :, P:P + N] = k
-            self.v_cache[i, :, P:P + N] = v
-            if rows is not None:
-                attn = attend_rows(q, self.k_cache[i], self.v_cache[i], P, rows, w.scale)  # [nH, N, hd]
-            else:
-                keys, values = self.k_cache[i, :, :P + N], self.v_cache[i, :, :P + N]  # [nKV, P+N, hd]
-                attn = attend_biased(q, keys, values, bias, w.scale)  # [nH, N, hd]
-            h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
-        seen[len(w.layers)] = h
-        return h, torch.cat([seen[b] for b in self.boundaries], dim=-1)  # [N, H], [N, k*H]
+        return forward_blocks([self], [(ids, positions, mask)])[0]
 
     def _static_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: torch.Tensor,
                         block: torch.Tensor):
@@ -303,6 +279,70 @@ class LeanRunner:
             self.k_cache[:, :, P:P + len(keep)] = self.k_cache[:, :, idx]
             self.v_cache[:, :, P:P + len(keep)] = self.v_cache[:, :, idx]
         self.length = P + len(keep)
+
+
+Block = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # ids [n], positions [n], mask [n, P+n] or None
+
+
+def forward_blocks(runners: list[LeanRunner], blocks: list[Block]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each runner's block after its own committed prefix, all in one pass: continuous batching's target forward.
+    ``blocks[b]``: ids/positions [n_b]; mask [n_b, P_b+n_b] bool or None (causal) -> per runner (last [n_b, H],
+    aux [n_b, k*H]).
+
+    The runners share one ``LeanWeights`` and their boundaries. The blocks' rows are packed into one GEMM per
+    weight matrix (N = sum n_b rows: a decode step streams the weights once for every sequence); attention runs per
+    sequence over its own cache, so ragged lengths need no padding. A single runner's block runs exactly its own
+    forward (no packing copies). bf16 on CPU: a block's rows attend one at a time (``attend_rows``) and the GEMMs
+    are row-exact up to ``MAX_EXACT_ROWS`` rows in all, so each row is what it would be alone."""
+    w = runners[0].w
+    assert all(r.w is w for r in runners), "a batch of runners shares one LeanWeights"
+    dev, sizes = w.device, [ids.numel() for ids, _, _ in blocks]
+    N = sum(sizes)
+    for runner, n in zip(runners, sizes):
+        runner._grow(runner.length + n)
+    ids = _packed([ids.to(dev) for ids, _, _ in blocks])  # [N]
+    h = w.embed(ids)  # [N, H]
+    cos, signed_sin = rope(w.rotary, h, _packed([p.to(dev) for _, p, _ in blocks]))  # [N, 1, hd]
+    plans = [_attention_plan(w, runner.length, n, None if mask is None else mask.to(dev))
+             for runner, n, (_, _, mask) in zip(runners, sizes, blocks)]
+    seen: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(w.layers):
+        seen[i] = h
+        q, k, v = layer.qkv(h, cos, signed_sin, w.nH, w.nKV, w.hd)  # [nH|nKV, N, hd]
+        outs, o = [], 0
+        for runner, n, (rows, bias) in zip(runners, sizes, plans):
+            P = runner.length
+            runner.k_cache[i, :, P:P + n] = k[:, o:o + n]
+            runner.v_cache[i, :, P:P + n] = v[:, o:o + n]
+            if rows is not None:
+                outs.append(attend_rows(q[:, o:o + n], runner.k_cache[i], runner.v_cache[i], P, rows, w.scale))
+            else:
+                keys, values = runner.k_cache[i, :, :P + n], runner.v_cache[i, :, :P + n]  # [nKV, P+n, hd]
+                outs.append(attend_biased(q[:, o:o + n], keys, values, bias, w.scale))  # [nH, n, hd]
+            o += n
+        attn = _packed(outs, dim=1)  # [nH, N, hd]
+        h = layer.out_mlp(h, attn.transpose(0, 1).reshape(N, w.nH * w.hd))  # [N, H]
+    seen[len(w.layers)] = h
+    aux = torch.cat([seen[b] for b in runners[0].boundaries], dim=-1)  # [N, k*H]
+    return list(zip(h.split(sizes), aux.split(sizes)))
+
+
+def _packed(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``parts`` concatenated along ``dim``; one part is itself (a single sequence's forward copies nothing)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _attention_plan(w: LeanWeights, P: int, n: int, mask: torch.Tensor | None):
+    """How a block of ``n`` rows after ``P`` committed ones attends, prepared once for every layer: (rows for
+    ``attend_rows``, None) where a verify's rows must be computed one at a time (bf16 on CPU), else (None, the
+    additive bias [1, G*n, P+n] or None for all keys)."""
+    if w.exact_rows and 1 < n <= MAX_EXACT_ROWS:
+        return block_rows(mask, P, n), None
+    if mask is not None:
+        mask = mask[None]  # [1, n, P+n]
+    elif n > 1:
+        mask = torch.ones(n, P + n, dtype=torch.bool, device=w.device).tril(P)[None]  # causal block
+    return None, attention_bias(mask, w.nH // w.nKV, w.dtype)  # [1, G*n, P+n] or None
 
 
 def make_runner(target: Target, boundaries: list[int], *, lean: bool | None = None):

@@ -47,6 +47,12 @@ class Drafter(Protocol):
     def extend(self, aux: torch.Tensor, next_tokens: list[int], start: int) -> None:
         """The states of the accepted tokens at start..start+n-1, aux [n, k*H]."""
 
+    def fork(self) -> Drafter:
+        """A drafter for another sequence (continuous batching): the same draft, a context of its own."""
+
+    def use_shape(self, spec: SpecConfig) -> None:
+        """Draft the next rounds in ``spec``'s shape."""
+
 
 class SpecDecoder:
     """Speculative decoding of one sequence with a target and an (optional) EAGLE-3 or DFlash draft."""
@@ -109,7 +115,7 @@ class SpecDecoder:
         runner.reserve(P + max_new_tokens + self.spec.num_draft_tokens)  # no step grows the cache
         last, aux = runner.forward(torch.tensor(prompt_ids), torch.arange(P), None)
         runner.commit(list(range(P)))
-        root = self._next_token(runner.head(last[-1:]), sampling, gen)
+        root = next_token(runner.head(last[-1:]), sampling, gen)
         if drafter is not None:  # the context: tokens 0..P-1
             drafter.start(aux, prompt_ids[1:] + [root],
                           P + max_new_tokens + self.spec.num_steps * self.spec.topk + self.spec.num_draft_tokens)
@@ -118,7 +124,7 @@ class SpecDecoder:
         new = [root]
         while True:
             before = len(produced)
-            finish = _take(produced, new, max_new_tokens, stop_token_ids, should_stop)
+            finish = take_tokens(produced, new, max_new_tokens, stop_token_ids, should_stop)
             stats.new_tokens = len(produced)
             stats.total_seconds = time.perf_counter() - start
             if finish is not None:
@@ -128,7 +134,7 @@ class SpecDecoder:
             if finish is not None:
                 return
             t0 = time.perf_counter()
-            tree = _root_only(root) if drafter is None else drafter.propose(root, P)
+            tree = root_only(root) if drafter is None else drafter.propose(root, P)
             t1 = time.perf_counter()
             mask = None  # one token: plain causal attention
             if len(tree) > 1:
@@ -155,17 +161,19 @@ class SpecDecoder:
             root = bonus
             new = accepted + [bonus]
 
-    def _next_token(self, logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
-        if sampling.greedy:
-            return int(logits[-1].argmax())
-        return int(sample(logits_to_probs(logits[-1:], sampling).cpu(), gen)[0])
-
     def generate(self, prompt_ids: list[int], **kwargs) -> tuple[list[int], GenerationStats]:
         tokens = [t for chunk in self.stream(prompt_ids, **kwargs) for t in chunk]
         return tokens, self.stats
 
 
-def _take(produced: list[int], new: list[int], max_new_tokens: int, stop_token_ids: set[int],
+def next_token(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
+    """The token after a prompt from its last logits [.., V]: the first round's root."""
+    if sampling.greedy:
+        return int(logits[-1].argmax())
+    return int(sample(logits_to_probs(logits[-1:], sampling).cpu(), gen)[0])
+
+
+def take_tokens(produced: list[int], new: list[int], max_new_tokens: int, stop_token_ids: set[int],
           should_stop: Callable[[list[int]], bool] | None) -> str | None:
     """Append ``new`` to ``produced`` token by token, as plain decoding would produce them, up to
     the first token that ends generation; return the finish reason, or None to go on.
@@ -183,6 +191,6 @@ def _take(produced: list[int], new: list[int], max_new_tokens: int, stop_token_i
     return None
 
 
-def _root_only(root: int) -> Tree:
+def root_only(root: int) -> Tree:
     return Tree(tokens=torch.tensor([root]), parents=torch.tensor([-1]), depths=torch.tensor([0]),
                 scores=torch.tensor([0.0]))

@@ -1,0 +1,142 @@
+"""Which step a batch of sequences runs, by how many share it: a speculative shape, or plain decoding.
+
+A verify pass of k tokens is nearly free next to a plain step at one request and costs ever more as the batch fills
+the machine, so past some batch size plain decoding wins. A ``Schedule`` is a list of ranges of batch sizes, each
+with the shape that pays there (None: plain); ``tune --concurrency`` measures it (acceptance/concurrency.py) and
+writes it with the ``ScheduleKey`` of what it was measured on; ``serve --schedule FILE`` reads it and refuses one
+measured elsewhere, naming the field that differs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from eaglewire.core.errors import CorruptFileError
+from eaglewire.decode.spec_config import SpecConfig
+
+
+@dataclass(frozen=True)
+class ScheduleKey:
+    """What a schedule's costs were measured on: a schedule from another setup predicts nothing here."""
+
+    target: str  # the target's weights fingerprint
+    draft: str  # the draft's fingerprint
+    engine: str  # "eaglewire 0.x", "vllm 0.32.0", ...
+    dtype: str
+    device: str  # the CPU's or GPU's name
+    threads: int
+
+    def differences(self, other: ScheduleKey) -> list[str]:
+        """``field: ours != theirs`` for every field that differs."""
+        return [f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}" for f in fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]
+
+
+@dataclass(frozen=True)
+class ScheduleRange:
+    """Batch sizes up to ``max_batch`` (from the previous range's + 1) run ``shape``; None: plain decoding."""
+
+    max_batch: int
+    shape: SpecConfig | None
+
+
+@dataclass
+class Schedule:
+    """Ranges of ascending ``max_batch``; batch sizes past the last range run its choice."""
+
+    ranges: list[ScheduleRange]
+    key: ScheduleKey | None = None
+    notes: list[str] = field(default_factory=list)  # what tune measured, for people reading the file
+
+    def __post_init__(self) -> None:
+        if not self.ranges:
+            raise ValueError("a schedule needs at least one range of batch sizes")
+        bounds = [r.max_batch for r in self.ranges]
+        if bounds != sorted(set(bounds)) or bounds[0] < 1:
+            raise ValueError(f"a schedule's ranges end at ascending batch sizes >= 1; got {bounds}")
+
+    @classmethod
+    def fixed(cls, shape: SpecConfig | None) -> Schedule:
+        """One shape (or plain) at every batch size: what a server without a schedule runs."""
+        return cls([ScheduleRange(1, shape)])
+
+    def shape_for(self, batch: int) -> SpecConfig | None:
+        """The shape a step of ``batch`` live sequences runs (None: plain)."""
+        for r in self.ranges:
+            if batch <= r.max_batch:
+                return r.shape
+        return self.ranges[-1].shape
+
+    @property
+    def shapes(self) -> list[SpecConfig]:
+        """The speculative shapes it uses, once each."""
+        out: list[SpecConfig] = []
+        for r in self.ranges:
+            if r.shape is not None and r.shape not in out:
+                out.append(r.shape)
+        return out
+
+    @property
+    def crossover(self) -> int | None:
+        """The largest batch size at which it speculates (None: never; the last range speculating: no limit, -1)."""
+        if self.ranges[-1].shape is not None:
+            return -1
+        speculating = [r.max_batch for r in self.ranges if r.shape is not None]
+        return speculating[-1] if speculating else None
+
+    def describe(self) -> str:
+        """One line: 'chain 3 up to 4 concurrent requests, plain above'."""
+        parts, low = [], 1
+        for i, r in enumerate(self.ranges):
+            last = i == len(self.ranges) - 1
+            what = "plain" if r.shape is None else shape_name(r.shape)
+            span = f"from {low}" if last and low > 1 else (f"up to {r.max_batch}" if not last else "at every size")
+            parts.append(f"{what} {span}")
+            low = r.max_batch + 1
+        return ", ".join(parts) + " concurrent requests"
+
+    def check_key(self, here: ScheduleKey) -> None:
+        """Refuse a schedule measured on another setup, naming what differs."""
+        if self.key is None:
+            return
+        if diff := self.key.differences(here):
+            raise ValueError(f"this schedule was measured on another setup ({'; '.join(diff)}: the file's value "
+                             "first, this server's second); run `eaglewire tune --concurrency ...` here to measure "
+                             "one for this setup")
+
+    # -- the file ----------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {"ranges": [{"max_batch": r.max_batch, "shape": None if r.shape is None else asdict(r.shape)}
+                           for r in self.ranges],
+                "key": None if self.key is None else asdict(self.key), "notes": self.notes}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Schedule:
+        ranges = [ScheduleRange(int(r["max_batch"]), None if r["shape"] is None else SpecConfig(**r["shape"]))
+                  for r in data["ranges"]]
+        key = None if data.get("key") is None else ScheduleKey(**data["key"])
+        return cls(ranges, key, list(data.get("notes", [])))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Schedule:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no schedule at {path}; write one with `eaglewire tune --concurrency 1,2,4,8 "
+                             f"--schedule-out {path}`") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptFileError(f"{path} is not a schedule tune wrote ({type(e).__name__}: {e}); write it again with "
+                             "`eaglewire tune --concurrency ...`") from None
+
+
+def shape_name(spec: SpecConfig) -> str:
+    """'chain 3' or 'tree 5/4/8' (num_steps / topk / num_draft_tokens)."""
+    if spec.topk == 1:
+        return f"chain {spec.num_steps}"
+    return f"tree {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}"
