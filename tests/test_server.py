@@ -53,15 +53,22 @@ def random_draft(target, bounds=(2, 4, 5)):
     return draft, HiddenStateContract(aux_boundaries=bounds, target=target.fingerprint)
 
 
-class SlowDecoder(SpecDecoder):
-    """Plain decoding that takes ``delay`` seconds a round: a request that holds the engine."""
+STEP_DELAY = 0.2  # seconds a step of a slow engine's batch takes
 
-    delay = 0.2
 
-    def stream(self, *args, **kwargs):
-        for tokens in super().stream(*args, **kwargs):
-            time.sleep(self.delay)
-            yield tokens
+def slow_app(target, **kwargs):
+    """A plain server whose engine takes STEP_DELAY seconds a step: requests that hold the engine."""
+    app = create_app(SpecDecoder(target), model_name=MODEL, **kwargs)
+    engine = app.state.worker.engine
+    step = engine.step
+
+    def slow_step():
+        advanced = step()
+        time.sleep(STEP_DELAY)
+        return advanced
+
+    engine.step = slow_step
+    return app
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +83,7 @@ def server(chat_tiny_target):
 @pytest.fixture(scope="module")
 def slow_server(chat_tiny_target):
     """One slot, an API key, and an engine slow enough to be caught busy."""
-    app = create_app(SlowDecoder(chat_tiny_target), model_name=MODEL, max_queue=1, api_key="sekret")
+    app = slow_app(chat_tiny_target, max_queue=1, api_key="sekret")
     with live_server(app) as (url, _):
         yield url
 
@@ -583,7 +590,7 @@ def test_a_client_that_leaves_frees_its_slot_at_once(slow_server, leave):
 
 
 def test_shutdown_lets_in_flight_requests_finish(chat_tiny_target):
-    app = create_app(SlowDecoder(chat_tiny_target), model_name=MODEL, max_queue=2)
+    app = slow_app(chat_tiny_target, max_queue=2)
     results: list = []
     with live_server(app) as (url, server):
         c = client(url)
@@ -606,7 +613,7 @@ def test_shutdown_lets_in_flight_requests_finish(chat_tiny_target):
 
 
 def test_shutdown_past_the_grace_period_ends_streams_with_an_error_and_done(chat_tiny_target):
-    app = create_app(SlowDecoder(chat_tiny_target), model_name=MODEL)
+    app = slow_app(chat_tiny_target)
     logged: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = logged.append
@@ -639,12 +646,15 @@ def test_serve_app_decodes_on_the_calling_thread_and_stops_on_ctrl_c(chat_tiny_t
     beside it, and SIGINT shuts both down and gives the signal back."""
     engine_threads: list[int] = []
 
-    class Recording(SpecDecoder):
-        def stream(self, *args, **kwargs):
-            engine_threads.append(threading.get_ident())
-            yield from super().stream(*args, **kwargs)
+    app = create_app(SpecDecoder(chat_tiny_target), model_name=MODEL, engine_thread=False)
+    engine = app.state.worker.engine
+    add = engine.add
 
-    app = create_app(Recording(chat_tiny_target), model_name=MODEL, engine_thread=False)
+    def recording_add(*args, **kwargs):
+        engine_threads.append(threading.get_ident())
+        return add(*args, **kwargs)
+
+    engine.add = recording_add
     server, sock, url = loopback_server(app)
     texts: list[str] = []
     heard_ctrl_c: list[bool] = []
@@ -757,3 +767,42 @@ def test_no_per_request_metrics_unless_asked_and_none_without_a_draft(server, ch
     assert "metrics" not in answer and "spec_decode" not in text  # plain decoding: as vLLM without speculation
     with pytest.raises(ValueError, match="per_request_metrics"):
         create_app(SpecDecoder(chat_tiny_target), model_name=MODEL, per_request_metrics="all")
+
+
+# -- continuous batching ---------------------------------------------------------
+
+def test_concurrent_requests_decode_in_one_batch(chat_tiny_target):
+    """4 clients at once share the engine's steps (one after another, 4 x 5 steps; together, about 5 plus the
+    steps before the last one joined), each still gets its greedy answer, and /metrics says how many the last step
+    advanced and whether it drafted."""
+    prompts = ["one", "two three", "four", "five six seven"]
+    want = {p: reference(chat_tiny_target, text_ids(chat_tiny_target, p), max_tokens=6)[0] for p in prompts}
+    with live_server(slow_app(chat_tiny_target)) as (url, _):
+        def ask(p: str) -> str:
+            return client(url).completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, prompts)) == [want[p] for p in prompts]
+        text = raw(url, "GET", "/metrics")[1]
+    steps = metric(text, "eaglewire_decode_steps_total", kind="plain")
+    assert 5 <= steps <= 12, steps  # 20 if they had run one at a time
+    assert metric(text, "eaglewire_decode_steps_total", kind="speculative") == 0
+    assert metric(text, "eaglewire_speculating") == 0 and metric(text, "eaglewire_batch_size") == 0  # idle now
+
+
+def test_serve_refuses_a_schedule_measured_elsewhere(tmp_path):
+    from dataclasses import replace
+
+    from eaglewire.decode.schedule import Schedule, ScheduleRange, schedule_key
+    from eaglewire.decode.load import load_decode_target
+    from eaglewire.serve.app import serve
+    from tiny import save_random_draft, save_tiny_dir
+
+    target_dir = save_tiny_dir(tmp_path / "target")
+    target = load_decode_target(str(target_dir))
+    draft_dir = save_random_draft(tmp_path / "draft", target)
+    key = schedule_key(target, draft_dir)
+    Schedule([ScheduleRange(2, SpecConfig.chain(3)), ScheduleRange(3, None)],
+             replace(key, device="NVIDIA H200")).save(tmp_path / "schedule.json")
+    with pytest.raises(ValueError, match=r"device: 'NVIDIA H200' != .*run `eaglewire tune --concurrency"):
+        serve(ServeConfig(target=str(target_dir), draft=str(draft_dir), schedule=str(tmp_path / "schedule.json")))

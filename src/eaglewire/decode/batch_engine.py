@@ -81,9 +81,7 @@ class BatchEngine:
     def __init__(self, decoder: SpecDecoder, schedule: Schedule | None = None) -> None:
         self.decoder, self.target = decoder, decoder.target
         self.has_draft = decoder.drafter is not None
-        self.schedule = schedule or Schedule.fixed(decoder.spec if self.has_draft else None)
-        if not self.has_draft and self.schedule.shapes:
-            raise ValueError("a schedule that speculates needs a draft; serve with --draft, or without --schedule")
+        self.schedule = engine_schedule(decoder, schedule)
         self.max_steps = max((s.num_steps for s in self.schedule.shapes), default=0)
         lean = has_lean_forward(self.target) if decoder.lean is None else decoder.lean
         self.weights = LeanWeights(self.target) if lean else None
@@ -243,6 +241,16 @@ class BatchEngine:
         seq.stats.total_seconds = time.perf_counter() - seq.started
         if finish is not None:
             seq.finish_reason = seq.stats.finish_reason = finish
+
+
+def engine_schedule(decoder: SpecDecoder, schedule: Schedule | None) -> Schedule:
+    """The schedule a decoder runs: ``schedule``, or without one its own shape at every batch size (plain without
+    a draft). A schedule that speculates needs a draft."""
+    has_draft = decoder.drafter is not None
+    schedule = schedule or Schedule.fixed(decoder.spec if has_draft else None)
+    if not has_draft and schedule.shapes:
+        raise ValueError("a schedule that speculates needs a draft; serve with --draft, or without --schedule")
+    return schedule
 
 
 def _tree_mask(tree: Tree, P: int) -> torch.Tensor | None:

@@ -135,6 +135,27 @@ class Schedule:
                              "`eaglewire tune --concurrency ...`") from None
 
 
+def schedule_key(target, draft_dir: str | Path, threads: int | None = None) -> ScheduleKey:
+    """The key of eaglewire's own engine here: the target's weights, the draft file's bytes, eaglewire's version,
+    the decoding dtype, the device's name and the thread count (torch's, unless given)."""
+    import hashlib
+
+    import torch
+
+    from eaglewire import __version__
+    from eaglewire.core.machine import cpu
+    from eaglewire.model.checkpoint import read_draft
+
+    digest = hashlib.sha256()
+    for tensor_file in sorted(Path(read_draft(draft_dir).path).glob("*.safetensors")):
+        digest.update(tensor_file.read_bytes())
+    device = target.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu()[0]
+    return ScheduleKey(target=target.fingerprint.weights_sha256[:16], draft=digest.hexdigest()[:16],
+                       engine=f"eaglewire {__version__}", dtype=str(target.dtype).removeprefix("torch."),
+                       device=name, threads=threads or torch.get_num_threads())
+
+
 def shape_name(spec: SpecConfig) -> str:
     """'chain 3' or 'tree 5/4/8' (num_steps / topk / num_draft_tokens)."""
     if spec.topk == 1:

@@ -18,6 +18,7 @@ import threading
 import uvicorn
 
 from eaglewire.decode.load import load_decoder
+from eaglewire.decode.schedule import Schedule, schedule_key
 from eaglewire.serve.decode_worker import DecodeWorker
 from eaglewire.serve.config import ServeConfig
 from eaglewire.serve.routes import create_app
@@ -98,10 +99,19 @@ def serve(config: ServeConfig) -> int:
     exit status: 0 after SIGTERM, 130 after Ctrl-C (SIGINT, as every command), 1 if the server
     could not start."""
     decoder = load_decoder(config.target, config.draft, config.spec, device=config.device, dtype=config.dtype)
+    schedule = None
+    if config.schedule is not None:
+        if config.draft is None:
+            raise ValueError("--schedule chooses between speculation and plain decoding: serve it with the --draft it "
+                             "was tuned for")
+        schedule = Schedule.load(config.schedule)
+        schedule.check_key(schedule_key(decoder.target, config.draft))
+        log.info("schedule %s: %s", config.schedule, schedule.describe())
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
                      max_context=config.max_context, max_request_bytes=config.max_request_bytes,
                      request_timeout=config.request_timeout, metrics_public=config.metrics_public,
-                     engine_thread=False, per_request_metrics=config.per_request_spec_decode_metrics)
+                     engine_thread=False, per_request_metrics=config.per_request_spec_decode_metrics,
+                     max_batch=config.max_batch, schedule=schedule)
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", config.host)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)

@@ -23,6 +23,11 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = 8000
     max_queue: int = field(default=64, metadata={"help": "most requests in flight (decoding + waiting); 429 beyond"})
+    max_batch: int = field(default=16, metadata={
+        "help": "most requests decoded at once (continuous batching; vLLM's --max-num-seqs); the rest wait"})
+    schedule: str | None = field(default=None, metadata={
+        "help": "a schedule file from `eaglewire tune --concurrency`: per batch size, the shape that pays or plain "
+                "(default: the --speculative-* shape at every batch size)"})
     api_key: str | None = field(default=None, metadata={
         "help": "require 'Authorization: Bearer KEY' on /v1 and /metrics"})
     metrics_public: bool = field(default=False, metadata={"help": "serve /metrics without the --api-key"})
@@ -45,6 +50,8 @@ class ServeConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {self.max_queue}")
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"--max-context must be >= 2, got {self.max_context}")
         if self.max_request_bytes < 1:

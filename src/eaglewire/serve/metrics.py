@@ -25,6 +25,14 @@ class Metrics:
         self.position_accepts = [0] * (max_accept - 1)  # rounds that accepted draft depth i + 1
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0  # rounds that drafted, vLLM's counters
         self.generation_seconds, self.last_tokens_per_second = 0.0, 0.0
+        self.batch_size, self.speculating = 0, False  # the last step's live sequences, and whether it drafted
+        self.steps: Counter[bool] = Counter()  # steps by whether they drafted
+
+    def observe_step(self, batch_size: int, speculating: bool) -> None:
+        """One step of the batch: how many sequences it advanced, and whether it was a speculative round."""
+        with self._lock:
+            self.batch_size, self.speculating = batch_size, speculating
+            self.steps[speculating] += 1
 
     def count_request(self, path: str, status: int) -> None:
         with self._lock:
@@ -54,7 +62,10 @@ class Metrics:
                                        labels=["path", "status"])
         position = GaugeMetricFamily("eaglewire_position_acceptance",
                                      "share of verify passes that accepted draft depth d", labels=["position"])
+        steps = CounterMetricFamily("eaglewire_decode_steps", "decoding steps of the batch, by kind", labels=["kind"])
         with self._lock:
+            for speculating in (False, True):
+                steps.add_metric(["speculative" if speculating else "plain"], self.steps[speculating])
             for (path, status), n in sorted(self.requests.items()):
                 requests.add_metric([path, str(status)], n)
             rounds = sum(self.accept_counts)
@@ -78,6 +89,11 @@ class Metrics:
                                   value=self.last_tokens_per_second),
                 GaugeMetricFamily("eaglewire_queue_depth", "requests waiting for the engine", value=waiting),
                 GaugeMetricFamily("eaglewire_requests_running", "requests being generated", value=running),
+                GaugeMetricFamily("eaglewire_batch_size", "sequences the last decoding step advanced together",
+                                  value=self.batch_size if running else 0),
+                GaugeMetricFamily("eaglewire_speculating", "1 when the last step was a speculative round (the "
+                                  "schedule's choice for its batch size), 0 when plain", value=int(self.speculating)),
+                steps,
             ]
 
     def _spec_counters(self) -> list:

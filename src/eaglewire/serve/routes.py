@@ -31,6 +31,8 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eaglewire.decode.batch_engine import engine_schedule
+from eaglewire.decode.schedule import Schedule
 from eaglewire.decode.spec_decoder import SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.serve.api_errors import APIError, error_body
@@ -225,7 +227,8 @@ def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
 def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
                max_context: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
                request_timeout: float | None = REQUEST_TIMEOUT_SECONDS, metrics_public: bool = False,
-               engine_thread: bool = True, per_request_metrics: str = "none") -> FastAPI:
+               engine_thread: bool = True, per_request_metrics: str = "none", max_batch: int = 16,
+               schedule: Schedule | None = None) -> FastAPI:
     """The FastAPI app serving ``decoder`` as ``model_name``; its engine thread lives with the app's lifespan.
 
     ``max_queue`` bounds the requests in flight (decoding + waiting); ``max_context`` (prompt +
@@ -234,7 +237,9 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
     no limit). With ``api_key``, /metrics needs it too unless ``metrics_public``. ``engine_thread=False`` starts no engine thread: ``serve_app``
     runs the engine on the thread that loaded the models. ``per_request_metrics`` (vLLM's
     --per-request-spec-decode-metrics levels: none, summary, detailed) puts each answer's
-    speculative acceptance in its ``metrics.speculative_decoding``, as vLLM 0.33.0 does.
+    speculative acceptance in its ``metrics.speculative_decoding``, as vLLM 0.33.0 does. At most ``max_batch``
+    requests decode at once (continuous batching); ``schedule`` says, per batch size, whether a step drafts and in
+    which shape (None: the decoder's shape at every size).
     """
     if per_request_metrics not in PER_REQUEST_LEVELS:
         raise ValueError(f"per_request_metrics must be one of {PER_REQUEST_LEVELS}, got {per_request_metrics!r}")
@@ -247,17 +252,18 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
     if decoder.target.tokenizer is None:
         raise ValueError("the target has no tokenizer; load it with eaglewire.model.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
-    metrics = Metrics(decoder.spec.num_steps + 1 if decoder.drafter is not None else 1, ROUTES)
+    schedule = engine_schedule(decoder, schedule)
+    metrics = Metrics(1 + max((s.num_steps for s in schedule.shapes), default=0), ROUTES)
     worker = DecodeWorker(decoder, max_queue, metrics, own_thread=engine_thread,
-                          per_request_metrics=per_request_metrics)
+                          per_request_metrics=per_request_metrics, max_batch=max_batch, schedule=schedule)
     service = _Service(decoder, model_name, max_context, worker)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start()
-        log.info("serving %s (context %d tokens, %s)", model_name, max_context,
-                 "speculative" if decoder.drafter is not None else "no draft")
+        log.info("serving %s (context %d tokens, up to %d requests at once; %s)", model_name, max_context,
+                 max_batch, schedule.describe() if decoder.drafter is not None else "no draft")
         yield
         worker.close()
         service.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
