@@ -176,7 +176,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from eaglewire.tune.run import TuneConfig, run_tune
 
     config = config_from_args(TuneConfig, args)
-    result = run_tune(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if config.concurrency is not None:
+        from eaglewire.tune.concurrency import run_concurrency
+
+        report = run_concurrency(config, progress=progress)
+        print(report.format())
+        if config.schedule_out:
+            print(f"\nschedule written to {config.schedule_out}: eaglewire serve --draft {config.draft} "
+                  f"--schedule {config.schedule_out}")
+        return 0
+    result = run_tune(config, progress=progress)
     print(result.format())
     if config.out:
         print(f"\nreport written to {config.out}")

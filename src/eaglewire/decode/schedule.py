@@ -121,7 +121,9 @@ class Schedule:
         return cls(ranges, key, list(data.get("notes", [])))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        from eaglewire.core.fileio import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:

@@ -41,6 +41,12 @@ class TuneConfig:
                        "round costs are measured in it (a bf16 verify of several tokens costs other multiples of a "
                        "plain step than a fp32 one)"})
     run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
+    concurrency: list[int] | None = field(default=None, metadata={"help": "batch sizes (e.g. 1,2,4,8,16): measure "
+                                          "eaglewire's engine at each and print the schedule of where the draft pays"})
+    chains: list[int] = field(default_factory=lambda: [1, 2, 3], metadata={
+        "help": "with --concurrency: the chains (drafted tokens) measured beside plain at each batch size"})
+    schedule_out: str | None = field(default=None, metadata={
+        "help": "with --concurrency: write the schedule here, for `eaglewire serve --schedule`"})
     verify_cost: float = field(default=_QUERY.verify_cost, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
     draft_cost: float = field(default=_QUERY.draft_cost, metadata={"help": "sglang/vllm: a draft step costs this many plain steps"})
 
@@ -55,6 +61,16 @@ class TuneConfig:
             raise ValueError(f"--p-mins must each be in [0, 1), got {self.p_mins}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.concurrency is not None:
+            if self.engine != "eaglewire":
+                raise ValueError(f"--concurrency measures eaglewire's engine in process; for {self.engine} under "
+                                 "load, bench it with that many clients (benchmarks/serve_concurrency.py)")
+            if not self.concurrency or any(b < 1 for b in self.concurrency) or self.concurrency != sorted(set(self.concurrency)):
+                raise ValueError(f"--concurrency takes ascending batch sizes >= 1, got {self.concurrency}")
+            if not self.chains or any(c < 1 for c in self.chains):
+                raise ValueError(f"--chains takes drafted-token counts >= 1, got {self.chains}")
+        elif self.schedule_out is not None:
+            raise ValueError("--schedule-out writes the schedule --concurrency measures: give --concurrency too")
 
     @property
     def rule(self) -> str:
