@@ -153,9 +153,98 @@ def test_the_plan_sizes_the_slice_to_the_data_stage_measured_here():
     assert "regenerating and capturing a conversation in 4.0 s" in quick.describe()
 
 
-def test_the_data_probe_times_regeneration_and_capture_on_the_target(chat_tiny_target):
+class _Clock:
+    """``time`` for ``regenerate``: seconds pass only when the stand-in generation says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _stand_in_generation(monkeypatch, target, seconds_per_turn: float) -> _Clock:
+    """``regenerate``'s generation replaced by a stand-in that replies "Fine." to every prompt of a batch and costs
+    ``seconds_per_turn`` of a fake clock per prompt: a data stage of a controlled cost, with its real turns, batches,
+    files and capture."""
+    import eaglewire.data.regenerate as regenerate_module
+
+    clock = _Clock()
+    reply = target.tokenizer("Fine.", add_special_tokens=False)["input_ids"]
+
+    def generate(target, prompt_ids, *args):
+        clock.now += seconds_per_turn * len(prompt_ids)
+        return [(list(reply), True) for _ in prompt_ids]
+
+    monkeypatch.setattr(regenerate_module, "time", clock)
+    monkeypatch.setattr(regenerate_module, "_generate", generate)
+    return clock
+
+
+def _chats(path, count: int, turns: int):
+    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        m for t in range(turns) for m in ({"role": "user", "content": f"Question {i}.{t}?"},
+                                          {"role": "assistant", "content": "placeholder"})]}) + "\n"
+        for i in range(count)))
+    return path
+
+
+def test_the_data_probe_runs_every_turn_of_the_stages_own_conversations(tmp_path, chat_tiny_target, monkeypatch):
+    """The probe prepares a sample of the stage's conversations as the stage does: each assistant turn is regenerated
+    (issue 64: a synthetic one-turn probe read 0.8 s a conversation where ShareGPT's ~3 turns took 5.3 s)."""
+    from eaglewire.data.prepare import PrepareConfig
     from eaglewire.data.probe import data_seconds_per_conversation
 
-    parts = data_seconds_per_conversation(chat_tiny_target, batch_size=2, reply_tokens=32, sequence_tokens=64)
-    assert parts["regenerate"] > 0 and parts["capture"] > 0
-    assert parts["seconds"] == pytest.approx(parts["regenerate"] + parts["capture"])
+    _stand_in_generation(monkeypatch, chat_tiny_target, seconds_per_turn=1.0)
+    parts = {}
+    for turns in (1, 3):
+        config = PrepareConfig(out=str(tmp_path / "unused"), data=str(_chats(tmp_path / f"{turns}.jsonl", 6, turns)),
+                               regenerate=True, max_length=128, max_new_tokens=4)
+        parts[turns] = data_seconds_per_conversation(chat_tiny_target, config, sample=4)
+    assert (parts[1]["regenerate"], parts[3]["regenerate"]) == (1.0, 3.0)  # a second a turn, every turn
+    for p in parts.values():
+        assert p["capture"] > 0 and p["seconds"] == pytest.approx(p["regenerate"] + p["capture"])
+    assert not (tmp_path / "unused").exists()  # a scratch directory, not the stage's
+
+
+def test_the_plan_is_kept_within_25_percent_of_the_data_stages_pace_and_replanned_beyond():
+    from eaglewire.train.plan import REPLAN_AFTER, paced, plan_data
+
+    plan = plan_data(tokens_per_second=1000, minutes=20, precision="bf16", data_seconds=2.0, capture_seconds=0.5)
+    at = dict(regenerated=REPLAN_AFTER, done=REPLAN_AFTER)
+    assert paced(plan, **at, seconds=REPLAN_AFTER * 1.8) == plan  # 2.3 s a conversation: within 25 %
+    assert paced(plan, regenerated=REPLAN_AFTER - 1, done=REPLAN_AFTER - 1, seconds=100.0) == plan  # too few yet
+    given = plan_data(tokens_per_second=1000, minutes=20, precision="bf16", conversations=100, data_seconds=2.0)
+    assert paced(given, **at, seconds=100.0) == given  # --num-conversations fixes the slice
+    slower, faster = (paced(plan, **at, seconds=REPLAN_AFTER * s) for s in (6.0, 0.5))
+    assert slower.conversations < plan.conversations and slower.train_minutes < plan.train_minutes
+    assert faster.conversations == plan.conversations and faster.train_minutes > plan.train_minutes  # all loaded
+    for new, seconds in ((slower, 6.5), (faster, 1.0)):
+        assert new.data_seconds == seconds and new.probed_seconds == 2.0
+        assert new.budget_seconds == pytest.approx(plan.budget_seconds, abs=seconds)  # the same wall clock
+        assert "re-planned at the data stage's own pace (the probe said 2.0 s)" in new.describe()
+
+
+def test_a_data_stage_6x_slower_than_its_probe_is_replanned_to_end_within_its_budget(tmp_path, chat_tiny_target,
+                                                                                     monkeypatch, capsys):
+    """Issue 64: the plan said 400 conversations at 0.8 s each and 15.3 min of training; the stage took 6x as long a
+    conversation. Checked against its own pace after its first batches, it re-plans to fewer conversations and less
+    training, and regeneration and training end within 25 % of the wall clock the plan gave them."""
+    from eaglewire.quickstart import Stages, pace_data, plan_in_force, prepare_stage
+    from eaglewire.train.plan import plan_data
+
+    probed = 0.8  # seconds a conversation
+    plan = plan_data(tokens_per_second=1000, minutes=20, precision="bf16", data_seconds=probed)
+    clock = _stand_in_generation(monkeypatch, chat_tiny_target, seconds_per_turn=6 * probed)  # one turn each
+    config = QuickstartConfig(out=str(tmp_path / "qs"), data=str(_chats(tmp_path / "chats.jsonl", 400, 1)),
+                              max_length=64)
+    (tmp_path / "qs").mkdir()
+    stages = Stages(tmp_path / "qs", config)
+    stages.record("plan", plan.record())
+    done = prepare_stage(config, tmp_path / "qs" / "data", chat_tiny_target, offset=0, count=plan.conversations,
+                         progress=False, pace=pace_data(stages))
+    final = plan_in_force(stages)
+    spent = clock.now + final.conversations * final.capture_seconds + final.train_minutes * 60  # seconds
+    assert spent == pytest.approx(plan.budget_seconds, rel=0.25)
+    assert final.conversations < plan.conversations and done["sequences"] == final.conversations
+    assert "re-plan after 16 conversations: " in capsys.readouterr().out  # said when it happens

@@ -14,9 +14,10 @@ import math
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
 from eaglewire.core.device import device_field, resolve_device
 from eaglewire.core.fileio import atomic_write_json
@@ -24,7 +25,11 @@ from eaglewire.core.precision import DTYPE_CHOICES, resolve_precision
 from eaglewire.core.locks import directory_lock
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.target import Target, load_target
-from eaglewire.train.plan import DataPlan, plan_data
+from eaglewire.train.plan import REPLAN_OFF_BY, DataPlan, paced, plan_data
+
+if TYPE_CHECKING:
+    from eaglewire.data.prepare import PrepareConfig
+    from eaglewire.data.regenerate import Pace, RegenerateReport
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,9 @@ class QuickstartConfig:
     data: str = field(default="sharegpt", metadata={"help": "conversations: preset or file"})
     num_conversations: int | None = field(default=None, metadata={
         "help": "conversations regenerated and captured for training; default: sized to this machine's measured "
-                "training speed, so regeneration and training fill the wall clock of 48 conversations plus --minutes "
-                "(eaglewire/train/plan.py)"})
+                "training speed and data stage, so regeneration and training fill the wall clock of 48 conversations "
+                "plus --minutes, and re-planned when the data stage's own pace is off by more than "
+                f"{REPLAN_OFF_BY:.0%} (eaglewire/train/plan.py)"})
     heldout_conversations: int = field(default=24, metadata={"help": "conversations after the training ones, "
                                                                      "regenerated and captured for the doctor only"})
     max_length: int = field(default=512, metadata={"help": "tokens per training sequence"})
@@ -111,18 +117,20 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
     data, heldout, draft = out / "data", out / "heldout", out / "draft"
 
     if "plan" not in stages.done:
-        stages.record("plan", plan_stage(config, target).record())
-    plan = DataPlan(**stages.done["plan"])
+        stages.record("plan", plan_stage(config, target, progress=progress).record())
+    plan = plan_in_force(stages)
     print(f"plan: {plan.describe()}")
     if "prepare" not in stages.done:
         _banner(f"1/6 prepare: the target regenerates the replies of {plan.conversations} conversations, then its "
                 "states are captured")
-        stages.record("prepare", _prepare(config, data, target, offset=0, count=plan.conversations,
-                                          progress=progress))
+        loaded = DataPlan(**stages.done["plan"]).conversations  # a re-plan ends the stage early: resumes match
+        stages.record("prepare", prepare_stage(config, data, target, offset=0, count=loaded, progress=progress,
+                                               pace=pace_data(stages)))
+        plan = plan_in_force(stages)
     if "heldout" not in stages.done:
         _banner(f"2/6 prepare the doctor's data: {config.heldout_conversations} conversations training never sees")
-        stages.record("heldout", _prepare(config, heldout, target, offset=plan.conversations,
-                                          count=config.heldout_conversations, progress=progress))
+        stages.record("heldout", prepare_stage(config, heldout, target, offset=plan.conversations,
+                                               count=config.heldout_conversations, progress=progress))
     if "train" not in stages.done:
         _banner(f"3/6 train: a draft within {plan.train_minutes:g} minutes (re-run to resume)")
         tokens = stages.done["prepare"]["tokens"]
@@ -169,22 +177,40 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
     return stages.done
 
 
-def plan_stage(config: QuickstartConfig, target: Target) -> DataPlan:
-    """Time a training step here (seconds), then size the data and the training budget to it."""
+def plan_stage(config: QuickstartConfig, target: Target, *, progress: bool = False) -> DataPlan:
+    """Time a training step here and, unless --num-conversations fixes the slice, the data stage on its own first
+    conversations (seconds); then size the data and the training budget to them."""
+    from eaglewire.data.probe import data_seconds_per_conversation
     from eaglewire.train.probe import training_tokens_per_second
 
     precision = resolve_precision(config.dtype, target.device)
-    from eaglewire.data.probe import data_seconds_per_conversation
-    from eaglewire.data.prepare import PrepareConfig
-    from eaglewire.train.plan import REPLY_TOKENS_PER_CONVERSATION, TOKENS_PER_CONVERSATION
-
     speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
                                        draft_vocab_size=config.draft_vocab_size, batch_tokens=BATCH_TOKENS)
-    data = data_seconds_per_conversation(  # the data stage as it will run: this target, its dtype and device
-        target, batch_size=PrepareConfig.regenerate_batch_size,
-        reply_tokens=min(REPLY_TOKENS_PER_CONVERSATION, config.max_new_tokens), sequence_tokens=TOKENS_PER_CONVERSATION)
+    if config.num_conversations is not None:
+        return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
+                         conversations=config.num_conversations)
+    data = data_seconds_per_conversation(target, prepare_config(config, Path(config.out) / "data", target, offset=0,
+                                                                count=None), progress=progress)
     return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
-                     conversations=config.num_conversations, data_seconds=round(data["seconds"], 2))
+                     data_seconds=round(data["seconds"], 2), capture_seconds=round(data["capture"], 2))
+
+
+def plan_in_force(stages: Stages) -> DataPlan:
+    """The plan the stages run to: the data stage's re-plan where its own pace re-planned, else the probed one."""
+    return DataPlan(**stages.done.get("replan", stages.done["plan"]))
+
+
+def pace_data(stages: Stages) -> Pace:
+    """The data stage's check of the plan (``regenerate``'s ``pace``): after each batch, the plan in force says how
+    many conversations to regenerate in all; a re-plan at the stage's own pace is recorded and said."""
+    def pace(done: int, report: RegenerateReport) -> int:
+        plan = plan_in_force(stages)
+        now = paced(plan, regenerated=report.conversations_run, seconds=report.seconds, done=done)
+        if now != plan:
+            stages.record("replan", now.record())
+            _say(f"re-plan after {done} conversations: {now.describe()}")
+        return now.conversations
+    return pace
 
 
 def decoding_target(config: QuickstartConfig, target: Target) -> Target:
@@ -203,15 +229,23 @@ def exit_code(done: dict[str, Any]) -> int:
     return 1 if done["doctor"].get("status") == "failed" else 0
 
 
-def _prepare(config: QuickstartConfig, out: Path, target: Target, *, offset: int, count: int,
-             progress: bool) -> dict[str, Any]:
-    from eaglewire.data.prepare import PrepareConfig, prepare
+def prepare_config(config: QuickstartConfig, out: Path, target: Target, *, offset: int,
+                   count: int | None) -> PrepareConfig:
+    """The data stage's settings: ``count`` conversations after ``offset``, regenerated by ``target`` and captured."""
+    from eaglewire.data.prepare import PrepareConfig
 
-    s = prepare(PrepareConfig(out=str(out), target=config.target, device=str(target.device), data=config.data,
-                              offset=offset,
-                              num_conversations=count, max_length=config.max_length, regenerate=True,
-                              max_new_tokens=config.max_new_tokens),
-                target=target, progress=progress)
+    return PrepareConfig(out=str(out), target=config.target, device=str(target.device), data=config.data,
+                         offset=offset, num_conversations=count, max_length=config.max_length, regenerate=True,
+                         max_new_tokens=config.max_new_tokens)
+
+
+def prepare_stage(config: QuickstartConfig, out: Path, target: Target, *, offset: int, count: int, progress: bool,
+                  pace: Pace | None = None) -> dict[str, Any]:
+    """A data stage: ``prepare_config``'s, its regeneration at ``pace``; what it wrote, for ``stages.json``."""
+    from eaglewire.data.prepare import prepare
+
+    s = prepare(prepare_config(config, out, target, offset=offset, count=count), target=target, progress=progress,
+                pace=pace)
     return {"sequences": s.sequences, "tokens": s.tokens, "reply_tokens": s.loss_tokens, "seconds": round(s.seconds, 1)}
 
 
@@ -246,8 +280,8 @@ def bench_configs(configs: str, tune: dict[str, Any]) -> str:
 def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
     p, t, d = done["prepare"], done["train"], done["doctor"]
     h = done.get("heldout")
-    plan = done.get("plan")
-    rows = [("plan", DataPlan(**plan).describe())] if plan else []
+    rows = [("plan", DataPlan(**done["plan"]).describe())] if "plan" in done else []
+    rows += [("re-plan", DataPlan(**done["replan"]).describe())] if "replan" in done else []
     rows += [("data", f"{p['sequences']} sequences, {p['tokens']:,} tokens ({p['reply_tokens']:,} reply tokens), "
                      f"{p['seconds']:,.0f} s"
              + (f"; held out for the doctor: {h['sequences']} sequences ({h['reply_tokens']:,} reply tokens)"
@@ -311,4 +345,10 @@ def verdict_rows(bench: list[dict[str, Any]], tune: dict[str, Any] | None) -> li
 
 def _banner(text: str) -> None:
     print(f"\n== {text}", flush=True)
+    log.info("%s", text)
+
+
+def _say(text: str) -> None:
+    """A line to the terminal above the progress bar being drawn, and to the log."""
+    tqdm.write(text)
     log.info("%s", text)

@@ -230,3 +230,21 @@ def test_duplicate_ids_are_written_once(smollm2_tokenizer, tmp_path):
                   batch_size=2)
     assert [r["id"] for r in _records(path)] == ["x"]
     assert report.conversations_skipped_duplicate == 2
+
+
+def test_pace_ends_the_run_at_its_limit_cutting_the_batch_and_counts_resumed_ones(smollm2_tokenizer, tmp_path):
+    tok = smollm2_tokenizer
+    reply = tok.encode(" ok") + [tok.eos_token_id]
+    target, path = _stub(tok, lambda call, row: reply), tmp_path / "out.jsonl"
+    seen = []
+
+    def pace(limit):
+        return lambda done, report: seen.append((done, report.conversations_run)) or limit
+
+    config = RegenerateConfig(max_new_tokens=NEW, batch_size=2)
+    report = regenerate(target, CONVERSATIONS, path, config=config, pace=pace(3))
+    assert [r["id"] for r in _records(path)] == ["a", "b", "c"]  # the second batch cut to its limit
+    assert seen == [(2, 2), (3, 3)] and report.conversations_done == 3
+    report = regenerate(target, CONVERSATIONS, path, config=config, pace=pace(4))  # a resume, a higher limit
+    assert [r["id"] for r in _records(path)] == ["a", "b", "c", "d"]
+    assert seen[2:] == [(2, 0), (4, 1)] and report.conversations_skipped_resumed == 3

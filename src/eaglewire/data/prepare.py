@@ -26,6 +26,7 @@ from eaglewire.core.contract import (HiddenStateContract, default_aux_boundaries
 from eaglewire.data.conversations import (
     PLAIN_TEMPLATE, TokenizedConversation, load_conversations, tokenize_conversation)
 from eaglewire.data.batching import pack_by_tokens
+from eaglewire.data.regenerate import Pace
 from eaglewire.data.remote_regenerate import RemoteConfig, meta_path, read_meta
 from eaglewire.data.shards import ShardWriter, read_sources, shard_work, source_differences
 from eaglewire.data.capture_writer import StagedBatch, WriterThread, to_host
@@ -134,6 +135,8 @@ class PrepareSummary:
     resumed_sequences: int
     seconds: float
     skipped: dict[str, int]
+    regenerate_seconds: float = 0.0  # of seconds: regenerating the replies
+    capture_seconds: float = 0.0  # of seconds: capturing the states and writing the shards
 
     @property
     def bytes_per_token(self) -> float:
@@ -149,7 +152,8 @@ class PrepareSummary:
             ("dropped: no reply left", f"{self.dropped_no_loss_tokens:,}"),
             ("bytes on disk", f"{self.bytes_on_disk / 2**20:,.1f} MiB"),
             ("bytes per token", f"{self.bytes_per_token:,.0f}"),
-            ("wall time", f"{self.seconds:,.1f} s"),
+            ("wall time", f"{self.seconds:,.1f} s" + (f" (regenerating {self.regenerate_seconds:,.1f} s)"
+                                                      if self.regenerate_seconds else "")),
         ]
 
 
@@ -405,14 +409,16 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
         yield chunk
 
 
-def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bool = True) -> PrepareSummary:
+def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bool = True,
+            pace: Pace | None = None) -> PrepareSummary:
     """Run the data pipeline into ``config.out``; resumes when the directory holds earlier work.
-    One run writes a directory at a time (a second gets DirectoryLocked; under torchrun, one per rank)."""
+    One run writes a directory at a time (a second gets DirectoryLocked; under torchrun, one per rank).
+    ``pace``: ``regenerate``'s, for a regeneration in this process (the quickstart's check of its plan)."""
     rank, world = dist_rank_world()
     name = LOCK_NAME if world == 1 else f".eaglewire.rank{rank}-of-{world}.lock"
     with directory_lock(config.out, what=f"--out {config.out}", name=name):
         try:
-            return _prepare(config, target, progress)
+            return _prepare(config, target, progress, pace)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -422,7 +428,7 @@ def prepare(config: PrepareConfig, *, target: Target | None = None, progress: bo
             raise
 
 
-def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> PrepareSummary:
+def _prepare(config: PrepareConfig, target: Target | None, progress: bool, pace: Pace | None) -> PrepareSummary:
     start = time.perf_counter()
     out = Path(config.out)
     _check_boundaries_early(config, target)
@@ -459,14 +465,18 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
     # Written before any work: an interrupted run leaves data that says it is incomplete.
     writer.set_status(complete=False, conversations=len(conversations), load_report=report.to_dict(),
                       capture_precision=precision.record())
+    regenerated = 0.0  # seconds
     if config.regenerate and not config.regenerates_through_capture:  # before an engine that would wait idle
-        conversations = _regenerate(target, conversations, out, writer, config, rank, progress)
+        conversations, regenerated = _regenerate(target, conversations, out, writer, config, rank, progress,
+                                                 pace=pace)
     resumed = len(writer.done_ids)
     truncated = 0
     dropped: list[str] = []
     with writer, _engine_capture(config, target, contract, out) as engine:
         if config.regenerates_through_capture:
-            conversations = _regenerate(target, conversations, out, writer, config, rank, progress, engine=engine)
+            conversations, regenerated = _regenerate(target, conversations, out, writer, config, rank, progress,
+                                                     engine=engine)
+        capture_start = time.perf_counter()
         bar = tqdm(total=len(conversations), desc="capture", unit="conv", disable=not progress)
         writer.set_status(capture=engine.version if engine is not None else HERE)
         checked: dict[int, float] = {}  # boundary -> the largest relative error of the sequences captured both ways
@@ -496,6 +506,7 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
                         background.submit(partial(_add_each, writer, captured))
                     bar.update(len(batch))
         totals = writer.close()
+        captured = time.perf_counter() - capture_start
         if engine is not None:
             writer.set_status(capture_check=_check_record(checked, target, head_only=config.head_only))
         writer.set_status(complete=True, conversations=len(conversations), dropped_no_reply=dropped,
@@ -510,7 +521,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool) -> Pr
         out=str(out), conversations_loaded=len(conversations), sequences=totals["sequences"],
         tokens=totals["tokens"], loss_tokens=totals["loss_tokens"], bytes_on_disk=totals["bytes"],
         truncated_sequences=truncated, dropped_no_loss_tokens=len(dropped), resumed_sequences=resumed,
-        seconds=time.perf_counter() - start, skipped=dict(report.skipped))
+        seconds=time.perf_counter() - start, skipped=dict(report.skipped), regenerate_seconds=regenerated,
+        capture_seconds=captured)
 
 
 def _load(config: PrepareConfig, dtype: torch.dtype) -> Target:
@@ -552,10 +564,10 @@ def _regenerate_config(config: PrepareConfig):
 
 
 def _regenerate(target, conversations, out: Path, writer: ShardWriter, config: PrepareConfig, rank: int,
-                progress: bool, *, engine=None):
-    """The conversations with their replies regenerated: through ``--server``, through the capturing ``engine``'s
-    server (its states of each generation discarded: the shards' are captured from the rendered conversation),
-    or by the target here; the manifest's status says how they were made."""
+                progress: bool, *, engine=None, pace: Pace | None = None):
+    """The conversations with their replies regenerated, and the seconds it took: through ``--server``, through the
+    capturing ``engine``'s server (its states of each generation discarded: the shards' are captured from the rendered
+    conversation), or by the target here at ``pace``; the manifest's status says how they were made."""
     from eaglewire.data.regenerate import regenerate
     from eaglewire.data.remote_regenerate import regenerate_remote, server_urls
 
@@ -572,9 +584,9 @@ def _regenerate(target, conversations, out: Path, writer: ShardWriter, config: P
                                   on_answer=engine.discard)
     else:
         regen = regenerate(target, conversations, path, progress=progress, config=regen_config,
-                           template_kwargs=config.remote.template_kwargs())
+                           template_kwargs=config.remote.template_kwargs(), pace=pace)
     log.info("%s", regen.summary())
     if (meta := read_meta(path)) is not None:
         writer.set_status(regenerated_by=meta.get("settings"))  # the server's model id, sampling, reasoning
     done, _ = load_conversations(path)
-    return done
+    return done, regen.seconds

@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +100,11 @@ class RegenerateReport:
     seconds: float = 0.0
     tokens_per_second: float = 0.0
 
+    @property
+    def conversations_run(self) -> int:
+        """Conversations this run regenerated, written or dropped (the ones its seconds were spent on)."""
+        return self.conversations_done + self.conversations_dropped
+
     def summary(self) -> str:
         """One line for the log or the terminal."""
         return (f"regenerated {self.turns_regenerated} turn(s) of {self.conversations_done} "
@@ -109,6 +114,11 @@ class RegenerateReport:
                 f"{self.conversations_skipped_duplicate} duplicate); "
                 f"{self.new_tokens} new tokens in {self.seconds:.1f} s "
                 f"({self.tokens_per_second:.1f} tokens/s)")
+
+
+# Called after each batch with the input conversations gone through so far (resumed and skipped ones included) and
+# the report; returns how many of the input's conversations to go through in all (fewer: the run stops there).
+Pace = Callable[[int, RegenerateReport], int]
 
 
 @dataclass
@@ -196,7 +206,7 @@ def _record_id(line: bytes, path: Path, number: int) -> str:
 
 def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str | Path, *,
                config: RegenerateConfig, progress: bool = False,
-               template_kwargs: dict[str, Any] | None = None) -> RegenerateReport:
+               template_kwargs: dict[str, Any] | None = None, pace: Pace | None = None) -> RegenerateReport:
     """Replace every assistant reply of ``conversations`` by the target's own, turn by turn.
 
     Appends one JSONL line per finished conversation to ``out_path`` ({"id", "messages",
@@ -206,7 +216,8 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
     messages after the last regenerated reply are dropped. Raises ValueError for a target without
     tokenizer or chat template and for a message with an unknown role or non-string content.
     ``template_kwargs``: the chat template's switches the prompts are rendered with (e.g.
-    ``{"enable_thinking": False}``; None: the template's defaults).
+    ``{"enable_thinking": False}``; None: the template's defaults). ``pace`` (see ``Pace``) may end the run before
+    the input does: the batch that reaches its limit is cut there.
     """
     tokenizer = _check_tokenizer(target)
     out_path = Path(out_path)
@@ -223,18 +234,25 @@ def regenerate(target: Any, conversations: Iterable[Conversation], out_path: str
     report = RegenerateReport()
     start = time.perf_counter()
     total = len(conversations) if hasattr(conversations, "__len__") else None
+    seen, limit = 0, None  # input conversations gone through; pace's limit on them
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a", encoding="utf-8") as out, \
             tqdm(total=total, desc="regenerate", unit="conv", disable=not progress) as bar:
         for index, batch in enumerate(_batches(conversations, config.batch_size)):
+            if limit is not None and not (batch := batch[:max(limit - seen, 0)]):
+                break
             pending = _admit(batch, resumed, started, report)
             if pending:
                 with _seeded(config.seed + index, target.device):
                     _run_batch(target, pending, config, gen_config, stop_ids, report, decoder, template_kwargs)
                 _write(out, pending, report)
             bar.update(len(batch))
+            seen += len(batch)
             report.seconds = time.perf_counter() - start
             bar.set_postfix(tok_s=f"{report.new_tokens / max(report.seconds, 1e-9):.1f}")
+            if pace is not None:
+                limit = pace(seen, report)
+                bar.total = limit if total is None else min(total, limit)
     report.seconds = time.perf_counter() - start
     report.tokens_per_second = report.new_tokens / report.seconds if report.seconds > 0 else 0.0
     log.info("%s", report.summary())

@@ -13,13 +13,19 @@ conversation, measured by ``data.probe`` in the precision and on the device the 
 fixed ``REGEN_SECONDS`` of one CPU, which was 5x off on another). The defaults' 48 conversations trained for
 ~18 epochs on the machine they were sized on and overfit (training acc@0 0.83 against 0.22 held out,
 BENCHMARKS.md "The quickstart, default settings"); ``EPOCHS`` keeps fewer passes over more data.
+
+A probe is a sample: the data stage checks the plan against its own pace after its first ``REPLAN_AFTER``
+conversations and after every batch from then on (``paced``), and when it is off by more than ``REPLAN_OFF_BY``
+re-plans within the same wall clock (``replan``): fewer conversations and less training where the stage is slower,
+more training where it is faster (a synthetic probe read 0.8 s a conversation where the stage took 5.3 s: 34 minutes
+of regeneration where the plan budgeted about 5, issue 64).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-__all__ = ["DataPlan", "plan_data", "BASE_CONVERSATIONS"]
+__all__ = ["DataPlan", "plan_data", "paced", "replan", "BASE_CONVERSATIONS"]
 
 BASE_CONVERSATIONS = 48  # the slice the quickstart's wall clock was sized on
 MAX_CONVERSATIONS = 400  # a 2-core machine regenerates ~6 per minute: beyond this the plan would be regeneration
@@ -28,7 +34,8 @@ EPOCHS = 6  # passes over the regenerated tokens the plan aims for (18 overfit, 
 # conversations regenerated in 488 s into 14,982 tokens (BENCHMARKS.md, "The quickstart, default settings").
 REGEN_SECONDS = 10.2
 TOKENS_PER_CONVERSATION = 312
-REPLY_TOKENS_PER_CONVERSATION = 176.5  # the same run's 8,472 reply tokens over 48 conversations
+REPLAN_AFTER = 16  # conversations the data stage regenerates before its own pace is trusted (two batches of 8)
+REPLAN_OFF_BY = 0.25  # the stage's pace may be off the plan's by this fraction before it re-plans
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,18 @@ class DataPlan:
     precision: str  # the training precision it was measured in
     sized: bool  # False: --num-conversations was given, the plan only times the steps
     data_seconds: float | None = None  # regeneration + capture per conversation measured here (None: REGEN_SECONDS)
+    capture_seconds: float = 0.0  # the capture's part of data_seconds (the stage's pace checks the rest)
+    probed_seconds: float | None = None  # re-planned: the data_seconds the probe measured (None: not re-planned)
+
+    @property
+    def seconds_per_conversation(self) -> float:
+        """The data stage's planned seconds per conversation."""
+        return self.data_seconds or REGEN_SECONDS
+
+    @property
+    def budget_seconds(self) -> float:
+        """The wall clock the plan gives regeneration, capture and training."""
+        return self.conversations * self.seconds_per_conversation + self.train_minutes * 60
 
     def describe(self) -> str:
         head = (f"{self.conversations} conversations, training {self.train_minutes:.1f} min for {self.epochs} epochs"
@@ -48,29 +67,62 @@ class DataPlan:
             return head + "; --num-conversations given"
         data = (f", regenerating and capturing a conversation in {self.data_seconds:.1f} s" if self.data_seconds
                 else "")
-        return (head + data + f"; sized so regeneration and training fill the wall clock of {BASE_CONVERSATIONS} "
-                "conversations plus --minutes")
+        why = (f"re-planned at the data stage's own pace (the probe said {self.probed_seconds:.1f} s) to fill"
+               if self.probed_seconds is not None else
+               f"sized so regeneration and training fill the wall clock of {BASE_CONVERSATIONS} conversations plus "
+               "--minutes,")
+        return f"{head}{data}; {why} {self.budget_seconds / 60:.1f} min"
 
     def record(self) -> dict:
         return asdict(self)
 
 
 def plan_data(*, tokens_per_second: float, minutes: float, precision: str, conversations: int | None = None,
-              data_seconds: float | None = None) -> DataPlan:
+              data_seconds: float | None = None, capture_seconds: float = 0.0) -> DataPlan:
     """The plan for a training budget of ``minutes`` at ``tokens_per_second`` and a data stage of ``data_seconds``
-    per conversation (None: ``REGEN_SECONDS``); ``conversations`` given: train on those, planning the steps to the
-    measured speed within ``minutes``."""
+    per conversation (None: ``REGEN_SECONDS``; ``capture_seconds`` of it capturing); ``conversations`` given: train
+    on those, planning the steps to the measured speed within ``minutes``."""
     if tokens_per_second <= 0 or minutes <= 0:
         raise ValueError(f"a plan needs a positive speed and budget, got {tokens_per_second} tokens/s, {minutes} min")
     if conversations is not None:
         epochs = max(1, int(minutes * 60 * tokens_per_second // (conversations * TOKENS_PER_CONVERSATION)))
         return DataPlan(conversations, minutes, epochs, tokens_per_second, precision, sized=False,
-                        data_seconds=data_seconds)
+                        data_seconds=data_seconds, capture_seconds=capture_seconds)
     per_data = data_seconds or REGEN_SECONDS  # seconds per conversation
     wall = BASE_CONVERSATIONS * per_data + minutes * 60  # seconds
-    per_conversation = per_data + EPOCHS * TOKENS_PER_CONVERSATION / tokens_per_second  # seconds
-    count = min(MAX_CONVERSATIONS, max(BASE_CONVERSATIONS, int(wall // per_conversation)))
-    train_seconds = max(wall - count * per_data, 60.0)
-    epochs = max(1, int(train_seconds * tokens_per_second // (count * TOKENS_PER_CONVERSATION)))
-    return DataPlan(count, round(train_seconds / 60, 2), epochs, tokens_per_second, precision, sized=True,
-                    data_seconds=data_seconds)
+    return DataPlan(**_fill(wall, per_data, tokens_per_second, least=BASE_CONVERSATIONS, most=MAX_CONVERSATIONS),
+                    tokens_per_second=tokens_per_second, precision=precision, sized=True, data_seconds=data_seconds,
+                    capture_seconds=capture_seconds)
+
+
+def paced(plan: DataPlan, *, regenerated: int, seconds: float, done: int) -> DataPlan:
+    """The plan in force once the data stage has regenerated ``regenerated`` conversations in ``seconds`` and is
+    ``done`` conversations into its slice: ``plan`` while the stage keeps within ``REPLAN_OFF_BY`` of its pace (or
+    has regenerated fewer than ``REPLAN_AFTER``, or --num-conversations fixed the slice), else ``replan`` at the
+    stage's own pace, its capture still at the probed cost."""
+    if not plan.sized or regenerated < REPLAN_AFTER:
+        return plan
+    measured = seconds / regenerated + plan.capture_seconds  # seconds per conversation
+    if abs(measured / plan.seconds_per_conversation - 1) <= REPLAN_OFF_BY:
+        return plan
+    return replan(plan, data_seconds=measured, done=done)
+
+
+def replan(plan: DataPlan, *, data_seconds: float, done: int) -> DataPlan:
+    """``plan`` for a data stage of ``data_seconds`` per conversation, ``done`` conversations into its slice: the same
+    wall clock, no more conversations than planned (only those are loaded) and no fewer than ``done``, training for
+    the rest of it."""
+    sized = _fill(plan.budget_seconds, data_seconds, plan.tokens_per_second, least=max(BASE_CONVERSATIONS, done),
+                  most=plan.conversations)
+    return replace(plan, **sized, data_seconds=round(data_seconds, 2),
+                   probed_seconds=plan.seconds_per_conversation if plan.probed_seconds is None else plan.probed_seconds)
+
+
+def _fill(wall: float, data_seconds: float, speed: float, *, least: int, most: int) -> dict:
+    """The conversations (``least`` to ``most``), training minutes and epochs that fill ``wall`` seconds with a data
+    stage of ``data_seconds`` per conversation and ``EPOCHS`` passes of training at ``speed`` tokens/s."""
+    per_conversation = data_seconds + EPOCHS * TOKENS_PER_CONVERSATION / speed  # seconds
+    count = min(most, max(least, int(wall // per_conversation)))
+    train_seconds = max(wall - count * data_seconds, 60.0)
+    epochs = max(1, int(train_seconds * speed // (count * TOKENS_PER_CONVERSATION)))
+    return {"conversations": count, "train_minutes": round(train_seconds / 60, 2), "epochs": epochs}
