@@ -65,6 +65,10 @@ class Recommendation:
     reason: str
 
 
+MANY_REQUESTS = ("serving many requests at once, past some batch size plain decoding wins: "
+                 "`eaglewire tune --concurrency 1,2,4,8` says where")
+
+
 def recommend(ranked: list[Prediction], engine: ChainRule | str) -> Recommendation:
     plain = next(p for p in ranked if p.shape.plain)
     best = next((p for p in ranked if not p.shape.plain), None)
@@ -73,11 +77,12 @@ def recommend(ranked: list[Prediction], engine: ChainRule | str) -> Recommendati
                                            "(τ 1.00); train it further")
     if best is not None and best.speedup >= 1 + MARGIN:
         return Recommendation(best, best, f"{best.shape.label(engine)}: predicted {best.speedup:.2f}x plain "
-                                          f"(τ {best.tau:.2f} against the {best.break_even_tau:.2f} its round costs)")
+                                          f"at 1 concurrent request (τ {best.tau:.2f} against the "
+                                          f"{best.break_even_tau:.2f} its round costs); {MANY_REQUESTS}")
     if best is None:
         return Recommendation(plain, None, "no speculative shape was ranked")
     return Recommendation(plain, best, (
-        f"plain decoding: no shape pays in this engine. The best, {best.shape.label(engine)}, is predicted "
+        f"plain decoding: no shape pays in this engine at 1 concurrent request, nor will at more. The best, {best.shape.label(engine)}, is predicted "
         f"{best.speedup:.2f}x plain: its round costs {best.break_even_tau:.2f} plain steps "
         f"({best.round_seconds * 1e3:.1f} ms) and the draft reaches τ {best.tau:.2f} there; it would need "
         f"τ >= {best.break_even_tau * (1 + MARGIN):.2f}, or a cheaper round (verify and draft costs above)"))
