@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from eaglewire.core.generation import GenerationStats
+from eaglewire.decode.batched_chains import can_batch, draft_chains
 from eaglewire.decode.runner import LeanRunner, LeanWeights, forward_blocks, has_lean_forward, make_runner
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
 from eaglewire.decode.schedule import Schedule
@@ -156,7 +157,7 @@ class BatchEngine:
             return []
         shape = self.last_shape = self.schedule.shape_for(len(live))
         t0 = time.perf_counter()
-        trees = [self._propose(seq, shape) for seq in live]
+        trees = self._propose(live, shape)
         t1 = time.perf_counter()
         blocks = [(tree.tokens, seq.length + tree.depths, _tree_mask(tree, seq.length)) for seq, tree in zip(live, trees)]
         outputs = self._forward([seq.slot.runner for seq in live], blocks)
@@ -172,14 +173,19 @@ class BatchEngine:
                 self._release(seq)
         return live
 
-    def _propose(self, seq: Sequence, shape: SpecConfig | None) -> Tree:
-        """The tree ``seq`` verifies this step: its root alone (plain), or its draft's in ``shape``."""
+    def _propose(self, live: list[Sequence], shape: SpecConfig | None) -> list[Tree]:
+        """The tree each sequence verifies this step: its root alone (plain), or its draft's in ``shape`` -- chains
+        of EAGLE-3 drafts on the CPU drafted together (batched_chains.py), anything else one drafter at a time."""
         if shape is None:
-            return root_only(seq.root)
-        drafter = seq.slot.drafter
-        drafter.use_shape(shape)
-        self._catch_up(seq, shape)
-        return drafter.propose(seq.root, seq.length)
+            return [root_only(seq.root) for seq in live]
+        for seq in live:
+            seq.slot.drafter.use_shape(shape)
+            self._catch_up(seq, shape)
+        drafters = [seq.slot.drafter for seq in live]
+        if can_batch(drafters, shape.topk):
+            return draft_chains(drafters, [seq.root for seq in live], [seq.length for seq in live], shape.num_steps,
+                                shape.min_score)
+        return [drafter.propose(seq.root, seq.length) for seq, drafter in zip(live, drafters)]
 
     def _catch_up(self, seq: Sequence, shape: SpecConfig) -> None:
         """Give the draft the context entries it has not seen (the prompt's, and those of plain steps)."""
