@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import filecmp
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,8 +382,8 @@ def served_embedding(batch: EvalBatch, embedding) -> EvalBatch:
 
 
 def check_engine_version(report: DoctorReport, config: DoctorConfig) -> None:
-    """Ask the server at ``--engine-url`` which version it is and say which release's reading judges it (the
-    engine-fields and wiring lines then name that release)."""
+    """Ask the server at ``--engine-url`` which version it is and say which release's reading judges it (every
+    other line then names that release: ``name_the_judged_release``)."""
     from eaglewire import engines
 
     spec = engines.get(config.engine)
@@ -397,13 +398,43 @@ def check_engine_version(report: DoctorReport, config: DoctorConfig) -> None:
                                             f"({report.engine_release} is the nearest)"))
 
 
-def served_labels(serving: dict[str, list[int]], version: str | None, served: str | None) -> dict[str, list[int]]:
-    """The serving readings (label -> boundaries) with the engine's release in each label (``version``, the
-    one eaglewire read, e.g. "vllm 0.33.0") replaced by the version the server reports (``served``), where it
-    reports one: the sweep's "served by" lines then name the engine that serves."""
-    if not version or not served or served == version:
-        return serving
-    return {label.replace(f" {version}", f" {served}"): layout for label, layout in serving.items()}
+def name_the_judged_release(report: DoctorReport, engine: str) -> None:
+    """Every line of ``report`` that names the release eaglewire read ``engine``'s code from ("vllm 0.33.0",
+    "vLLM 0.33.0": the readings' labels, the fields' meanings) names the release whose reading judged the server at
+    --engine-url instead (``report.engine_release``, "vLLM 0.32.0"), as the engine version check says: a report
+    names one version. The checks, the layout sweep's labels and the served JSON; nothing where no server was asked
+    or the two are one release."""
+    say = judged_release(engine, report.engine_release)
+    if say is None:
+        return
+    report.checks = [dataclasses.replace(c, summary=say(c.summary), evidence=[say(e) for e in c.evidence],
+                                         fix=c.fix and say(c.fix)) for c in report.checks]
+    report.layouts = [dataclasses.replace(r, labels=[say(label) for label in r.labels]) for r in report.layouts]
+    report.served = _said(report.served, say)
+
+
+def judged_release(engine: str, release: str | None):
+    """A line with ``engine``'s name and the release eaglewire read it from ("vllm 0.33.0") -> the line with the
+    version of ``release`` instead ("vllm 0.32.0"); None where ``release`` is none or that same release."""
+    spec = engines.get(engine)
+    judged = release.split()[-1] if release else None
+    if not spec.version or not judged or judged == spec.version:
+        return None
+    said = {spec.name, spec.linter.label, spec.runtime.label if spec.runtime else None} - {None}  # "vllm", "vLLM"
+    names = "|".join(map(re.escape, said))
+    read = re.compile(rf"\b({names}) {re.escape(spec.version)}(?![\w+]|\.\d)", re.IGNORECASE)  # not 0.33.0.1
+    return lambda line: read.sub(lambda m: f"{m[1]} {judged}", line)
+
+
+def _said(value, say):
+    """``value`` (JSON: dicts, lists, strings) with ``say`` applied to every string in it."""
+    if isinstance(value, str):
+        return say(value)
+    if isinstance(value, dict):
+        return {say(k) if isinstance(k, str) else k: _said(v, say) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_said(v, say) for v in value]
+    return value
 
 
 def check_engine_fields(report: DoctorReport, m: Measured) -> None:
@@ -430,8 +461,6 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     else:
         return
     served = reading.served
-    if report.engine_release and served.engine.split()[0] == report.engine_release.split()[0]:
-        served = dataclasses.replace(served, engine=report.engine_release)  # the release that judges this server
     evidence = [f"{k}: {v}" for k, v in served.cited.items()] + reading.notes
     if not reading.found:
         report.add(Check("engine fields", "ok", f"{served.engine} computes the draft as trained: norm flags "

@@ -633,9 +633,6 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
     fix = layout_fix(report, config, declared, L, arch, dflash)
     readings, from_config, notes, view = config_wirings(config, draft, declared, L, arch, emb_rows, fix, dflash)
     spec = engines.get(engine)
-    if report.engine_release and spec.version and spec.version != report.engine_release.split()[-1]:
-        release = report.engine_release.split()[-1]  # the release whose reading judges this server
-        readings = {k.replace(spec.version, release): v for k, v in readings.items()}
     # --engine-config ranks the candidates (what it reads comes first among equal matches), never removes one:
     # the server may load another copy than the user's
     wirings = layout_wirings(declared, L, readings, fix, post_norm=not dflash) + from_config
@@ -659,11 +656,6 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
     check.evidence += [f"the fix for {f.wiring.label}: {f.wiring.dropped}" for f in ranked
                        if f.matches and f.wiring.dropped]
     check.evidence += notes
-    if report.engine_release and spec.version and spec.runtime is not None:  # name the release that judged it
-        stale = f"{spec.runtime.label} {spec.version}"
-        check = replace(check, summary=check.summary.replace(stale, report.engine_release),
-                        evidence=[e.replace(stale, report.engine_release) for e in check.evidence],
-                        fix=check.fix.replace(stale, report.engine_release) if check.fix else None)
     report.served["diagnosis"] = {
         "match": None if best is None else {"label": best.wiring.label, "layout": list(best.wiring.layout),
                                             "fix": best.wiring.fix},

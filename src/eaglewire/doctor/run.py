@@ -16,7 +16,7 @@ import torch
 from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
 from eaglewire.doctor.checks import (check_engine_version, Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving, served_labels)
+                                     check_serving, name_the_judged_release)
 from eaglewire.doctor.cache import Cached, cache_key, load, now, store
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
@@ -44,6 +44,16 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
         from eaglewire.doctor.stored import run_stored_doctor
 
         return run_stored_doctor(config)
+    report = _examine(config, target)
+    name_the_judged_release(report, config.engine)  # a running server's release, in every line
+    if config.json:
+        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.json).write_text(json.dumps(report.to_dict(), indent=1))
+    return report
+
+
+def _examine(config: DoctorConfig, target: Target | None) -> DoctorReport:
+    """The fresh doctor's checks, in the order the report shows them."""
     start = time.perf_counter()
     report = DoctorReport(draft=config.draft, target=config.target, resolved_config=config_record(config))
     with report.timed("load target"):
@@ -69,7 +79,6 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
     rows = draft.draft_to_target
     serving, serving_steps, config = check_serving(report, config, declared, L, arch, dflash_block,
                                                    vocab_ids=rows if len(rows) < target.vocab_size else None)
-    serving = served_labels(serving, engines.get(config.engine).version, report.engine_version)  # as the server says
     check_template_switch(report, config, contract, target.tokenizer,
                           load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
     with report.timed("held-out sequences"):
@@ -112,9 +121,6 @@ def run_doctor(config: DoctorConfig, *, target: Target | None = None) -> DoctorR
             before=before, after=report.checks[first:], layouts=report.layouts, accuracy=dict(report.accuracy),
             facts={"judged tokens": judged}, extras={"sampling": report.sampling, "traffic": report.traffic},
             stage_seconds=computed, created=now()))
-    if config.json:
-        Path(config.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.json).write_text(json.dumps(report.to_dict(), indent=1))
     return report
 
 
