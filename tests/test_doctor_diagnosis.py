@@ -127,6 +127,27 @@ def test_wirings_the_users_config_holds_as_trained_share_one_fix_however_many_fi
         "one of, closest first:")
 
 
+def test_a_family_of_stand_ins_is_one_candidate_with_its_spread():
+    """Another model's rows are replayed as several stand-ins (STAND_INS), judged as one family: each candidate is
+    listed once, a family with the spread (min..max) of its stand-ins' replays, and the within-noise list names
+    each fix once."""
+    served = _counts([48, 10, 0])
+    embedding = [(_wiring("another embedding", "fix the embedding", stand_in=True), _replayed(p))
+                 for p in ([40, 8, 0], [48, 10, 0], [56, 12, 0])]
+    head = [(_wiring("another lm_head", "fix the head", stand_in=True), _replayed(p))
+            for p in ([44, 8, 0], [52, 12, 0])]
+    best, ranked = judge(served, embedding + head + [(_wiring("[0, 2, 15]", "fix the layout"), _replayed([46, 9, 0]))])
+    check = diagnosis_check(served, "vllm", DECLARED, _replayed([150, 50, 12]), best, ranked, [])
+    for label in ("another embedding", "another lm_head", "[0, 2, 15]"):
+        assert sum(e.startswith(label) for e in check.evidence) == 1, check.evidence
+    rows = {e.split(":")[0]: e for e in check.evidence}
+    assert rows["another embedding (3 stand-ins)"].endswith(": 0.10..0.14/0.02..0.03/0.00, τ 1.12..1.17: within noise")
+    assert rows["another lm_head (2 stand-ins)"].endswith(": 0.11..0.13/0.02..0.03/0.00, τ 1.13..1.16: within noise")
+    [within] = [e for e in check.evidence if e.startswith("within noise, closest first")]
+    assert [within.count(f"fix the {what}") for what in ("embedding", "head", "layout")] == [1, 1, 1], within
+    assert check.fix.count("fix the embedding") == 1 and "3 wirings eaglewire knows" in check.summary
+
+
 def test_candidate_layouts_are_the_sweeps_and_the_post_norm_last_state():
     wirings = {w.layout: w for w in layout_wirings(DECLARED, L, {"vLLM (config)": [1, 14, 26]}, "F")}
     assert (0, 2, 15) in wirings and (15, 27, 30) in wirings and (3, 16, 28) in wirings and (2, 15, 28) in wirings

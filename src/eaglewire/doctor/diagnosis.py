@@ -55,8 +55,8 @@ from eaglewire.doctor.fix_proof import (HEAD_ROWS, LAYOUT, ConfigView, absent_te
                                         prove)
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.probes import Probed, Prober, separate
-from eaglewire.doctor.wiring_fit import (POST_NORM, Fit, Wiring, capture_texts, fit, judge,  # noqa: F401 (re-exported)
-                                         rate_noise, replay_wiring, still_fitting, tau_noise)
+from eaglewire.doctor.wiring_fit import (POST_NORM, Fit, Wiring, by_candidate, capture_texts, fit,  # noqa: F401
+                                         judge, rate_noise, replay_wiring, still_fitting, tau_noise)  # (re-exported)
 from eaglewire.doctor.report import Check
 from eaglewire.engines.served_counts import AcceptanceRates
 
@@ -468,10 +468,32 @@ def _rates(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
-def _row(f: Fit) -> str:
-    shown = _rates(f.per_position) if f.per_position else f"τ {f.replayed.tau:.2f}"
+def _span(values: list[float]) -> str:
+    """A figure of several stand-ins as min..max (one value where they agree to the shown digits)."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}..{high}"
+
+
+def _row(fits: list[Fit]) -> str:
+    """One candidate's line (``by_candidate``): its replay per position and τ (a family of stand-ins: the spread of
+    theirs) and how far from the server its closest fit is."""
+    f = fits[0]
+    rates = "/".join(_span([g.per_position[i] for g in fits]) for i in range(len(f.per_position)))
+    label = f.wiring.label + (f" ({len(fits)} stand-ins)" if len(fits) > 1 else "")
     verdict = "within noise" if f.matches else f"{f.score:.1f}x the noise away"
-    return f"{f.wiring.label}: {shown}, τ {f.replayed.tau:.2f}: {verdict}"
+    return f"{label}: {rates + ', ' if rates else ''}τ {_span([g.replayed.tau for g in fits])}: {verdict}"
+
+
+def _candidate_record(fits: list[Fit]) -> dict:
+    """One candidate in the JSON report: its closest fit, and a family's spread over its stand-ins."""
+    f = fits[0]
+    out = {"label": f.wiring.label, "layout": list(f.wiring.layout), "tau": f.replayed.tau,
+           "per_position": f.per_position, "score": round(f.score, 2)}
+    if len(fits) > 1:
+        out["stand_ins"] = {"count": len(fits), "tau": [min(g.replayed.tau for g in fits),
+                                                        max(g.replayed.tau for g in fits)],
+                            "per_position": [[min(r), max(r)] for r in zip(*(g.per_position for g in fits))]}
+    return out
 
 
 def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], trained: AcceptanceRates,
@@ -489,8 +511,8 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
                 *([f"probes (the wirings within noise of the first answers, replayed on prompts chosen to separate "
                    f"them): {probed.said()}"] if probed else []),
                 f"served: {_rates(as_trained.served_per_position) or '-'} per position, τ {served.tau:.2f}",
-                _row(as_trained)]
-    evidence += [_row(f) for f in ranked[:SHOWN]]
+                _row([as_trained])]
+    evidence += [_row(c) for c in by_candidate(ranked)[:SHOWN]]
     if best is None:
         closest = ranked[0] if ranked else None
         summary = ("no wiring eaglewire knows reproduces the served acceptance: "
@@ -501,6 +523,7 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
         return Check(name, "inconclusive", summary, evidence,
                      fix="other issues remain: " + "; ".join(causes) if causes else None)
     matches = [best] + [f for f in ranked if f.matches and f is not best]
+    others = [c[0].wiring.label for c in by_candidate(matches)[1:]]  # each candidate once, the best's family aside
     per_pos = (f"per-position acceptance {_rates(best.served_per_position)} served vs "
                f"{_rates(best.per_position)} replayed" if best.per_position else
                f"τ {served.tau:.2f} served vs {best.replayed.tau:.2f} replayed")
@@ -508,14 +531,13 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
     fixes = list(dict.fromkeys(f.wiring.fix for f in matches if f.wiring.fix))
     if len(fixes) > 1 and best.wiring.from_config:  # the config the server loads says which of them it is
         evidence.append("also within noise on this text (the served counters alone cannot tell them apart; the "
-                        "config the server loads says the one named): "
-                        + "; ".join(f.wiring.label for f in matches[1:]))
+                        "config the server loads says the one named): " + "; ".join(others))
         fixes = [best.wiring.fix] if best.wiring.fix else fixes
     if len(fixes) > 1:  # wirings this text cannot tell apart, with different fixes
-        evidence.append("within noise, closest first: " + "; ".join(f"{f.wiring.label} (fix: {f.wiring.fix})"
-                                                                   for f in matches))
+        evidence.append("within noise, closest first: " + "; ".join(f"{c[0].wiring.label} (fix: {c[0].wiring.fix})"
+                                                                   for c in by_candidate(matches)))
         apart = f" (after {probed.said()})" if probed else ""
-        labels = list(dict.fromkeys(f.wiring.label for f in matches))  # a stand-in's copies share a label
+        labels = [best.wiring.label] + others
         remedies = {f.wiring.remedy for f in matches}
         if len(remedies) == 1 and None not in remedies:  # --engine-config holds each of them as trained: one fix
             [remedy] = remedies
@@ -529,8 +551,8 @@ def diagnosis_check(served: AcceptanceRates, engine: str, declared: list[int], t
                      f"the closest: the server {best.wiring.what}, the draft was trained {best.wiring.trained}: "
                      f"{per_pos} with {best.wiring.label} ({noise})", evidence,
                      fix="one of, closest first: " + "; or ".join(fixes))
-    if len(matches) > 1 and not best.wiring.from_config:
-        evidence.append("also within noise (the same fix): " + ", ".join(f.wiring.label for f in matches[1:]))
+    if others and not best.wiring.from_config:
+        evidence.append("also within noise (the same fix): " + ", ".join(others))
     summary = (f"the {engine} server {best.wiring.what}, the draft was trained {best.wiring.trained}: {per_pos} with "
                f"{best.wiring.label} ({noise})")
     if probed and probed.sent:
@@ -653,8 +675,8 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
     seconds = time.perf_counter() - start
     check = diagnosis_check(counts, counts.engine, declared, replayed, best, ranked, causes, seconds=seconds,
                             tokens=sum(len(o) for o in counts.outputs), probed=probed)
-    check.evidence += [f"the fix for {f.wiring.label}: {f.wiring.dropped}" for f in ranked
-                       if f.matches and f.wiring.dropped]
+    check.evidence += [f"the fix for {c[0].wiring.label}: {c[0].wiring.dropped}" for c in by_candidate(ranked)
+                       if c[0].matches and c[0].wiring.dropped]
     check.evidence += notes
     report.served["diagnosis"] = {
         "match": None if best is None else {"label": best.wiring.label, "layout": list(best.wiring.layout),
@@ -664,7 +686,6 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
         "seconds": round(seconds, 1),
         "probes": None if probed is None else {"prompts": [p.source for p in probed.sent], "tokens": probed.tokens,
                                                "rounds": probed.rounds, "stopped": probed.stopped},
-        "candidates": [{"label": f.wiring.label, "layout": list(f.wiring.layout), "tau": f.replayed.tau,
-                        "per_position": f.per_position, "score": round(f.score, 2)} for f in ranked]}
+        "candidates": [_candidate_record(c) for c in by_candidate(ranked)]}
     log.info("served wiring: %d candidates in %.1f s", len(ranked), seconds)
     return check

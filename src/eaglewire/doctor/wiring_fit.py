@@ -148,6 +148,15 @@ def still_fitting(ranked: list[Fit]) -> list[Fit]:
     return [f for f in ranked if f.matches or (f.wiring.stand_in and f.wiring.label in families)]
 
 
+def by_candidate(fits: list[Fit]) -> list[list[Fit]]:
+    """``fits`` gathered by candidate, each in the place of its first fit (closest first where ``fits`` are ranked):
+    a family of stand-ins is one candidate, its fits together; any other fit is one alone."""
+    out: dict[Any, list[Fit]] = {}
+    for f in fits:
+        out.setdefault(("family", f.wiring.label) if f.wiring.stand_in else id(f), []).append(f)
+    return list(out.values())
+
+
 # ---------------------------------------------------------------- replaying
 
 
