@@ -21,7 +21,7 @@ from eaglewire.doctor.cache import Cached, cache_key, load, now, store
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
 from eaglewire.doctor.served import check_served
-from eaglewire.doctor.stored import check_stored_boundaries
+from eaglewire.doctor.stored import check_stored_boundaries, trained_on
 from eaglewire.doctor.sampling import check_sampling
 from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.doctor.traffic import check_traffic, load_traffic
@@ -171,7 +171,7 @@ def _held_out_checks(report: DoctorReport, h: _HeldOut) -> int:
     with report.timed("layout sweep"):
         check_layouts(report, m, layouts)
     with report.timed("stored states"):
-        check_stored_boundaries(report, config, target)  # which boundary each stored state is (doctor/stored.py)
+        check_stored_boundaries(report, config, target, h.summary)  # which boundary each stored state is
         _check_drift(report, m)
     check_alignment(report, m)
     with report.timed("acceptance (eaglewire's engine)"):
@@ -320,14 +320,13 @@ def _load_sequences(config: DoctorConfig, target: Target, contract: HiddenStateC
     if not data and not conversations:
         from eaglewire.core.presets import recorded_data
 
-        trained_on = recorded_data(summary)  # the preset it was prepared from when the path is not here
-        if trained_on and (Path(trained_on) / "manifest.json").exists():
-            data = trained_on
+        recorded = recorded_data(summary)  # the preset it was prepared from when the path is not here
+        if recorded and (Path(recorded) / "manifest.json").exists():
+            data = recorded
         else:
-            conversations = trained_on if trained_on and not Path(trained_on).is_dir() else "sharegpt"
+            conversations = recorded if recorded and not Path(recorded).is_dir() else "sharegpt"
     if data:
-        trained_on = summary.get("data")
-        unseen = bool(trained_on) and Path(trained_on).resolve() != Path(data).resolve()
+        unseen = trained_on(summary, data) is False
         return _from_shards(data, contract, heldout, config, report, unseen), f"shards {data}"
     return (_from_conversations(conversations, target, heldout, config,
                                 contract.chat_template_kwargs if contract is not None else None),

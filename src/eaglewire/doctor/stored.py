@@ -232,7 +232,7 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     declared, stored, L = list(contract.aux_boundaries), list(ds.contract.aux_boundaries), ds.contract.num_layers
     if not _identity(report, contract, ds, target, allow):
         return report
-    _check_labels(report, config, ds, target)
+    _check_labels(report, config, ds, target, summary)
     arch = config.target_arch or contract.target.architecture
     rows = draft.draft_to_target
     serving, _, config = check_serving(report, config, declared, L, arch,
@@ -315,9 +315,11 @@ def _check_served(report: DoctorReport, m: Measured, stored: list[int], arch: st
                          fix=f"either {serving_fix(report, m, arch)}, or {retrain}"))
 
 
-def _check_labels(report: DoctorReport, config: DoctorConfig, ds: ShardDataset, target: Target) -> None:
+def _check_labels(report: DoctorReport, config: DoctorConfig, ds: ShardDataset, target: Target, summary: dict
+                  ) -> None:
     """The label check (``data/label_check.py``): does the stored last state give the target's predictions?
-    A draft trained on these shards learned the head's reading of that state as its labels."""
+    A draft trained on these shards learned the head's reading of that state as its labels (``summary``: its
+    training record, which says whether it was)."""
     if ds.manifest["source"].get("last_hidden") == ABSENT_LAST:
         report.add(Check("label check", "skip", "the data hold no boundary-L state (imported with --no-last)"))
         return
@@ -333,7 +335,8 @@ def _check_labels(report: DoctorReport, config: DoctorConfig, ds: ShardDataset, 
         fix = reimport_fix(check.diagnosis, ds.contract.num_layers)
         report.add(Check("label check", "fail", f"the stored last state{boundaries}{side} does not give the target's "
                          "own predictions: a draft trained on it learned wrong labels", [check.message],
-                         fix=f"re-import (eaglewire import-data) {fix}, then retrain the draft on the new shards"))
+                         fix=f"re-import (eaglewire import-data) {fix}"
+                         + after_reimport(summary, config.data, "retrain the draft on the new shards")))
     else:
         report.add(Check("label check", check.verdict, check.message))
 
@@ -349,6 +352,27 @@ def _full_doctor(config: DoctorConfig) -> str:
 def _reimported(data: str) -> str:
     path = Path(data)
     return str(path.with_name(path.name + "-reimported"))
+
+
+def trained_on(summary: dict, data: str) -> bool | None:
+    """Whether the draft was trained on the shards at ``data``, by its training record (``summary``, the
+    ``training`` section of its config.json): its ``data`` is the directory ``train --data`` read, the one record
+    of its training data (no content hash of the shards is kept). None where it records none (a foreign draft)."""
+    recorded = summary.get("data")
+    return None if not recorded else Path(recorded).resolve() == Path(data).resolve()
+
+
+def after_reimport(summary: dict, data: str, retrain: str) -> str:
+    """What follows a re-import of the misread shards at ``data`` in its fix: ``retrain`` (how to retrain the draft
+    on the re-imported shards) only where the draft was trained on these (``trained_on``); a draft trained on other
+    data (the shipped reference) learned nothing from them, so re-importing is the whole fix."""
+    trained = trained_on(summary, data)
+    if trained:
+        return f", then {retrain}: it was trained on these shards (its training record names {data})"
+    if trained is None:
+        return f"; if the draft was trained on these shards (it records no training data), {retrain}"
+    return (f"; that is the whole fix: the draft was trained on {summary['data']}, not on these shards, so it needs "
+            "no retraining")
 
 
 def _missing_fix(config: DoctorConfig, ds: ShardDataset, declared: list[int]) -> str:
@@ -395,9 +419,10 @@ def stored_samples(ds: ShardDataset, sequences: int = boundary_match.SEQUENCES,
     return out, said + ([L] if last else [])
 
 
-def check_stored_boundaries(report: DoctorReport, config: DoctorConfig, target: Target) -> None:
+def check_stored_boundaries(report: DoctorReport, config: DoctorConfig, target: Target, summary: dict) -> None:
     """``--data``'s stored states against every boundary of ``target`` run on a few of their sequences: a state
-    that is another boundary than the shards record FAILs, naming it, with the re-import line that fixes it."""
+    that is another boundary than the shards record FAILs, naming it, with the re-import line that fixes it (and
+    retraining where the draft was trained on them: ``summary``, its training record, says)."""
     if not config.data:
         return
     ds = ShardDataset(config.data, verify=False)
@@ -422,8 +447,8 @@ def check_stored_boundaries(report: DoctorReport, config: DoctorConfig, target: 
     line = reimport_command(source, corrected, out)
     evidence = found.lines("recorded as") + ([found.cause()] if found.cause() else [])
     if line:
-        fix = (f"re-import them as the boundaries they are: `{line}`, then retrain the draft on {out} "
-               f"(`eaglewire train --data {out}`)")
+        fix = f"re-import them as the boundaries they are: `{line}`" + after_reimport(
+            summary, config.data, f"retrain the draft on {out} (`eaglewire train --data {out}`)")
     elif source.get("imported_from"):
         fix = "two stored states are one boundary: no --boundaries describes this capture; check which layers it holds"
     else:
