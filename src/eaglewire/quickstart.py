@@ -52,7 +52,7 @@ class QuickstartConfig:
         "help": "conversations regenerated and captured for training; default: sized to this machine's measured "
                 "training speed and data stage, so regeneration and training fill the wall clock of 48 conversations "
                 "plus --minutes, and re-planned when the data stage's own pace is off by more than "
-                f"{REPLAN_OFF_BY:.0%} (eaglewire/train/plan.py)"})
+                f"{round(100 * REPLAN_OFF_BY)} percent (eaglewire/train/plan.py)"})
     heldout_conversations: int = field(default=24, metadata={"help": "conversations after the training ones, "
                                                                      "regenerated and captured for the doctor only"})
     max_length: int = field(default=512, metadata={"help": "tokens per training sequence"})
