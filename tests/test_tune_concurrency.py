@@ -22,26 +22,26 @@ def costs_of(table: dict[tuple[int, str], float], spread: float = 0.0) -> dict[t
 
 
 def test_the_schedule_speculates_while_it_pays_and_serves_plain_above():
-    """A verify nearly free at batch 1 and dearer as the batch fills (and drafting per sequence), acceptance 0.7,
-    0.5, 0.3 by depth: chain 3 at 1, chain 1 at 2-4, plain at 8 -- the crossover is 4."""
-    acceptance = [0.7, 0.5, 0.3]
+    """A verify nearly free at batch 1 and dearer as the batch fills, tau 1.7 (chain 1) and 2.5 (chain 3): chain 3
+    at 1, chain 1 at 2-4, plain at 8 -- the crossover is 4."""
+    taus = {"chain 1": 1.7, "chain 3": 2.5}
     table = {(1, "plain"): 10, (1, "chain 1"): 12, (1, "chain 3"): 16,
              (2, "plain"): 11, (2, "chain 1"): 15, (2, "chain 3"): 24,
              (4, "plain"): 13, (4, "chain 1"): 20, (4, "chain 3"): 40,
              (8, "plain"): 16, (8, "chain 1"): 30, (8, "chain 3"): 70}
-    predictions = predict(costs_of(table), acceptance, [CHAIN1, CHAIN3], [1, 2, 4, 8])
+    predictions = predict(costs_of(table), taus, [CHAIN1, CHAIN3], [1, 2, 4, 8])
     schedule = schedule_from(predictions)
     assert [schedule.shape_for(b) for b in (1, 2, 3, 4, 5, 8, 64)] == [CHAIN3, CHAIN1, CHAIN1, CHAIN1, None, None, None]
     assert schedule.crossover == 4
     chain3_at_1 = next(p for p in predictions if p.batch == 1 and p.shape == CHAIN3)
-    assert chain3_at_1.speedup == pytest.approx(2.5 * 10 / 16)  # (1 + .7 + .5 + .3) tokens in 16 ms vs 1 in 10
+    assert chain3_at_1.speedup == pytest.approx(2.5 * 10 / 16)  # 2.5 tokens in 16 ms against 1 in 10
 
 
 def test_a_gain_within_the_noise_is_plain():
     """Chain 1 predicts 1.04x plain, but the steps' spread is wider than that: not kept."""
     table = {(1, "plain"): 10, (1, "chain 1"): 16.3}
-    quiet = schedule_from(predict(costs_of(table), [0.7], [CHAIN1], [1]))
-    noisy = schedule_from(predict(costs_of(table, spread=0.3), [0.7], [CHAIN1], [1]))
+    quiet = schedule_from(predict(costs_of(table), {"chain 1": 1.7}, [CHAIN1], [1]))
+    noisy = schedule_from(predict(costs_of(table, spread=0.3), {"chain 1": 1.7}, [CHAIN1], [1]))
     assert quiet.shape_for(1) == CHAIN1 and noisy.shape_for(1) is None
 
 
@@ -49,7 +49,7 @@ def test_tune_concurrency_writes_a_schedule_serve_takes_here(tmp_path, target_di
     prompts = write_prompts(tmp_path / "prompts.jsonl", 2)
     out = tmp_path / "schedule.json"
     argv = ["tune", "--target", str(target_dir), "--draft", str(draft_dir), "--dataset", str(prompts), "--offset", "0",
-            "--num-prompts", "2", "--max-new-tokens", "12", "--concurrency", "1,2,4", "--chains", "1,2",
+            "--num-prompts", "2", "--max-new-tokens", "12", "--concurrency", "1,2,4", "--shapes", "1,1,2;2,2,4,0.1",
             "--schedule-out", str(out)]
     assert main(argv) == 0
     shown = capsys.readouterr().out
@@ -64,3 +64,5 @@ def test_concurrency_flags_are_checked(capsys):
     assert "ascending batch sizes" in capsys.readouterr().err
     assert main(["tune", "--draft", "reference", "--schedule-out", "s.json"]) == 2
     assert "give --concurrency too" in capsys.readouterr().err
+    assert main(["tune", "--draft", "reference", "--concurrency", "1,2", "--shapes", "3,1"]) == 2
+    assert "is not steps,topk,draft-tokens[,min-prob]" in capsys.readouterr().err

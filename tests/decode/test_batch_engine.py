@@ -206,7 +206,7 @@ def test_schedule_choice_key_and_file(tmp_path):
 @pytest.mark.parametrize("min_prob", [0.0, 0.3])
 def test_chains_drafted_together_are_each_drafters_own(min_prob):
     """draft_chains over four sequences proposes, round after round, the chain each drafter proposes alone."""
-    from eaglewire.decode.batched_chains import can_batch, draft_chains
+    from eaglewire.decode.eagle3_batch import can_batch, draft_chains
 
     target = target_of()
     draft, contract = random_draft(target)
@@ -228,3 +228,28 @@ def test_chains_drafted_together_are_each_drafters_own(min_prob):
             compared += 1
         engine.step()  # a round as the engine runs it (draft_chains again, then verify)
     assert compared >= 8
+
+
+def test_contexts_extended_together_are_each_drafters_own():
+    """extend_together over three drafters enters the same keys, values and last outputs as each drafter's extend."""
+    from eaglewire.decode.eagle3_batch import extend_together
+
+    target = target_of()
+    draft, contract = random_draft(target)
+    decoder = SpecDecoder(target, draft, contract, SpecConfig.chain(3))
+    alone, together = [decoder.drafter.fork() for _ in range(3)], [decoder.drafter.fork() for _ in range(3)]
+    H = target.text_config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    for b in range(3):
+        prompt_aux, prompt_next = torch.randn(4 + b, 3 * H, generator=gen), prompt_of(b, 4 + b)
+        for d in (alone[b], together[b]):
+            d.start(prompt_aux, prompt_next, 64)
+    entries = [(torch.randn(n, 3 * H, generator=gen), prompt_of(10 + b, n), 4 + b) for b, n in enumerate((1, 3, 2))]
+    for d, entry in zip(alone, entries):
+        d.extend(*entry)
+    extend_together(together, entries)
+    for a, t in zip(alone, together):
+        assert t.cache.committed == a.cache.committed == t.cache.length
+        torch.testing.assert_close(t.cache.k, a.cache.k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(t.cache.v, a.cache.v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(t.root_out, a.root_out, rtol=1e-5, atol=1e-6)

@@ -1,13 +1,13 @@
 """Whether a draft pays at a given load: round costs measured per batch size, a schedule from them.
 
-Terms: B live sequences share each step; a chain of width w verifies w tokens a sequence (w - 1 drafted, the root);
-a_d is the share of rounds whose drafted token at depth d was accepted (greedy chains are prefixes of the longest
-one, so one trace of the longest chain gives every width's). A step's cost is measured whole, as the engine runs it
-(draft, packed verify, acceptance), not summed from isolated forwards, which price batched rounds too cheaply.
+Terms: B live sequences share each step; a shape (a chain or a tree) yields tau tokens a round per sequence,
+measured by decoding the tune prompts one at a time in that shape (greedy: a sequence's rounds do not depend on
+what else is in the batch). A step's cost is measured whole, as the engine runs it at B (draft, packed verify,
+acceptance), not summed from isolated forwards, which price batched rounds too cheaply.
 
-Predicted tokens/s of shape w at batch B: B * (1 + a_1 + ... + a_{w-1}) / step(B, w); plain: B / step(B, plain).
-A shape is kept at B only if it beats plain by more than the noise of the two costs measured there; the best kept
-shape (or plain) per batch size becomes the schedule.
+Predicted tokens/s of a shape at batch B: B * tau / step(B, shape); plain: B / step(B, plain). A shape is kept at B
+only if it beats plain by more than the noise of the two costs measured there; the best kept shape (or plain) per
+batch size becomes the schedule.
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ class Prediction:
 @dataclass
 class ConcurrencyReport:
     costs: dict[tuple[int, str], StepCost]  # (batch, shape name or "plain") -> its steps
-    acceptance: list[float]  # a_d, d = 1..
+    taus: dict[str, float]  # shape name -> tokens a round per sequence
     predictions: list[Prediction]
     schedule: Schedule
     notes: list[str] = field(default_factory=list)
 
     def format(self) -> str:
-        acc = ", ".join(f"{a:.2f}" for a in self.acceptance)
-        lines = [f"acceptance by depth (greedy, batch 1): {acc}", "",
+        taus = ", ".join(f"{name} {tau:.2f}" for name, tau in self.taus.items())
+        lines = [f"tokens a round (tau, greedy): {taus}", "",
                  f"{'batch':>5}  {'shape':10} {'ms/step':>8} {'tok/s':>8} {'vs plain':>8}  {'noise':>6}  choice"]
         chosen = {b: self.schedule.shape_for(b) for b in sorted({p.batch for p in self.predictions})}
         for p in self.predictions:
@@ -83,9 +83,9 @@ class ConcurrencyReport:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def predict(costs: dict[tuple[int, str], StepCost], acceptance: list[float], shapes: list[SpecConfig],
+def predict(costs: dict[tuple[int, str], StepCost], taus: dict[str, float], shapes: list[SpecConfig],
             batches: list[int]) -> list[Prediction]:
-    """Every (batch, shape)'s tokens/s from its measured steps and the acceptance by depth; plain first per batch."""
+    """Every (batch, shape)'s tokens/s from its measured steps and its tau; plain first per batch."""
     out = []
     for B in batches:
         plain = costs[(B, "plain")]
@@ -93,8 +93,7 @@ def predict(costs: dict[tuple[int, str], StepCost], acceptance: list[float], sha
         out.append(Prediction(B, None, plain_tps, 1.0, plain.noise, True))
         for shape in shapes:
             cost = costs[(B, shape_name(shape))]
-            tokens = 1 + sum(acceptance[:shape.num_steps])
-            tps = B * tokens / cost.median
+            tps = B * taus[shape_name(shape)] / cost.median
             noise = cost.noise + plain.noise
             out.append(Prediction(B, shape, tps, tps / plain_tps, noise, tps / plain_tps > 1 + noise))
     return out
@@ -119,20 +118,18 @@ def schedule_from(predictions: list[Prediction]) -> Schedule:
 
 # -- measuring in eaglewire's engine ----------------------------------------------
 
-def measure_acceptance(decoder, prompts: list[list[int]], max_steps: int, max_new_tokens: int) -> list[float]:
-    """a_d for d = 1..max_steps: the longest chain's rounds, greedy, one sequence at a time."""
+def measure_tau(decoder, prompts: list[list[int]], shape: SpecConfig, max_new_tokens: int) -> float:
+    """Tokens a round of ``shape``, greedy, the prompts decoded one at a time."""
     from eaglewire.decode.batch_engine import BatchEngine
 
-    engine = BatchEngine(decoder, Schedule.fixed(SpecConfig.chain(max_steps)))
-    accepts, rounds = [0] * max_steps, 0
+    engine = BatchEngine(decoder, Schedule.fixed(shape))
+    accepted, rounds = 0, 0
     for prompt in prompts:
         seq = engine.add(prompt, max_new_tokens=max_new_tokens)
         while engine.live:
             engine.step()
-        drafted = [v > 1 for v in seq.stats.verified_lengths]
-        rounds += sum(drafted)
-        accepts = [a + n for a, n in zip(accepts, seq.stats.position_accepts)]
-    return [a / max(rounds, 1) for a in accepts]
+        accepted, rounds = accepted + sum(seq.stats.accept_lengths), rounds + seq.stats.rounds
+    return accepted / max(rounds, 1)
 
 
 def measure_steps(decoder, prompts: list[list[int]], batch: int, shape: SpecConfig | None, *, warmup: int,
@@ -158,17 +155,18 @@ def measure_steps(decoder, prompts: list[list[int]], batch: int, shape: SpecConf
 def measure_concurrency(decoder, prompts: list[list[int]], batches: list[int], shapes: list[SpecConfig], *,
                         max_new_tokens: int = 64, warmup: int = 2, repeats: int = 12,
                         progress: Progress = lambda _: None) -> ConcurrencyReport:
-    """Step costs of plain and every shape at every batch size in ``decoder``'s engine, the draft's acceptance by
-    depth, the predictions and the schedule they give."""
-    max_steps = max(s.num_steps for s in shapes)
-    progress(f"acceptance: chain {max_steps} over {len(prompts)} prompts x {max_new_tokens} tokens")
-    acceptance = measure_acceptance(decoder, prompts, max_steps, max_new_tokens)
+    """Step costs of plain and every shape at every batch size in ``decoder``'s engine, each shape's tau, the
+    predictions and the schedule they give."""
+    taus = {}
+    for shape in shapes:
+        progress(f"tau of {shape_name(shape)}: {len(prompts)} prompts x {max_new_tokens} tokens")
+        taus[shape_name(shape)] = measure_tau(decoder, prompts, shape, max_new_tokens)
     costs: dict[tuple[int, str], StepCost] = {}
     for B in batches:
         for shape in [None, *shapes]:
             name = "plain" if shape is None else shape_name(shape)
             progress(f"batch {B}: {name}, {repeats} steps")
             costs[(B, name)] = measure_steps(decoder, prompts, B, shape, warmup=warmup, repeats=repeats)
-    predictions = predict(costs, acceptance, shapes, batches)
-    return ConcurrencyReport(costs, acceptance, predictions, schedule_from(predictions),
+    predictions = predict(costs, taus, shapes, batches)
+    return ConcurrencyReport(costs, taus, predictions, schedule_from(predictions),
                              [f"{torch.get_num_threads()} threads, {decoder.target.dtype}"])

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from eaglewire.core.generation import GenerationStats
-from eaglewire.decode.batched_chains import can_batch, draft_chains
+from eaglewire.decode.eagle3_batch import can_batch, draft_chains, extend_together
 from eaglewire.decode.runner import LeanRunner, LeanWeights, forward_blocks, has_lean_forward, make_runner
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
 from eaglewire.decode.schedule import Schedule
@@ -163,9 +163,12 @@ class BatchEngine:
         outputs = self._forward([seq.slot.runner for seq in live], blocks)
         logits = self._head([last for last, _ in outputs]).split([len(t) for t in trees])  # [n_b, V] each
         t2 = time.perf_counter()
-        for seq, tree, (_, aux), seq_logits in zip(live, trees, outputs, logits):
-            self._settle(seq, tree, aux, seq_logits)
-            seq.stats.draft_seconds += (t1 - t0) / len(live)
+        extends = [self._settle(seq, tree, aux, seq_logits)
+                   for seq, tree, (_, aux), seq_logits in zip(live, trees, outputs, logits)]
+        self._extend([seq for seq, e in zip(live, extends) if e is not None], [e for e in extends if e is not None])
+        t3 = time.perf_counter()
+        for seq in live:  # the step's time, shared: drafting (proposing and extending) and the one verify pass
+            seq.stats.draft_seconds += (t1 - t0 + t3 - t2) / len(live)
             seq.stats.verify_seconds += t2 - t1
         for seq in live:
             if seq.finished:
@@ -175,7 +178,7 @@ class BatchEngine:
 
     def _propose(self, live: list[Sequence], shape: SpecConfig | None) -> list[Tree]:
         """The tree each sequence verifies this step: its root alone (plain), or its draft's in ``shape`` -- chains
-        of EAGLE-3 drafts on the CPU drafted together (batched_chains.py), anything else one drafter at a time."""
+        of EAGLE-3 drafts on the CPU drafted together (eagle3_batch.py), anything else one drafter at a time."""
         if shape is None:
             return [root_only(seq.root) for seq in live]
         for seq in live:
@@ -216,9 +219,10 @@ class BatchEngine:
             return self.weights.head(lasts[0] if len(lasts) == 1 else torch.cat(lasts))
         return torch.cat([self.target.head(last) for last in lasts])
 
-    def _settle(self, seq: Sequence, tree: Tree, aux: torch.Tensor, logits: torch.Tensor) -> None:
-        """Verify ``seq``'s tree against its logits [n, V], keep the accepted path's cache, hand its states to the
-        draft (now, or at its next speculative round), and take the new tokens."""
+    def _settle(self, seq: Sequence, tree: Tree, aux: torch.Tensor, logits: torch.Tensor):
+        """Verify ``seq``'s tree against its logits [n, V], keep the accepted path's cache, and take the new tokens;
+        returns the draft's context entry of the accepted path when the draft drafted this round (``_extend`` gives
+        it now), else keeps it for its next speculative round."""
         if seq.sampling.greedy:
             path, bonus = greedy_verify(tree, logits.argmax(-1).cpu())
         else:
@@ -226,18 +230,28 @@ class BatchEngine:
         P = seq.length
         seq.slot.runner.commit(path)
         accepted = [int(tree.tokens[i]) for i in path[1:]]
+        entry = None
         if self.has_draft:
             entry = (aux[path], accepted + [bonus], P)  # the root and the accepted drafts, at P..
-            if len(tree) > 1:
-                seq.slot.drafter.extend(*entry)
-            else:
+            if len(tree) == 1:
                 seq.unseen.append(entry)
+                entry = None
         for d in range(len(accepted)):
             seq.stats.position_accepts[d] += 1
         seq.stats.accept_lengths.append(len(path))
         seq.stats.verified_lengths.append(len(tree))
         seq.root = bonus
         self._take(seq, accepted + [bonus])
+        return entry
+
+    def _extend(self, seqs: list[Sequence], entries: list[tuple[torch.Tensor, list[int], int]]) -> None:
+        """The drafted sequences' accepted states into their drafts' contexts: together where the drafts allow."""
+        drafters = [seq.slot.drafter for seq in seqs]
+        if can_batch(drafters, 1):
+            extend_together(drafters, entries)
+        else:
+            for drafter, entry in zip(drafters, entries):
+                drafter.extend(*entry)
 
     def _take(self, seq: Sequence, new: list[int]) -> None:
         before = len(seq.produced)

@@ -63,11 +63,11 @@ class Eagle3Drafter:
         return other
 
     def use_shape(self, spec: SpecConfig) -> None:
-        """Draft the next rounds in ``spec``'s shape (a schedule's choice for the live batch size); the floor
-        decides whether a round can be one graph, so it stays the one the drafter was made with."""
-        if spec.min_score != self.spec.min_score:
-            raise ValueError(f"a schedule's shapes share the draft's --draft-min-prob {self.spec.min_prob}; "
-                             f"got {spec.min_prob}")
+        """Draft the next rounds in ``spec``'s shape (a schedule's choice for the live batch size). On the fixed-width
+        cache the floor decides whether a round is one graph, so there it stays the one the drafter was made with."""
+        if self.static and spec.min_score != self.spec.min_score:
+            raise ValueError(f"on {self.target.device} a schedule's shapes share the draft's --draft-min-prob "
+                             f"{self.spec.min_prob}; got {spec.min_prob}")
         self.spec = spec
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

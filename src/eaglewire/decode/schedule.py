@@ -159,7 +159,24 @@ def schedule_key(target, draft_dir: str | Path, threads: int | None = None) -> S
 
 
 def shape_name(spec: SpecConfig) -> str:
-    """'chain 3' or 'tree 5/4/8' (num_steps / topk / num_draft_tokens)."""
-    if spec.topk == 1:
-        return f"chain {spec.num_steps}"
-    return f"tree {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}"
+    """'chain 3', 'tree 5/4/8' (num_steps / topk / num_draft_tokens), with ' p0.1' for a --draft-min-prob."""
+    name = f"chain {spec.num_steps}" if spec.topk == 1 else f"tree {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}"
+    return name + (f" p{spec.min_prob:g}" if spec.min_prob > 0 else "")
+
+
+def parse_shapes(text: str, flag: str = "--shapes") -> list[SpecConfig]:
+    """';'-separated steps,topk,draft-tokens[,min-prob] -> SpecConfigs ('3,1,4;5,4,12,0.1')."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields = part.split(",")
+        try:
+            if len(fields) not in (3, 4):
+                raise ValueError(f"{len(fields)} numbers")
+            shapes.append(SpecConfig(num_steps=int(fields[0]), topk=int(fields[1]), num_draft_tokens=int(fields[2]),
+                                     min_prob=float(fields[3]) if len(fields) == 4 else 0.0))
+        except ValueError as e:
+            raise ValueError(f"{flag}: {part!r} is not steps,topk,draft-tokens[,min-prob] ({e}); separate shapes "
+                             "with ';', e.g. '1,1,2;3,1,4;5,4,12,0.1'") from None
+    if not shapes:
+        raise ValueError(f"{flag} is empty; give e.g. '1,1,2;3,1,4'")
+    return shapes

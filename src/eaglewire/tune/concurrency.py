@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglewire.acceptance.concurrency import ConcurrencyReport, measure_concurrency
-from eaglewire.decode.schedule import schedule_key
-from eaglewire.decode.spec_config import SpecConfig
+from eaglewire.decode.schedule import parse_shapes, schedule_key
 from eaglewire.tune.run import TuneConfig, tune_prompts
 
 
@@ -16,10 +15,10 @@ def run_concurrency(config: TuneConfig, *, progress=lambda _: None) -> Concurren
     from eaglewire.core.presets import resolve_draft
 
     draft_dir = resolve_draft(config.draft)
-    chains = [SpecConfig.chain(n) for n in config.chains]
-    decoder = load_decoder(config.target, str(draft_dir), chains[-1], device=config.device, dtype=config.dtype)
+    shapes = parse_shapes(config.shapes)
+    decoder = load_decoder(config.target, str(draft_dir), shapes[-1], device=config.device, dtype=config.dtype)
     prompts = tune_prompts(config, decoder.target.tokenizer)
-    report = measure_concurrency(decoder, prompts, config.concurrency, chains, max_new_tokens=config.max_new_tokens,
+    report = measure_concurrency(decoder, prompts, config.concurrency, shapes, max_new_tokens=config.max_new_tokens,
                                  progress=progress)
     report.schedule.key = schedule_key(decoder.target, draft_dir)
     report.schedule.notes = [f"tune --concurrency {','.join(map(str, config.concurrency))}: {report.schedule.describe()}",

@@ -16,6 +16,7 @@ from eaglewire.core.locks import directory_lock
 from eaglewire.engines import Ability, get as get_engine, names as engine_names
 from eaglewire.engines.command_settings import EngineRunConfig
 from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.decode.schedule import parse_shapes
 
 _QUERY = SpeedQuery()  # the defaults of what tune measures
 
@@ -43,8 +44,9 @@ class TuneConfig:
     run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
     concurrency: list[int] | None = field(default=None, metadata={"help": "batch sizes (e.g. 1,2,4,8,16): measure "
                                           "eaglewire's engine at each and print the schedule of where the draft pays"})
-    chains: list[int] = field(default_factory=lambda: [1, 2, 3], metadata={
-        "help": "with --concurrency: the chains (drafted tokens) measured beside plain at each batch size"})
+    shapes: str = field(default="1,1,2;2,1,3;3,1,4;5,4,12,0.1", metadata={
+        "help": "with --concurrency: ';'-separated steps,topk,draft-tokens[,min-prob] measured beside plain at each "
+                "batch size (the default: chains of 1-3 and the tree that pays on 2 CPU cores at one request)"})
     schedule_out: str | None = field(default=None, metadata={
         "help": "with --concurrency: write the schedule here, for `eaglewire serve --schedule`"})
     verify_cost: float = field(default=_QUERY.verify_cost, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
@@ -67,8 +69,7 @@ class TuneConfig:
                                  "load, bench it with that many clients (benchmarks/serve_concurrency.py)")
             if not self.concurrency or any(b < 1 for b in self.concurrency) or self.concurrency != sorted(set(self.concurrency)):
                 raise ValueError(f"--concurrency takes ascending batch sizes >= 1, got {self.concurrency}")
-            if not self.chains or any(c < 1 for c in self.chains):
-                raise ValueError(f"--chains takes drafted-token counts >= 1, got {self.chains}")
+            parse_shapes(self.shapes)
         elif self.schedule_out is not None:
             raise ValueError("--schedule-out writes the schedule --concurrency measures: give --concurrency too")
 

@@ -1,7 +1,9 @@
-"""EAGLE-3 chains of several sequences drafted together (continuous batching's speculative rounds on the CPU).
+"""EAGLE-3 drafts of several sequences run together (continuous batching's speculative rounds on the CPU): their
+chains drafted level by level (``draft_chains``), and the accepted tokens' states entered into their contexts
+(``extend_together``).
 
-Shapes: B sequences drafting, n of them still drafting at a level, H hidden, nH / nKV heads, hd head dim, S_b
-entries in sequence b's draft cache.
+Shapes: B sequences, n of them still drafting at a level, N rows of one pass (n_b of sequence b), H hidden,
+k aux boundaries, nH / nKV heads, hd head dim, S_b entries in sequence b's draft cache.
 
 A chain (topk 1) drafts one node a sequence per level, so a level of B sequences is one pass of the draft over B
 rows: one GEMM per weight for all of them -- the draft head's included, which at a 32k draft vocabulary is most of
@@ -51,7 +53,8 @@ def draft_chains(drafters: list, roots: list[int], positions: list[int], num_ste
         hidden, scores, tokens = hidden[keep], scores[keep], tokens[keep]
         at = torch.tensor([positions[b] - 1 + depth for b in drafting], device=hidden.device)  # [n]: a node of
         # depth d runs at P - 1 + d
-        hidden = draft_rows(draft, [drafters[b].cache for b in drafting], first.embed(tokens)[0], hidden, at)  # [n, H]
+        hidden = draft_rows(draft, [drafters[b].cache for b in drafting], [1] * len(drafting), first.embed(tokens)[0],
+                            hidden, at)  # [n, H]
         values, ids = top_next(draft, hidden, 1)  # [n, 1] each
         scores, tokens = scores + values[:, 0].double(), to_target[ids[:, 0]]  # [n]
         for b, t, s in zip(drafting, tokens.tolist(), scores.tolist()):
@@ -61,18 +64,38 @@ def draft_chains(drafters: list, roots: list[int], positions: list[int], num_ste
     return [select_tree(root, chain, num_steps + 1, min_score)[0] for root, chain in zip(roots, chains)]
 
 
-def draft_rows(draft, caches: list[DraftCache], emb: torch.Tensor, hidden: torch.Tensor,
+@torch.no_grad()
+def extend_together(drafters: list, entries: list[tuple[torch.Tensor, list[int], int]]) -> None:
+    """Each drafter's ``extend(*entry)`` -- the accepted tokens' states aux [n_b, k*H], the token after each, the
+    first one's position -- in one pass of the draft (``can_batch``'s drafters)."""
+    first = drafters[0]
+    draft, sizes = first.draft, [len(tokens) for _, tokens, _ in entries]
+    hidden = draft.fuse(torch.cat([aux for aux, _, _ in entries]).to(first.dtype))  # [N, H]
+    ids = torch.tensor([t for _, tokens, _ in entries for t in tokens], device=hidden.device)  # [N]
+    positions = torch.cat([torch.arange(start, start + n) for (_, _, start), n in zip(entries, sizes)])  # [N]
+    out = draft_rows(draft, [d.cache for d in drafters], sizes, first.embed(ids)[0], hidden,
+                     positions.to(hidden.device))  # [N, H]
+    for d, last in zip(drafters, torch.cumsum(torch.tensor(sizes), 0).tolist()):
+        d.cache.commit()
+        d.root_out = out[None, last - 1:last]  # [1, 1, H]
+
+
+def draft_rows(draft, caches: list[DraftCache], sizes: list[int], emb: torch.Tensor, hidden: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-    """One new entry per cache, run through the draft together: emb/hidden [n, H], positions [n] -> pre-norm [n, H];
-    row r's keys and values are appended to ``caches[r]`` and it attends to everything there (a chain's node sees
-    its context and its ancestors, which is all its cache holds while drafting)."""
+    """``sizes[b]`` new entries of each cache, run through the draft together: emb/hidden [N, H], positions [N]
+    -> pre-norm [N, H]. Cache b's rows are appended to it and attend to everything before them and causally among
+    themselves, as ``DraftCache.forward`` without a mask (a chain's node sees its context and its ancestors, which is
+    all its cache holds while drafting)."""
     layer = draft.midlayer
     attn = layer.self_attn
-    cos, sin = draft.rotary(positions[None], emb.dtype)  # [1, n, hd]
-    q, k, v = attn.qkv(layer.attn_input(emb[None], hidden[None]), cos, sin)  # [1, nH, n, hd], [1, nKV, n, hd]
-    outs = []
-    for r, cache in enumerate(caches):
-        cache.append(k[:, :, r:r + 1], v[:, :, r:r + 1])  # [1, nKV, 1, hd]
-        outs.append(F.scaled_dot_product_attention(q[:, :, r:r + 1], attn.expand_kv(cache.k),
-                                                   attn.expand_kv(cache.v)))  # [1, nH, 1, hd]
-    return layer.finish(hidden[None], attn.out(torch.cat(outs, dim=2)))[0]  # [n, H]
+    cos, sin = draft.rotary(positions[None], emb.dtype)  # [1, N, hd]
+    q, k, v = attn.qkv(layer.attn_input(emb[None], hidden[None]), cos, sin)  # [1, nH, N, hd], [1, nKV, N, hd]
+    outs, o = [], 0
+    for cache, n in zip(caches, sizes):
+        S = cache.length
+        cache.append(k[:, :, o:o + n], v[:, :, o:o + n])  # [1, nKV, n, hd]
+        mask = None if n == 1 else torch.ones(n, S + n, dtype=torch.bool, device=q.device).tril(S)  # [n, S+n]
+        outs.append(F.scaled_dot_product_attention(q[:, :, o:o + n], attn.expand_kv(cache.k), attn.expand_kv(cache.v),
+                                                   attn_mask=mask))  # [1, nH, n, hd]
+        o += n
+    return layer.finish(hidden[None], attn.out(torch.cat(outs, dim=2)))[0]  # [N, H]
