@@ -66,3 +66,37 @@ def test_concurrency_flags_are_checked(capsys):
     assert "give --concurrency too" in capsys.readouterr().err
     assert main(["tune", "--draft", "reference", "--concurrency", "1,2", "--shapes", "3,1"]) == 2
     assert "is not steps,topk,draft-tokens[,min-prob]" in capsys.readouterr().err
+
+
+def test_bench_concurrency_runs_plain_shapes_and_the_schedule_at_each_load(tmp_path, target_dir, draft_dir, capsys,
+                                                                           one_thread):
+    """bench --concurrency 1,3: plain, a chain and tune's schedule at each load; every output is plain's (fp32),
+    the schedule drafts only where it says, the table, concurrency.json and concurrency.png are written."""
+    from eaglewire.decode.schedule import ScheduleRange
+
+    target = load_decode_target(str(target_dir), dtype="fp32")
+    schedule_path = tmp_path / "schedule.json"
+    Schedule([ScheduleRange(1, CHAIN3), ScheduleRange(2, None)], schedule_key(target, draft_dir)).save(schedule_path)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 5)
+    out = tmp_path / "report"
+    argv = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--dataset", str(prompts),
+            "--configs", "1,0,0,0;1,3,1,4", "--max-new-tokens", "10", "--warmup", "1", "--dtype", "fp32",
+            "--concurrency", "1,3", "--schedule", str(schedule_path), "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    shown = capsys.readouterr().out
+    assert "vs plain" in shown and "schedule" in shown
+    rows = json.loads((out / "concurrency.json").read_text())["rows"]
+    assert [(r["name"], r["clients"]) for r in rows] == [(n, c) for c in (1, 3) for n in ("1,0,0,0", "1,3,1,4", "schedule")]
+    assert all(r["same_as_plain"] == 5 and r["requests"] == 5 for r in rows)
+    by = {(r["name"], r["clients"]): r for r in rows}
+    assert by[("schedule", 1)]["speculative_steps"] == by[("schedule", 1)]["steps"] > 0  # one at a time: drafts
+    assert by[("schedule", 3)]["speculative_steps"] < by[("schedule", 3)]["steps"]  # 3 at once: plain
+    assert by[("1,0,0,0", 3)]["steps"] < by[("1,0,0,0", 1)]["steps"]  # batched: fewer steps for the same tokens
+    assert (out / "concurrency.png").stat().st_size > 0
+
+
+def test_bench_concurrency_flags_are_checked(capsys):
+    assert main(["bench", "--concurrency", "1,4", "--configs", "1,5,1,6", "--draft", "reference"]) == 2
+    assert "list 1,0,0,0 in --configs" in capsys.readouterr().err
+    assert main(["bench", "--schedule", "s.json"]) == 2
+    assert "give --concurrency too" in capsys.readouterr().err

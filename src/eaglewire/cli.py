@@ -164,11 +164,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from eaglewire.bench.report import terminal_table, write_report
 
     config = config_from_args(BenchConfig, args)
+    if config.concurrency is not None:
+        return _bench_concurrency(config, progress=not args.no_progress)
     result = run_bench(config, progress=not args.no_progress)
     print(terminal_table(result))
     paths = write_report(result, config.out_dir)
     _record(config.out_dir, config)
     print(f"\nreport written to {config.out_dir}: {', '.join(p.name for p in paths + [Path(RESOLVED_CONFIG)])}")
+    return 0
+
+
+def _bench_concurrency(config, *, progress: bool) -> int:
+    """``bench --concurrency``: the table, concurrency.json and concurrency.png in the report directory."""
+    from eaglewire.bench.concurrency import plot, table
+    from eaglewire.bench.run import run_bench_concurrency
+    from eaglewire.core.fileio import atomic_write_text
+    from eaglewire.core.machine import summary_line
+
+    rows = run_bench_concurrency(config, progress=progress)
+    print(table(rows))
+    out = config.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": summary_line(), "command": config.command_line(), "rows": [r.to_dict() for r in rows]}
+    atomic_write_text(out / "concurrency.json", json.dumps(report, indent=2) + "\n")
+    paths = [out / "concurrency.json", plot(rows, out / "concurrency.png")]
+    _record(out, config)
+    print(f"\nreport written to {out}: {', '.join(p.name for p in paths + [Path(RESOLVED_CONFIG)])}")
     return 0
 
 

@@ -71,9 +71,18 @@ class BenchConfig:
     allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the draft's"})
     engine: list[str] = field(default_factory=lambda: [IN_PROCESS], metadata={"help": f"{', '.join(ENGINES)}, or several comma-separated (side by side on the same prompts)"})
     run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
+    concurrency: list[int] | None = field(default=None, metadata={
+        "help": "requests in flight at once (e.g. 1,4,8): each config decoded by eaglewire's engine with that many "
+                "clients (continuous batching); a table and a plot of throughput against concurrency"})
+    schedule: str | None = field(default=None, metadata={
+        "help": "with --concurrency: a schedule from `tune --concurrency`, run as a row of its own"})
 
     def __post_init__(self) -> None:
         runs = [] if self.configs == RECOMMENDED else parse_configs(self.configs)
+        if self.concurrency is not None:
+            self._check_concurrency(runs)
+        elif self.schedule is not None:
+            raise ValueError("--schedule runs as a row of --concurrency: give --concurrency too")
         if self.configs == RECOMMENDED and len(self.engine) != 1:
             raise ValueError(f"--configs {RECOMMENDED} is tuned for one engine; give one of --engine "
                              f"{', '.join(ENGINES)}, not {','.join(self.engine)}")
@@ -105,6 +114,22 @@ class BenchConfig:
         if self.draft is None and self.dataset == HELDOUT:
             raise ValueError(f"--dataset {HELDOUT} reads the held-out conversations recorded in the draft: give --draft DIR")
 
+    def _check_concurrency(self, runs: list[SpecConfig | None]) -> None:
+        if self.engine != [IN_PROCESS] or self.compare:
+            raise ValueError(f"--concurrency runs eaglewire's own engine (--engine {IN_PROCESS}, no --compare); "
+                             "for llama-server or vLLM under load, run benchmarks/serve_concurrency.py's clients "
+                             "against the server")
+        if self.configs == RECOMMENDED or None not in runs:
+            raise ValueError("--concurrency compares every config with plain decoding at the same load: list "
+                             "1,0,0,0 in --configs")
+        if not self.concurrency or any(c < 1 for c in self.concurrency) or sorted(set(self.concurrency)) != self.concurrency:
+            raise ValueError(f"--concurrency takes ascending request counts >= 1, got {self.concurrency}")
+        if len(self.dtype) != 1:
+            raise ValueError("--concurrency runs one --dtype at a time")
+        if self.schedule is not None and self.draft is None:
+            raise ValueError("--schedule chooses between speculation and plain decoding: give the --draft it was "
+                             "tuned for")
+
     @property
     def runs(self) -> list[SpecConfig | None]:
         return parse_configs(self.configs)
@@ -121,7 +146,7 @@ class BenchConfig:
         values.update({f.name: getattr(self.run, f.name) for f in fields(self.run)})
         for name, value in values.items():
             if value is not None:
-                parts += ["--" + name.replace("_", "-"), ",".join(value) if isinstance(value, list) else str(value)]
+                parts += ["--" + name.replace("_", "-"), ",".join(map(str, value)) if isinstance(value, list) else str(value)]
         return shlex.join(parts)
 
 
@@ -533,6 +558,32 @@ def _run_server(engine: str, config: BenchConfig, encoded: list[list[int]], prog
         rows.append(Row(f"{engine} {config_label(run)}", "plain" if run is None else family, stats, outputs,
                         engine_name=engine))
     return rows
+
+
+def run_bench_concurrency(config: BenchConfig, *, progress: bool = True):
+    """``--concurrency``: every config (plain first) and the schedule at each concurrency -> LoadRows."""
+    from eaglewire.bench.concurrency import bench_concurrency
+    from eaglewire.decode.schedule import Schedule, schedule_key
+
+    target = load_decode_target(config.target, device=config.device, dtype=config.dtype[0])
+    prompts = [encode_prompt(target.tokenizer, p.text, chat=p.chat) for p in bench_prompts(config)]
+    decoders: dict[str, tuple[SpecDecoder, Schedule]] = {}
+    draft = contract = None
+    runs = sorted(config.runs, key=lambda r: r is not None)  # plain first
+    if config.draft is not None:
+        draft, contract, _ = load_draft(config.draft, target=target, allow=set(config.allow_target_mismatch or ()),
+                                        device=target.device, dtype=target.dtype)
+    for run in runs:
+        decoder = SpecDecoder(target) if run is None else SpecDecoder(target, draft, contract, run)
+        decoders[config_label(run)] = (decoder, Schedule.fixed(run))
+    if config.schedule is not None:
+        schedule = Schedule.load(config.schedule)
+        schedule.check_key(schedule_key(target, config.draft))
+        shapes = schedule.shapes or [SpecConfig()]
+        decoders["schedule"] = (SpecDecoder(target, draft, contract, shapes[0]), schedule)
+    return bench_concurrency(decoders, prompts, config.concurrency, max_new_tokens=config.max_new_tokens,
+                             stop_token_ids=set(stop_token_ids(target.tokenizer, target.model)),
+                             temperature=config.temperature, seed=config.seed, warmup=config.warmup, progress=progress)
 
 
 def check_draft_family(config: BenchConfig) -> None:
