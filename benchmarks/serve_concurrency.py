@@ -24,8 +24,12 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-SHAPES = {"plain": [], "chain 3": ["--draft", "reference", "--speculative-num-steps", "3",
-                                   "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]}
+def chain(n: int) -> list[str]:
+    return ["--draft", "reference", "--speculative-num-steps", str(n), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(n + 1)]
+
+
+SHAPES = {"plain": [], "chain 1": chain(1), "chain 3": chain(3)}
 
 
 def free_port() -> int:
@@ -96,7 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--schedule", help="a schedule from tune --concurrency (adds the 'schedule' server)")
-    ap.add_argument("--servers", default="plain,chain 3,schedule")
+    ap.add_argument("--servers", default="plain,chain 1,chain 3,schedule")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
@@ -109,7 +113,7 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     servers = dict(SHAPES)
     if args.schedule:
-        servers["schedule"] = SHAPES["chain 3"] + ["--schedule", args.schedule]
+        servers["schedule"] = SHAPES["chain 1"] + ["--schedule", args.schedule]
     result = {"machine": summary_line(), "max_tokens": args.max_tokens, "servers": {}}
     print(result["machine"], flush=True)
     for name in [s.strip() for s in args.servers.split(",") if s.strip() in servers]:

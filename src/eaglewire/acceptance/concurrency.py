@@ -65,12 +65,12 @@ class ConcurrencyReport:
     def format(self) -> str:
         taus = ", ".join(f"{name} {tau:.2f}" for name, tau in self.taus.items())
         lines = [f"tokens a round (tau, greedy): {taus}", "",
-                 f"{'batch':>5}  {'shape':10} {'ms/step':>8} {'tok/s':>8} {'vs plain':>8}  {'noise':>6}  choice"]
+                 f"{'batch':>5}  {'shape':18} {'ms/step':>8} {'tok/s':>8} {'vs plain':>8}  {'noise':>6}  choice"]
         chosen = {b: self.schedule.shape_for(b) for b in sorted({p.batch for p in self.predictions})}
         for p in self.predictions:
             name = "plain" if p.shape is None else shape_name(p.shape)
-            mark = "<-" if p.shape == chosen[p.batch] else ("" if p.kept else "within noise")
-            lines.append(f"{p.batch:5}  {name:10} {1e3 * self.costs[(p.batch, name)].median:8.1f} "
+            mark = "<-" if p.shape == chosen[p.batch] else verdict(p)
+            lines.append(f"{p.batch:5}  {name:18} {1e3 * self.costs[(p.batch, name)].median:8.1f} "
                          f"{p.tokens_per_second:8.1f} {p.speedup:7.2f}x  {100 * p.noise:5.1f}%  {mark}")
         lines += ["", f"schedule: {self.schedule.describe()}"]
         crossover = self.schedule.crossover
@@ -81,6 +81,13 @@ class ConcurrencyReport:
         else:
             lines.append(f"speculation pays up to {crossover} concurrent requests here; above that serve plain")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def verdict(p: Prediction) -> str:
+    """Why a prediction is not the choice: slower than plain, or faster by less than the noise."""
+    if p.shape is None or p.kept:
+        return ""
+    return "slower than plain" if p.speedup <= 1 else "within noise"
 
 
 def predict(costs: dict[tuple[int, str], StepCost], taus: dict[str, float], shapes: list[SpecConfig],
