@@ -84,6 +84,7 @@ def test_quickstart_serves_a_shape_only_when_tune_chose_it_and_bench_measured_it
     rows = verdict_rows(_bench(1.05, 0.8, 1.2), _tune("1,5,4,12,0.1", 1.15))
     assert rows[0][0] == "serve with" and rows[0][1].startswith("1,5,4,12,0.1: 1.20x plain decoding in bench, 1.15x")
     assert "--speculative-num-draft-tokens 12 --draft-min-prob 0.1" in rows[0][1]
+    assert "at 1 concurrent request" in rows[0][1] and "--concurrency 1,2,4,8" in rows[0][1]  # the load it holds for
     # bench fastest elsewhere does not override tune's choice: one recommendation, not two
     rows = verdict_rows(_bench(1.3, 0.8, 0.95), _tune("1,5,4,12,0.1"))
     assert rows[0][1].startswith("plain decoding") and "bench read it 0.95x" in rows[0][1]

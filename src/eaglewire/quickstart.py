@@ -334,8 +334,11 @@ def verdict_rows(bench: list[dict[str, Any]], tune: dict[str, Any] | None) -> li
     row = measured.get(shape)
     if row is not None and row["speedup"] > 1:
         return [("serve with", f"{shape}: {row['speedup']:.2f}x plain decoding in bench, "
-                               f"{tune['predicted_speedup']:.2f}x predicted by tune on other prompts "
-                               f"(`eaglewire serve --draft <out>/draft {spec_flags(shape)}`)"),
+                               f"{tune['predicted_speedup']:.2f}x predicted by tune on other prompts, both at 1 "
+                               f"concurrent request (`eaglewire serve --draft <out>/draft {spec_flags(shape)}`; for "
+                               "many at once, `eaglewire tune --draft <out>/draft --concurrency 1,2,4,8 "
+                               "--schedule-out <out>/schedule.json` says up to which load it pays, and `serve "
+                               "--schedule` follows it)"),
                 ("for more speed", f"{reference}; {recipe}")]
     read = f"{row['speedup']:.2f}x" if row else "not measured"
     return [("serve with", f"plain decoding (no --draft): tune predicted {shape} at {tune['predicted_speedup']:.2f}x "

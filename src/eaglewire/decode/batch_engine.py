@@ -84,8 +84,8 @@ class BatchEngine:
         self.has_draft = decoder.drafter is not None
         self.schedule = engine_schedule(decoder, schedule)
         self.max_steps = max((s.num_steps for s in self.schedule.shapes), default=0)
-        lean = has_lean_forward(self.target) if decoder.lean is None else decoder.lean
-        self.weights = LeanWeights(self.target) if lean else None
+        self.lean = has_lean_forward(self.target) if decoder.lean is None else decoder.lean
+        self.weights: LeanWeights | None = None  # packed at the first request, on the thread that drives the engine
         self.live: list[Sequence] = []
         self._free: list[_Slot] = []
         self.last_shape: SpecConfig | None = None  # what the last step ran (None: plain)
@@ -136,7 +136,8 @@ class BatchEngine:
         if self._free:
             return self._free.pop()
         decoder = self.decoder
-        if self.weights is not None:
+        if self.lean:
+            self.weights = self.weights or LeanWeights(self.target)
             runner = LeanRunner(self.target, decoder.boundaries, FIRST_CACHE_COLUMNS, weights=self.weights)
         else:
             runner = make_runner(self.target, decoder.boundaries, lean=False)
