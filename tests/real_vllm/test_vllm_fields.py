@@ -12,6 +12,7 @@ the replay of the same draft on the server's own text; and where the doctor has 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -101,6 +102,8 @@ def test_served_the_flag_is_served_far_below_the_replay_and_the_served_check_fai
     assert check.verdict == "fail" and "serving-side fault" in check.summary, check
     assert checks["engine fields"].verdict == "fail" and checks["engine wiring"].verdict == "ok"
     assert checks["engine version"].verdict == "ok" and "0.32.0" in checks["engine version"].summary
+    named = set(re.findall(r"(?i)\bvllm (\d+\.\d+\.\d+)", report.render()))
+    assert named == {"0.32.0"}, named  # every line names the release that judged the server (issue 64)
 
 
 def test_served_the_wiring_diagnosis_names_the_flag(served):
