@@ -25,11 +25,11 @@ import torch
 
 from eaglewire.core.generation import GenerationStats
 from eaglewire.decode.eagle3_batch import can_batch, draft_chains, extend_together
-from eaglewire.decode.runner import LeanRunner, LeanWeights, forward_blocks, has_lean_forward, make_runner
+from eaglewire.decode.runner import HFRunner, LeanRunner, LeanWeights, forward_blocks, has_lean_forward, make_runner
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
 from eaglewire.decode.schedule import Schedule
 from eaglewire.decode.spec_config import SpecConfig
-from eaglewire.decode.spec_decoder import SpecDecoder, next_token, root_only, take_tokens
+from eaglewire.decode.spec_decoder import Drafter, SpecDecoder, next_token, root_only, take_tokens
 from eaglewire.decode.tree import Tree
 from eaglewire.decode.verify import greedy_verify, sampling_verify
 
@@ -71,8 +71,8 @@ class Sequence:
 class _Slot:
     """A target cache and (with a draft) a drafter, kept for the next sequence when one ends."""
 
-    runner: object  # LeanRunner or HFRunner
-    drafter: object | None
+    runner: LeanRunner | HFRunner
+    drafter: Drafter | None
 
 
 class BatchEngine:
