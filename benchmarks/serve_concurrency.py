@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_latency import free_port, wait_healthy  # noqa: E402
 
 def chain(n: int) -> list[str]:
     return ["--draft", "reference", "--speculative-num-steps", str(n), "--speculative-eagle-topk", "1",
@@ -32,30 +34,13 @@ def chain(n: int) -> list[str]:
 SHAPES = {"plain": [], "chain 1": chain(1), "chain 3": chain(3)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: list[str], threads: int, log_path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "eaglewire.cli", "--threads", str(threads), "serve", "--target", "smollm2-135m",
            "--port", str(port), "--max-batch", "16", *args]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}); see {log_path}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server did not answer within 300 s; see {log_path}")
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
 
 
 def one_request(url: str, messages: list[dict], max_tokens: int) -> dict:

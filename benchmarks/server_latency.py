@@ -76,19 +76,23 @@ def start_server(target: str, draft: str | None, threads: int, spec: dict) -> tu
     port = free_port()
     code = SERVER.format(threads=threads, target=target, draft=draft, port=port, spec=spec if draft else {})
     proc = subprocess.Popen([sys.executable, "-c", code])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: str = "its output", seconds: float = 300) -> str:
+    """``url`` once the server in ``proc`` answers /health; stopped, and an error naming ``log``, otherwise."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} before answering /health")
+            raise RuntimeError(f"the server exited with code {proc.returncode} before answering /health; see {log}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as r:
                 if r.status == 200:
-                    return proc, url
+                    return url
         except OSError:
             time.sleep(0.5)
     proc.terminate()
-    raise RuntimeError("the server did not answer /health within 300 s")
+    raise RuntimeError(f"the server did not answer /health within {seconds:g} s; see {log}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -219,7 +219,7 @@ def test_chains_drafted_together_are_each_drafters_own(min_prob):
         for seq in seqs:
             engine._catch_up(seq, spec)
         drafters = [seq.slot.drafter for seq in seqs]
-        assert can_batch(drafters, 1)
+        assert can_batch(drafters)
         alone = [d.propose(s.root, s.length) for s, d in zip(seqs, drafters)]
         together = draft_chains(drafters, [s.root for s in seqs], [s.length for s in seqs], 3, spec.min_score)
         for a, t in zip(alone, together):

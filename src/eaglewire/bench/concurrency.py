@@ -87,7 +87,6 @@ def closed_loop(engine: BatchEngine, prompts: list[list[int]], clients: int, *, 
         now = time.perf_counter()
         request.outputs = seq.produced
         n = len(seq.produced)
-        request.first = request.first if request.first is not None else now
         done[request.prompt] = request
         running.pop(seq, None)
         request.gap = (now - request.first) / (n - 1) if n > 1 else float("nan")

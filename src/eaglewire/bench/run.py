@@ -563,7 +563,7 @@ def _run_server(engine: str, config: BenchConfig, encoded: list[list[int]], prog
 def run_bench_concurrency(config: BenchConfig, *, progress: bool = True):
     """``--concurrency``: every config (plain first) and the schedule at each concurrency -> LoadRows."""
     from eaglewire.bench.concurrency import bench_concurrency
-    from eaglewire.decode.schedule import Schedule, schedule_key
+    from eaglewire.decode.schedule import Schedule
 
     target = load_decode_target(config.target, device=config.device, dtype=config.dtype[0])
     prompts = [encode_prompt(target.tokenizer, p.text, chat=p.chat) for p in bench_prompts(config)]
@@ -577,8 +577,7 @@ def run_bench_concurrency(config: BenchConfig, *, progress: bool = True):
         decoder = SpecDecoder(target) if run is None else SpecDecoder(target, draft, contract, run)
         decoders[config_label(run)] = (decoder, Schedule.fixed(run))
     if config.schedule is not None:
-        schedule = Schedule.load(config.schedule)
-        schedule.check_key(schedule_key(target, config.draft))
+        schedule = Schedule.load_for(config.schedule, target, config.draft)
         shapes = schedule.shapes or [SpecConfig()]
         decoders["schedule"] = (SpecDecoder(target, draft, contract, shapes[0]), schedule)
     return bench_concurrency(decoders, prompts, config.concurrency, max_new_tokens=config.max_new_tokens,

@@ -29,7 +29,7 @@ from eaglewire.decode.runner import HFRunner, LeanRunner, LeanWeights, forward_b
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
 from eaglewire.decode.schedule import Schedule
 from eaglewire.decode.spec_config import SpecConfig
-from eaglewire.decode.spec_decoder import Drafter, SpecDecoder, next_token, root_only, take_tokens
+from eaglewire.decode.spec_decoder import Drafter, SpecDecoder, next_token, root_only, start_request, take_tokens
 from eaglewire.decode.tree import Tree
 from eaglewire.decode.verify import greedy_verify, sampling_verify
 
@@ -83,7 +83,7 @@ class BatchEngine:
         self.decoder, self.target = decoder, decoder.target
         self.has_draft = decoder.drafter is not None
         self.schedule = engine_schedule(decoder, schedule)
-        self.max_steps = max((s.num_steps for s in self.schedule.shapes), default=0)
+        self.max_steps = self.schedule.max_steps
         self.lean = has_lean_forward(self.target) if decoder.lean is None else decoder.lean
         self.weights: LeanWeights | None = None  # packed at the first request, on the thread that drives the engine
         self.live: list[Sequence] = []
@@ -98,13 +98,7 @@ class BatchEngine:
             should_stop: Callable[[list[int]], bool] | None = None) -> Sequence:
         """Prefill a new sequence and take its first token (``seq.new``); it joins the batch unless that token
         already ended it. Stops as ``SpecDecoder.stream`` does."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = sampling or SamplingParams()
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        sampling, generator = start_request(prompt_ids, max_new_tokens, sampling)
         seq = Sequence(list(prompt_ids), max_new_tokens, sampling, stop_token_ids or set(), should_stop,
                        self._slot(), generator, GenerationStats(prompt_tokens=len(prompt_ids)),
                        started=time.perf_counter())
@@ -186,7 +180,7 @@ class BatchEngine:
             seq.slot.drafter.use_shape(shape)
             self._catch_up(seq, shape)
         drafters = [seq.slot.drafter for seq in live]
-        if can_batch(drafters, shape.topk):
+        if shape.topk == 1 and can_batch(drafters):
             return draft_chains(drafters, [seq.root for seq in live], [seq.length for seq in live], shape.num_steps,
                                 shape.min_score)
         return [drafter.propose(seq.root, seq.length) for seq, drafter in zip(live, drafters)]
@@ -248,7 +242,7 @@ class BatchEngine:
     def _extend(self, seqs: list[Sequence], entries: list[tuple[torch.Tensor, list[int], int]]) -> None:
         """The drafted sequences' accepted states into their drafts' contexts: together where the drafts allow."""
         drafters = [seq.slot.drafter for seq in seqs]
-        if can_batch(drafters, 1):
+        if can_batch(drafters):
             extend_together(drafters, entries)
         else:
             for drafter, entry in zip(drafters, entries):

@@ -22,12 +22,12 @@ from eaglewire.decode.kv_cache import DraftCache, top_next
 from eaglewire.decode.tree import Candidate, Tree, select_tree
 
 
-def can_batch(drafters: list, topk: int) -> bool:
-    """Whether ``draft_chains`` can draft these drafters' round together: chains, EAGLE-3 drafters sharing one packed
-    draft, each on a growing cache with its last context entry's output at hand."""
+def can_batch(drafters: list) -> bool:
+    """Whether these drafters can run together (``draft_chains`` for a round of chains, ``extend_together``): several
+    EAGLE-3 drafters sharing one packed draft, each on a growing cache with its last context entry's output at hand."""
     from eaglewire.decode.eagle3_drafter import Eagle3Drafter
 
-    return (topk == 1 and len(drafters) > 1 and all(isinstance(d, Eagle3Drafter) for d in drafters)
+    return (len(drafters) > 1 and all(isinstance(d, Eagle3Drafter) for d in drafters)
             and all(d.draft is drafters[0].draft and isinstance(d.cache, DraftCache) and d.root_out is not None
                     for d in drafters))
 

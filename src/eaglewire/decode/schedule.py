@@ -79,6 +79,11 @@ class Schedule:
         return out
 
     @property
+    def max_steps(self) -> int:
+        """The deepest shape's drafted tokens a round (0: plain at every size)."""
+        return max((s.num_steps for s in self.shapes), default=0)
+
+    @property
     def crossover(self) -> int | None:
         """The largest batch size at which it speculates (None: never; the last range speculating: no limit, -1)."""
         if self.ranges[-1].shape is not None:
@@ -124,6 +129,13 @@ class Schedule:
         from eaglewire.core.fileio import atomic_write_text
 
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load_for(cls, path: str | Path, target, draft_dir: str | Path) -> Schedule:
+        """``load``, refused unless measured on this target, draft and setup (``check_key``)."""
+        schedule = cls.load(path)
+        schedule.check_key(schedule_key(target, draft_dir))
+        return schedule
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:

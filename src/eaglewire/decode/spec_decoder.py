@@ -97,13 +97,7 @@ class SpecDecoder:
         ``should_stop`` is asked once per new token, in order (so it may keep state, as
         ``text.StopStrings`` does).
         """
-        if not prompt_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = sampling or SamplingParams()
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        sampling, gen = start_request(prompt_ids, max_new_tokens, sampling)
         stop_token_ids = stop_token_ids or set()
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         drafter = self.drafter
@@ -164,6 +158,20 @@ class SpecDecoder:
     def generate(self, prompt_ids: list[int], **kwargs) -> tuple[list[int], GenerationStats]:
         tokens = [t for chunk in self.stream(prompt_ids, **kwargs) for t in chunk]
         return tokens, self.stats
+
+
+def start_request(prompt_ids: list[int], max_new_tokens: int,
+                  sampling: SamplingParams | None) -> tuple[SamplingParams, torch.Generator]:
+    """A request checked (a prompt, a positive budget) -> its sampling settings and its generator, seeded with
+    ``sampling.seed`` (a fresh seed without one)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = sampling or SamplingParams()
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+    return sampling, gen
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:

@@ -18,7 +18,7 @@ import threading
 import uvicorn
 
 from eaglewire.decode.load import load_decoder
-from eaglewire.decode.schedule import Schedule, schedule_key
+from eaglewire.decode.schedule import Schedule
 from eaglewire.serve.decode_worker import DecodeWorker
 from eaglewire.serve.config import ServeConfig
 from eaglewire.serve.routes import create_app
@@ -104,8 +104,7 @@ def serve(config: ServeConfig) -> int:
         if config.draft is None:
             raise ValueError("--schedule chooses between speculation and plain decoding: serve it with the --draft it "
                              "was tuned for")
-        schedule = Schedule.load(config.schedule)
-        schedule.check_key(schedule_key(decoder.target, config.draft))
+        schedule = Schedule.load_for(config.schedule, decoder.target, config.draft)
         log.info("schedule %s: %s", config.schedule, schedule.describe())
     app = create_app(decoder, model_name=config.target, max_queue=config.max_queue, api_key=config.api_key,
                      max_context=config.max_context, max_request_bytes=config.max_request_bytes,

@@ -253,7 +253,7 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
         raise ValueError("the target has no tokenizer; load it with eaglewire.model.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
     schedule = engine_schedule(decoder, schedule)
-    metrics = Metrics(1 + max((s.num_steps for s in schedule.shapes), default=0), ROUTES)
+    metrics = Metrics(1 + schedule.max_steps, ROUTES)
     worker = DecodeWorker(decoder, max_queue, metrics, own_thread=engine_thread,
                           per_request_metrics=per_request_metrics, max_batch=max_batch, schedule=schedule)
     service = _Service(decoder, model_name, max_context, worker)
