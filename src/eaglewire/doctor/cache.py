@@ -110,7 +110,7 @@ class Cached:
     layouts: list[LayoutRow]
     accuracy: dict[str, float]
     facts: dict[str, Any]
-    extras: dict[str, Any]  # report.sampling and report.traffic
+    extras: dict[str, Any]  # report.sampling, report.traffic and report.concurrency
     stage_seconds: dict[str, float]  # what they cost when computed
     created: str
 
@@ -123,6 +123,7 @@ class Cached:
     def restore_after(self, report: DoctorReport) -> None:
         report.checks += self.after
         report.traffic = dict(self.extras.get("traffic") or {})
+        report.concurrency = dict(self.extras.get("concurrency") or {})
 
     @property
     def saved_seconds(self) -> float:

@@ -41,6 +41,10 @@ class DoctorConfig:
                                                         "what to serve (eaglewire: measured here; sglang, vllm, "
                                                         "speculators: a stated GPU cost model; llamacpp: run "
                                                         "`eaglewire tune --engine llamacpp`)"})
+    concurrency: list[int] | None = field(default=None, metadata={
+        "help": "batch sizes (e.g. 1,2,4,8): the speed check says up to how many concurrent requests the draft "
+                "pays (eaglewire: its engine measured here at each in the shape that pays for one request; other "
+                "engines: the `eaglewire tune` command that measures them; default: one request)"})
     json: str | None = field(default=None, metadata={"help": "also write the report as JSON here"})
     cache: bool = field(default=True, metadata={"help": "reuse the checks an earlier run computed from the same "
                         "draft, target, held-out data and settings (in $EAGLEWIRE_CACHE/doctor): a check of a "
@@ -94,5 +98,18 @@ class DoctorConfig:
         for name in ("num_sequences", "max_length", "steps", "min_tokens", "traffic_prompts", "traffic_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.concurrency is not None:
+            self._check_concurrency()
         if self.probe_tokens < 0:
             raise ValueError(f"--probe-tokens must be >= 0 (0: no probes), got {self.probe_tokens}")
+
+    def _check_concurrency(self) -> None:
+        """``--concurrency``: ascending batch sizes >= 1, and the speed check it extends must run."""
+        levels = self.concurrency
+        if not levels or any(b < 1 for b in levels) or levels != sorted(set(levels)):
+            raise ValueError(f"--concurrency takes ascending batch sizes >= 1 (e.g. 1,2,4,8), got {levels}")
+        if not self.tune:
+            raise ValueError("--concurrency extends the speed check, which --no-tune turns off: drop one of them")
+        if self.stored:
+            raise ValueError("--concurrency measures eaglewire's engine decoding with the target; it cannot run "
+                             "with --stored")

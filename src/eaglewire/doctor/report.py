@@ -51,6 +51,7 @@ class DoctorReport:
     engine_version: str | None = None  # --engine-url: the version the server reports ("0.32.0"), if it says one
     traffic: dict[str, Any] = field(default_factory=dict)  # --traffic: acceptance per slice of traffic (JSON)
     sampling: dict[str, Any] = field(default_factory=dict)  # the temperature users sample at: τ there and greedy (JSON)
+    concurrency: dict[str, Any] = field(default_factory=dict)  # --concurrency: the speed check per batch size (JSON)
     stage_seconds: dict[str, float] = field(default_factory=dict)  # where the run's time went, by stage (JSON)
 
     @contextmanager
@@ -87,7 +88,7 @@ class DoctorReport:
                 "checks": [asdict(c) for c in self.checks], "layouts": [asdict(r) for r in self.layouts],
                 "facts": self.facts, "accuracy": self.accuracy, RESOLVED_KEY: self.resolved_config} | \
             {k: v for k, v in (("served", self.served), ("traffic", self.traffic), ("sampling", self.sampling),
-                                            ("stage_seconds", self.stage_seconds)) if v}
+                               ("concurrency", self.concurrency), ("stage_seconds", self.stage_seconds)) if v}
 
     def render(self) -> str:
         lines = [f"eaglewire doctor: draft {self.draft} on target {self.target}"]

@@ -119,7 +119,8 @@ def _examine(config: DoctorConfig, target: Target | None) -> DoctorReport:
         computed = {k: v for k, v in report.stage_seconds.items() if k in CACHED_STAGES}
         store(key, Cached(
             before=before, after=report.checks[first:], layouts=report.layouts, accuracy=dict(report.accuracy),
-            facts={"judged tokens": judged}, extras={"sampling": report.sampling, "traffic": report.traffic},
+            facts={"judged tokens": judged},
+            extras={"sampling": report.sampling, "traffic": report.traffic, "concurrency": report.concurrency},
             stage_seconds=computed, created=now()))
     return report
 
@@ -289,14 +290,19 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
 
 def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, draft, contract,
                  sequences: list[Sequence]) -> None:
-    """What ``eaglewire tune`` recommends for the serving engine (its speed ranking), on the held-out prompts."""
+    """What ``eaglewire tune`` recommends for the serving engine (its speed ranking), on the held-out prompts;
+    with ``--concurrency``, up to how many concurrent requests that pays (``doctor/concurrency.py``)."""
     from eaglewire.acceptance.speed import SpeedQuery, rank_speed
+    from eaglewire.doctor.concurrency import check_load_elsewhere, check_speed_under_load, load_levels
 
     spec = engines.get(config.engine)
+    under_load = load_levels(config)  # --concurrency beyond one request (doctor/concurrency.py)
     if not spec.stated_costs and not spec.in_process:
         report.add(Check("speed", "skip", f"{spec.runtime.label}'s round costs are measured on its own files, in "
                                           "servers tune launches",
                          fix=f"eaglewire tune --engine {spec.name} --draft {config.draft}"))
+        if under_load:
+            check_load_elsewhere(report, config, spec)
         return
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 2)]]
     in_process = next(e for e in engines.ENGINES if e.in_process).name
@@ -308,7 +314,12 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
     evidence = [f"{p.shape.label(result.rule)}: τ {p.tau:.2f}, {p.speedup:.2f}x plain "
                 f"(break-even τ {p.break_even_tau:.2f})" for p in result.ranked[:3]]
     evidence.append(f"costs {result.costs.source} for {engine}; `eaglewire tune` ranks every shape with more prompts")
+    if under_load and spec.in_process:
+        report.add(check_speed_under_load(report, config, target, draft, contract, prompts, result, evidence))
+        return
     report.add(Check("speed", "warn" if choice.shape.plain else "ok", result.recommendation.reason, evidence))
+    if under_load:  # a stated cost model prices one request: a server's load is measured in the server
+        check_load_elsewhere(report, config, spec)
 
 
 # ------------------------------------------------------------------ data
