@@ -199,13 +199,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     config = config_from_args(TuneConfig, args)
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if config.concurrency is not None:
+        from eaglewire import engines
         from eaglewire.tune.concurrency import run_concurrency
 
         report = run_concurrency(config, progress=progress)
         print(report.format())
-        if config.schedule_out:
+        if config.schedule_out and engines.get(config.engine).in_process:
             print(f"\nschedule written to {config.schedule_out}: eaglewire serve --draft {config.draft} "
                   f"--schedule {config.schedule_out}")
+        elif config.schedule_out:
+            print(f"\nschedule written to {config.schedule_out}: which {config.engine} launch pays up to which load "
+                  "(the engine keeps its launch's shape at every load)")
         return 0
     result = run_tune(config, progress=progress)
     print(result.format())

@@ -143,3 +143,41 @@ def test_doctor_reads_llama_servers_tau_as_the_replay_predicts(drafted_server, s
     assert check.verdict == "ok", report.render()
     assert abs(served["tau"] - served["replayed_tau"]) <= 0.05, served
     assert served["chain"] == 3 and len(served["per_position"]) == 3 and served["tau"] > 1.0
+
+
+# ------------------------------------------------------------------ under load: one server with 4 slots
+
+@pytest.fixture(scope="module")
+def loaded_server(exported, server_binary):
+    """The exported draft served by 4 slots at once (continuous batching), a chain of 3: the load tests' one server."""
+    from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
+
+    out, _ = exported
+    files = ServedFiles(out / "target-f32.gguf", out / "draft-q8_0.gguf")
+    with engine.RUNTIME.serve(files, Shape(3), RunSettings(slots=4, install=str(server_binary)),
+                              log_path=out / "loaded-server.log") as server:
+        yield server
+
+
+def test_llama_server_under_load_answers_each_request_as_it_does_alone(loaded_server, prompt_ids):
+    """3 clients over 6 requests (bench --concurrency's closed loop): every greedy answer equals the same request
+    sent alone. Exact: llama.cpp computes a row's dot products alike whatever else is in the batch (its speculative
+    output equals plain, a one-row pass, above); the drafting rounds come from its own per-sequence counter."""
+    from eaglewire.bench.server_load import closed_loop_server
+
+    requests = prompt_ids * 2
+    alone = [loaded_server.complete(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0) for ids in requests]
+    row = closed_loop_server(loaded_server, requests, 3, max_new_tokens=NEW_TOKENS)
+    assert row.outputs == alone and all(len(o) > 0 for o in alone)
+    after_prefill = sum(len(o) - 1 for o in alone)  # the first token of each comes with its prefill
+    assert after_prefill / 4 <= row.speculative_steps <= after_prefill  # 1..4 tokens a round, per sequence
+
+
+def test_tunes_load_on_llama_server_counts_every_sequences_rounds(loaded_server, prompt_ids):
+    """4 streams x 17 tokens past EOS, twice: each stream's 16 tokens after the prefill's take 4..16 rounds of a
+    chain of 3, so the server's counter (summed over sequences, not batched steps) reads 4 x 4 .. 4 x 16 a load."""
+    from eaglewire.acceptance.server_load import measure_load
+
+    load = measure_load(loaded_server, prompt_ids, 4, speculative=True, tokens=17, warmup=0, repeats=2)
+    assert len(load.cost.seconds) == 2 and min(load.cost.seconds) > 0
+    assert 1.0 <= load.tau <= 4.0

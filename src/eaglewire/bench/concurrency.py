@@ -32,10 +32,11 @@ class LoadRow:
     outputs: list[list[int]]  # per prompt
     ttft: list[float]  # per request: from its joining to its first token, seconds
     per_token: list[float]  # per request: the mean gap between its later tokens, seconds
-    speculative_steps: int = 0
+    speculative_steps: int = 0  # steps that drafted (a server engine: its requests' drafting rounds)
     steps: int = 0
     same_as_plain: int | None = None
     vs_plain: float | None = None
+    streamed: bool = True  # tokens seen as they came; False: answers came whole (a server engine), no TTFT
 
     @property
     def tokens(self) -> int:
@@ -46,12 +47,17 @@ class LoadRow:
         return self.tokens / max(self.seconds, 1e-9)
 
     def to_dict(self) -> dict:
+        """JSON-ready: a figure not measured (no TTFT of answers that came whole) is None."""
+        def figure(values: list[float], q: float, scale: float, digits: int) -> float | None:
+            value = percentile(values, q)
+            return None if value != value else round(scale * value, digits)
+
         return {"name": self.name, "clients": self.clients, "tokens": self.tokens, "seconds": round(self.seconds, 3),
                 "tokens_per_second": round(self.tokens_per_second, 2), "vs_plain": self.vs_plain,
-                "ttft_p50_s": round(percentile(self.ttft, 50), 4), "ttft_p99_s": round(percentile(self.ttft, 99), 4),
-                "per_token_p50_ms": round(1e3 * percentile(self.per_token, 50), 2),
-                "per_token_p99_ms": round(1e3 * percentile(self.per_token, 99), 2),
-                "steps": self.steps, "speculative_steps": self.speculative_steps,
+                "ttft_p50_s": figure(self.ttft, 50, 1, 4), "ttft_p99_s": figure(self.ttft, 99, 1, 4),
+                "per_token_p50_ms": figure(self.per_token, 50, 1e3, 2),
+                "per_token_p99_ms": figure(self.per_token, 99, 1e3, 2),
+                "steps": self.steps, "speculative_steps": self.speculative_steps, "streamed": self.streamed,
                 "same_as_plain": self.same_as_plain, "requests": len(self.outputs)}
 
 
@@ -147,10 +153,15 @@ def table(rows: list[LoadRow]) -> str:
     lines = [head]
     for r in rows:
         d = r.to_dict()
+        ttft = f"{d['ttft_p50_s']:7.2f}/{d['ttft_p99_s']:<7.2f}" if r.streamed else f"{'-':>7}/{'-':<7}"
+        drafting = f"{r.speculative_steps}/{r.steps}" if r.streamed else f"{r.speculative_steps} rounds"
         lines.append(f"{r.name:24} {r.clients:7} {d['tokens_per_second']:8.1f} {r.vs_plain or 0:7.2f}x "
-                     f"{d['ttft_p50_s']:7.2f}/{d['ttft_p99_s']:<7.2f} {d['per_token_p50_ms']:10.1f}/"
-                     f"{d['per_token_p99_ms']:<10.1f} {f'{r.same_as_plain}/{len(r.outputs)}':>13} "
-                     f"{f'{r.speculative_steps}/{r.steps}':>14}")
+                     f"{ttft} {d['per_token_p50_ms'] or 0:10.1f}/"
+                     f"{d['per_token_p99_ms'] or 0:<10.1f} {f'{r.same_as_plain}/{len(r.outputs)}':>13} "
+                     f"{drafting:>14}")
+    if any(not r.streamed for r in rows):
+        lines.append("a server engine answers whole: no time to first token; its per-token figure is a request's "
+                     "time from sending to answer over its tokens; drafting: its requests' rounds")
     return "\n".join(lines)
 
 

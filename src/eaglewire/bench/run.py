@@ -72,8 +72,9 @@ class BenchConfig:
     engine: list[str] = field(default_factory=lambda: [IN_PROCESS], metadata={"help": f"{', '.join(ENGINES)}, or several comma-separated (side by side on the same prompts)"})
     run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
     concurrency: list[int] | None = field(default=None, metadata={
-        "help": "requests in flight at once (e.g. 1,4,8): each config decoded by eaglewire's engine with that many "
-                "clients (continuous batching); a table and a plot of throughput against concurrency"})
+        "help": "requests in flight at once (e.g. 1,4,8): each config decoded with that many clients (eaglewire's "
+                "engine batching them in process, or one server per config launched here with that many slots); "
+                "a table and a plot of throughput against concurrency"})
     schedule: str | None = field(default=None, metadata={
         "help": "with --concurrency: a schedule from `tune --concurrency`, run as a row of its own"})
 
@@ -115,10 +116,12 @@ class BenchConfig:
             raise ValueError(f"--dataset {HELDOUT} reads the held-out conversations recorded in the draft: give --draft DIR")
 
     def _check_concurrency(self, runs: list[SpecConfig | None]) -> None:
-        if self.engine != [IN_PROCESS] or self.compare:
-            raise ValueError(f"--concurrency runs eaglewire's own engine (--engine {IN_PROCESS}, no --compare); "
-                             "for llama-server or vLLM under load, run benchmarks/serve_concurrency.py's clients "
-                             "against the server")
+        if len(self.engine) != 1 or self.compare:
+            raise ValueError(f"--concurrency loads one engine at a time (--engine {IN_PROCESS}, or one of "
+                             f"{', '.join(e for e in ENGINES if e != IN_PROCESS)} launched here), no --compare")
+        if self.schedule is not None and self.engine != [IN_PROCESS]:
+            raise ValueError(f"--schedule switches shapes by load, which only eaglewire's engine does; "
+                             f"{self.engine[0]} keeps its launch's shape (bench each launch: plain and the chains)")
         if self.configs == RECOMMENDED or None not in runs:
             raise ValueError("--concurrency compares every config with plain decoding at the same load: list "
                              "1,0,0,0 in --configs")
@@ -565,6 +568,8 @@ def run_bench_concurrency(config: BenchConfig, *, progress: bool = True):
     from eaglewire.bench.concurrency import bench_concurrency
     from eaglewire.decode.schedule import Schedule
 
+    if not get_engine(config.engine[0]).in_process:
+        return _server_concurrency(config, progress)
     target = load_decode_target(config.target, device=config.device, dtype=config.dtype[0])
     prompts = [encode_prompt(target.tokenizer, p.text, chat=p.chat) for p in bench_prompts(config)]
     decoders: dict[str, tuple[SpecDecoder, Schedule]] = {}
@@ -583,6 +588,30 @@ def run_bench_concurrency(config: BenchConfig, *, progress: bool = True):
     return bench_concurrency(decoders, prompts, config.concurrency, max_new_tokens=config.max_new_tokens,
                              stop_token_ids=set(stop_token_ids(target.tokenizer, target.model)),
                              temperature=config.temperature, seed=config.seed, warmup=config.warmup, progress=progress)
+
+
+def _server_concurrency(config: BenchConfig, progress: bool):
+    """``--concurrency`` on an engine launched here: one server per config (plain first) with as many slots as the
+    most clients, loaded at each concurrency -> LoadRows, level-major."""
+    from eaglewire.bench.server_load import bench_server_concurrency
+    from eaglewire.model.target import load_tokenizer
+
+    engine = config.engine[0]
+    runtime, settings = get_engine(engine).runtime, config.run.settings()
+    why = runtime.available(settings)
+    if why:
+        raise ValueError(why)
+    family = read_draft(config.draft).family if config.draft is not None else "eagle3"
+    runs = sorted(server_runs(config.runs, engine, family), key=lambda r: r is not None)  # plain first
+    needs_draft = any(r is not None for r in runs)
+    files = runtime.files(config.draft if needs_draft else None, config.target, config.out_dir, settings,
+                          export=export_draft, allow=frozenset(config.allow_target_mismatch or ()))
+    tok = load_tokenizer(config.target)
+    prompts = [encode_prompt(tok, p.text, chat=p.chat) for p in bench_prompts(config)]
+    launches = {f"{engine} {config_label(run)}": shape_of(run) for run in runs}
+    return bench_server_concurrency(runtime, files, settings, launches, prompts, config.concurrency,
+                                    max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                    seed=config.seed, warmup=config.warmup, log_dir=config.out_dir, progress=progress)
 
 
 def check_draft_family(config: BenchConfig) -> None:

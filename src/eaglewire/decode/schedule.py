@@ -93,6 +93,9 @@ class Schedule:
 
     def describe(self) -> str:
         """One line: 'chain 3 up to 4 concurrent requests, plain above'."""
+        if len(self.ranges) == 1:
+            only = self.ranges[0].shape
+            return f"{'plain' if only is None else shape_name(only)} at every number of concurrent requests"
         parts, low = [], 1
         for i, r in enumerate(self.ranges):
             last = i == len(self.ranges) - 1
@@ -152,22 +155,28 @@ class Schedule:
 def schedule_key(target, draft_dir: str | Path, threads: int | None = None) -> ScheduleKey:
     """The key of eaglewire's own engine here: the target's weights, the draft file's bytes, eaglewire's version,
     the decoding dtype, the device's name and the thread count (torch's, unless given)."""
-    import hashlib
-
     import torch
 
     from eaglewire import __version__
     from eaglewire.core.machine import cpu
+
+    device = target.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu()[0]
+    return ScheduleKey(target=target.fingerprint.weights_sha256[:16], draft=draft_digest(draft_dir),
+                       engine=f"eaglewire {__version__}", dtype=str(target.dtype).removeprefix("torch."),
+                       device=name, threads=threads or torch.get_num_threads())
+
+
+def draft_digest(draft_dir: str | Path) -> str:
+    """The draft's fingerprint in a key: the sha256 of its tensor files' bytes, 16 hex digits."""
+    import hashlib
+
     from eaglewire.model.checkpoint import read_draft
 
     digest = hashlib.sha256()
     for tensor_file in sorted(Path(read_draft(draft_dir).path).glob("*.safetensors")):
         digest.update(tensor_file.read_bytes())
-    device = target.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu()[0]
-    return ScheduleKey(target=target.fingerprint.weights_sha256[:16], draft=digest.hexdigest()[:16],
-                       engine=f"eaglewire {__version__}", dtype=str(target.dtype).removeprefix("torch."),
-                       device=name, threads=threads or torch.get_num_threads())
+    return digest.hexdigest()[:16]
 
 
 def shape_name(spec: SpecConfig) -> str:

@@ -164,7 +164,7 @@ class RunSettings:
     install: str | None = None  # a build or interpreter to use instead of eaglewire's install
     target_file: str | None = None  # the engine's own target file (a GGUF) instead of one exported here
     draft_file: str | None = None  # the engine's own draft file instead of one exported here
-    slots: int = 1  # requests it decodes together (regeneration serves many; measuring, one)
+    slots: int = 1  # requests it decodes together (regeneration and loads serve many; one request, one)
     ctx_per_slot: int = 4096  # tokens of context each slot holds
 
 
@@ -196,6 +196,15 @@ class RunningServer(Protocol):
     url: str
 
     def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int) -> Answer: ...
+
+    def complete(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                 ignore_eos: bool = False) -> list[int]:
+        """One completion's new token ids and nothing else read: many clients may call it at once (a load);
+        ``ignore_eos``: exactly ``max_new_tokens`` tokens (a fixed batch while costs are timed)."""
+
+    def spec_rounds(self) -> int | None:
+        """Verify passes that checked a draft so far, every request's together (the engine's own counter);
+        None for a plain launch."""
 
     def draft_totals(self) -> DraftTotals | None: ...
 

@@ -19,6 +19,8 @@ from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.decode.schedule import parse_shapes
 
 _QUERY = SpeedQuery()  # the defaults of what tune measures
+IN_PROCESS_SHAPES = "1,1,2;2,1,3;3,1,4;5,4,12,0.1"  # --concurrency's shapes in eaglewire's engine
+SERVER_SHAPES = "1,1,2;2,1,3;3,1,4"  # ... and in a server engine (chains only)
 
 
 @dataclass(kw_only=True)
@@ -43,10 +45,13 @@ class TuneConfig:
                        "plain step than a fp32 one)"})
     run: EngineRunConfig = field(default_factory=EngineRunConfig)  # its fields are flags of their own
     concurrency: list[int] | None = field(default=None, metadata={"help": "batch sizes (e.g. 1,2,4,8,16): measure "
-                                          "eaglewire's engine at each and print the schedule of where the draft pays"})
-    shapes: str = field(default="1,1,2;2,1,3;3,1,4;5,4,12,0.1", metadata={
+                                          "the engine at each (eaglewire's in process; llamacpp or vllm launched "
+                                          "here and loaded with that many streams) and print the schedule of where "
+                                          "the draft pays"})
+    shapes: str | None = field(default=None, metadata={
         "help": "with --concurrency: ';'-separated steps,topk,draft-tokens[,min-prob] measured beside plain at each "
-                "batch size (the default: chains of 1-3 and the tree that pays on 2 CPU cores at one request)"})
+                f"batch size (default: {IN_PROCESS_SHAPES} for eaglewire: chains of 1-3 and the tree that pays on 2 "
+                f"CPU cores at one request; {SERVER_SHAPES} for a server engine, which drafts chains)"})
     schedule_out: str | None = field(default=None, metadata={
         "help": "with --concurrency: write the schedule here, for `eaglewire serve --schedule`"})
     verify_cost: float = field(default=_QUERY.verify_cost, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
@@ -64,14 +69,23 @@ class TuneConfig:
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.concurrency is not None:
-            if self.engine != "eaglewire":
-                raise ValueError(f"--concurrency measures eaglewire's engine in process; for {self.engine} under "
-                                 "load, bench it with that many clients (benchmarks/serve_concurrency.py)")
+            if not get_engine(self.engine).can(Ability.RUN_HERE) or self.costs == "stated":
+                raise ValueError(f"--concurrency measures an engine that runs here under load; {self.engine} "
+                                 f"{'is priced by --costs stated' if self.costs == 'stated' else 'does not run here'}"
+                                 f": give --engine {' or '.join(engine_names(Ability.RUN_HERE, aliases=False))}")
             if not self.concurrency or any(b < 1 for b in self.concurrency) or self.concurrency != sorted(set(self.concurrency)):
                 raise ValueError(f"--concurrency takes ascending batch sizes >= 1, got {self.concurrency}")
-            parse_shapes(self.shapes)
-        elif self.schedule_out is not None:
-            raise ValueError("--schedule-out writes the schedule --concurrency measures: give --concurrency too")
+            parse_shapes(self.concurrency_shapes)
+        elif self.schedule_out is not None or self.shapes is not None:
+            raise ValueError(f"{'--schedule-out' if self.schedule_out else '--shapes'} goes with --concurrency: "
+                             "give --concurrency too")
+
+    @property
+    def concurrency_shapes(self) -> str:
+        """--shapes, or the default of the engine tuned (a server engine drafts chains)."""
+        if self.shapes is not None:
+            return self.shapes
+        return IN_PROCESS_SHAPES if get_engine(self.engine).in_process else SERVER_SHAPES
 
     @property
     def rule(self) -> str:

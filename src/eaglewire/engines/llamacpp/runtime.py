@@ -78,6 +78,18 @@ class RunningLlamaServer:
         steps = int(after[SPEC_DRAFTS] - before[SPEC_DRAFTS]) if before and after and SPEC_DRAFTS in before else None
         return Answer(list(answer.get("tokens") or []), answer_stats(answer, steps, self.shape.n_max))
 
+    def complete(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                 ignore_eos: bool = False) -> list[int]:
+        answer = complete(self.url, ids, n_predict=max_new_tokens, temperature=temperature, seed=seed,
+                          ignore_eos=ignore_eos)
+        return list(answer.get("tokens") or [])
+
+    def spec_rounds(self) -> int | None:
+        if self.shape.plain:
+            return None
+        counts = metrics(self.url)
+        return None if not counts or SPEC_DRAFTS not in counts else int(counts[SPEC_DRAFTS])
+
     def draft_totals(self, timeout: float = 10.0) -> DraftTotals | None:
         """The statistics once the last request's line is in the log (written as the slot is released, around
         the answer); None for a plain launch or without them."""
@@ -105,7 +117,7 @@ def launch_config(files: ServedFiles, shape: Shape, settings: RunSettings, *, dr
                                    ctx_per_slot=settings.ctx_per_slot, extra=extra)
     config = chain_config(files.target, files.draft, threads=settings.threads, n_max=shape.n_max, p_min=shape.p_min,
                           extra=extra, family=files.family)
-    return replace(config, ctx_size=max(config.ctx_size, settings.ctx_per_slot))
+    return replace(config, slots=settings.slots, ctx_size=max(config.ctx_size, settings.ctx_per_slot) * settings.slots)
 
 
 class LlamaCppRuntime:

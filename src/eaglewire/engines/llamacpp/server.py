@@ -168,15 +168,15 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def complete(url: str, prompt_ids: list[int], *, n_predict: int, temperature: float = 0.0, seed: int = 0,
-             timeout: float = 900.0) -> dict:
+             timeout: float = 900.0, ignore_eos: bool = False) -> dict:
     """``/completion`` of the token ids ``prompt_ids`` (no prompt cache, so every request prefills
     alike): greedy at temperature 0, else plain temperature sampling (llama-server's default
-    top-k 40 / top-p 0.95 / min-p 0.05 switched off, as eaglewire samples). The answer carries
-    ``tokens`` and llama.cpp's ``timings``."""
+    top-k 40 / top-p 0.95 / min-p 0.05 switched off, as eaglewire samples); ``ignore_eos``: all ``n_predict``
+    tokens. The answer carries ``tokens`` and llama.cpp's ``timings``."""
     sampling = {"temperature": 0.0, "top_k": 1} if temperature == 0 else {
         "temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
     body = {"prompt": list(prompt_ids), "n_predict": n_predict, **sampling,
-            "seed": seed, "cache_prompt": False, "return_tokens": True, "stream": False}
+            "seed": seed, "cache_prompt": False, "return_tokens": True, "stream": False, "ignore_eos": ignore_eos}
     return _post(url.rstrip("/") + "/completion", body, timeout)
 
 

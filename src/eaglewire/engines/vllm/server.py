@@ -266,11 +266,12 @@ def counters(url: str) -> Counters:
     return Counters.parse(_get(url.rstrip("/") + "/metrics"))
 
 
-def completion_body(ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int) -> dict[str, Any]:
+def completion_body(ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int,
+                    ignore_eos: bool = False) -> dict[str, Any]:
     """``/v1/completions`` of the token ids ``ids``: greedy at temperature 0, else plain temperature sampling
-    (top-k, top-p and min-p off, as eaglewire samples), stopping at EOS as the target says."""
+    (top-k, top-p and min-p off, as eaglewire samples), stopping at EOS as the target says (``ignore_eos``: not)."""
     body: dict[str, Any] = {"prompt": list(ids), "max_tokens": max_new_tokens, "temperature": float(temperature),
-                            "seed": seed, "return_token_ids": True, "ignore_eos": False, "stream": False}
+                            "seed": seed, "return_token_ids": True, "ignore_eos": ignore_eos, "stream": False}
     if temperature > 0:
         body.update(top_p=1.0, top_k=-1, min_p=0.0)
     return body
@@ -430,6 +431,18 @@ class VllmServer:
     # the RunningServer protocol
     def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int) -> Answer:
         return generate(self.url, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
+    def complete(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                 ignore_eos: bool = False) -> list[int]:
+        body = completion_body(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                               ignore_eos=ignore_eos)
+        response = post_json(self.url.rstrip("/") + "/v1/completions", body, timeout=1800.0, who="vLLM server",
+                             error=VllmError, hint="")
+        return [int(t) for t in ((response.get("choices") or [{}])[0].get("token_ids") or [])]
+
+    def spec_rounds(self) -> int | None:
+        spec = counters(self.url).spec
+        return None if spec is None else int(spec["drafts"])
 
     def draft_totals(self) -> DraftTotals | None:
         """Verify steps that checked a draft (``vllm:spec_decode_num_drafts_total``); vLLM times no drafting

@@ -1,0 +1,61 @@
+"""The real vLLM under load (one server for the module: the reference draft's export, a chain of 3): the clients of
+``bench --concurrency`` get every greedy answer as vLLM gives it alone, and the load ``tune --concurrency`` times is
+held at its batch (ignore_eos honoured) with vLLM's own round counter read per sequence."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglewire.engines import export_draft
+from eaglewire.engines.interface import RunSettings, Shape
+
+pytestmark = [pytest.mark.vllm, pytest.mark.real]
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed(vllm_installation):
+    """Skip before any other fixture loads the target, where vLLM is absent."""
+    return vllm_installation
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    from eaglewire.core.prompts import load_prompts
+    from eaglewire.decode.text import encode_prompt
+
+    return [encode_prompt(smollm2_tokenizer, p.text, chat=p.chat) for p in load_prompts("mt-bench", limit=3)]
+
+
+@pytest.fixture(scope="module")
+def loaded_server(tmp_path_factory, vllm_installation):
+    from eaglewire.engines.vllm.server import RUNTIME
+
+    work = tmp_path_factory.mktemp("vllm-load")
+    settings = RunSettings(install=str(vllm_installation.python), slots=4)
+    files = RUNTIME.files("reference", "smollm2-135m", work, settings, export=export_draft)
+    with RUNTIME.serve(files, Shape(3), settings, log_path=work / "loaded.log") as server:
+        yield server
+
+
+def test_vllm_under_load_answers_each_request_as_it_does_alone(loaded_server, prompts):
+    """3 clients over 6 requests: every greedy answer equals the same request alone (fp32: vLLM's speculative
+    output equals its plain output in test_vllm_served.py, rows of other batch sizes alike); the rounds come from
+    vLLM's counter, which counts each sequence's draft."""
+    from eaglewire.bench.server_load import closed_loop_server
+
+    requests = prompts * 2
+    alone = [loaded_server.complete(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0) for ids in requests]
+    row = closed_loop_server(loaded_server, requests, 3, max_new_tokens=NEW_TOKENS)
+    assert row.outputs == alone and all(len(o) > 0 for o in alone)
+    after_prefill = sum(len(o) - 1 for o in alone)  # the first token of each comes with its prefill
+    assert after_prefill / 4 <= row.speculative_steps <= after_prefill  # 1..4 tokens a round, per sequence
+
+
+def test_tunes_load_on_vllm_holds_its_batch_and_counts_every_sequences_rounds(loaded_server, prompts):
+    from eaglewire.acceptance.server_load import measure_load
+
+    load = measure_load(loaded_server, prompts, 4, speculative=True, tokens=17, warmup=0, repeats=2)
+    assert len(load.cost.seconds) == 2 and min(load.cost.seconds) > 0
+    assert 1.0 <= load.tau <= 4.0
