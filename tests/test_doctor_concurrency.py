@@ -252,3 +252,17 @@ def test_a_second_run_reads_the_figures_back_from_the_cache(tmp_path):
     report = DoctorReport(draft="d", target="t")
     load("key", root=tmp_path).restore_after(report)
     assert report.concurrency == figures and report.to_dict()["concurrency"] == figures
+
+
+def test_sglang_under_load_is_said_to_run_elsewhere_not_sent_to_a_tune_that_refuses_it(monkeypatch):
+    """SGLang does not run here, and `tune --engine sglang --concurrency` is refused: the check names no such
+    command; it says to load the user's own SGLang server."""
+    from eaglewire.doctor.run import _check_speed
+
+    monkeypatch.setattr("eaglewire.acceptance.speed.rank_speed", lambda *a, **kw: one_request())
+    report = DoctorReport(draft="d", target="t")
+    _check_speed(report, DoctorConfig(draft="runs/draft", engine="sglang", concurrency=[1, 4]), None, None, None,
+                 [SimpleNamespace(prompt_ids=[1, 2, 3])] * 2)
+    load = report.checks[-1]
+    assert load.name == "speed under load" and load.verdict == "skip" and load.fix is None
+    assert "does not run here" in load.summary and "eaglewire tune" not in load.summary

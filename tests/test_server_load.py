@@ -12,7 +12,7 @@ import pytest
 
 from eaglewire.acceptance import server_load
 from eaglewire.acceptance.server_load import (launch_advice, launched_shape, load_once, measure_load,
-                                              measure_server_concurrency, measure_tau)
+                                              measure_server_concurrency, measure_tau, stream_lengths)
 from eaglewire.bench.concurrency import table
 from eaglewire.bench.server_load import bench_server_concurrency, closed_loop_server
 from eaglewire.cli import main
@@ -78,17 +78,26 @@ def test_a_tree_is_not_launched_on_a_server_engine():
 
 
 def test_a_load_holds_its_batch_and_refuses_a_server_that_stops_at_eos():
-    server = FakeServer(Shape(), together=4)
-    load_once(server, PROMPTS, 4, 32)  # answers only if the 4 streams are in flight together
-    assert server.most_in_flight == 4
+    server = FakeServer(Shape(3), together=4, tokens_per_round=31 / 8)
+    load_once(server, PROMPTS, 4, 32, each=2)  # answers only while the 4 streams are in flight together
+    assert server.most_in_flight == 4 and server.rounds == 4 * 2 * 8  # each stream's 2 requests, back to back
     with pytest.raises(RuntimeError, match="ignore_eos"):
         load_once(FakeServer(Shape(), honours_ignore_eos=False), PROMPTS, 2, 32)
+
+
+def test_streams_later_requests_arrive_spread_out_with_the_same_tokens_each():
+    """Lockstep streams would prefill their next requests together when plain and apart when speculative: each
+    stream's first request is shifted by its place, every stream decodes the same total."""
+    lengths = [stream_lengths(b, 4, 64, 2) for b in range(4)]
+    assert lengths == [[32, 96], [48, 80], [64, 64], [80, 48]]
+    assert [sum(x) for x in lengths] == [128] * 4
+    assert stream_lengths(0, 1, 64, 1) == [64] and sum(stream_lengths(3, 8, 64, 3)) == 192
 
 
 def test_round_costs_split_a_loads_wall_time_by_the_servers_own_round_count(monkeypatch):
     """4 streams x 33 tokens at 2 tokens a round: 64 rounds, 16 a sequence; 2 s a load -> 125 ms a round. Plain:
     32 steps after the prefill's token -> 62.5 ms a step."""
-    monkeypatch.setattr(server_load, "load_once", lambda server, prompts, batch, tokens:
+    monkeypatch.setattr(server_load, "load_once", lambda server, prompts, batch, tokens, each:
                         (server.complete(prompts[0], max_new_tokens=tokens, temperature=0, seed=0, ignore_eos=True),
                          setattr(server, "rounds", server.rounds + 3 * 16), 2.0)[-1])  # the other 3 streams' rounds
     spec = measure_load(FakeServer(Shape(3)), PROMPTS, 4, speculative=True, tokens=33, warmup=1, repeats=4)
@@ -108,12 +117,12 @@ def test_a_server_engines_schedule_and_what_to_launch(monkeypatch, tmp_path):
     own tau, not the 0.67x tau alone would predict) -- launch it up to 2."""
     wall = {(None, 1): 10, (None, 2): 12, (None, 4): 20, (3, 1): 14, (3, 2): 17, (3, 4): 60}  # ms a step / round
 
-    def fake_load(server, prompts, batch, tokens):
-        rounds_per_sequence = round((tokens - 1) / server.tokens_per_round) * (2 if batch == 4 else 1)
+    def fake_load(server, prompts, batch, tokens, each):
+        rounds_per_stream = each * round((tokens - 1) / server.tokens_per_round) * (2 if batch == 4 else 1)
         if not server.shape.plain:
-            server.rounds += batch * rounds_per_sequence
-            return wall[(3, batch)] / 1e3 * rounds_per_sequence
-        return wall[(None, batch)] / 1e3 * (tokens - 1)
+            server.rounds += batch * rounds_per_stream
+            return wall[(3, batch)] / 1e3 * rounds_per_stream
+        return wall[(None, batch)] / 1e3 * each * (tokens - 1)
 
     monkeypatch.setattr(server_load, "load_once", fake_load)
     runtime = FakeRuntime(tokens_per_round=2.0, eos_after=11)  # 10 tokens after the prefill's: 5 rounds
@@ -136,7 +145,7 @@ def test_launch_advice_for_one_load_and_for_every_load():
     assert launch_advice(Schedule([ScheduleRange(1, None)]), str) == [
         "expecting 1 or more concurrent requests: launch it plain"]
     assert launch_advice(Schedule([ScheduleRange(1, CHAIN1), ScheduleRange(8, CHAIN3)]), shape_label) == [
-        "expecting 1 concurrent requests: launch it with chain 1", "expecting 2 or more concurrent requests: "
+        "expecting 1 concurrent request: launch it with chain 1", "expecting 2 or more concurrent requests: "
         "launch it with chain 3"]
 
 

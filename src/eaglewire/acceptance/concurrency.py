@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from eaglewire.decode.schedule import Schedule, ScheduleRange, shape_name
+from eaglewire.decode.schedule import Schedule, ScheduleRange, concurrent, shape_name
 from eaglewire.decode.spec_config import SpecConfig
 
 Progress = Callable[[str], None]
@@ -77,9 +77,9 @@ class ConcurrencyReport:
         if crossover is None:
             lines.append("speculation pays at none of these batch sizes here: serve plain")
         elif crossover == -1:
-            lines.append(f"speculation pays up to {max(chosen)} concurrent requests (the most measured)")
+            lines.append(f"speculation pays up to {concurrent(max(chosen))} (the most measured)")
         else:
-            lines.append(f"speculation pays up to {crossover} concurrent requests here; above that serve plain")
+            lines.append(f"speculation pays up to {concurrent(crossover)} here; above that serve plain")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 

@@ -2,12 +2,15 @@
 server loaded with that many streams at once, timed whole.
 
 Per shape (plain, then each chain) one server, launched with as many slots as the largest batch size. At each batch
-size B, B streams start together, each decoding ``tokens`` tokens past EOS (the batch stays B while timed), a warm-up
-load and then ``repeats`` timed ones. The engine's own counter of verify passes that checked a draft
-(``RunningServer.spec_rounds``) splits a load's wall time into rounds:
+size B, B streams start together, each sending ``each`` requests back to back that decode ``each * tokens`` tokens
+past EOS in all (the batch stays B while timed; a speculative stream ends when its own rounds do, and one request a
+stream would time the slowest stream's rounds against the mean's count), the streams' later requests arriving spread
+out (``stream_lengths``), a warm-up load and then ``repeats`` timed ones. The
+engine's own counter of verify passes that checked a draft (``RunningServer.spec_rounds``) splits a load's wall
+time into rounds:
 
-    a round's cost at B  = wall / (rounds / B)     every sequence runs rounds / B of them
-    a plain step at B    = wall / (tokens - 1)     the first token comes with the prefill
+    a round's cost at B  = wall / (rounds / B)               every stream runs rounds / B of them
+    a plain step at B    = wall / (each * (tokens - 1))      each request's first token comes with its prefill
 
 Each chain's tokens a round (tau) come from the same loads: an engine may accept less with others in flight
 (llama.cpp b11434 here: 1.28 tokens a round with 4 requests in flight against 1.53 alone, same outputs), so each
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglewire.acceptance.concurrency import (ConcurrencyReport, Progress, StepCost, predict, schedule_from)
-from eaglewire.decode.schedule import Schedule, shape_name
+from eaglewire.decode.schedule import Schedule, concurrent, shape_name
 from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.engines.interface import RunningServer, RunSettings, ServedFiles, Shape
 
@@ -37,20 +40,35 @@ def launched_shape(spec: SpecConfig) -> Shape:
     return Shape(n_max=spec.num_steps, p_min=spec.min_prob)
 
 
-def load_once(server: RunningServer, prompts: list[list[int]], batch: int, tokens: int) -> float:
-    """Seconds for ``batch`` streams started together, each decoding exactly ``tokens`` tokens (greedy)."""
-    def one(i: int) -> list[int]:
-        return server.complete(prompts[i % len(prompts)], max_new_tokens=tokens, temperature=0.0, seed=i,
-                               ignore_eos=True)
+def stream_lengths(stream: int, batch: int, tokens: int, each: int) -> list[int]:
+    """The lengths of one stream's ``each`` requests: ``each * tokens`` in all, the first shifted by the stream's place
+    (``tokens / 2`` .. ``1.5 * tokens``) so the streams' later requests arrive spread out, as users' do. In lockstep,
+    plain streams would end and prefill together in one step while speculative ones (each ending when its own rounds
+    do) prefilled apart, a stall each: a bias against speculation that no user's traffic has."""
+    if each == 1:
+        return [tokens]
+    first = tokens // 2 + (stream * tokens) // batch
+    return [first, *[tokens] * (each - 2), each * tokens - first - (each - 2) * tokens]
+
+
+def load_once(server: RunningServer, prompts: list[list[int]], batch: int, tokens: int, each: int = 1) -> float:
+    """Seconds for ``batch`` streams started together, each sending ``each`` requests back to back that decode
+    ``each * tokens`` tokens past EOS in all (greedy; ``stream_lengths``). Back to back keeps the batch full: a
+    speculative stream ends when its own rounds do, so a single request each would time the slowest stream's rounds
+    while counting the mean's."""
+    def stream(b: int) -> list[tuple[int, list[int]]]:
+        return [(n, server.complete(prompts[(b * each + r) % len(prompts)], max_new_tokens=n, temperature=0.0,
+                                    seed=b, ignore_eos=True))
+                for r, n in enumerate(stream_lengths(b, batch, tokens, each))]
 
     with ThreadPoolExecutor(max_workers=batch) as pool:
         start = time.perf_counter()
-        answers = list(pool.map(one, range(batch)))
+        answers = [a for answers in pool.map(stream, range(batch)) for a in answers]
         seconds = time.perf_counter() - start
-    short = [len(a) for a in answers if len(a) != tokens]
+    short = [(len(a), n) for n, a in answers if len(a) != n]
     if short:
-        raise RuntimeError(f"the server answered {short[0]} tokens where {tokens} were asked past EOS: it does not "
-                           "honour ignore_eos, so the batch cannot be held while timed")
+        raise RuntimeError(f"the server answered {short[0][0]} tokens where {short[0][1]} were asked past EOS: it does "
+                           "not honour ignore_eos, so the batch cannot be held while timed")
     return seconds
 
 
@@ -63,24 +81,26 @@ class LoadCost:
 
 
 def measure_load(server: RunningServer, prompts: list[list[int]], batch: int, *, speculative: bool, tokens: int,
-                 warmup: int, repeats: int) -> LoadCost:
-    """The seconds of one step (plain) or one round (speculative) at ``batch``, one value per timed load, and the
-    tokens a round the loads' sequences averaged (an engine may accept less under load than alone)."""
+                 warmup: int, repeats: int, each: int = 1) -> LoadCost:
+    """The seconds of one step (plain) or one round (speculative) at ``batch``, one value per timed load (``each``
+    requests a stream), and the tokens a round the loads' sequences averaged (an engine may accept less under load
+    than alone)."""
     for _ in range(warmup):
-        load_once(server, prompts, batch, tokens)
+        load_once(server, prompts, batch, tokens, each)
     seconds, rounds_total = [], 0
+    decoded = each * (tokens - 1)  # a stream's tokens after each request's prefill token
     for _ in range(repeats):
         before = server.spec_rounds() if speculative else None
-        wall = load_once(server, prompts, batch, tokens)
+        wall = load_once(server, prompts, batch, tokens, each)
         if not speculative:
-            seconds.append(wall / (tokens - 1))
+            seconds.append(wall / decoded)
             continue
         rounds = (server.spec_rounds() or 0) - (before or 0)
         if rounds <= 0:
             raise RuntimeError("the server counted no drafting round under load: is the draft in use?")
         seconds.append(wall / (rounds / batch))
         rounds_total += rounds
-    tau = repeats * batch * (tokens - 1) / rounds_total if speculative else None
+    tau = repeats * batch * decoded / rounds_total if speculative else None
     return LoadCost(StepCost(seconds), tau)
 
 
@@ -96,7 +116,7 @@ def measure_tau(server: RunningServer, prompts: list[list[int]], max_new_tokens:
 
 
 def measure_server_concurrency(runtime, files: ServedFiles, settings: RunSettings, prompts: list[list[int]],
-                               batches: list[int], shapes: list[SpecConfig], *, tokens: int = 32,
+                               batches: list[int], shapes: list[SpecConfig], *, tokens: int = 64, each: int = 2,
                                max_new_tokens: int = 64, warmup: int = 1, repeats: int = 5, log_dir: Path,
                                progress: Progress = lambda _: None) -> ConcurrencyReport:
     """Plain and every chain of ``shapes`` launched by ``runtime`` (a ``Runtime``) with ``max(batches)`` slots,
@@ -116,9 +136,10 @@ def measure_server_concurrency(runtime, files: ServedFiles, settings: RunSetting
                 progress(f"{runtime.label} {shape.label()}: tau over {len(prompts)} prompts x {max_new_tokens} tokens")
                 alone[name] = measure_tau(server, prompts, max_new_tokens)
             for B in batches:
-                progress(f"{runtime.label} {shape.label()}: {B} streams x {tokens} tokens, {repeats} loads")
+                progress(f"{runtime.label} {shape.label()}: {B} streams x {each} requests x {tokens} tokens, "
+                         f"{repeats} loads")
                 loads[(B, name)] = measure_load(server, prompts, B, speculative=spec is not None, tokens=tokens,
-                                                warmup=warmup, repeats=repeats)
+                                                warmup=warmup, repeats=repeats, each=each)
     costs = {key: load.cost for key, load in loads.items()}
     # each batch size predicted with the acceptance its own loads had: an engine may accept less with others in flight
     predictions = [p for B in batches
@@ -128,7 +149,8 @@ def measure_server_concurrency(runtime, files: ServedFiles, settings: RunSetting
                            for name, tau in alone.items())
     return ConcurrencyReport(costs, alone, predictions, schedule_from(predictions),
                              [f"{runtime.label} launched with {launched.slots} slots on {settings.threads} threads; "
-                              f"{tokens} tokens a stream past EOS, {repeats} loads a batch size",
+                              f"{each} requests of {tokens} tokens past EOS back to back a stream, {repeats} loads "
+                              "a batch size",
                               f"tokens a round under load (each batch size predicted with its own): {under_load}"])
 
 
@@ -141,10 +163,10 @@ def launch_advice(schedule: Schedule, spell) -> list[str]:
         last = i == len(schedule.ranges) - 1
         loads = f"{low} or more" if last else (f"{low}" if low == r.max_batch else f"{low}-{r.max_batch}")
         what = "launch it plain" if r.shape is None else f"launch it with {spell(r.shape)}"
-        lines.append(f"expecting {loads} concurrent requests: {what}")
+        lines.append(f"expecting {concurrent(loads)}: {what}")
         low = r.max_batch + 1
     crossover = schedule.crossover
     if crossover not in (None, -1):
-        lines.append(f"a speculative launch loses above {crossover} concurrent requests (the engine cannot switch "
+        lines.append(f"a speculative launch loses above {concurrent(crossover)} (the engine cannot switch "
                      "its shape by load)")
     return lines

@@ -179,6 +179,11 @@ def draft_digest(draft_dir: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def concurrent(n: int | str) -> str:
+    """'1 concurrent request', '4 concurrent requests' (any other count or range, plural)."""
+    return f"{n} concurrent request" + ("" if str(n) == "1" else "s")
+
+
 def shape_name(spec: SpecConfig) -> str:
     """'chain 3', 'tree 5/4/8' (num_steps / topk / num_draft_tokens), with ' p0.1' for a --draft-min-prob."""
     name = f"chain {spec.num_steps}" if spec.topk == 1 else f"tree {spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}"

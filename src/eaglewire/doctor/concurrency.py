@@ -12,7 +12,7 @@ from typing import Any
 from eaglewire.acceptance.concurrency import ConcurrencyReport, measure_concurrency, verdict
 from eaglewire.acceptance.recommend import MANY_REQUESTS
 from eaglewire.core.device import device_field
-from eaglewire.decode.schedule import Schedule, shape_name
+from eaglewire.decode.schedule import Schedule, concurrent, shape_name
 from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.doctor.config import DoctorConfig
 from eaglewire.doctor.report import Check, DoctorReport
@@ -52,7 +52,7 @@ def load_verdict(schedule: Schedule, levels: list[int], rows: list[dict[str, Any
     if all(r.shape is not None for r in ranges):
         return "ok", f"speculation pays at every load measured (up to {max(levels)} concurrent requests)"
     if crossover != -1 and all(r.shape is not None for r in ranges if r.max_batch <= crossover):
-        return "warn", f"speculation pays up to {crossover} concurrent requests here; above that serve plain"
+        return "warn", f"speculation pays up to {concurrent(crossover)} here; above that serve plain"
     return "warn", f"speculation pays at some loads only: {schedule.describe()}"
 
 
@@ -118,8 +118,14 @@ def check_load_elsewhere(report: DoctorReport, config: DoctorConfig, spec) -> No
     """An engine in its own server (``spec``) under ``--concurrency``'s loads: measured by ``eaglewire tune``
     in servers it launches, not here."""
     levels, name = load_levels(config), spec.name
-    label = spec.runtime.label if spec.runtime is not None else name
+    if spec.runtime is None:  # SGLang: its CPU kernels ship in no registry, so no server of it runs here
+        report.concurrency = {"levels": levels, "measured": False, "engine": name, "command": None}
+        report.add(Check("speed under load", "skip", f"{name} does not run here, so it cannot be loaded with "
+                         f"{levels_text(levels)} concurrent requests here: load your own {name} server with that many "
+                         "clients, plain launch beside the speculative one (speculation pays while the speculative "
+                         "launch's tokens/s beats plain's)"))
+        return
     command = f"eaglewire tune --engine {name} --draft {config.draft} --concurrency {levels_text(levels)}"
     report.concurrency = {"levels": levels, "measured": False, "engine": name, "command": command}
-    report.add(Check("speed under load", "skip", f"{label} under load is measured in the servers `eaglewire tune` "
-                     f"launches, not here: `{command}`", fix=command))
+    report.add(Check("speed under load", "skip", f"{spec.runtime.label} under load is measured in the servers "
+                     f"`eaglewire tune` launches, not here: `{command}`", fix=command))

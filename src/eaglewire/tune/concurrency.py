@@ -58,7 +58,8 @@ def _served(config: TuneConfig, draft_dir: Path, shapes, progress) -> Concurrenc
     setup = server_setup(config.engine, str(draft_dir), config.target, work_dir(config), settings)
     prompts = tune_prompts(config, load_tokenizer(config.target))
     report = measure_server_concurrency(spec.runtime, setup.files, settings, prompts, config.concurrency, shapes,
-                                        max_new_tokens=config.max_new_tokens, log_dir=setup.log_dir,
+                                        tokens=config.load_tokens, each=2, max_new_tokens=config.max_new_tokens,
+                                        log_dir=setup.log_dir,
                                         progress=progress)
     report.schedule.key = served_key(config, draft_dir)
 

@@ -52,6 +52,9 @@ class TuneConfig:
         "help": "with --concurrency: ';'-separated steps,topk,draft-tokens[,min-prob] measured beside plain at each "
                 f"batch size (default: {IN_PROCESS_SHAPES} for eaglewire: chains of 1-3 and the tree that pays on 2 "
                 f"CPU cores at one request; {SERVER_SHAPES} for a server engine, which drafts chains)"})
+    load_tokens: int = field(default=64, metadata={
+        "help": "with --concurrency on llamacpp or vllm: tokens each request of a timed load decodes past EOS (two back "
+                "to back a stream; about the replies your users get: a request's prefill is priced in with them)"})
     schedule_out: str | None = field(default=None, metadata={
         "help": "with --concurrency: write the schedule here, for `eaglewire serve --schedule`"})
     verify_cost: float = field(default=_QUERY.verify_cost, metadata={"help": "sglang/vllm: a verify pass costs 1 + this x (tokens - 1) plain steps"})
@@ -61,7 +64,8 @@ class TuneConfig:
         engines = tuple(dict.fromkeys(engine_names(Ability.RUN_HERE, aliases=False) + engine_names(Ability.STATED_COSTS, aliases=False)))
         if self.engine not in engines:
             raise ValueError(f"--engine {self.engine!r}: tune knows {', '.join(engines)}")
-        for name, low in (("num_prompts", 1), ("max_new_tokens", 8), ("max_steps", 1), ("offset", 0), ("top", 1)):
+        for name, low in (("num_prompts", 1), ("max_new_tokens", 8), ("max_steps", 1), ("offset", 0), ("top", 1),
+                          ("load_tokens", 8)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
         if any(not 0.0 <= p < 1.0 for p in self.p_mins):
