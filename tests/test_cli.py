@@ -165,6 +165,37 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in captured.err + captured.out
 
 
+def test_sigterm_leaves_through_the_commands_with_blocks_and_exits_143(tmp_path, monkeypatch, capsys):
+    """A kill (SIGTERM) of a command that launched a server: its ``with`` block exits (the server stopped, not
+    orphaned as it was when the process died around it), one line, exit 143; SIGTERM's handler restored after."""
+    import os
+    import signal
+    from contextlib import contextmanager
+
+    import eaglewire.data.prepare
+
+    stopped = []
+
+    @contextmanager
+    def launched_server():
+        try:
+            yield
+        finally:
+            stopped.append(True)
+
+    def killed(*a, **k):
+        with launched_server():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("SIGTERM did not reach the command")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(eaglewire.data.prepare, "prepare", killed)
+    assert main(["prepare", "--data", "x.json", "--out", str(tmp_path / "d"), "--no-progress"]) == 143
+    assert stopped == [True]
+    assert capsys.readouterr().err.strip() == "terminated; run the same command to resume"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_prepare_rerun_with_other_settings_names_the_fix(tmp_path, target_dir, chats, capsys):
     args = ["prepare", "--target", str(target_dir), "--data", str(chats), "--out", str(tmp_path / "s"),
             "--batch-tokens", "256", "--no-progress"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -367,12 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     _set_threads(args.threads)
+    previous = signal.signal(signal.SIGTERM, _terminate)  # a kill stops the servers a command launched, too
     try:
         return args.func(args)
     except KeyboardInterrupt:
         # Every long command resumes from what it wrote; a traceback would only hide that.
         print("\ninterrupted; run the same command to resume", file=sys.stderr)
         return 130
+    except Terminated:
+        print("\nterminated; run the same command to resume", file=sys.stderr)
+        return 143
     except Exception as e:
         from eaglewire.core.errors import user_message
 
@@ -381,6 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("eaglewire").debug("error", exc_info=True)  # -v: the traceback too
         print(f"error: {message}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command runs: its ``with`` blocks exit (a launched llama-server or vLLM is stopped,
+    a lock released) instead of the process dying around them. A BaseException, so no ``except Exception`` eats it."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
 
 
 if __name__ == "__main__":
