@@ -15,6 +15,7 @@ import pytest
 from eaglewire.engines.command_settings import EngineRunConfig
 
 from eaglewire.engines import llamacpp as engine
+from load_checks import check_answers_under_load_as_alone, check_timed_load_counts_every_sequences_rounds
 
 pytestmark = pytest.mark.llamacpp
 
@@ -160,24 +161,10 @@ def loaded_server(exported, server_binary):
 
 
 def test_llama_server_under_load_answers_each_request_as_it_does_alone(loaded_server, prompt_ids):
-    """3 clients over 6 requests (bench --concurrency's closed loop): every greedy answer equals the same request
-    sent alone. Exact: llama.cpp computes a row's dot products alike whatever else is in the batch (its speculative
-    output equals plain, a one-row pass, above); the drafting rounds come from its own per-sequence counter."""
-    from eaglewire.bench.server_load import closed_loop_server
-
-    requests = prompt_ids * 2
-    alone = [loaded_server.complete(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0) for ids in requests]
-    row = closed_loop_server(loaded_server, requests, 3, max_new_tokens=NEW_TOKENS)
-    assert row.outputs == alone and all(len(o) > 0 for o in alone)
-    after_prefill = sum(len(o) - 1 for o in alone)  # the first token of each comes with its prefill
-    assert after_prefill / 4 <= row.speculative_steps <= after_prefill  # 1..4 tokens a round, per sequence
+    """Exact: llama.cpp computes a row's dot products alike whatever else is in the batch (its speculative output
+    equals plain, a one-row pass, above)."""
+    check_answers_under_load_as_alone(loaded_server, prompt_ids, NEW_TOKENS)
 
 
 def test_tunes_load_on_llama_server_counts_every_sequences_rounds(loaded_server, prompt_ids):
-    """4 streams x 17 tokens past EOS, twice: each stream's 16 tokens after the prefill's take 4..16 rounds of a
-    chain of 3, so the server's counter (summed over sequences, not batched steps) reads 4 x 4 .. 4 x 16 a load."""
-    from eaglewire.acceptance.server_load import measure_load
-
-    load = measure_load(loaded_server, prompt_ids, 4, speculative=True, tokens=17, warmup=0, repeats=2)
-    assert len(load.cost.seconds) == 2 and min(load.cost.seconds) > 0
-    assert 1.0 <= load.tau <= 4.0
+    check_timed_load_counts_every_sequences_rounds(loaded_server, prompt_ids)

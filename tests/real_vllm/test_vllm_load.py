@@ -8,6 +8,7 @@ import pytest
 
 from eaglewire.engines import export_draft
 from eaglewire.engines.interface import RunSettings, Shape
+from load_checks import check_answers_under_load_as_alone, check_timed_load_counts_every_sequences_rounds
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real]
 
@@ -40,22 +41,10 @@ def loaded_server(tmp_path_factory, vllm_installation):
 
 
 def test_vllm_under_load_answers_each_request_as_it_does_alone(loaded_server, prompts):
-    """3 clients over 6 requests: every greedy answer equals the same request alone (fp32: vLLM's speculative
-    output equals its plain output in test_vllm_served.py, rows of other batch sizes alike); the rounds come from
-    vLLM's counter, which counts each sequence's draft."""
-    from eaglewire.bench.server_load import closed_loop_server
-
-    requests = prompts * 2
-    alone = [loaded_server.complete(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0) for ids in requests]
-    row = closed_loop_server(loaded_server, requests, 3, max_new_tokens=NEW_TOKENS)
-    assert row.outputs == alone and all(len(o) > 0 for o in alone)
-    after_prefill = sum(len(o) - 1 for o in alone)  # the first token of each comes with its prefill
-    assert after_prefill / 4 <= row.speculative_steps <= after_prefill  # 1..4 tokens a round, per sequence
+    """Exact in fp32: vLLM's speculative output equals its plain output in test_vllm_served.py, rows of other batch
+    sizes alike."""
+    check_answers_under_load_as_alone(loaded_server, prompts, NEW_TOKENS)
 
 
 def test_tunes_load_on_vllm_holds_its_batch_and_counts_every_sequences_rounds(loaded_server, prompts):
-    from eaglewire.acceptance.server_load import measure_load
-
-    load = measure_load(loaded_server, prompts, 4, speculative=True, tokens=17, warmup=0, repeats=2)
-    assert len(load.cost.seconds) == 2 and min(load.cost.seconds) > 0
-    assert 1.0 <= load.tau <= 4.0
+    check_timed_load_counts_every_sequences_rounds(loaded_server, prompts)

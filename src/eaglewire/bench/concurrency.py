@@ -138,12 +138,17 @@ def bench_concurrency(decoders: dict[str, tuple[SpecDecoder, Schedule]], prompts
         level = [closed_loop(engine, prompts, clients, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
                              temperature=temperature, seed=seed, name=name, progress=progress)
                  for name, engine in engines.items()]
-        plain = level[0]
-        for row in level:
-            row.same_as_plain = sum(a == b for a, b in zip(row.outputs, plain.outputs))
-            row.vs_plain = round(row.tokens_per_second / plain.tokens_per_second, 3)
-        rows += level
+        rows += compare_with_plain(level)
     return rows
+
+
+def compare_with_plain(level: list[LoadRow]) -> list[LoadRow]:
+    """One concurrency's rows (plain first), each given its outputs equal to plain's and its tokens/s over plain's."""
+    plain = level[0]
+    for row in level:
+        row.same_as_plain = sum(a == b for a, b in zip(row.outputs, plain.outputs))
+        row.vs_plain = round(row.tokens_per_second / plain.tokens_per_second, 3)
+    return level
 
 
 def table(rows: list[LoadRow]) -> str:

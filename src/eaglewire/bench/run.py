@@ -183,7 +183,9 @@ def server_runs(runs: list[SpecConfig | None], engine: str, family: str = "eagle
 
 def shape_of(run: SpecConfig | None) -> Shape:
     """A bench config as a server launch's shape (None: plain)."""
-    return Shape() if run is None else Shape(n_max=run.num_steps, p_min=run.min_prob)
+    from eaglewire.acceptance.server_load import launched_shape
+
+    return Shape() if run is None else launched_shape(run)
 
 
 def parse_config(part: str) -> SpecConfig | None:
@@ -534,16 +536,7 @@ def _engine_jobs(config: BenchConfig, target: Target, runs: list[SpecConfig | No
 def _run_server(engine: str, config: BenchConfig, encoded: list[list[int]], progress: bool) -> list[Row]:
     """One server of ``engine`` per config, started here (config-major: a server holds its own copy of the
     target, so they do not run side by side); no prompt cache, threads pinned; each answer's own counters."""
-    spec = get_engine(engine)
-    runtime, settings = spec.runtime, config.run.settings()
-    why = runtime.available(settings)
-    if why:
-        raise ValueError(why)
-    family = read_draft(config.draft).family if config.draft is not None else "eagle3"
-    runs = server_runs(config.runs, engine, family)
-    needs_draft = any(r is not None for r in runs)
-    files = runtime.files(config.draft if needs_draft else None, config.target, config.out_dir, settings,
-                          export=export_draft, allow=frozenset(config.allow_target_mismatch or ()))
+    runtime, settings, runs, files = _launch_setup(engine, config)
     rows = []
     for run in runs:
         log_path = config.out_dir / f"{engine}-{config_label(run).replace(',', '_')}.log"
@@ -558,9 +551,24 @@ def _run_server(engine: str, config: BenchConfig, encoded: list[list[int]], prog
                                          seed=config.seed + i)
                 stats.append(answer.stats)
                 outputs.append(answer.tokens)
-        rows.append(Row(f"{engine} {config_label(run)}", "plain" if run is None else family, stats, outputs,
+        rows.append(Row(f"{engine} {config_label(run)}", "plain" if run is None else files.family, stats, outputs,
                         engine_name=engine))
     return rows
+
+
+def _launch_setup(engine: str, config: BenchConfig):
+    """What the bench launches of ``engine``: (its runtime, run settings, the configs it can run, the files it
+    serves: the draft exported only where a config drafts)."""
+    runtime, settings = get_engine(engine).runtime, config.run.settings()
+    why = runtime.available(settings)
+    if why:
+        raise ValueError(why)
+    family = read_draft(config.draft).family if config.draft is not None else "eagle3"
+    runs = server_runs(config.runs, engine, family)
+    needs_draft = any(r is not None for r in runs)
+    files = runtime.files(config.draft if needs_draft else None, config.target, config.out_dir, settings,
+                          export=export_draft, allow=frozenset(config.allow_target_mismatch or ()))
+    return runtime, settings, runs, files
 
 
 def run_bench_concurrency(config: BenchConfig, *, progress: bool = True):
@@ -597,15 +605,8 @@ def _server_concurrency(config: BenchConfig, progress: bool):
     from eaglewire.model.target import load_tokenizer
 
     engine = config.engine[0]
-    runtime, settings = get_engine(engine).runtime, config.run.settings()
-    why = runtime.available(settings)
-    if why:
-        raise ValueError(why)
-    family = read_draft(config.draft).family if config.draft is not None else "eagle3"
-    runs = sorted(server_runs(config.runs, engine, family), key=lambda r: r is not None)  # plain first
-    needs_draft = any(r is not None for r in runs)
-    files = runtime.files(config.draft if needs_draft else None, config.target, config.out_dir, settings,
-                          export=export_draft, allow=frozenset(config.allow_target_mismatch or ()))
+    runtime, settings, runs, files = _launch_setup(engine, config)
+    runs = sorted(runs, key=lambda r: r is not None)  # plain first
     tok = load_tokenizer(config.target)
     prompts = [encode_prompt(tok, p.text, chat=p.chat) for p in bench_prompts(config)]
     launches = {f"{engine} {config_label(run)}": shape_of(run) for run in runs}

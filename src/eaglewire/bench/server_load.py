@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from eaglewire.bench.concurrency import LoadRow
+from eaglewire.bench.concurrency import LoadRow, compare_with_plain
 from eaglewire.engines.interface import RunningServer, RunSettings, ServedFiles, Shape
 
 
@@ -82,11 +82,4 @@ def bench_server_concurrency(runtime, files: ServedFiles, settings: RunSettings,
             by_launch.append([closed_loop_server(server, prompts, clients, max_new_tokens=max_new_tokens,
                                                  temperature=temperature, seed=seed, name=name, progress=progress)
                               for clients in levels])
-    rows = []
-    for level in zip(*by_launch):
-        plain = level[0]
-        for row in level:
-            row.same_as_plain = sum(a == b for a, b in zip(row.outputs, plain.outputs))
-            row.vs_plain = round(row.tokens_per_second / plain.tokens_per_second, 3)
-        rows += level
-    return rows
+    return [row for level in zip(*by_launch) for row in compare_with_plain(list(level))]

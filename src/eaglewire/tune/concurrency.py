@@ -46,11 +46,12 @@ def _served(config: TuneConfig, draft_dir: Path, shapes, progress) -> Concurrenc
     """The engine launched here per shape, loaded with each batch size's streams; the launch advice in the notes."""
     from eaglewire.acceptance.server_load import launch_advice, launched_shape, measure_server_concurrency
     from eaglewire.acceptance.speed import server_setup
+    from eaglewire.model.checkpoint import read_draft
     from eaglewire.model.target import load_tokenizer
 
     spec = get_engine(config.engine)
     settings = config.run.settings()
-    family = _family(draft_dir)
+    family = read_draft(draft_dir).family
     for shape in shapes:
         why = spec.runtime.can_run(launched_shape(shape), family)
         if why:
@@ -83,9 +84,3 @@ def served_key(config: TuneConfig, draft_dir: Path) -> ScheduleKey:
     return ScheduleKey(target=trained_for[:16], draft=draft_digest(draft_dir),
                        engine=f"{spec.name} {spec.runtime.version(settings)}", dtype="float32", device=cpu()[0],
                        threads=settings.threads)
-
-
-def _family(draft_dir: Path) -> str:
-    from eaglewire.model.checkpoint import read_draft
-
-    return read_draft(draft_dir).family

@@ -277,18 +277,26 @@ def completion_body(ids: Sequence[int], *, max_new_tokens: int, temperature: flo
     return body
 
 
+def completion(url: str, ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+               ignore_eos: bool = False, timeout: float = 1800.0) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
+    """One ``/v1/completions`` answer of the vLLM at ``url``: (the response, its first choice, the new token ids)."""
+    response = post_json(url.rstrip("/") + "/v1/completions",
+                         completion_body(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                         ignore_eos=ignore_eos),
+                         timeout=timeout, who="vLLM server", error=VllmError, hint="")
+    choice = (response.get("choices") or [{}])[0]
+    return response, choice, [int(t) for t in choice.get("token_ids") or []]
+
+
 def generate(url: str, ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
              timeout: float = 1800.0) -> Answer:
     """One completion from the vLLM at ``url``, with its ``GenerationStats`` (``request_stats``)."""
     base = url.rstrip("/")
     before = counters(base)
     start = time.perf_counter()
-    response = post_json(base + "/v1/completions", completion_body(ids, max_new_tokens=max_new_tokens,
-                                                                   temperature=temperature, seed=seed),
-                         timeout=timeout, who="vLLM server", error=VllmError, hint="")
+    response, choice, tokens = completion(base, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          seed=seed, timeout=timeout)
     wall = time.perf_counter() - start
-    choice = (response.get("choices") or [{}])[0]
-    tokens = [int(t) for t in choice.get("token_ids") or []]
     after = counters(base)
     stats = request_stats(prompt_tokens=len(ids), tokens=tokens, finish_reason=choice.get("finish_reason"),
                           response_metrics=response.get("metrics"), before=before, after=after, wall_seconds=wall)
@@ -434,11 +442,8 @@ class VllmServer:
 
     def complete(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int,
                  ignore_eos: bool = False) -> list[int]:
-        body = completion_body(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                               ignore_eos=ignore_eos)
-        response = post_json(self.url.rstrip("/") + "/v1/completions", body, timeout=1800.0, who="vLLM server",
-                             error=VllmError, hint="")
-        return [int(t) for t in ((response.get("choices") or [{}])[0].get("token_ids") or [])]
+        return completion(self.url, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                          ignore_eos=ignore_eos)[2]
 
     def spec_rounds(self) -> int | None:
         spec = counters(self.url).spec

@@ -1,0 +1,27 @@
+"""The checks both real engines' load tests run on one launched server (a chain of 3, 4 slots): llama-server in
+tests/engines/test_llamacpp_server.py, vLLM in tests/real_vllm/test_vllm_load.py."""
+
+from __future__ import annotations
+
+
+def check_answers_under_load_as_alone(server, prompts: list[list[int]], new_tokens: int) -> None:
+    """3 clients over each prompt twice (bench --concurrency's closed loop): every greedy answer equals the same
+    request sent alone, and the drafting rounds, from the engine's per-sequence counter, give 1..4 tokens a round."""
+    from eaglewire.bench.server_load import closed_loop_server
+
+    requests = prompts * 2
+    alone = [server.complete(ids, max_new_tokens=new_tokens, temperature=0.0, seed=0) for ids in requests]
+    row = closed_loop_server(server, requests, 3, max_new_tokens=new_tokens)
+    assert row.outputs == alone and all(len(o) > 0 for o in alone)
+    after_prefill = sum(len(o) - 1 for o in alone)  # the first token of each comes with its prefill
+    assert after_prefill / 4 <= row.speculative_steps <= after_prefill  # 1..4 tokens a round, per sequence
+
+
+def check_timed_load_counts_every_sequences_rounds(server, prompts: list[list[int]]) -> None:
+    """4 streams x 17 tokens past EOS, twice: each stream's 16 tokens after the prefill's take 4..16 rounds of a
+    chain of 3, so the server's counter (summed over sequences, not batched steps) gives 1..4 tokens a round."""
+    from eaglewire.acceptance.server_load import measure_load
+
+    load = measure_load(server, prompts, 4, speculative=True, tokens=17, warmup=0, repeats=2)
+    assert len(load.cost.seconds) == 2 and min(load.cost.seconds) > 0
+    assert 1.0 <= load.tau <= 4.0
