@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eaglewire.acceptance.concurrency import (ConcurrencyReport, Progress, StepCost, predict, schedule_from)
@@ -121,8 +121,6 @@ def measure_server_concurrency(runtime, files: ServedFiles, settings: RunSetting
                                progress: Progress = lambda _: None) -> ConcurrencyReport:
     """Plain and every chain of ``shapes`` launched by ``runtime`` (a ``Runtime``) with ``max(batches)`` slots,
     each loaded at every batch size: the costs, taus, predictions and the schedule."""
-    from dataclasses import replace
-
     launched = replace(settings, slots=max(batches))
     loads: dict[tuple[int, str], LoadCost] = {}
     alone: dict[str, float] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -70,8 +71,6 @@ def bench_server_concurrency(runtime, files: ServedFiles, settings: RunSettings,
                              seed: int, warmup: int, log_dir: Path, progress: bool) -> list[LoadRow]:
     """Each named launch of ``runtime`` (a ``Runtime``; the first plain) loaded at each concurrency: LoadRows
     level-major, each compared with the plain launch's at the same level."""
-    from dataclasses import replace
-
     launched = replace(settings, slots=max(levels))
     by_launch: list[list[LoadRow]] = []
     for name, shape in launches.items():

@@ -60,8 +60,7 @@ def _served(config: TuneConfig, draft_dir: Path, shapes, progress) -> Concurrenc
     prompts = tune_prompts(config, load_tokenizer(config.target))
     report = measure_server_concurrency(spec.runtime, setup.files, settings, prompts, config.concurrency, shapes,
                                         tokens=config.load_tokens, each=2, max_new_tokens=config.max_new_tokens,
-                                        log_dir=setup.log_dir,
-                                        progress=progress)
+                                        log_dir=setup.log_dir, progress=progress)
     report.schedule.key = served_key(config, draft_dir)
 
     def spell(shape) -> str:
