@@ -25,3 +25,33 @@ def check_timed_load_counts_every_sequences_rounds(server, prompts: list[list[in
     load = measure_load(server, prompts, 4, speculative=True, tokens=17, warmup=0, repeats=2)
     assert len(load.cost.seconds) == 2 and min(load.cost.seconds) > 0
     assert 1.0 <= load.tau <= 4.0
+
+
+def check_doctor_sees_other_clients(server, measure, prompts: list[list[int]], running_gauge: str) -> None:
+    """The doctor's reading of this server (``measure``, the engine's measure_served) says no other client when
+    it is alone, and the other request when one is in flight while it measures (``running_gauge``: the server's
+    running-requests gauge, full sample name, polled until the other request runs)."""
+    import threading
+    import time
+
+    import eaglewire.engines.served_counts as served
+
+    alone = measure(server.url, prompts[:1], max_new_tokens=8)
+    assert alone.others is not None and not alone.others.busy, alone.others
+
+    def running() -> float:
+        return served.total(served.samples(served.get_text(server.url + "/metrics", timeout=30, who="server")),
+                            running_gauge) or 0.0
+
+    other = threading.Thread(target=server.complete, args=(prompts[1],),
+                             kwargs=dict(max_new_tokens=256, temperature=0.0, seed=0, ignore_eos=True))
+    other.start()
+    try:
+        deadline = time.monotonic() + 60
+        while running() < 1 and other.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        busy = measure(server.url, prompts[:1], max_new_tokens=8)
+    finally:
+        other.join(300)
+    assert busy.others is not None and busy.others.running >= 1, busy.others
+    assert busy.outputs == alone.outputs  # the doctor's own answer unchanged beside it

@@ -19,7 +19,7 @@ import torch
 from eaglewire.engines import Ability
 from eaglewire.doctor.report import Check, DoctorReport
 from eaglewire.doctor.served import (Replayed, candidate_causes, chain_length, replay_chain, served_check)
-from eaglewire.engines.served_counts import ServedCounts, ServedError
+from eaglewire.engines.served_counts import OtherTraffic, ServedCounts, ServedError, other_traffic
 from servers import live_server, vllm_metrics
 
 # ------------------------------------------------------------------ pure pieces
@@ -76,6 +76,48 @@ def test_a_difference_within_noise_or_tolerance_is_no_fault():
     assert served_check(many, _replayed(), DoctorReport("d", "t")).verdict == "warn"
     nothing = ServedCounts("llamacpp")
     assert served_check(nothing, _replayed(), DoctorReport("d", "t")).verdict == "fail"
+
+
+def test_other_clients_work_is_what_the_counter_grew_beyond_the_doctors_own():
+    # 100 -> 180 generated, the doctor's 2 answers held 60: 20 beyond, less one a request the counter may add
+    got = other_traffic(generated=(100, 180), running=(0, 2), own_tokens=60, requests=2)
+    assert (got.generated, got.running, got.busy) == (18, 2, True)
+    assert got.describe() == "2 other request(s) in flight and 18 tokens generated for other clients"
+    idle = other_traffic(generated=(100, 161), running=(0, 0), own_tokens=60, requests=2)  # one extra: its own
+    assert (idle.generated, idle.busy, idle.describe()) == (0, False, "no other client's request")
+    assert other_traffic(generated=(None, 5), running=(None, None), own_tokens=1, requests=1).generated is None
+
+
+BUSY = OtherTraffic(generated=512, running=3)
+
+
+def test_a_fault_read_on_a_busy_server_from_counters_is_inconclusive():
+    """Counters count the other clients' rounds: τ 1.50 against 2.50 replayed is no evidence about the wiring."""
+    faulty = dict(drafts=120, draft_tokens=360, accepted=60, accepted_per_pos=[50, 8, 2])
+    assert served_check(ServedCounts("vllm", **faulty), _replayed(), DoctorReport("d", "t")).verdict == "fail"
+    check = served_check(ServedCounts("vllm", **faulty, others=BUSY), _replayed(), DoctorReport("d", "t"))
+    assert check.verdict == "inconclusive" and "busy server (3 other request(s) in flight and 512 tokens" in check.summary
+    assert "counters count the other clients' verify steps" in check.summary and "no other client" in check.fix
+    too_many = ServedCounts("vllm", drafts=100, draft_tokens=300, accepted=190, others=BUSY)  # a warn, likewise
+    assert served_check(too_many, _replayed(), DoctorReport("d", "t")).verdict == "inconclusive"
+
+
+def test_a_busy_server_is_judged_where_its_figures_are_the_doctors_own():
+    faulty = dict(drafts=120, draft_tokens=360, accepted=60, accepted_per_pos=[50, 8, 2], source="per-request")
+    # per-request figures that load does not move (vLLM): still a fault, the traffic in the evidence
+    check = served_check(ServedCounts("vllm", **faulty, others=BUSY), _replayed(), DoctorReport("d", "t"))
+    assert check.verdict == "fail" and any("3 other request(s) in flight" in e for e in check.evidence)
+    # an engine whose acceptance moves with the requests beside a sequence: inconclusive, saying why
+    moved = OtherTraffic(running=1, load_changes_acceptance="llama.cpp accepts fewer beside others")
+    check = served_check(ServedCounts("llamacpp", **faulty, others=moved), _replayed(), DoctorReport("d", "t"))
+    assert check.verdict == "inconclusive" and "llama.cpp accepts fewer beside others" in check.summary
+    # a pass stays a pass; nothing drafted stays a fail whatever the load
+    as_replayed = ServedCounts("vllm", drafts=100, draft_tokens=300, accepted=148, others=BUSY)
+    assert served_check(as_replayed, _replayed(), DoctorReport("d", "t")).verdict == "ok"
+    assert served_check(ServedCounts("llamacpp", others=moved), _replayed(), DoctorReport("d", "t")).verdict == "fail"
+    idle = ServedCounts("vllm", **faulty, others=OtherTraffic(generated=0))
+    check = served_check(idle, _replayed(), DoctorReport("d", "t"))
+    assert check.verdict == "fail" and any("the server had no other client's request" in e for e in check.evidence)
 
 
 def test_engine_url_is_taken_for_every_engine_that_can_be_measured():
@@ -142,8 +184,26 @@ def test_vllm_counters_are_a_difference_and_say_other_traffic_counts():
         got = vllm.measure_served(url, [[1, 2], [3]], max_new_tokens=4)
     assert (got.drafts, got.draft_tokens, got.accepted, got.accepted_per_pos) == (4, 12, 5, [2, 2, 1])
     assert got.source == "counters" and got.outputs == [[5, 6, 7]] * 2 and "other clients" in got.notes[0]
+    assert got.others is not None and got.others.generated is None and not got.others.busy  # no such counter here
     body = calls[1][1]
     assert body["prompt"] == [1, 2] and body["temperature"] == 0 and body["return_token_ids"] is True
+
+
+def test_vllm_reading_sees_other_clients_in_its_counter_and_gauge():
+    from eaglewire.engines import vllm
+
+    def metrics(generated, running):
+        return vllm_metrics(10, 30, 12, [6, 4, 2]) + (
+            "# TYPE vllm:generation_tokens_total counter\n"
+            f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {generated}\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}\n')
+
+    answer = {"choices": [{"text": "x", "token_ids": [5, 6, 7]}]}
+    routes = {"/metrics": [metrics(40, 1), metrics(140, 0)], "/v1/completions": [answer]}
+    with stub_server(routes) as (url, _):
+        got = vllm.measure_served(url, [[1, 2]], max_new_tokens=4)
+    assert (got.others.generated, got.others.running) == (96, 1)  # 100 generated, 3 + 1 the doctor's own
 
 
 def test_vllm_per_request_metrics_win_over_counters():
@@ -259,6 +319,7 @@ def test_eaglewires_server_serves_the_tau_the_replay_predicts(smollm2_target, re
     assert abs(served["tau"] - served["replayed_tau"]) <= 0.05, served
     assert served["tau"] > 1.0 and served["chain"] == 3 and len(served["per_position"]) == 3
     assert any(e.startswith("per position, served/replayed") for e in check.evidence)
+    assert served["others"] == {"generated": 0, "running": 0}  # its own counter holds the doctor's tokens alone
 
 
 @pytest.mark.real

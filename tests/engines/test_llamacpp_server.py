@@ -15,7 +15,8 @@ import pytest
 from eaglewire.engines.command_settings import EngineRunConfig
 
 from eaglewire.engines import llamacpp as engine
-from load_checks import check_answers_under_load_as_alone, check_timed_load_counts_every_sequences_rounds
+from load_checks import (check_answers_under_load_as_alone, check_doctor_sees_other_clients,
+                         check_timed_load_counts_every_sequences_rounds)
 
 pytestmark = pytest.mark.llamacpp
 
@@ -168,3 +169,9 @@ def test_llama_server_under_load_answers_each_request_as_it_does_alone(loaded_se
 
 def test_tunes_load_on_llama_server_counts_every_sequences_rounds(loaded_server, prompt_ids):
     check_timed_load_counts_every_sequences_rounds(loaded_server, prompt_ids)
+
+
+def test_the_doctors_reading_of_llama_server_sees_other_clients(loaded_server, prompt_ids):
+    """A served acceptance read beside another client's request says so (llama.cpp b11434 accepts fewer drafted
+    tokens with others in flight, so the doctor does not judge the wiring on such a reading)."""
+    check_doctor_sees_other_clients(loaded_server, engine.measure_served, prompt_ids, "llamacpp:requests_processing")

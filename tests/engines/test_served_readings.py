@@ -19,6 +19,7 @@ from eaglewire.engines import eaglewire as own
 from eaglewire.engines import sglang, vllm
 from eaglewire.engines import spec_decode_metrics as vllm_shaped
 from eaglewire.engines.llamacpp import server as llamacpp_server
+import eaglewire.engines.served_counts as served
 from eaglewire.engines.served_counts import per_pos_from_histogram
 
 pytestmark = pytest.mark.engines
@@ -145,6 +146,21 @@ def test_eaglewires_counters_are_vllms_names_under_its_prefix(wheels):
     assert names(ours, own.METRICS_PREFIX) == names(theirs, vllm.METRICS_PREFIX)
 
 
+def test_the_traffic_each_vllm_shaped_server_exports_is_named_as_it_writes_it(wheels):
+    """The counter of generated tokens and the gauge of running requests the doctor reads for other clients' work:
+    vLLM's as vllm/v1/metrics/loggers.py names them (prometheus_client adds ``_total`` to a counter), eaglewire
+    serve's as its /metrics renders them."""
+    from eaglewire.serve.metrics import Metrics
+
+    loggers = wheels["vllm"].text("vllm/v1/metrics/loggers.py")
+    from eaglewire.engines.vllm.readings import TRAFFIC
+
+    generated, running = TRAFFIC
+    assert f'name="{generated.removesuffix("_total")}"' in loggers and f'name="{running}"' in loggers
+    rows = served.samples(Metrics(4, ("/metrics",)).render(waiting=0, running=2).decode())
+    assert served.total(rows, own.TRAFFIC[0]) == 0 and served.total(rows, own.TRAFFIC[1]) == 2
+
+
 # ------------------------------------------------------------------ SGLang 0.5.23
 
 def test_sglang_meta_info_read_as_sglang_writes_it(wheels):
@@ -175,7 +191,7 @@ def test_sglang_meta_info_read_as_sglang_writes_it(wheels):
 
 def test_sglang_metric_names_are_its_own(wheels):
     source = wheels["sglang"].text("sglang/srt/observability/metrics_collector.py")
-    for name in (sglang.SPEC_ACCEPT_LENGTH, sglang.SPEC_VERIFY_CALLS, sglang.GENERATION_TOKENS):
+    for name in (sglang.SPEC_ACCEPT_LENGTH, sglang.SPEC_VERIFY_CALLS, sglang.GENERATION_TOKENS, sglang.RUNNING_REQUESTS):
         assert f'name="{name}"' in source, name  # SGLang names its counters with _total
     registry = CollectorRegistry()
     labels = ["model_name", "engine_type"]

@@ -8,7 +8,8 @@ import pytest
 
 from eaglewire.engines import export_draft
 from eaglewire.engines.interface import RunSettings, Shape
-from load_checks import check_answers_under_load_as_alone, check_timed_load_counts_every_sequences_rounds
+from load_checks import (check_answers_under_load_as_alone, check_doctor_sees_other_clients,
+                         check_timed_load_counts_every_sequences_rounds)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real]
 
@@ -48,3 +49,9 @@ def test_vllm_under_load_answers_each_request_as_it_does_alone(loaded_server, pr
 
 def test_tunes_load_on_vllm_holds_its_batch_and_counts_every_sequences_rounds(loaded_server, prompts):
     check_timed_load_counts_every_sequences_rounds(loaded_server, prompts)
+
+
+def test_the_doctors_reading_of_vllm_sees_other_clients(loaded_server, prompts):
+    from eaglewire.engines import vllm
+
+    check_doctor_sees_other_clients(loaded_server, vllm.measure_served, prompts, "vllm:num_requests_running")

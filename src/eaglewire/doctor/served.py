@@ -100,6 +100,40 @@ def served_check(counts: ServedCounts, replayed: Replayed, report: DoctorReport)
     if per_pos:
         evidence.append(f"per position, served/replayed: {per_pos}")
     evidence += counts.notes
+    if counts.others is not None:
+        evidence.append(f"while measured, the server had {counts.others.describe()} (its counter of generated tokens "
+                        "and gauge of running requests, read before and after the doctor's requests)")
+    check = judge_served(counts, replayed, report, name, evidence, low, high)
+    judged = check.verdict in ("fail", "warn") and counts.draft_tokens and replayed.judged  # against the replay
+    return busy_verdict(check, counts, replayed) if judged else check
+
+
+def load_reads(counts: ServedCounts) -> str | None:
+    """Why the served figures read the server's load as well as its wiring, when other clients used it meanwhile:
+    counters that count their rounds too, or an engine whose acceptance moves with the requests beside a sequence;
+    None when the figures are the doctor's requests' own and load does not move them."""
+    others = counts.others
+    if others is None or not others.busy:
+        return None
+    if counts.source != "per-request":
+        return f"the {counts.engine} server's counters count the other clients' verify steps too"
+    return others.load_changes_acceptance
+
+
+def busy_verdict(check: Check, counts: ServedCounts, replayed: Replayed) -> Check:
+    """A fault or an excess read on a busy server, where the figures read the load: inconclusive, with what to do."""
+    why = load_reads(counts)
+    if why is None:
+        return check
+    return Check(check.name, "inconclusive", f"measured on a busy server ({counts.others.describe()}): {why}, so "
+                 f"τ {counts.tau:.2f} served against {replayed.tau:.2f} replayed reads the load as well as the wiring", check.evidence,
+                 fix="re-run the doctor while no other client uses the server, or against a second instance of it "
+                     "launched the same way")
+
+
+def judge_served(counts: ServedCounts, replayed: Replayed, report: DoctorReport, name: str, evidence: list[str],
+                 low: float, high: float) -> Check:
+    """The served figures against the replay's interval [low, high], whatever else the server was doing."""
     if counts.drafts == 0 or counts.draft_tokens == 0:
         return Check(name, "fail", f"the {counts.engine} server drafted nothing for the doctor's prompts", evidence,
                      fix="start the server with the draft and speculative decoding on")
@@ -151,7 +185,9 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
     check = report.add(served_check(counts, replayed, report))
     report.served = {"engine": counts.engine, "source": counts.source, "tau": counts.tau,
                      "per_position": counts.per_position, "replayed_tau": replayed.tau,
-                     "replayed_per_position": replayed.per_position, "chain": steps}
+                     "replayed_per_position": replayed.per_position, "chain": steps,
+                     "others": None if counts.others is None else {"generated": counts.others.generated,
+                                                                   "running": counts.others.running}}
     if check.verdict == "fail" and counts.draft_tokens and replayed.judged:  # a serving-side fault: which wiring?
         from eaglewire.doctor.diagnosis import diagnose
 

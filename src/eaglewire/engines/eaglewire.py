@@ -44,13 +44,15 @@ def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: st
 # shape (engines/spec_decode_metrics.py) reads it.
 
 METRICS_PREFIX = "eaglewire_"
+TRAFFIC = ("eaglewire_generated_tokens_total", "eaglewire_requests_running")  # serve/metrics.py Metrics.families
 
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy completions of ``prompts`` from ``eaglewire serve`` at ``url`` and what it accepted."""
     from eaglewire.engines.spec_decode_metrics import measure_served as measure
 
-    return measure(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout, prefix=METRICS_PREFIX, engine=NAME)
+    return measure(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout, prefix=METRICS_PREFIX, engine=NAME,
+                   traffic_names=TRAFFIC)
 
 
 def served_version(url: str) -> str | None:

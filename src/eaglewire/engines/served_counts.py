@@ -61,7 +61,57 @@ class ServedCounts(AcceptanceRates):
     outputs: list[list[int]] = field(default_factory=list)  # generated token ids per prompt ([] when not returned)
     source: str = "counters"  # per-request | counters | mixed
     notes: list[str] = field(default_factory=list)
+    others: OtherTraffic | None = None  # what the server did for other clients meanwhile (None: not readable)
 
+
+@dataclass
+class OtherTraffic:
+    """What a server did for other clients while the doctor measured it, from its own counter of generated
+    tokens and its gauge of running requests, read before the doctor's first request and after its last
+    answer (the doctor sends one request at a time, so neither read sees one of its own in flight)."""
+
+    generated: int | None = None  # tokens generated beyond the doctor's own between the reads (None: no counter)
+    running: int = 0  # other requests in flight at either read (the larger)
+    # the engine's acceptance itself moves with the requests beside a sequence (llama.cpp b11434), said why;
+    # None where a request's own figures do not depend on the others (vLLM: its rounds do not move with load)
+    load_changes_acceptance: str | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0 or (self.generated or 0) > 0
+
+    def describe(self) -> str:
+        """What the reads saw: "3 other request(s) in flight and 512 tokens generated for other clients", or
+        "no other client's request"."""
+        seen = [f"{self.running} other request(s) in flight"] if self.running else []
+        if self.generated:
+            seen.append(f"{self.generated:,} tokens generated for other clients")
+        return " and ".join(seen) or "no other client's request"
+
+
+def other_traffic(*, generated: tuple[float | None, float | None], running: tuple[float | None, float | None],
+                  own_tokens: int, requests: int, load_changes_acceptance: str | None = None) -> OtherTraffic:
+    """The other clients' share of a server's work between two reads: ``generated`` its counter of generated tokens
+    (before, after), ``running`` its running-requests gauge (before, after), ``own_tokens`` what the doctor's
+    ``requests`` answers held. A counter may count a request's tokens otherwise by one (an end-of-sequence token,
+    a first token from the prefill): up to one token a request is not called traffic."""
+    before, after = generated
+    extra = None if before is None or after is None else max(int(after - before) - own_tokens - requests, 0)
+    return OtherTraffic(generated=extra, running=int(max(r or 0 for r in running)),
+                        load_changes_acceptance=load_changes_acceptance)
+
+
+
+def traffic_between(before: str | None, after: str | None, outputs: list[list[int]], *, generated: str,
+                    running: str) -> OtherTraffic | None:
+    """Other clients' work between two reads of a server's Prometheus text: the counter ``generated`` (tokens
+    generated) and the gauge ``running`` (requests running), full sample names; None without both reads."""
+    if before is None or after is None:
+        return None
+    rows = samples(before), samples(after)
+    return other_traffic(generated=(total(rows[0], generated), total(rows[1], generated)),
+                         running=(total(rows[0], running), total(rows[1], running)),
+                         own_tokens=sum(map(len, outputs)), requests=len(outputs))
 
 
 def per_pos_from_histogram(histogram: list[int]) -> list[int]:

@@ -467,6 +467,7 @@ def served_config_key(d: dict[str, Any]) -> str:
 SPEC_ACCEPT_LENGTH = "sglang:spec_accept_length"
 SPEC_VERIFY_CALLS = "sglang:spec_verify_calls_total"
 GENERATION_TOKENS = "sglang:generation_tokens_total"
+RUNNING_REQUESTS = "sglang:num_running_reqs"  # a Gauge set each logging interval (SchedulerMetricsCollector)
 
 
 def meta_spec(meta_info: dict[str, Any]) -> dict[str, Any] | None:
@@ -533,6 +534,7 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
         out.accepted_per_pos = served.add_lists(out.accepted_per_pos, r["per_pos"])
     if not out.accepted_per_pos:
         out.notes.append("meta_info holds no spec_correct_drafts_histogram: no per-position acceptance")
+    out.others = served.traffic_between(before, after, out.outputs, generated=GENERATION_TOKENS, running=RUNNING_REQUESTS)
     if before is not None and after is not None:
         start, end = spec_gauges(before), spec_gauges(after)
         if SPEC_ACCEPT_LENGTH in end:

@@ -58,9 +58,11 @@ def complete_ids(url: str, prompt_ids: list[int], *, max_tokens: int, timeout: f
 
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0,
-                   prefix: str, engine: str) -> served.ServedCounts:
+                   prefix: str, engine: str, traffic_names: tuple[str, str]) -> served.ServedCounts:
     """Greedy completions of ``prompts`` from the vLLM-shaped server at ``url`` and what it says it
-    accepted: per-request metrics where every answer carries them, else the counters' difference."""
+    accepted: per-request metrics where every answer carries them, else the counters' difference;
+    ``traffic_names`` the server's (generated tokens counter, running requests gauge), read for other clients'
+    work in between."""
     who = f"{engine} server"
     metrics_url = url.rstrip("/") + "/metrics"
     before = served.get_text(metrics_url, timeout=timeout, who=who)
@@ -68,6 +70,8 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
     after = served.get_text(metrics_url, timeout=timeout, who=who)
     out = served.ServedCounts(engine=engine, outputs=[list((a.get("choices") or [{}])[0].get("token_ids") or [])
                                                       for a in answers])
+    generated, running = traffic_names
+    out.others = served.traffic_between(before, after, out.outputs, generated=generated, running=running)
     per_request = [request_spec_metrics(a) for a in answers]
     if per_request and all(r is not None for r in per_request):
         for r in per_request:

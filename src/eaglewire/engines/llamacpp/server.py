@@ -19,7 +19,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from eaglewire.engines.llamacpp.errors import LlamaCppError, exit_cause
-from eaglewire.engines.served_counts import OTHER_TRAFFIC, ServedCounts, ServedError, post_json, log_tail, wait_healthy
+from eaglewire.engines.served_counts import (OTHER_TRAFFIC, ServedCounts, ServedError, log_tail, other_traffic, post_json,
+                                            wait_healthy)
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,15 @@ def _per_pos(counters: dict[str, float]) -> list[int]:
     return [found.get(i, 0) for i in range(max(found) + 1)] if found else []
 
 
+# Other clients' work: tools/server/server-task.cpp (b11434) exports the counter tokens_predicted_total (tokens
+# generated) and the gauge requests_processing (slots processing), with --metrics.
+GENERATED, RUNNING = "tokens_predicted_total", "requests_processing"
+# Measured (BENCHMARKS.md, "Many requests at once"): the same replies took chain 3 959 rounds alone and 1,316 with 8
+# clients; common/speculative.cpp's EAGLE-3 process() "assumes per-seq tokens are contiguous within the ubatch".
+LOAD_CHANGES_ACCEPTANCE = ("llama.cpp b11434 accepts fewer drafted tokens with other requests in flight (1.54 -> "
+                           "1.12 tokens a round at 1 -> 8 clients, the same replies; BENCHMARKS.md)")
+
+
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy completions of ``prompts`` from the llama-server at ``url`` and what it says it
     accepted: drafted and accepted tokens from each answer's timings, verify steps and
@@ -255,6 +265,9 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
     if before is None or after is None or SPEC_DRAFTS not in after:
         raise ServedError(f"the llama-server at {url} exports no {SPEC_DRAFTS} (it runs without --metrics, or "
                           "without a draft): restart it with --metrics and -md draft.gguf --spec-type draft-eagle3")
+    out.others = other_traffic(generated=(before.get(GENERATED), after.get(GENERATED)),
+                               running=(before.get(RUNNING), after.get(RUNNING)), own_tokens=sum(map(len, out.outputs)),
+                               requests=len(out.outputs), load_changes_acceptance=LOAD_CHANGES_ACCEPTANCE)
     out.drafts = int(after[SPEC_DRAFTS] - before.get(SPEC_DRAFTS, 0))
     start, end = _per_pos(before), _per_pos(after)
     out.accepted_per_pos = [e - (start[i] if i < len(start) else 0) for i, e in enumerate(end)]

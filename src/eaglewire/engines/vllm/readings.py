@@ -472,13 +472,17 @@ def served_config_key(d: dict[str, Any]) -> str:
 # exports the same shape under its own prefix), under vLLM's prefix.
 
 METRICS_PREFIX = "vllm:"
+# Other clients' work (vllm/v1/metrics/loggers.py PrometheusStatLogger: the counter vllm:generation_tokens, the gauge
+# vllm:num_requests_running; the same in 0.32.0 and 0.33.0).
+TRAFFIC = ("vllm:generation_tokens_total", "vllm:num_requests_running")
 
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy completions of ``prompts`` from the vLLM server at ``url`` and what it says it accepted."""
     from eaglewire.engines.spec_decode_metrics import measure_served as measure
 
-    return measure(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout, prefix=METRICS_PREFIX, engine=NAME)
+    return measure(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout, prefix=METRICS_PREFIX, engine=NAME,
+                   traffic_names=TRAFFIC)
 
 
 # ---------------------------------------------------------------- DFlash (method "dflash")
