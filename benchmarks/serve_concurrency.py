@@ -5,6 +5,9 @@ concurrency, plain beside a fixed speculative shape beside tune's schedule, outp
     OMP_NUM_THREADS=2 python benchmarks/serve_concurrency.py --concurrency 1,2,4,8,16 \\
         --schedule runs/schedule.json --out runs/serve_concurrency.json
 
+Two drafts side by side (each with its own schedule): ``--drafts reference,new=runs/regen/draft --schedules
+new=runs/regen/schedule.json``.
+
 Each server runs alone (started, measured at every concurrency, stopped), with the machine otherwise idle. Each
 concurrency level sends ``max(2C, --min-requests)`` greedy chat requests of MT-bench prompts (C clients, each
 streaming its requests one after another) and measures: completion tokens over the wall time (aggregate tokens/s),
@@ -26,12 +29,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from server_latency import free_port, wait_healthy  # noqa: E402
 
-def chain(n: int) -> list[str]:
-    return ["--draft", "reference", "--speculative-num-steps", str(n), "--speculative-eagle-topk", "1",
+def chain(n: int, draft: str) -> list[str]:
+    return ["--draft", draft, "--speculative-num-steps", str(n), "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", str(n + 1)]
 
 
-SHAPES = {"plain": [], "chain 1": chain(1), "chain 3": chain(3)}
+def servers_of(drafts: dict[str, str], schedules: dict[str, str]) -> dict[str, list[str]]:
+    """Server name -> serve flags: plain, then each draft's chain 1, chain 3 and schedule (where given); a draft
+    other than the first is named after its label ("chain 1 new")."""
+    out: dict[str, list[str]] = {"plain": []}
+    for i, (label, draft) in enumerate(drafts.items()):
+        suffix = "" if i == 0 else f" {label}"
+        out[f"chain 1{suffix}"], out[f"chain 3{suffix}"] = chain(1, draft), chain(3, draft)
+        if label in schedules:
+            out[f"schedule{suffix}"] = chain(1, draft) + ["--schedule", schedules[label]]
+    return out
+
+
+def labelled(text: str | None) -> dict[str, str]:
+    """"a=x,b=y" -> {a: x, b: y}; a bare "x" is labelled by itself."""
+    pairs = [item.split("=", 1) if "=" in item else (item, item) for item in (text or "").split(",") if item]
+    return {label.strip(): value.strip() for label, value in pairs}
 
 
 def start_server(args: list[str], threads: int, log_path: str) -> tuple[subprocess.Popen, str]:
@@ -84,8 +102,11 @@ def level(url: str, prompts: list[list[dict]], clients: int, requests: int, max_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,2,4,8,16")
-    ap.add_argument("--schedule", help="a schedule from tune --concurrency (adds the 'schedule' server)")
-    ap.add_argument("--servers", default="plain,chain 1,chain 3,schedule")
+    ap.add_argument("--drafts", default="reference",
+                    help="drafts side by side, label=path comma-separated (the first is the unlabelled one)")
+    ap.add_argument("--schedule", help="a schedule from tune --concurrency for the first draft (adds 'schedule')")
+    ap.add_argument("--schedules", help="label=schedule.json for the other drafts (adds 'schedule LABEL')")
+    ap.add_argument("--servers", default="all", help="server names to run, comma-separated (default: all)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
@@ -96,12 +117,13 @@ def main() -> int:
 
     prompts = [[{"role": "user", "content": p.text}] for p in load_prompts("mt-bench")[:16]]
     levels = [int(c) for c in args.concurrency.split(",")]
-    servers = dict(SHAPES)
-    if args.schedule:
-        servers["schedule"] = SHAPES["chain 1"] + ["--schedule", args.schedule]
-    result = {"machine": summary_line(), "max_tokens": args.max_tokens, "servers": {}}
+    drafts = labelled(args.drafts)
+    schedules = {**labelled(args.schedules), **({next(iter(drafts)): args.schedule} if args.schedule else {})}
+    servers = servers_of(drafts, schedules)
+    chosen = list(servers) if args.servers == "all" else [s.strip() for s in args.servers.split(",")]
+    result = {"machine": summary_line(), "max_tokens": args.max_tokens, "drafts": drafts, "servers": {}}
     print(result["machine"], flush=True)
-    for name in [s.strip() for s in args.servers.split(",") if s.strip() in servers]:
+    for name in [s for s in chosen if s in servers]:
         proc, url = start_server(servers[name], args.threads, f"/tmp/serve_concurrency_{name.replace(' ', '_')}.log")
         try:
             level(url, prompts, 1, 1, 8)  # warm-up
@@ -109,7 +131,7 @@ def main() -> int:
             for c in levels:
                 row = level(url, prompts, c, max(2 * c, args.min_requests), args.max_tokens)
                 rows.append(row)
-                print(f"{name:9} C={c:3} {row['tokens_per_s']:7.1f} tok/s  ttft p50 {row['ttft_p50']:.2f}s  "
+                print(f"{name:14} C={c:3} {row['tokens_per_s']:7.1f} tok/s  ttft p50 {row['ttft_p50']:.2f}s  "
                       f"per token p50 {row['per_token_p50_ms']:.1f} ms", flush=True)
             result["servers"][name] = rows
         finally:
@@ -122,9 +144,9 @@ def main() -> int:
                 n = min(len(row["texts"]), len(base["texts"]))
                 row["same_as_plain"] = f"{sum(a == b for a, b in zip(row['texts'][:n], base['texts'][:n]))}/{n}"
                 row["vs_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 2)
-        print(f"\n{'server':9} " + " ".join(f"{'C=' + str(c):>16}" for c in levels))
+        print(f"\n{'server':14} " + " ".join(f"{'C=' + str(c):>16}" for c in levels))
         for name, rows in result["servers"].items():
-            print(f"{name:9} " + " ".join(f"{r['tokens_per_s']:7.1f} ({r['vs_plain']:.2f}x)" for r in rows))
+            print(f"{name:14} " + " ".join(f"{r['tokens_per_s']:7.1f} ({r['vs_plain']:.2f}x)" for r in rows))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -108,7 +108,7 @@ def served_check(counts: ServedCounts, replayed: Replayed, report: DoctorReport)
     return busy_verdict(check, counts, replayed) if judged else check
 
 
-def load_reads(counts: ServedCounts) -> str | None:
+def traffic_in_figures(counts: ServedCounts) -> str | None:
     """Why the served figures read the server's load as well as its wiring, when other clients used it meanwhile:
     counters that count their rounds too, or an engine whose acceptance moves with the requests beside a sequence;
     None when the figures are the doctor's requests' own and load does not move them."""
@@ -122,7 +122,7 @@ def load_reads(counts: ServedCounts) -> str | None:
 
 def busy_verdict(check: Check, counts: ServedCounts, replayed: Replayed) -> Check:
     """A fault or an excess read on a busy server, where the figures read the load: inconclusive, with what to do."""
-    why = load_reads(counts)
+    why = traffic_in_figures(counts)
     if why is None:
         return check
     return Check(check.name, "inconclusive", f"measured on a busy server ({counts.others.describe()}): {why}, so "
