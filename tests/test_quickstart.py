@@ -98,7 +98,7 @@ def test_quickstart_says_plain_and_why_when_tune_finds_no_shape():
     assert rows[0][1].startswith("plain decoding") and "no shape pays" in rows[0][1]
     assert "1,5,4,12,0.1, read 1.02x" in text
     assert f"{REFERENCE['speedup_low']:.2f}-{REFERENCE['speedup_high']:.2f}x" in text and "BENCHMARKS.md" in text
-    assert "~8 h on 2 CPU cores" in text and "benchmarks/reference_draft.sh" in text
+    assert "~9.5 h on 2 CPU cores" in text and "benchmarks/reference_draft.sh" in text
 
 
 def test_quickstart_exits_0_unless_the_doctor_found_a_fault():
