@@ -3,7 +3,8 @@
 # `--draft reference`. Every stage resumes: after an interruption, run it again.
 #   sh benchmarks/reference_draft.sh            (RUNS=runs/reference by default)
 # Wall time on 2 cores, measured: ~31 + ~60 + ~41 + ~40 min prepare, ~27 + ~60 + ~41 + ~41 + ~58 + ~31 + ~32
-# min training (~8 h in all), TTT 4 throughout
+# min training (~8 h, AMD EPYC AVX2, fp32), then stage 6's ~19 + ~38 min regenerating prepare and ~9 + ~15 min
+# training (AMD EPYC with avx512_bf16, bf16): ~9.5 h in all, TTT 4 throughout
 # (one TTT-4 epoch reached what the earlier TTT-7 multi-epoch recipe did in a fifth of the time:
 # BENCHMARKS.md, "What data buys").
 set -eu
