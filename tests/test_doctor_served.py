@@ -315,8 +315,12 @@ def test_eaglewires_server_serves_the_tau_the_replay_predicts(smollm2_target, re
         report, check = _served_doctor(smollm2_target, chats, url)
     served = report.to_dict()["served"]
     assert check.verdict == "ok", report.render()
-    # greedy decoding is lossless: the same chain on the same text accepts the same tokens
-    assert abs(served["tau"] - served["replayed_tau"]) <= 0.05, served
+    # greedy decoding is lossless: the same chain on the same text accepts the same tokens, but the server drafts
+    # with its batched step and the replay with the training-time unroll, other kernels (bf16 where native): a draft
+    # token at a near-tie of its top two logits may flip, and one flip moves a round's acceptance by up to the
+    # chain's length (seen: 46 vs 44 accepted over 38 rounds with the stage-6 reference, AVX-512 + avx512_bf16)
+    assert abs(served["accepted"] - served["replayed_accepted"]) <= served["chain"], served
+    assert served["drafts"] > 0
     assert served["tau"] > 1.0 and served["chain"] == 3 and len(served["per_position"]) == 3
     assert any(e.startswith("per position, served/replayed") for e in check.evidence)
     assert served["others"] == {"generated": 0, "running": 0}  # its own counter holds the doctor's tokens alone

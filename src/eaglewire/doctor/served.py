@@ -184,7 +184,8 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
         replayed = replay_served(target, draft, layout, prompts, counts.outputs, steps)
     check = report.add(served_check(counts, replayed, report))
     report.served = {"engine": counts.engine, "source": counts.source, "tau": counts.tau,
-                     "per_position": counts.per_position, "replayed_tau": replayed.tau,
+                     "drafts": counts.drafts, "accepted": counts.accepted, "replayed_drafts": replayed.drafts,
+                     "replayed_accepted": replayed.accepted, "per_position": counts.per_position, "replayed_tau": replayed.tau,
                      "replayed_per_position": replayed.per_position, "chain": steps,
                      "others": None if counts.others is None else {"generated": counts.others.generated,
                                                                    "running": counts.others.running}}
