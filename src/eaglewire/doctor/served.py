@@ -82,32 +82,6 @@ def candidate_causes(report: DoctorReport, replayed: Replayed) -> list[str]:
     return causes
 
 
-def served_check(counts: ServedCounts, replayed: Replayed, report: DoctorReport) -> Check:
-    """Served acceptance against the replay on the server's own text. The replay is the
-    expectation on that text, not a second sample: the served rate per drafted token is judged
-    against the binomial (Wilson) interval of the replay's rate over the served drafted tokens, and
-    a fault must also cost more than SERVED_TAU_TOLERANCE of τ."""
-    name = "served acceptance"
-    n = max(counts.draft_tokens, 1)
-    low, high = wilson_bounds(replayed.acceptance_rate, n)
-    per_pos = ", ".join(f"{s:.2f}/{r:.2f}" for s, r in zip(counts.per_position, replayed.per_position))
-    evidence = [f"{counts.engine} ({counts.source}): {counts.accepted} of {counts.draft_tokens} drafted tokens "
-                f"accepted over {counts.drafts} verify steps: served τ {counts.tau:.2f}",
-                f"replayed on the server's own {replayed.judged} output tokens: {replayed.accepted} of "
-                f"{replayed.draft_tokens} over {replayed.drafts} rounds: τ {replayed.tau:.2f}",
-                f"acceptance per drafted token {counts.acceptance_rate:.3f} served vs {replayed.acceptance_rate:.3f} "
-                f"replayed (binomial noise over {n:,} drafted tokens: {low:.3f}..{high:.3f})"]
-    if per_pos:
-        evidence.append(f"per position, served/replayed: {per_pos}")
-    evidence += counts.notes
-    if counts.others is not None:
-        evidence.append(f"while measured, the server had {counts.others.describe()} (its counter of generated tokens "
-                        "and gauge of running requests, read before and after the doctor's requests)")
-    check = judge_served(counts, replayed, report, name, evidence, low, high)
-    judged = check.verdict in ("fail", "warn") and counts.draft_tokens and replayed.judged  # against the replay
-    return busy_verdict(check, counts, replayed) if judged else check
-
-
 def traffic_in_figures(counts: ServedCounts) -> str | None:
     """Why the served figures read the server's load as well as its wiring, when other clients used it meanwhile:
     counters that count their rounds too, or an engine whose acceptance moves with the requests beside a sequence;
@@ -126,14 +100,33 @@ def busy_verdict(check: Check, counts: ServedCounts, replayed: Replayed) -> Chec
     if why is None:
         return check
     return Check(check.name, "inconclusive", f"measured on a busy server ({counts.others.describe()}): {why}, so "
-                 f"τ {counts.tau:.2f} served against {replayed.tau:.2f} replayed reads the load as well as the wiring", check.evidence,
-                 fix="re-run the doctor while no other client uses the server, or against a second instance of it "
+                 f"τ {counts.tau:.2f} served against {replayed.tau:.2f} replayed reads the load as well as the wiring",
+                 check.evidence, fix="re-run the doctor while no other client uses the server, or against a second instance of it "
                      "launched the same way")
 
 
-def judge_served(counts: ServedCounts, replayed: Replayed, report: DoctorReport, name: str, evidence: list[str],
-                 low: float, high: float) -> Check:
-    """The served figures against the replay's interval [low, high], whatever else the server was doing."""
+def served_check(counts: ServedCounts, replayed: Replayed, report: DoctorReport) -> Check:
+    """Served acceptance against the replay on the server's own text. The replay is the
+    expectation on that text, not a second sample: the served rate per drafted token is judged
+    against the binomial (Wilson) interval of the replay's rate over the served drafted tokens, and
+    a fault must also cost more than SERVED_TAU_TOLERANCE of τ. A fault or an excess read where other clients'
+    traffic enters the figures is inconclusive (``busy_verdict``)."""
+    name = "served acceptance"
+    n = max(counts.draft_tokens, 1)
+    low, high = wilson_bounds(replayed.acceptance_rate, n)
+    per_pos = ", ".join(f"{s:.2f}/{r:.2f}" for s, r in zip(counts.per_position, replayed.per_position))
+    evidence = [f"{counts.engine} ({counts.source}): {counts.accepted} of {counts.draft_tokens} drafted tokens "
+                f"accepted over {counts.drafts} verify steps: served τ {counts.tau:.2f}",
+                f"replayed on the server's own {replayed.judged} output tokens: {replayed.accepted} of "
+                f"{replayed.draft_tokens} over {replayed.drafts} rounds: τ {replayed.tau:.2f}",
+                f"acceptance per drafted token {counts.acceptance_rate:.3f} served vs {replayed.acceptance_rate:.3f} "
+                f"replayed (binomial noise over {n:,} drafted tokens: {low:.3f}..{high:.3f})"]
+    if per_pos:
+        evidence.append(f"per position, served/replayed: {per_pos}")
+    evidence += counts.notes
+    if counts.others is not None:
+        evidence.append(f"while measured, the server had {counts.others.describe()} (its counter of generated tokens "
+                        "and gauge of running requests, read before and after the doctor's requests)")
     if counts.drafts == 0 or counts.draft_tokens == 0:
         return Check(name, "fail", f"the {counts.engine} server drafted nothing for the doctor's prompts", evidence,
                      fix="start the server with the draft and speculative decoding on")
@@ -143,15 +136,16 @@ def judge_served(counts: ServedCounts, replayed: Replayed, report: DoctorReport,
     gap = replayed.tau - counts.tau
     if counts.acceptance_rate < low and gap > SERVED_TAU_TOLERANCE:
         causes = candidate_causes(report, replayed)
-        return Check(name, "fail", f"a serving-side fault: the {counts.engine} server accepts less than the draft "
-                     f"earns on the same text (τ {counts.tau:.2f} served vs {replayed.tau:.2f} replayed, beyond "
-                     "noise)", evidence,
-                     fix="the draft is not the problem; check, in turn: " + "; ".join(causes))
+        return busy_verdict(Check(
+            name, "fail", f"a serving-side fault: the {counts.engine} server accepts less than the draft earns on the "
+            f"same text (τ {counts.tau:.2f} served vs {replayed.tau:.2f} replayed, beyond noise)", evidence,
+            fix="the draft is not the problem; check, in turn: " + "; ".join(causes)), counts, replayed)
     if counts.acceptance_rate > high and -gap > SERVED_TAU_TOLERANCE:
-        return Check(name, "warn", f"the {counts.engine} server reports more accepted than the replay allows "
-                     f"(τ {counts.tau:.2f} vs {replayed.tau:.2f})", evidence,
-                     fix="other clients' traffic in its counters, or a server not decoding greedily: measure on "
-                         "an idle server with per-request metrics")
+        return busy_verdict(Check(
+            name, "warn", f"the {counts.engine} server reports more accepted than the replay allows "
+            f"(τ {counts.tau:.2f} vs {replayed.tau:.2f})", evidence,
+            fix="other clients' traffic in its counters, or a server not decoding greedily: measure on an idle "
+                "server with per-request metrics"), counts, replayed)
     return Check(name, "ok", f"served τ {counts.tau:.2f}, as the replay predicts ({replayed.tau:.2f}, within "
                  "noise)", evidence)
 

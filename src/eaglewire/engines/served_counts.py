@@ -101,7 +101,6 @@ def other_traffic(*, generated: tuple[float | None, float | None], running: tupl
                         load_changes_acceptance=load_changes_acceptance)
 
 
-
 def traffic_between(before: str | None, after: str | None, outputs: list[list[int]], *, generated: str,
                     running: str) -> OtherTraffic | None:
     """Other clients' work between two reads of a server's Prometheus text: the counter ``generated`` (tokens
