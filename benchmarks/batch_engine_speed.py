@@ -46,7 +46,7 @@ def main() -> int:
     from eaglewire.core.prompts import load_prompts
     from eaglewire.decode.batch_engine import BatchEngine
     from eaglewire.decode.load import load_decoder
-    from eaglewire.decode.schedule import Schedule
+    from eaglewire.concurrency.schedule import Schedule
     from eaglewire.decode.spec_config import SpecConfig
     from eaglewire.decode.text import encode_prompt
 

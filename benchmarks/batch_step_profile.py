@@ -27,7 +27,7 @@ def main() -> int:
     from eaglewire.core.presets import DEFAULT_TARGET, resolve_draft
     from eaglewire.core.prompts import load_prompts
     from eaglewire.decode.load import load_decoder
-    from eaglewire.decode.schedule import Schedule
+    from eaglewire.concurrency.schedule import Schedule
     from eaglewire.decode.spec_config import SpecConfig
     from eaglewire.decode.text import encode_prompt
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.core.contract import default_aux_boundaries
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.target import load_target

@@ -35,8 +35,8 @@ def served_elsewhere(faults: list, target, draft) -> list:
     with rows of FOREIGN_SEED: a served copy holds another model's rows, never one of the doctor's stand-ins."""
     from dataclasses import replace
 
-    from eaglewire.doctor.diagnosis import other_embedding, other_head, other_vocabulary
-    from eaglewire.engines.served_draft import as_served
+    from eaglewire.doctor.served_tau.diagnosis import other_embedding, other_head, other_vocabulary
+    from eaglewire.engines.serving.served_draft import as_served
 
     V, Vd = draft.config.vocab_size, draft.config.draft_vocab_size
     builds = {"another embedding": lambda: (draft, other_embedding(target, FOREIGN_SEED)),
@@ -57,12 +57,12 @@ def served_elsewhere(faults: list, target, draft) -> list:
 def main() -> None:
     from eaglewire.core.machine import summary_line
     from eaglewire.core.presets import DEFAULT_TARGET
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.diagnosis import Wiring, diagnose, field_wirings, layout_wirings, order_wirings
-    from eaglewire.doctor.probes import Prober, probe_pool
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.serving import config_fix
-    from eaglewire.engines.foreign_draft import load_any_draft
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.served_tau.diagnosis import Wiring, diagnose, field_wirings, layout_wirings, order_wirings
+    from eaglewire.doctor.served_tau.probes import Prober, probe_pool
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.engine_reading import config_fix
+    from eaglewire.engines.formats.foreign_draft import load_any_draft
     from eaglewire.core.prompts import load_prompts
     from eaglewire.decode.text import encode_prompt
     from eaglewire.model.target import load_target

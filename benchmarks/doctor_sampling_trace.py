@@ -9,11 +9,11 @@ import time
 import torch
 
 torch.set_num_threads(2)
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.report import DoctorReport
-from eaglewire.doctor.run import _load_sequences
-from eaglewire.doctor import sampling
-from eaglewire.engines.foreign_draft import load_any_draft
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.verdicts import DoctorReport
+from eaglewire.doctor.doctor_command import _load_sequences
+from eaglewire.doctor import temperature
+from eaglewire.engines.formats.foreign_draft import load_any_draft
 from eaglewire.model.target import load_target
 from eaglewire.acceptance.simulate import Shape, sampled_rounds, tau
 
@@ -27,16 +27,16 @@ layout, steps, T = list(contract.aux_boundaries), 5, 0.7
 def old():
     shape, out = Shape(steps), {T: [], 0.0: []}
     for seq in seqs:
-        spans = [(s, e) for s, e in sampling.reply_spans(seq.loss_mask) if e - s > steps]
+        spans = [(s, e) for s, e in temperature.reply_spans(seq.loss_mask) if e - s > steps]
         if not spans: continue
         for t in out:
-            trace = sampling._trace(target, draft, layout, seq.input_ids.tolist(), spans[0][0], steps, t, None)
+            trace = temperature._trace(target, draft, layout, seq.input_ids.tolist(), spans[0][0], steps, t, None)
             for s, e in spans:
-                out[t] += sampled_rounds(sampling.window(trace, s, e, steps), shape, "eaglewire")
+                out[t] += sampled_rounds(temperature.window(trace, s, e, steps), shape, "eaglewire")
     return tau(out[T]), tau(out[0.0])
 
 def new():
-    got = sampling.sampled_acceptance(target, draft, layout, seqs, steps=steps, temperature=T)
+    got = temperature.sampled_acceptance(target, draft, layout, seqs, steps=steps, temperature=T)
     return got.tau, got.greedy_tau
 
 for name, fn in [("old", old), ("new", new)] * 3:

@@ -118,7 +118,7 @@ def run_old(target, contract, batches, writer) -> None:
     import torch
 
     from eaglewire.data.sources import pad_right
-    from eaglewire.model.capture import capture
+    from eaglewire.model.boundary_capture import capture
 
     for batch in batches:
         ids = pad_right([torch.tensor(s.input_ids) for s in batch], max(len(s.input_ids) for s in batch))  # [B, T]

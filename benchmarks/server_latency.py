@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from openai import OpenAI
 
-from eaglewire.bench.run import parse_config
+from eaglewire.bench.bench_command import parse_config
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.core.prompts import load_prompts
 
@@ -39,7 +39,7 @@ torch.set_num_threads({threads})
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.serve.app import serve
-from eaglewire.serve.config import ServeConfig
+from eaglewire.serve.serve_config import ServeConfig
 serve(ServeConfig(target={target!r}, draft={draft!r}, port={port}, max_queue=256, device="cpu", spec=SpecConfig(**{spec!r})))
 """
 

@@ -70,7 +70,7 @@ def fix_gives_export_back(fix: str | None, served: Path, export: Path, tensor: s
     applied to the served config and compared; a tensor fault: the fix names the re-export; the fix "make the server
     load" the user's copy (every wiring left is one the user's --engine-config holds as trained): the export's own
     directory named."""
-    from eaglewire.doctor.fix_proof import apply_edit, config_edit
+    from eaglewire.doctor.served_tau.fix_proof import apply_edit, config_edit
 
     if not fix:
         return None

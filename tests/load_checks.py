@@ -7,7 +7,7 @@ from __future__ import annotations
 def check_answers_under_load_as_alone(server, prompts: list[list[int]], new_tokens: int) -> None:
     """3 clients over each prompt twice (bench --concurrency's closed loop): every greedy answer equals the same
     request sent alone, and the drafting rounds, from the engine's per-sequence counter, give 1..4 tokens a round."""
-    from eaglewire.bench.server_load import closed_loop_server
+    from eaglewire.concurrency.server_closed_loop import closed_loop_server
 
     requests = prompts * 2
     alone = [server.complete(ids, max_new_tokens=new_tokens, temperature=0.0, seed=0) for ids in requests]
@@ -20,7 +20,7 @@ def check_answers_under_load_as_alone(server, prompts: list[list[int]], new_toke
 def check_timed_load_counts_every_sequences_rounds(server, prompts: list[list[int]]) -> None:
     """4 streams x 17 tokens past EOS, twice: each stream's 16 tokens after the prefill's take 4..16 rounds of a
     chain of 3, so the server's counter (summed over sequences, not batched steps) gives 1..4 tokens a round."""
-    from eaglewire.acceptance.server_load import measure_load
+    from eaglewire.concurrency.server_measurement import measure_load
 
     load = measure_load(server, prompts, 4, speculative=True, tokens=17, warmup=0, repeats=2)
     assert len(load.cost.seconds) == 2 and min(load.cost.seconds) > 0
@@ -34,7 +34,7 @@ def check_doctor_sees_other_clients(server, measure, prompts: list[list[int]], r
     import threading
     import time
 
-    import eaglewire.engines.served_counts as served
+    import eaglewire.engines.serving.served_counts as served
 
     alone = measure(server.url, prompts[:1], max_new_tokens=8)
     assert alone.others is not None and not alone.others.busy, alone.others

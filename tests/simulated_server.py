@@ -4,8 +4,8 @@ target's own greedy text and counts what the wiring's replay of the greedy chain
 
 from __future__ import annotations
 
-from eaglewire.doctor.probes import build_all, greedy_replies, replay_texts
-from eaglewire.engines.served_counts import ServedCounts, add_lists
+from eaglewire.doctor.served_tau.probes import build_all, greedy_replies, replay_texts
+from eaglewire.engines.serving.served_counts import ServedCounts, add_lists
 
 
 class SimulatedServer:

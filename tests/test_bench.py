@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from eaglewire.bench.run import (BenchConfig, Row, config_label, heldout_prompts, parse_configs, position_acceptance, speedup,
+from eaglewire.bench.bench_command import (BenchConfig, Row, config_label, heldout_prompts, parse_configs, position_acceptance, speedup,
                              tau_per_request, tau_pooled, time_split)
 from eaglewire.model.checkpoint import save_draft
 from eaglewire.cli import main
@@ -172,8 +172,8 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, capsys):
 
 
 def test_sampling_rows_are_seeded_per_prompt(tmp_path, chat_tiny_target, draft_dir, one_thread):
-    from eaglewire.bench.run import run_bench
-    from eaglewire.bench.report import to_json
+    from eaglewire.bench.bench_command import run_bench
+    from eaglewire.bench.bench_report import to_json
 
     common = dict(draft=str(draft_dir), dataset=str(write_prompts(tmp_path / "p.jsonl", 2)), max_new_tokens=8,
                   temperature=0.9, warmup=0, seed=3)

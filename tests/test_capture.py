@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.core.contract import ContractError
 from tiny import ARCHITECTURES, tiny_target
 

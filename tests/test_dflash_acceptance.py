@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eaglewire.acceptance.trace import top_probs, trace_blocks
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.model.dflash_blocks import mask_embedding, target_lm_head
 from tiny import random_dflash_draft, tiny_target
 

@@ -89,7 +89,7 @@ def test_bench_with_a_dflash_draft(tmp_path, target_dir, dflash_dir, capsys):
 def test_bench_launches_llama_server_with_a_dflash_gguf_as_draft_dflash(tmp_path):
     """bench --engine llamacpp on a DFlash draft: its chains run as llama.cpp's draft-dflash (a block of
     n_max + 1), an EAGLE-3 draft's as draft-eagle3, plain without a draft."""
-    from eaglewire.bench.run import parse_config, shape_of
+    from eaglewire.bench.bench_command import parse_config, shape_of
     from eaglewire.engines.interface import RunSettings, ServedFiles
     from eaglewire.engines.llamacpp.runtime import launch_config
     from eaglewire.engines.llamacpp.server import server_args

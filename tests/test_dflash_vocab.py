@@ -10,7 +10,7 @@ import torch
 from eaglewire import engines
 from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.doctor import DoctorConfig, run_doctor
-from eaglewire.engines.shared import FormatError
+from eaglewire.engines.formats.eagle3_layout import FormatError
 from eaglewire.model.checkpoint import load_draft
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
 from eaglewire.model.dflash_blocks import draft_head, draft_lm_head, target_lm_head

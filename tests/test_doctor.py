@@ -7,10 +7,10 @@ import pytest
 
 from eaglewire.doctor.evidence import judge_sweep, lead_noise, predicts_nothing
 from eaglewire.doctor.layouts import candidate_layouts
-from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.verdicts import Check, DoctorReport
 from eaglewire.doctor.checks import check_evidence, misaligned_shift
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.serving import lint_flags, predicted_tau, read_engine_config
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.engine_reading import lint_flags, predicted_tau, read_engine_config
 
 # ------------------------------------------------------------------ pure pieces
 
@@ -316,7 +316,7 @@ def test_doctor_passes_a_correctly_wired_draft(tmp_path, trained, smollm2_target
 
 
 def test_launch_flags_parse_as_a_shell_splits_them_for_every_engine():
-    from eaglewire.engines.flags import parse_flags
+    from eaglewire.engines.serving.launch_flags import parse_flags
 
     flags = parse_flags("--speculative-num-steps 3 --speculative-config='{\"a\": 1}' -t 2 --metrics -td 2 --x -1")
     assert flags == {"--speculative-num-steps": "3", "--speculative-config": '{"a": 1}', "-t": "2",

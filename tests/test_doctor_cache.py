@@ -9,7 +9,7 @@ import json
 import pytest
 
 from eaglewire.doctor import cache as doctor_cache
-from eaglewire.doctor.config import DoctorConfig
+from eaglewire.doctor.doctor_config import DoctorConfig
 
 PROMPTS = ["Name three primary colors.", "What is the capital of France?", "Write a haiku about rain.",
            "Give me two tips for better sleep.", "What does a CPU do?", "Why is the sky blue?"]

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglewire.acceptance.concurrency import ConcurrencyReport, StepCost, predict, schedule_from
+from eaglewire.concurrency.measurement import ConcurrencyReport, StepCost, predict, schedule_from
 from eaglewire.acceptance.recommend import MANY_REQUESTS, Prediction, Recommendation
 from eaglewire.acceptance.simulate import Shape
 from eaglewire.cli import main
 from eaglewire.decode.spec_config import SpecConfig
-from eaglewire.doctor import concurrency as doctor_concurrency
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor import load_check as doctor_concurrency
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.verdicts import Check, DoctorReport
 from eaglewire.engines import get as engine
 
 # ------------------------------------------------------------------ the flag
@@ -143,7 +143,7 @@ def test_a_plain_choice_for_one_request_is_not_measured_under_load(monkeypatch, 
 
 def test_one_request_is_the_speed_check_as_before_and_more_are_measured(monkeypatch):
     """_check_speed with tune's ranking made up: no --concurrency, or 1, gives the one-request check unchanged."""
-    from eaglewire.doctor.run import _check_speed
+    from eaglewire.doctor.doctor_command import _check_speed
 
     monkeypatch.setattr("eaglewire.acceptance.speed.rank_speed", lambda *a, **kw: one_request())
     calls: list = []
@@ -164,7 +164,7 @@ def test_one_request_is_the_speed_check_as_before_and_more_are_measured(monkeypa
 def test_an_engine_in_its_own_server_is_measured_under_load_by_tune(monkeypatch, name):
     """llama.cpp's speed check is tune's already; vLLM's stated costs price one request: the load is not measured
     here, the check names the command that measures it, and the one-request check stays as it was."""
-    from eaglewire.doctor.run import _check_speed
+    from eaglewire.doctor.doctor_command import _check_speed
 
     monkeypatch.setattr("eaglewire.acceptance.speed.rank_speed", lambda *a, **kw: one_request())
     sequences = [SimpleNamespace(prompt_ids=[1, 2, 3])] * 2
@@ -257,7 +257,7 @@ def test_a_second_run_reads_the_figures_back_from_the_cache(tmp_path):
 def test_sglang_under_load_is_said_to_run_elsewhere_not_sent_to_a_tune_that_refuses_it(monkeypatch):
     """SGLang does not run here, and `tune --engine sglang --concurrency` is refused: the check names no such
     command; it says to load the user's own SGLang server."""
-    from eaglewire.doctor.run import _check_speed
+    from eaglewire.doctor.doctor_command import _check_speed
 
     monkeypatch.setattr("eaglewire.acceptance.speed.rank_speed", lambda *a, **kw: one_request())
     report = DoctorReport(draft="d", target="t")

@@ -12,7 +12,7 @@ import torch
 
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.doctor.measure import Sequence, capture_batches, engine_agreement, isolation_accuracy
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.model.checkpoint import load_draft, save_draft
 from eaglewire.model.dflash_blocks import target_lm_head
 from eaglewire.train.loop import TrainConfig, train

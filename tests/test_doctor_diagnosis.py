@@ -20,11 +20,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from eaglewire.doctor.diagnosis import (POST_NORM, Wiring, diagnosis_check, feeds_post_norm_state, field_wirings,
+from eaglewire.doctor.served_tau.diagnosis import (POST_NORM, Wiring, diagnosis_check, feeds_post_norm_state, field_wirings,
                                         fit, judge, layout_fix, layout_wirings, rate_noise, tau_noise)
-from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.served import Replayed
-from eaglewire.engines.served_counts import ServedCounts
+from eaglewire.doctor.verdicts import Check, DoctorReport
+from eaglewire.doctor.served_tau.served_check import Replayed
+from eaglewire.engines.serving.served_counts import ServedCounts
 from servers import vllm_metrics
 
 DECLARED = [2, 15, 27]
@@ -214,7 +214,7 @@ def test_the_post_norm_state_fed_back_changes_only_the_later_steps(tiny_draft):
 
 
 def test_llamacpps_layout_fix_names_what_it_was_fed():
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
 
     config = DoctorConfig(draft="reference", engine="llamacpp", engine_url="http://x")
     fix = layout_fix(DoctorReport("d", "t"), config, DECLARED, L, "LlamaForCausalLM", False, [2, 15, 22])
@@ -237,7 +237,7 @@ def served_text(smollm2_target):
     wired any way returns: greedy decoding is lossless)."""
     from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
     from eaglewire.decode.text import encode_prompt
-    from eaglewire.engines.foreign_draft import load_any_draft
+    from eaglewire.engines.formats.foreign_draft import load_any_draft
 
     draft, contract, _, _ = load_any_draft("reference", target=smollm2_target)
     prompts = [encode_prompt(smollm2_target.tokenizer, p, chat=True) for p in PROMPTS]
@@ -283,9 +283,9 @@ def vllm_stub(outputs, drafts, draft_tokens, accepted, per_pos):
 
 def _doctor_against(target, served_text, drafts, draft_tokens, accepted, per_pos, **config):
     """check_served against a stub vLLM server reporting those counters: (report, checks by name)."""
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.doctor.measure import Sequence
-    from eaglewire.doctor.served import check_served
+    from eaglewire.doctor.served_tau.served_check import check_served
 
     draft, _, prompts, outputs = served_text
     sequences = [Sequence(f"p{i}", torch.tensor(p + [0]), torch.arange(len(p) + 1) >= len(p))
@@ -302,8 +302,8 @@ def _doctor_against(target, served_text, drafts, draft_tokens, accepted, per_pos
 def test_a_server_fed_a_layout_the_sweep_knows_is_named_with_the_config_line(smollm2_target, served_text):
     """Counters of the reference draft fed [15, 27, 30] (the last 3 of [2, 15, 27, 30]: the last state captured
     too and the wrong end kept): the served check fails, and the diagnosis names exactly that layout."""
-    from eaglewire.doctor.served import replay_served
-    from eaglewire.doctor.serving import config_fix
+    from eaglewire.doctor.served_tau.served_check import replay_served
+    from eaglewire.doctor.engine_reading import config_fix
 
     draft, _, prompts, outputs = served_text
     wrong = replay_served(smollm2_target, draft, [15, 27, 30], prompts, outputs, 3)
@@ -330,7 +330,7 @@ def test_a_server_fed_a_layout_the_sweep_knows_is_named_with_the_config_line(smo
 def test_the_layout_the_engine_reads_from_its_config_is_a_candidate(smollm2_target, served_text, tmp_path):
     """--engine-config holding ids [2, 15, 22], which vLLM takes verbatim: a layout no sweep would guess, named
     as what vLLM reads from its config."""
-    from eaglewire.doctor.served import replay_served
+    from eaglewire.doctor.served_tau.served_check import replay_served
 
     draft, _, prompts, outputs = served_text
     config = tmp_path / "config.json"
@@ -441,7 +441,7 @@ def test_llama_server_fed_other_layers_is_named(smollm2_target, tmp_path):
         pytest.skip(f"llama-server is not installed: {engine.INSTALL_HINT}")
     pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece (eaglewire[llamacpp])")
     from eaglewire.doctor import run_doctor
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.engines import export_draft
 
     out = tmp_path / "export"
@@ -472,9 +472,9 @@ def test_llama_server_fed_other_layers_is_named(smollm2_target, tmp_path):
 def test_the_diagnosis_runs_every_candidate_of_either_family(family, tiny_draft):
     """``diagnose`` end to end on a tiny target (a random draft: every wiring accepts next to nothing, so this
     checks the plumbing, not the naming): each candidate is built and replayed, the check and its JSON made."""
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.diagnosis import diagnose
-    from eaglewire.doctor.served import replay_served
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.served_tau.diagnosis import diagnose
+    from eaglewire.doctor.served_tau.served_check import replay_served
     from tiny import random_dflash_draft
 
     target, draft = tiny_draft
@@ -503,7 +503,7 @@ def test_a_dflash_drafts_foreign_rows_are_fed_as_a_served_copy_shipping_them(tin
     """vLLM's DFlash loads a checkpoint's own embed_tokens and lm_head where it ships them (qwen3_dflash.py
     load_weights): another embedding reads the text's rows and the mask token's under one permutation; another
     lm_head gives column i the head's logit of another id."""
-    from eaglewire.doctor.diagnosis import _permutation, other_block_embedding, other_block_head
+    from eaglewire.doctor.served_tau.diagnosis import _permutation, other_block_embedding, other_block_head
     from eaglewire.doctor.measure import Sequence, capture_batches
     from tiny import random_dflash_draft
 
@@ -528,7 +528,7 @@ def test_the_tensors_a_dflash_copy_does_not_ship_are_the_targets(tmp_path):
     target's, as the draft was trained, so the user's copy holds those aspects. A cut file proves nothing."""
     from safetensors.torch import save_file
 
-    from eaglewire.doctor.fix_proof import absent_tensors
+    from eaglewire.doctor.served_tau.fix_proof import absent_tensors
 
     names = ("embed_tokens.weight", "lm_head.weight")
     assert absent_tensors(tmp_path, names) == set()  # no checkpoint: nothing proven
@@ -544,7 +544,7 @@ def test_the_tensors_a_dflash_copy_does_not_ship_are_the_targets(tmp_path):
 
 
 def test_the_order_variants_are_every_other_permutation_or_reversed_and_each_swap():
-    from eaglewire.doctor.diagnosis import order_wirings
+    from eaglewire.doctor.served_tau.diagnosis import order_wirings
 
     three = [w.layout for w in order_wirings("vllm", DECLARED, L)]
     assert len(three) == 5 and (27, 15, 2) in three and (15, 2, 27) in three and tuple(DECLARED) not in three
@@ -555,7 +555,7 @@ def test_the_order_variants_are_every_other_permutation_or_reversed_and_each_swa
 
 
 def test_a_fix_is_read_as_the_config_keys_it_writes():
-    from eaglewire.doctor.fix_proof import apply_edit, config_edit
+    from eaglewire.doctor.served_tau.fix_proof import apply_edit, config_edit
 
     vllm_fix = ('set the top-level "eagle_aux_hidden_state_layer_ids": [2, 15, 27] and '
                 "transformer_layer_config.num_aux_hidden_states: 3 (or re-export with `eaglewire export --to vllm`)")
@@ -571,7 +571,7 @@ def test_a_fix_is_read_as_the_config_keys_it_writes():
 
 
 def test_a_fix_is_printed_only_where_it_gives_the_trained_reading_back():
-    from eaglewire.doctor.fix_proof import LAYOUT, ConfigView, held_fields, prove
+    from eaglewire.doctor.served_tau.fix_proof import LAYOUT, ConfigView, held_fields, prove
 
     fields = ("norm_before_residual", "d2t")
     assert held_fields({"vllm": [2, 15, 27]}, DECLARED, [], fields) == {LAYOUT, *fields}
@@ -617,7 +617,7 @@ def test_the_users_export_holds_the_drafts_own_head_rows_and_a_copy_with_others_
 
     from safetensors.torch import load_file, save_file
 
-    from eaglewire.doctor.fix_proof import holds_trained_head
+    from eaglewire.doctor.served_tau.fix_proof import holds_trained_head
 
     _, draft, config_path = tiny_export
     assert holds_trained_head(config_path.parent, draft)
@@ -641,8 +641,8 @@ def test_a_correct_engine_config_ranks_the_candidates_and_removes_none(tiny_expo
     """Issue 53's first case on a tiny target: the served copy sets norm_before_residual true, the user passes
     their correct config. Every variant is still replayed, and no fix that sets what the user's file already holds
     is printed as is: each names another copy than that file as what the server runs."""
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.diagnosis import capture_texts, diagnose, field_wirings, replay_wiring
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.served_tau.diagnosis import capture_texts, diagnose, field_wirings, replay_wiring
 
     target, draft, config_path = tiny_export
     declared = [1, 2, 3]
@@ -681,8 +681,8 @@ def test_a_correct_engine_config_ranks_the_candidates_and_removes_none(tiny_expo
 @pytest.fixture(scope="module")
 def every_variant(smollm2_target, served_text):
     """Every candidate vLLM may run replayed once on the reference draft's own text (one capture)."""
-    from eaglewire.doctor.diagnosis import capture_texts, order_wirings, replay_wiring
-    from eaglewire.doctor.serving import config_fix
+    from eaglewire.doctor.served_tau.diagnosis import capture_texts, order_wirings, replay_wiring
+    from eaglewire.doctor.engine_reading import config_fix
 
     draft, _, prompts, outputs = served_text
     fix = config_fix("vllm", DECLARED, L, "LlamaForCausalLM")
@@ -718,8 +718,8 @@ def test_a_served_norm_flag_with_the_correct_engine_config_names_the_flag_not_th
     """Issue 53's first case: the served copy sets norm_before_residual true, the user passes their own correct
     export as --engine-config. The flag is named, as another copy's than the user's, and no fix that sets what the
     user's file already holds is printed as is (at τ ≈ 1.03 other wirings replay alike: the set is named)."""
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.diagnosis import diagnose
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.served_tau.diagnosis import diagnose
     from eaglewire.engines import export_draft
 
     draft, _, prompts, outputs = served_text

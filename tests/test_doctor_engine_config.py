@@ -1,4 +1,4 @@
-"""The doctor reads every field of an engine's config as that engine reads it (engines/served_draft.py and
+"""The doctor reads every field of an engine's config as that engine reads it (engines/serving/served_draft.py and
 each engine's ``read_served``): a field read otherwise than trained FAILs with the key to write, and
 the draft as the engine builds it is measured beside the trained one; correct exports pass."""
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.serving import read_fields
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.engine_reading import read_fields
 from eaglewire.engines import export_draft
-from eaglewire.engines import sglang, speculators_format, vllm
-from eaglewire.engines.served_draft import as_served, mismatches
+from eaglewire.engines import sglang, vllm
+from eaglewire.engines.formats import speculators_layout
+from eaglewire.engines.serving.served_draft import as_served, mismatches
 from eaglewire.model.checkpoint import load_draft
 from test_formats import make_native
 from tiny import tiny_target
@@ -67,7 +68,7 @@ def test_correct_exports_read_as_trained_on_every_target_model_file(tmp_path, en
 def test_the_draft_as_served_with_norm_before_residual_computes_otherwise(chat_tiny_target, tmp_path):
     draft, _, _ = load_draft(make_native(tmp_path / "n", chat_tiny_target, [2, 4, 6]))
     served = vllm.read_served({"speculators_model_type": "eagle3", "transformer_layer_config": {
-        **json.loads(json.dumps(speculators_format.build_config(draft.config, [2, 4, 6], verifier_name=None,
+        **json.loads(json.dumps(speculators_layout.build_config(draft.config, [2, 4, 6], verifier_name=None,
                                                                 verifier_architecture="LlamaForCausalLM", num_steps=3,
                                                                 dtype="float32")["transformer_layer_config"]))},
         "draft_vocab_size": draft.config.draft_vocab_size, "target_hidden_size": draft.config.target_hidden_size})
@@ -144,7 +145,7 @@ def test_doctor_names_an_absolute_d2t_in_the_served_directory(tmp_path, chat_tin
     ("Qwen2_5_VLForConditionalGeneration", "sglang", "sglang/srt/models/qwen2_5_vl.py", [3, 16, 28]),
 ])
 def test_wrapped_targets_are_read_through_the_wrappers_own_model_file(arch, engine, path, served):
-    from eaglewire.doctor.serving import read_engine_config
+    from eaglewire.doctor.engine_reading import read_engine_config
     from eaglewire.engines import get
 
     assert get(engine).linter.file_for(arch).path == path

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from eaglewire.core.contract import ContractError, EngineConventionError
 from eaglewire.doctor.checks import check_serving
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.report import DoctorReport
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.verdicts import DoctorReport
 from eaglewire.engines import export_draft
 from test_formats import make_native
 
@@ -123,7 +123,7 @@ SPEC = '{"method": "eagle3", "model": "/served/draft"%s}'
     ("llamacpp", "-md /served/draft.gguf --spec-type draft-eagle3 --spec-draft-n-min 5"),
 ])
 def test_each_launch_flag_fail_is_fixed_by_its_printed_fix(engine, flags):
-    from eaglewire.doctor.serving import lint_flags
+    from eaglewire.doctor.engine_reading import lint_flags
 
     def fails(f):
         return [(what, fix) for verdict, what, fix in lint_flags(engine, f, DECLARED, L, "LlamaForCausalLM").problems

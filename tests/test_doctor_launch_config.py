@@ -10,9 +10,9 @@ import json
 import pytest
 
 from eaglewire.doctor.checks import config_the_flags_load
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.report import DoctorReport
-from eaglewire.doctor.serving import lint_flags
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.verdicts import DoctorReport
+from eaglewire.doctor.engine_reading import lint_flags
 
 DECLARED, L = [2, 15, 27], 30
 

@@ -1,5 +1,5 @@
 """``doctor --engine-url``: probe prompts chosen by replay to separate the wirings the server's first answers
-cannot tell apart (doctor/probes.py). The choice and the bookkeeping on made-up counts; then the real target
+cannot tell apart (doctor/served_tau/probes.py). The choice and the bookkeeping on made-up counts; then the real target
 with the reference draft behind a simulated server that runs one wiring fault (its replies the target's greedy
 text, its counters the fault's replay on it: what a real server wired that way reports, greedy decoding being
 lossless): with probes the doctor names the fault where the first answers left several.
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from eaglewire.doctor.probes import (SEPARATION, Counts, Probe, choose, combined, combined_served, pairs_to_separate,
+from eaglewire.doctor.served_tau.probes import (SEPARATION, Counts, Probe, choose, combined, combined_served, pairs_to_separate,
                                      separation, unseparated)
-from eaglewire.engines.served_counts import ServedCounts
+from eaglewire.engines.serving.served_counts import ServedCounts
 
 
 def _rates(per_pos, drafts):
@@ -57,7 +57,7 @@ def test_stand_ins_are_judged_with_their_familys_spread():
     and a wrong layout that happened to fit was named. With the family's spread the family fits."""
     from dataclasses import replace
 
-    from eaglewire.doctor.wiring_fit import Wiring, family_spread, judge, still_fitting
+    from eaglewire.doctor.served_tau.wiring_fit import Wiring, family_spread, judge, still_fitting
 
     served = _rates([60, 6, 0], 600)
     family = [_rates([90, 12, 0], 600), _rates([126, 0, 0], 600), _rates([132, 0, 0], 600)]
@@ -99,7 +99,7 @@ def test_the_pool_draws_every_source_and_drops_what_does_not_fit(smollm2_tokeniz
     import json
     import types
 
-    from eaglewire.doctor.probes import PER_SOURCE, probe_pool
+    from eaglewire.doctor.served_tau.probes import PER_SOURCE, probe_pool
 
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]})
@@ -127,12 +127,12 @@ def test_a_fault_the_first_answers_cannot_name_is_named_after_probes(smollm2_tar
 
     from eaglewire.core.prompts import load_prompts
     from eaglewire.decode.text import encode_prompt
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.diagnosis import Wiring, diagnose, layout_wirings
-    from eaglewire.doctor.probes import Prober, probe_pool
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.serving import config_fix
-    from eaglewire.engines.foreign_draft import load_any_draft
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.served_tau.diagnosis import Wiring, diagnose, layout_wirings
+    from eaglewire.doctor.served_tau.probes import Prober, probe_pool
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.engine_reading import config_fix
+    from eaglewire.engines.formats.foreign_draft import load_any_draft
 
     declared, L, tokens, steps = [2, 15, 27], smollm2_target.num_layers, 48, 3
     draft, _, _, _ = load_any_draft("reference", target=smollm2_target)
@@ -164,9 +164,9 @@ def test_a_foreign_embedding_other_than_the_stand_ins_is_within_noise_of_one(smo
 
     from eaglewire.core.prompts import load_prompts
     from eaglewire.decode.text import encode_prompt
-    from eaglewire.doctor.diagnosis import STAND_INS, field_wirings, judge, other_embedding
-    from eaglewire.doctor.wiring_fit import Wiring, capture_texts, replay_wiring
-    from eaglewire.engines.foreign_draft import load_any_draft
+    from eaglewire.doctor.served_tau.diagnosis import STAND_INS, field_wirings, judge, other_embedding
+    from eaglewire.doctor.served_tau.wiring_fit import Wiring, capture_texts, replay_wiring
+    from eaglewire.engines.formats.foreign_draft import load_any_draft
 
     declared, tokens, steps = [2, 15, 27], 48, 3
     draft, _, _, _ = load_any_draft("reference", target=smollm2_target)

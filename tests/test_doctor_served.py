@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from eaglewire.engines import Ability
-from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.served import (Replayed, candidate_causes, chain_length, replay_chain, served_check)
-from eaglewire.engines.served_counts import OtherTraffic, ServedCounts, ServedError, other_traffic
+from eaglewire.doctor.verdicts import Check, DoctorReport
+from eaglewire.doctor.served_tau.served_check import (Replayed, candidate_causes, chain_length, replay_chain, served_check)
+from eaglewire.engines.serving.served_counts import OtherTraffic, ServedCounts, ServedError, other_traffic
 from servers import live_server, vllm_metrics
 
 # ------------------------------------------------------------------ pure pieces
@@ -121,7 +121,7 @@ def test_a_busy_server_is_judged_where_its_figures_are_the_doctors_own():
 
 
 def test_engine_url_is_taken_for_every_engine_that_can_be_measured():
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire import engines
 
     measured = engines.names(Ability.MEASURE, aliases=False)
@@ -252,8 +252,8 @@ def test_a_server_failing_on_the_requests_is_told_from_one_that_is_not_there():
     """vLLM serving a copy whose d2t holds absolute ids dies at the first draft and answers 500 (BENCHMARKS.md,
     against a real vLLM): the fix names the copy it cannot compute with and the user's copy to restart it on, not
     the URL."""
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.served import unanswered_fix
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.served_tau.served_check import unanswered_fix
     from eaglewire.engines import vllm
 
     config = DoctorConfig(draft="d", engine="vllm", engine_url="http://x", engine_config="/exports/mine/config.json")
@@ -278,7 +278,7 @@ PROMPTS = ["Name three primary colors.", "What is the capital of France?", "Writ
 
 @pytest.fixture(scope="module")
 def reference(smollm2_target, tmp_path_factory):
-    from eaglewire.engines.foreign_draft import load_any_draft
+    from eaglewire.engines.formats.foreign_draft import load_any_draft
 
     draft, contract, _, _ = load_any_draft("reference", target=smollm2_target)
     chats = tmp_path_factory.mktemp("served") / "chats.jsonl"
@@ -300,7 +300,7 @@ def eaglewire_server(target, draft, contract, **kw):
 
 def _served_doctor(target, chats, url):
     from eaglewire.doctor import run_doctor
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
 
     config = DoctorConfig(draft="reference", conversations=chats, engine="eaglewire", engine_url=url,
                           engine_prompts=len(PROMPTS), engine_tokens=32, num_sequences=len(PROMPTS), tune=False)

@@ -17,7 +17,7 @@ from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.shards import ShardWriter
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.doctor.checks import judged_release
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.model.target import load_target
 from tiny import save_random_draft, save_tiny_dir
 
@@ -63,7 +63,7 @@ def doctor_a_vllm_server(setup, monkeypatch, **kw):
         return dataclasses.replace(spec, served_version=lambda url: SERVED) if spec.name == "vllm" else spec
 
     monkeypatch.setattr(engines, "get", get)
-    monkeypatch.setattr("eaglewire.doctor.run.check_served", lambda *a, **k: None)  # no server here
+    monkeypatch.setattr("eaglewire.doctor.doctor_command.check_served", lambda *a, **k: None)  # no server here
     return run_doctor(DoctorConfig(draft=str(root / "draft"), target=str(target_dir), data=str(root / "data"),
                                    include_training=True, engine_prompts=0, min_tokens=1, tune=False,
                                    engine="vllm", engine_config=str(root / "config.json"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.shards import ShardWriter
 from eaglewire.doctor import DoctorConfig, run_doctor
@@ -166,7 +166,7 @@ def test_stored_doctor_on_topk_labels_judges_against_their_top_1(setup, tmp_path
 
 
 def test_capture_drift_against_topk_shards_compares_the_aux_states_only(setup, tmp_path):
-    """What the full doctor does with held-out shards (doctor/run.py): their stored states beside a
+    """What the full doctor does with held-out shards (doctor/doctor_command.py): their stored states beside a
     fresh capture; top-K shards hold no last state, so boundary L is not compared."""
     from eaglewire.data.shards import ShardDataset
     from eaglewire.doctor.measure import Sequence, capture_batches, capture_drift

@@ -13,8 +13,8 @@ import torch
 
 from eaglewire.acceptance.trace import trace_text
 from eaglewire.doctor.measure import Sequence
-from eaglewire.doctor.report import DoctorReport
-from eaglewire.doctor.sampling import (check_sampling, reply_spans, sampled_acceptance, served_temperature,
+from eaglewire.doctor.verdicts import DoctorReport
+from eaglewire.doctor.temperature import (check_sampling, reply_spans, sampled_acceptance, served_temperature,
                                        traffic_temperature)
 from eaglewire.engines.llamacpp import launch_temperature as llamacpp_temperature
 from eaglewire.engines.sglang import launch_temperature as sglang_temperature
@@ -176,7 +176,7 @@ def test_vllm_and_sglang_default_requests_to_the_models_generation_config(tmp_pa
 def test_doctor_reports_the_sampled_tau_beside_greedy_and_in_json(tmp_path, chat_tiny_target):
     """The whole path on a tiny target: --temperature reaches the report and its JSON."""
     from eaglewire.doctor import run_doctor
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from tiny import save_random_draft
 
     save_random_draft(tmp_path / "d", chat_tiny_target)
@@ -202,7 +202,7 @@ def test_a_negative_temperature_is_refused_on_the_command_line(capsys):
 
     assert main(["doctor", "--draft", "runs/none", "--temperature", "-0.5"]) == 2
     assert "--temperature must be >= 0 (0: greedy), got -0.5" in capsys.readouterr().err
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
 
     with pytest.raises(ValueError, match="cannot run with --stored"):
         DoctorConfig(draft="d", stored=True, data="x", temperature=0.7)

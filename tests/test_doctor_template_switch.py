@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from eaglewire.core.contract import HiddenStateContract
-from eaglewire.doctor.report import DoctorReport
+from eaglewire.doctor.verdicts import DoctorReport
 from eaglewire.doctor.template_switch import ServingSwitch, check_template_switch, renders_alike, traffic_switches
 from eaglewire.doctor.traffic import load_traffic
 
@@ -85,7 +85,7 @@ def test_a_draft_that_records_no_switch_is_skipped_and_no_source_adds_no_check(t
 
 def test_the_doctor_reports_it_end_to_end(tmp_path, thinking):
     from eaglewire.doctor import run_doctor
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from tiny import save_random_draft
 
     save_random_draft(tmp_path / "d", thinking, chat_template_kwargs=OFF)

@@ -82,7 +82,7 @@ def test_traffic_within_noise_is_no_drift_and_no_evidence_is_inconclusive():
 def test_doctor_measures_traffic_beside_the_held_out_prompts(tmp_path, chat_tiny_target):
     """The whole path on a tiny target: replies written, slices measured, the report and JSON carry them."""
     from eaglewire.doctor import run_doctor
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from tiny import save_random_draft
 
     target = chat_tiny_target

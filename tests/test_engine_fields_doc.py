@@ -8,10 +8,10 @@ import inspect
 import re
 from pathlib import Path
 
-import eaglewire.doctor.serving as serving
+import eaglewire.doctor.engine_reading
 import eaglewire.engines.llamacpp.served as gguf_served
-import eaglewire.engines.served_draft as served_draft
-from eaglewire.engines.served_draft import TRAINED_NORMS, ServedDraft, mismatches
+import eaglewire.engines.serving.served_draft as served_draft
+from eaglewire.engines.serving.served_draft import TRAINED_NORMS, ServedDraft, mismatches
 from eaglewire.model.draft import DraftConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "engines.md"

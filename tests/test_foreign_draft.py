@@ -12,7 +12,7 @@ from eaglewire.model.checkpoint import save_draft
 from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.shards import ShardWriter
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
-from eaglewire.engines.foreign_draft import detect_draft_format, load_any_draft
+from eaglewire.engines.formats.foreign_draft import detect_draft_format, load_any_draft
 from eaglewire.engines import export_draft
 from eaglewire.train.loop import TrainConfig, train
 from tiny import tiny_target

@@ -16,9 +16,10 @@ from safetensors.torch import load_file, save_file
 from eaglewire.model.checkpoint import read_draft_config, save_draft
 from eaglewire.core.contract import ContractError, EngineConventionError, HiddenStateContract
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
-from eaglewire.engines import FormatError, export_draft, import_draft, infer_boundaries, sglang, specforge
-from eaglewire.engines import eagle as eagle_format
-from eaglewire.engines import shared
+from eaglewire.engines import FormatError, export_draft, import_draft, infer_boundaries, sglang
+from eaglewire.engines.formats import eagle as eagle_format
+from eaglewire.engines.formats import specforge
+from eaglewire.engines.formats import eagle3_layout
 from eaglewire.engines import vllm as speculators
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -403,7 +404,7 @@ def test_specforge_full_vocab_bf16_checkpoint_imports(tmp_path, chat_tiny_target
 def test_vocab_maps_are_completed_or_refused():
     d2t = torch.tensor([0, 1, 3])  # draft 0, 1, 2 -> target 0, 2, 5
     t2d = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool)
-    full = shared.complete_vocab_maps
+    full = eagle3_layout.complete_vocab_maps
     assert torch.equal(full(d2t, None, vocab_size=6, draft_vocab_size=3, where="x")[1], t2d)
     assert torch.equal(full(None, t2d, vocab_size=6, draft_vocab_size=3, where="x")[0], d2t)
     with pytest.raises(FormatError, match="t2d disagrees with d2t read either way"):  # never rebuilt silently
@@ -549,7 +550,7 @@ def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
 def test_non_ascending_boundaries_are_refused_on_every_path(tmp_path, chat_tiny_target, target_dir, capsys):
     """Engines feed aux states in layer order, so [5, 2, 7] would be served as [2, 5, 7]: refused
     wherever a layout enters (capture, prepare, train, contract, export of a hand-edited draft)."""
-    from eaglewire.model.capture import capture
+    from eaglewire.model.boundary_capture import capture
     from eaglewire.cli import main
 
     with pytest.raises(ContractError, match=r"\[5, 2, 7\] are not ascending; sort them \(--aux-boundaries 2,5,7\)"):
@@ -587,14 +588,14 @@ def test_a_d2t_written_as_absolute_ids_is_read_as_ids_loudly_or_refused():
     offsets = kept - torch.arange(Vd)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[kept] = True
-    full = shared.complete_vocab_maps
+    full = eagle3_layout.complete_vocab_maps
     d2t, got_t2d, notes = full(offsets, t2d, vocab_size=V, draft_vocab_size=Vd, where="x")
     assert torch.equal(d2t, offsets) and torch.equal(got_t2d, t2d) and notes == []
     for given_t2d in (t2d, None):  # t2d agrees with the absolute reading; without it, d2t climbs strictly
         d2t, got_t2d, notes = full(kept, given_t2d, vocab_size=V, draft_vocab_size=Vd, where="x")
         assert torch.equal(d2t, offsets) and torch.equal(got_t2d, t2d)
         assert len(notes) == 1 and "absolute target ids" in notes[0] and "d2t - arange" in notes[0]
-    assert shared.read_d2t(offsets, None, vocab_size=V, where="x").kind == "offsets"
+    assert eagle3_layout.read_d2t(offsets, None, vocab_size=V, where="x").kind == "offsets"
     other = torch.zeros(V, dtype=torch.bool)
     other[50:70] = True
     with pytest.raises(FormatError, match="t2d disagrees with d2t read either way"):

@@ -25,7 +25,7 @@ from eaglewire.data.import_data import ImportDataConfig, import_data
 from eaglewire.data.label_check import (CALIBRATION_MAX_GAP, OTHER_LAYER, POST_NORM, PRE_NORM, LabelCheckError,
                                         check_labels, stored_last_state)
 from eaglewire.data.shards import ShardDataset, ShardWriter
-from eaglewire.model.capture import record_boundaries
+from eaglewire.model.boundary_capture import record_boundaries
 from eaglewire.model.target import load_target
 from eaglewire.model.target_head import load_target_head
 from tiny import save_tiny_dir

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("decode", ("eaglewire.decode",)),
     ("data", ("eaglewire.data",)),
     ("train", ("eaglewire.train",)),
-    ("acceptance", ("eaglewire.acceptance",)),
+    ("acceptance", ("eaglewire.acceptance", "eaglewire.concurrency")),
     ("commands", ("eaglewire.cli", "eaglewire.cli_settings", "eaglewire.quickstart", "eaglewire.serve",
                   "eaglewire.bench", "eaglewire.doctor", "eaglewire.tune")),
 ]
@@ -161,7 +161,7 @@ def test_decode_does_not_import_data():
 # zlab_layout), export/import plumbing, flags, served counts and metrics. An engine imports shared modules only,
 # never another engine nor a module above, so no engine reaches another, directly or through a shared module.
 ENGINES_ABOVE = {"eaglewire.engines", "eaglewire.engines.registry", "eaglewire.engines.command_settings",
-                 "eaglewire.engines.foreign_draft"}
+                 "eaglewire.engines.formats.foreign_draft"}
 
 
 def engine_modules() -> set[str]:
@@ -222,16 +222,16 @@ def test_nothing_outside_engines_names_an_engine():
 
 def test_the_engine_tiers_see_an_engine_importing_another():
     engines = {"eaglewire.engines.a", "eaglewire.engines.b"}
-    edges = {"eaglewire.engines.a.export": {"eaglewire.engines.b", "eaglewire.engines.shared"},  # a -> b
+    edges = {"eaglewire.engines.a.export": {"eaglewire.engines.b", "eaglewire.engines.formats.eagle3_layout"},  # a -> b
              "eaglewire.engines.b": {"eaglewire.engines.b.readings", "eaglewire.engines.registry"},  # b -> above
-             "eaglewire.engines.shared": {"eaglewire.engines.a.readings"},  # shared -> a
+             "eaglewire.engines.formats.eagle3_layout": {"eaglewire.engines.a.readings"},  # shared -> a
              "eaglewire.engines.registry": {"eaglewire.engines.a", "eaglewire.engines.b"}}  # above -> both: fine
     wrong = engine_import_problems(edges, engines)
     assert len(wrong) == 3
     assert wrong[0].startswith("eaglewire.engines.a.export (engine eaglewire.engines.a) imports eaglewire.engines.b "
                                "(engine eaglewire.engines.b): move what both need below them")
     assert wrong[1].startswith("eaglewire.engines.b (engine eaglewire.engines.b) imports eaglewire.engines.registry")
-    assert wrong[2].startswith("eaglewire.engines.shared (shared by the engines) imports eaglewire.engines.a.readings")
+    assert wrong[2].startswith("eaglewire.engines.formats.eagle3_layout (shared by the engines) imports eaglewire.engines.a.readings")
 
 
 def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
@@ -244,14 +244,14 @@ def test_the_checks_see_what_they_check(tmp_path, monkeypatch):
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     # two packages importing each other through different modules is a package cycle, not a module cycle
     modules_only = {"eaglewire.tune.simulate": {"eaglewire.doctor.replay"}, "eaglewire.doctor.replay": set(),
-                    "eaglewire.doctor.run": {"eaglewire.tune.run"}, "eaglewire.tune.run": set()}
+                    "eaglewire.doctor.doctor_command": {"eaglewire.tune.tune_command"}, "eaglewire.tune.tune_command": set()}
     assert find_cycle(modules_only) is None
     assert find_cycle(package_graph(modules_only)) == ["eaglewire.doctor", "eaglewire.tune", "eaglewire.doctor"]
     assert commands_importing_commands(modules_only) == [
-        "eaglewire.doctor.run (doctor) imports eaglewire.tune.run (tune)",
+        "eaglewire.doctor.doctor_command (doctor) imports eaglewire.tune.tune_command (tune)",
         "eaglewire.tune.simulate (tune) imports eaglewire.doctor.replay (doctor)"]
-    assert commands_importing_commands({"eaglewire.quickstart": {"eaglewire.tune.run"},
-                                        "eaglewire.bench.report": {"eaglewire.bench.run"}}) == []
+    assert commands_importing_commands({"eaglewire.quickstart": {"eaglewire.tune.tune_command"},
+                                        "eaglewire.bench.bench_report": {"eaglewire.bench.bench_command"}}) == []
     with pytest.raises(AssertionError, match="eaglewire.nowhere has no layer"):
         layer_of("eaglewire.nowhere")
 

@@ -41,7 +41,7 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
     # the doctor's and tune's JSON record the config they ran with, loadable with --config
     from eaglewire.core.configs import config_from_mapping, load_config_file
     from eaglewire.doctor import DoctorConfig
-    from eaglewire.tune.run import TuneConfig
+    from eaglewire.tune.tune_command import TuneConfig
 
     doctor = config_from_mapping(DoctorConfig, load_config_file(out / "doctor.json"))
     assert (doctor.draft, doctor.data, doctor.tune) == (str(out / "draft"), str(out / "heldout"), False)
@@ -116,7 +116,7 @@ def test_quickstart_benches_tunes_choice():
 
 
 def test_quickstart_measures_the_configs_that_pay_first():
-    from eaglewire.bench.run import parse_configs
+    from eaglewire.bench.bench_command import parse_configs
 
     configs = QuickstartConfig().bench_configs.split(";")
     assert {"1,0,0,0", "1,1,1,2", "1,5,4,12,0.1"} <= set(configs)
@@ -194,7 +194,7 @@ def test_the_data_probe_runs_every_turn_of_the_stages_own_conversations(tmp_path
     """The probe prepares a sample of the stage's conversations as the stage does: each assistant turn is regenerated
     (issue 64: a synthetic one-turn probe read 0.8 s a conversation where ShareGPT's ~3 turns took 5.3 s)."""
     from eaglewire.data.prepare import PrepareConfig
-    from eaglewire.data.probe import data_seconds_per_conversation
+    from eaglewire.data.data_rate import data_seconds_per_conversation
 
     _stand_in_generation(monkeypatch, chat_tiny_target, seconds_per_turn=1.0)
     parts = {}

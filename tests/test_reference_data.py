@@ -21,9 +21,9 @@ def test_a_recorded_path_that_is_not_here_falls_back_to_its_preset(tmp_path):
 def test_the_reference_doctor_finds_its_held_out_conversations_here(smollm2_tokenizer):
     """What `doctor --draft reference` reads with its default data: the recorded path is another
     machine's; the held-out conversations come from the sharegpt preset, every one of them."""
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.run import _load_sequences
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.doctor_command import _load_sequences
 
     config = read_draft_config("reference")
     training = config["training"]

@@ -7,7 +7,7 @@ import torch
 from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from eaglewire.doctor.measure import engine_agreement
 from eaglewire.acceptance.replay import accepted_after, compare_rounds, round_starts
-from eaglewire.doctor.run import MIN_ROUND_AGREEMENT
+from eaglewire.doctor.doctor_command import MIN_ROUND_AGREEMENT
 from tiny import ARCHITECTURES, tiny_target
 
 from decode.test_spec_decoder import random_draft

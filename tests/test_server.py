@@ -33,7 +33,7 @@ from eaglewire.decode.text import StopStrings, encode_prompt
 from eaglewire.core.tokens import stop_token_ids
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.serve.app import Server, exit_status, serve_app
-from eaglewire.serve.config import ServeConfig, add_serve_args
+from eaglewire.serve.serve_config import ServeConfig, add_serve_args
 from eaglewire.serve.routes import create_app
 from servers import live_server, loopback_server, wait_started
 
@@ -731,7 +731,7 @@ def test_per_request_spec_metrics_and_counters_agree_and_ids_are_greedys(chat_ti
     """With --per-request-spec-decode-metrics each whole answer carries vLLM's
     metrics.speculative_decoding; /metrics' vLLM-named counters grow by exactly those figures;
     return_token_ids gives plain greedy's ids."""
-    from eaglewire.engines.spec_decode_metrics import spec_counters
+    from eaglewire.engines.serving.spec_decode_metrics import spec_counters
 
     draft, contract = random_draft(chat_tiny_target)
     decoder = SpecDecoder(chat_tiny_target, draft, contract, SpecConfig.chain(3))
@@ -793,7 +793,7 @@ def test_concurrent_requests_decode_in_one_batch(chat_tiny_target):
 def test_serve_refuses_a_schedule_measured_elsewhere(tmp_path):
     from dataclasses import replace
 
-    from eaglewire.decode.schedule import Schedule, ScheduleRange, schedule_key
+    from eaglewire.concurrency.schedule import Schedule, ScheduleRange, schedule_key
     from eaglewire.decode.load import load_decode_target
     from eaglewire.serve.app import serve
     from tiny import save_random_draft, save_tiny_dir

@@ -10,13 +10,13 @@ from contextlib import contextmanager
 
 import pytest
 
-from eaglewire.acceptance import server_load
-from eaglewire.acceptance.server_load import (launch_advice, launched_shape, load_once, measure_load,
+from eaglewire.concurrency import server_measurement
+from eaglewire.concurrency.server_measurement import (launch_advice, launched_shape, load_once, measure_load,
                                               measure_server_concurrency, measure_tau, stream_lengths)
-from eaglewire.bench.concurrency import table
-from eaglewire.bench.server_load import bench_server_concurrency, closed_loop_server
+from eaglewire.concurrency.closed_loop import table
+from eaglewire.concurrency.server_closed_loop import bench_server_concurrency, closed_loop_server
 from eaglewire.cli import main
-from eaglewire.decode.schedule import Schedule, ScheduleRange
+from eaglewire.concurrency.schedule import Schedule, ScheduleRange
 from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
 
@@ -179,8 +179,8 @@ def test_bench_on_a_server_engine_compares_each_launch_with_plain_at_the_same_lo
 
 
 def test_concurrency_flags_route_to_a_server_engine_or_say_why_not(capsys):
-    from eaglewire.bench.run import BenchConfig
-    from eaglewire.tune.run import IN_PROCESS_SHAPES, SERVER_SHAPES, TuneConfig
+    from eaglewire.bench.bench_command import BenchConfig
+    from eaglewire.tune.tune_command import IN_PROCESS_SHAPES, SERVER_SHAPES, TuneConfig
 
     assert TuneConfig(draft="reference", engine="vllm", concurrency=[1, 2]).concurrency_shapes == SERVER_SHAPES
     assert TuneConfig(draft="reference", concurrency=[1, 2]).concurrency_shapes == IN_PROCESS_SHAPES

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from eaglewire.bench.run import config_label, parse_configs
+from eaglewire.bench.bench_command import config_label, parse_configs
 from eaglewire.cli import build_parser
 from eaglewire.core.configs import config_from_args, config_to_args
 from eaglewire.decode.spec_config import SpecConfig
-from eaglewire.serve.config import ServeConfig, add_serve_args
+from eaglewire.serve.serve_config import ServeConfig, add_serve_args
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -80,14 +80,14 @@ VLLM_SPELLINGS = [
 
 @pytest.mark.parametrize("flags", VLLM_SPELLINGS)
 def test_every_vllm_spelling_of_the_speculative_config_is_read(flags):
-    from eaglewire.doctor.serving import lint_flags
+    from eaglewire.doctor.engine_reading import lint_flags
 
     got = lint_flags("vllm", "serve org/target " + flags, [2, 15, 27], 30, "llama")
     assert got.problems == [] and got.num_steps == 4, got.problems
 
 
 def test_vllm_dotted_keys_merge_into_one_object_read_as_json():
-    from eaglewire.engines.flags import parse_flexible
+    from eaglewire.engines.serving.launch_flags import parse_flexible
 
     args, notes = parse_flexible("--speculative-config.num_speculative_tokens 3 --speculative-config.draft.x+ a,b "
                                  "--max_model_len 99", {"-sc": "--speculative-config"})
@@ -98,7 +98,7 @@ def test_vllm_dotted_keys_merge_into_one_object_read_as_json():
 def test_vllm_dotted_keys_under_two_spellings_stay_apart_and_the_last_wins():
     """FlexibleArgumentParser merges dotted keys per spelling: ``-sc.x`` after ``--speculative-config.method``
     replaces the whole object, so the method is lost (vLLM then detects it from the path)."""
-    from eaglewire.doctor.serving import lint_flags
+    from eaglewire.doctor.engine_reading import lint_flags
 
     got = lint_flags("vllm", "--speculative-config.method eagle3 -sc.num_speculative_tokens 4", [2, 15, 27], 30)
     assert [v for v, _, _ in got.problems] == ["warn", "fail"] and "only" in got.problems[0][1]
@@ -108,7 +108,7 @@ def test_vllm_dotted_keys_under_two_spellings_stay_apart_and_the_last_wins():
 @pytest.mark.parametrize("model, method", [("/runs/my-draft", "draft_model"), ("yuhuili/EAGLE-LLaMA3-8B", "eagle"),
                                            ("AngelSlim/Qwen3-8B_eagle3", "eagle3")])
 def test_an_omitted_vllm_method_is_what_vllm_detects_from_the_path(model, method):
-    from eaglewire.doctor.serving import lint_flags
+    from eaglewire.doctor.engine_reading import lint_flags
     from eaglewire.engines.vllm import detect_method
 
     assert detect_method(model) == method
@@ -119,7 +119,7 @@ def test_an_omitted_vllm_method_is_what_vllm_detects_from_the_path(model, method
 
 
 def test_no_vllm_speculative_config_in_any_spelling_is_a_fail():
-    from eaglewire.doctor.serving import lint_flags
+    from eaglewire.doctor.engine_reading import lint_flags
 
     [(verdict, what, _)] = lint_flags("vllm", "serve org/target --max-model-len 4096", [2, 15, 27], 30).problems
     assert verdict == "fail" and "without speculation" in what
@@ -139,7 +139,7 @@ def test_sglang_aliases_and_abbreviations_read_as_its_parser_reads_them(flags):
 
 
 def test_sglang_refuses_ambiguous_abbreviations_and_underscores():
-    from eaglewire.doctor.serving import lint_flags
+    from eaglewire.doctor.engine_reading import lint_flags
 
     got = lint_flags("sglang", "--speculative-algorithm EAGLE --speculative-num 3 --speculative_eagle_topk 1",
                      [2, 15, 27], 30)

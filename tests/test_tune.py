@@ -15,7 +15,7 @@ from eaglewire.acceptance.recommend import predict, rank, recommend, shapes
 from eaglewire.acceptance.speed import SpeedQuery, measure
 from eaglewire.acceptance.simulate import Shape, drafted_tokens, greedy_rounds, sampled_rounds, tau
 from eaglewire.acceptance.trace import DraftTrace, judge_steps, top_probs, trace_text
-from eaglewire.tune.run import TuneConfig
+from eaglewire.tune.tune_command import TuneConfig
 from tiny import tiny_target
 
 from decode.test_spec_decoder import random_draft

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from eaglewire.acceptance.concurrency import StepCost, predict, schedule_from
+from eaglewire.concurrency.measurement import StepCost, predict, schedule_from
 from eaglewire.cli import main
-from eaglewire.decode.schedule import Schedule, schedule_key
+from eaglewire.concurrency.schedule import Schedule, schedule_key
 from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.decode.load import load_decode_target
 from test_bench import draft_dir, write_prompts  # noqa: F401  (fixtures)
@@ -72,7 +72,7 @@ def test_bench_concurrency_runs_plain_shapes_and_the_schedule_at_each_load(tmp_p
                                                                            one_thread):
     """bench --concurrency 1,3: plain, a chain and tune's schedule at each load; every output is plain's (fp32),
     the schedule drafts only where it says, the table, concurrency.json and concurrency.png are written."""
-    from eaglewire.decode.schedule import ScheduleRange
+    from eaglewire.concurrency.schedule import ScheduleRange
 
     target = load_decode_target(str(target_dir), dtype="fp32")
     schedule_path = tmp_path / "schedule.json"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.model.target import TargetModelError, load_target, target_from_config
 from eaglewire.model.target_head import load_target_head
 

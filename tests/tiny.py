@@ -151,7 +151,7 @@ def sharp_shards(root, vocab_size: int, aux_boundaries, token_ids, *, n: int = 4
 
     from eaglewire.core.contract import HiddenStateContract
     from eaglewire.data.shards import ShardWriter
-    from eaglewire.model.capture import capture
+    from eaglewire.model.boundary_capture import capture
     from eaglewire.model.target import load_target
 
     target_dir = save_tiny_dir(root / "target", vocab_size=vocab_size)

@@ -161,8 +161,8 @@ def cmd_import_data(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from eaglewire.bench.run import BenchConfig, run_bench
-    from eaglewire.bench.report import terminal_table, write_report
+    from eaglewire.bench.bench_command import BenchConfig, run_bench
+    from eaglewire.bench.bench_report import terminal_table, write_report
 
     config = config_from_args(BenchConfig, args)
     if config.concurrency is not None:
@@ -177,8 +177,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_concurrency(config, *, progress: bool) -> int:
     """``bench --concurrency``: the table, concurrency.json and concurrency.png in the report directory."""
-    from eaglewire.bench.concurrency import plot, table
-    from eaglewire.bench.run import run_bench_concurrency
+    from eaglewire.concurrency.closed_loop import plot, table
+    from eaglewire.bench.bench_command import run_bench_concurrency
     from eaglewire.core.fileio import atomic_write_text
     from eaglewire.core.machine import summary_line
 
@@ -195,13 +195,13 @@ def _bench_concurrency(config, *, progress: bool) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from eaglewire.tune.run import TuneConfig, run_tune
+    from eaglewire.tune.tune_command import TuneConfig, run_tune
 
     config = config_from_args(TuneConfig, args)
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if config.concurrency is not None:
         from eaglewire import engines
-        from eaglewire.tune.concurrency import run_concurrency
+        from eaglewire.tune.load_schedule import run_concurrency
 
         report = run_concurrency(config, progress=progress)
         print(report.format())
@@ -316,7 +316,7 @@ def _command(sub, name: str, config_class: type, func, help_text: str, *, progre
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eaglewire.bench.run import BenchConfig
+    from eaglewire.bench.bench_command import BenchConfig
     from eaglewire.cli_settings import ContractConfig, GenerateConfig
     from eaglewire.data.import_data import ImportDataConfig
     from eaglewire.data.prepare import PrepareConfig
@@ -324,9 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     from eaglewire.doctor import DoctorConfig
     from eaglewire.engines.command_settings import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig
-    from eaglewire.serve.config import ServeConfig
+    from eaglewire.serve.serve_config import ServeConfig
     from eaglewire.train.loop import TrainConfig
-    from eaglewire.tune.run import TuneConfig
+    from eaglewire.tune.tune_command import TuneConfig
 
     parser = argparse.ArgumentParser(prog="eaglewire", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -106,8 +106,8 @@ def run_quickstart(config: QuickstartConfig, *, target: Target | None = None, pr
 
 
 def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: bool) -> dict[str, Any]:
-    from eaglewire.bench.run import BenchConfig, run_bench
-    from eaglewire.bench.report import write_report
+    from eaglewire.bench.bench_command import BenchConfig, run_bench
+    from eaglewire.bench.bench_report import write_report
     from eaglewire.doctor import DoctorConfig, run_doctor
     from eaglewire.train.loop import TrainConfig, train
 
@@ -182,8 +182,8 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
 def plan_stage(config: QuickstartConfig, target: Target, *, progress: bool = False) -> DataPlan:
     """Time a training step here and, unless --num-conversations fixes the slice, the data stage on its own first
     conversations (seconds); then size the data and the training budget to them."""
-    from eaglewire.data.probe import data_seconds_per_conversation
-    from eaglewire.train.probe import training_tokens_per_second
+    from eaglewire.data.data_rate import data_seconds_per_conversation
+    from eaglewire.train.train_rate import training_tokens_per_second
 
     precision = resolve_precision(config.dtype, target.device)
     speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
@@ -254,7 +254,7 @@ def prepare_stage(config: QuickstartConfig, out: Path, target: Target, *, offset
 def tune_stage(config: QuickstartConfig, draft: Path, target: Target) -> dict[str, Any]:
     """``eaglewire tune`` for eaglewire's engine, on prompts after the bench's own when the set has them."""
     from eaglewire.core.prompts import load_prompts
-    from eaglewire.tune.run import TuneConfig, run_tune
+    from eaglewire.tune.tune_command import TuneConfig, run_tune
 
     available = len(load_prompts(config.bench_dataset))
     offset = config.bench_prompts if available >= config.bench_prompts + config.tune_prompts else 0
@@ -309,7 +309,7 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
 def spec_flags(config: str) -> str:
     """``generate``/``serve`` flags of a bench config ``batch,steps,topk,draft-tokens[,min-prob]``:
     its SpecConfig's fields, as configs.py spells them."""
-    from eaglewire.bench.run import parse_config
+    from eaglewire.bench.bench_command import parse_config
     from eaglewire.core.configs import config_to_args
 
     return shlex.join(config_to_args(parse_config(config)))

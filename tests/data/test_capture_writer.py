@@ -21,7 +21,7 @@ from eaglewire.data.prepare import PrepareConfig, capture_batch, capture_plan, p
 from eaglewire.data.shard_file import save_file
 from eaglewire.data.shards import ShardError, ShardWriter
 from eaglewire.data.state_codec import Storage, encode_states, label_positions
-from eaglewire.model.capture import capture, capture_packed
+from eaglewire.model.boundary_capture import capture, capture_packed
 from fake_cuda import fake_cuda
 from test_shards import K, SOURCE, V, contract, make_sequences, shard_files
 from tiny import tiny_target

@@ -35,8 +35,8 @@ def engine_slots(target, slots, *, shift: int = 0):
 
 
 def test_states_here_are_every_boundary_of_the_capture(target):
-    """Boundary b < L is layer b's input, L the last layer's output before the final norm (model/capture.py)."""
-    from eaglewire.model.capture import capture
+    """Boundary b < L is layer b's input, L the last layer's output before the final norm (model/boundary_capture.py)."""
+    from eaglewire.model.boundary_capture import capture
 
     here = states_here(target, TOKENS)
     assert sorted(here) == list(range(target.num_layers + 1))

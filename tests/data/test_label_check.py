@@ -19,7 +19,7 @@ from eaglewire.data.import_data import ImportDataConfig, import_data
 from eaglewire.data.label_check import (CALIBRATION_MAX_GAP, GREEDY_MIN_AGREEMENT, LabelCheckError, check_labels,
                                         judged_positions)
 from eaglewire.data.shards import ShardDataset, ShardWriter
-from eaglewire.model.capture import record_boundaries
+from eaglewire.model.boundary_capture import record_boundaries
 from eaglewire.model.target import load_target
 from tiny import save_tiny_dir
 
@@ -169,7 +169,7 @@ def test_doctor_stored_fails_a_lower_layer_capture_with_the_fix(greedy, tiny, tm
 def test_prepare_refuses_a_capture_of_the_wrong_layer(target_dir, tmp_path, monkeypatch):
     """prepare checks what it wrote: a capture whose last state is a lower layer stops it."""
     from eaglewire.data import prepare as prepare_module
-    from eaglewire.model.capture import Capture, capture_packed, token_index
+    from eaglewire.model.boundary_capture import Capture, capture_packed, token_index
 
     rows = tmp_path / "chats.jsonl"
     rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hello {i} there"},

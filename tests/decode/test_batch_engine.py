@@ -14,7 +14,7 @@ import torch
 from eaglewire.decode.batch_engine import BatchEngine
 from eaglewire.decode.runner import LeanRunner, LeanWeights, forward_blocks
 from eaglewire.decode.sampling import SamplingParams
-from eaglewire.decode.schedule import Schedule, ScheduleKey, ScheduleRange
+from eaglewire.concurrency.schedule import Schedule, ScheduleKey, ScheduleRange
 from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 from tiny import random_dflash_draft, tiny_target
 from test_spec_decoder import random_draft

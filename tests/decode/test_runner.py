@@ -4,7 +4,7 @@ exactly the accepted rows of a tree block."""
 import pytest
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.decode.runner import HFRunner, LeanRunner, make_runner
 from tiny import ARCHITECTURES, tiny_target
 

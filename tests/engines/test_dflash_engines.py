@@ -13,9 +13,10 @@ import torch
 
 from eaglewire import engines
 from eaglewire.core.contract import EngineConventionError
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.run import run_doctor
-from eaglewire.engines import sglang, vllm, zlab_layout
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.doctor_command import run_doctor
+from eaglewire.engines import sglang, vllm
+from eaglewire.engines.formats import zlab_layout
 from eaglewire.engines.llamacpp import dflash_layout_problem
 from eaglewire.model.checkpoint import load_draft
 from tiny import save_random_dflash_draft, tiny_target
@@ -81,7 +82,7 @@ def _shifted_zlab(tmp_path, native) -> str:
 @pytest.mark.parametrize("engine, key, want", [("sglang", "dflash_config.target_layer_ids", "[1, 3, 5]"),
                                                ("vllm", "dflash_config.target_layer_ids", "[1, 3, 5]")])
 def test_the_doctor_fails_ids_shifted_by_one_with_the_fix(tmp_path, target, native, engine, key, want, monkeypatch):
-    import eaglewire.doctor.run as doctor_run
+    import eaglewire.doctor.doctor_command as doctor_run
 
     # the engine checks come first; this tokenizer-less target has no held-out text for the measured ones
     monkeypatch.setattr(doctor_run, "_load_sequences", lambda *a, **k: ([], "none"))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from eaglewire import engines
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.run import run_doctor
-from eaglewire.doctor.serving import lint_flags
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.doctor_command import run_doctor
+from eaglewire.doctor.engine_reading import lint_flags
 from eaglewire.engines import sglang
 from eaglewire.engines.llamacpp import find_tree
 from tiny import save_random_dflash_draft, tiny_target
@@ -222,7 +222,7 @@ def test_tune_probes_a_dflash_gguf_with_one_spec_type():
                                                      "fail"),
                                                     ("llamacpp", CLEAN["llamacpp"] + "0", "warn")])
 def test_the_doctor_lints_a_dflash_draft_s_launch_flags(tmp_path, monkeypatch, engine, flags, verdict):
-    import eaglewire.doctor.run as doctor_run
+    import eaglewire.doctor.doctor_command as doctor_run
 
     monkeypatch.setattr(doctor_run, "_load_sequences", lambda *a, **k: ([], "none"))
     target = tiny_target("llama", num_layers=L, hidden_size=64, vocab_size=256)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from eaglewire.engines import sglang, vllm
-from eaglewire.engines.flags import parse_flexible
+from eaglewire.engines.serving.launch_flags import parse_flexible
 from test_engine_readings import compile_function, top_function
 
 pytestmark = pytest.mark.engines

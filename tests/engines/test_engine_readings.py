@@ -21,7 +21,8 @@ from eaglewire.engines.sglang import FILES as SGLANG_FILES
 from eaglewire.engines.vllm import FILES as VLLM_FILES
 from eaglewire.model.draft import DraftConfig
 from eaglewire.engines import sglang as sglang_format
-from eaglewire.engines import speculators_format, vllm
+from eaglewire.engines import vllm
+from eaglewire.engines.formats import speculators_layout
 
 pytestmark = pytest.mark.engines
 
@@ -365,7 +366,7 @@ def test_vllm_reads_both_eaglewire_exports_and_sizes_fc(wheels, bounds):
     ids_of, hf_config = vllm_config_readers(wheels)
     read, _ = vllm_engine(wheels, "llama")
     cfg = _draft_config(len(bounds))
-    spec_config = speculators_format.build_config(cfg, bounds, verifier_name="org/t", verifier_architecture="x",
+    spec_config = speculators_layout.build_config(cfg, bounds, verifier_name="org/t", verifier_architecture="x",
                                                   num_steps=3, dtype="bfloat16")
     assert {k: read(list(v)) for k, v in ids_of(spec_config).items()} == {"v2": bounds, "v1": bounds}
     # fc: vLLM's llama_eagle3.py counts num_aux_hidden_states, else nested eagle_config ids, else 3

@@ -135,7 +135,7 @@ def test_a_serving_server_passes_the_smoke_run(tmp_path):
 
 
 def test_exit_causes_read_as_words():
-    from eaglewire.engines.llamacpp.errors import exit_cause
+    from eaglewire.engines.llamacpp.failure import exit_cause
 
     assert exit_cause(-4).startswith("SIGILL") and exit_cause(-11) == "SIGSEGV"
     assert exit_cause(3) == "exit status 3"

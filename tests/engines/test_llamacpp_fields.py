@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from eaglewire.doctor.serving import read_file_fields as read_gguf_fields
+from eaglewire.doctor.engine_reading import read_file_fields as read_gguf_fields
 from eaglewire.engines import llamacpp as engine
 from eaglewire.engines.llamacpp.served import NORM_BEFORE_FC_TENSOR, REEXPORT_FIX, read_served
 from gguf_edit import rewrite_gguf
@@ -114,7 +114,7 @@ def test_output_rows_that_are_not_the_trained_head_are_read_and_measurable(fault
 
 def test_the_served_norm_weight_is_the_one_applied(faults, trained):
     """as_served puts the GGUF's own enc.output_norm weight in front of fc (not ones)."""
-    from eaglewire.engines.served_draft import as_served
+    from eaglewire.engines.serving.served_draft import as_served
 
     reading = read_gguf_fields(faults["norm_before_fc"], trained)
     built = as_served(trained, reading.found, norm_weights=reading.norm_weights)
@@ -135,7 +135,7 @@ def _chats(tmp_path) -> str:
 
 def _doctor(target, draft, chats, gguf):
     from eaglewire.doctor import run_doctor
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
 
     report = run_doctor(DoctorConfig(draft=str(draft), conversations=chats, engine="llamacpp",
                                      engine_config=str(gguf), engine_prompts=0, tune=False, include_training=True,

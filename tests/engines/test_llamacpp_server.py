@@ -87,8 +87,8 @@ def test_greedy_outputs_are_identical_and_tau_is_llamacpps(exported, server_bina
 
 
 def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):
-    from eaglewire.bench.run import BenchConfig, run_bench, same_output_as_plain, tau_pooled
-    from eaglewire.bench.report import write_report
+    from eaglewire.bench.bench_command import BenchConfig, run_bench, same_output_as_plain, tau_pooled
+    from eaglewire.bench.bench_report import write_report
 
     out, _ = exported
     prompts = tmp_path / "prompts.jsonl"
@@ -109,7 +109,7 @@ def test_bench_runs_llamacpp_plain_and_drafted(exported, tmp_path):
 def test_tune_times_llama_server_and_traces_its_own_text(exported, server_binary, prompt_ids, smollm2_target):
     """`tune --engine llamacpp` end to end: llama-server's own draft timer is read (rounds counted),
     every chain probed completes rounds, the draft is traced along the server's own text."""
-    from eaglewire.tune.run import TuneConfig, run_tune
+    from eaglewire.tune.tune_command import TuneConfig, run_tune
 
     out, _ = exported
     config = TuneConfig(draft="reference", engine="llamacpp", run=EngineRunConfig(
@@ -129,7 +129,7 @@ def test_doctor_reads_llama_servers_tau_as_the_replay_predicts(drafted_server, s
     """`doctor --engine llamacpp --engine-url`: llama-server's own counters, per position, against
     the replay of the same chain on its own text (the f32 GGUF of the same weights: lossless)."""
     from eaglewire.doctor import run_doctor
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p},

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from eaglewire.bench.run import BenchConfig, Row, parse_config, same_output_as_plain, server_runs, shape_of, speedup, \
+from eaglewire.bench.bench_command import BenchConfig, Row, parse_config, same_output_as_plain, server_runs, shape_of, speedup, \
     tau_per_request, tau_pooled, verified_per_pass
 from eaglewire.engines.command_settings import EngineRunConfig
 from eaglewire.engines.interface import RunSettings, ServedFiles
 from eaglewire.engines.llamacpp.runtime import answer_stats as llamacpp_stats, launch_config
 from eaglewire.doctor.checks import architecture_check, check_serving
-from eaglewire.doctor.config import DoctorConfig
-from eaglewire.doctor.report import DoctorReport
+from eaglewire.doctor.doctor_config import DoctorConfig
+from eaglewire.doctor.verdicts import DoctorReport
 from eaglewire.engines import llamacpp as engine
 from eaglewire.engines import FormatError
 from eaglewire.engines.llamacpp import converter_target_dir, draft_layers, layout_problem, read_gguf_metadata
@@ -368,7 +368,7 @@ def test_export_writes_a_gguf_with_the_contracts_layers(tmp_path, target_dir):
 
 
 def test_bench_without_llama_server_says_how_to_install_it(tmp_path, monkeypatch, chat_tiny_target):
-    from eaglewire.bench.run import run_bench
+    from eaglewire.bench.bench_command import run_bench
 
     monkeypatch.setenv("EAGLEWIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
@@ -417,7 +417,7 @@ def test_engines_which_reports_what_the_commands_will_use(tmp_path, monkeypatch,
 
 
 def test_outputs_across_engines_match_up_to_the_stop_token():
-    from eaglewire.bench.run import same_output_across_engines
+    from eaglewire.bench.bench_command import same_output_across_engines
 
     ours = Row("1,0,0,0", "plain", [], [[5, 6, 2], [5, 6, 7], [1, 2, 3]])
     theirs = Row("llamacpp 1,0,0,0", "plain", [], [[5, 6], [5, 6, 7], [1, 9, 3]], engine_name="llamacpp")

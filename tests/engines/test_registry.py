@@ -10,7 +10,7 @@ import torch
 from eaglewire import engines
 from eaglewire.model.checkpoint import read_draft, save_draft
 from eaglewire.core.contract import ContractError, HiddenStateContract
-from eaglewire.doctor.serving import lint_flags
+from eaglewire.doctor.engine_reading import lint_flags
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.engines import ExportConfig, llamacpp, sglang, vllm
 from eaglewire.engines.llamacpp import gguf

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from eaglewire.engines import eaglewire as own
 from eaglewire.engines import sglang, vllm
-from eaglewire.engines import spec_decode_metrics as vllm_shaped
+from eaglewire.engines.serving import spec_decode_metrics as vllm_shaped
 from eaglewire.engines.llamacpp import server as llamacpp_server
-import eaglewire.engines.served_counts as served
-from eaglewire.engines.served_counts import per_pos_from_histogram
+import eaglewire.engines.serving.served_counts as served
+from eaglewire.engines.serving.served_counts import per_pos_from_histogram
 
 pytestmark = pytest.mark.engines
 

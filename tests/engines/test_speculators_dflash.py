@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from eaglewire import engines
-from eaglewire.engines.shared import FormatError
+from eaglewire.engines.formats.eagle3_layout import FormatError
 from eaglewire.model.checkpoint import load_draft
 from eaglewire.model.target import load_target
 from tiny import save_tiny_dir

@@ -300,7 +300,7 @@ def test_plain_request_is_one_token_a_round():
 
 
 def test_per_position_counts_that_are_no_histogram_are_refused():
-    from eaglewire.engines.served_counts import ServedError
+    from eaglewire.engines.serving.served_counts import ServedError
 
     with pytest.raises(ServedError, match="not a histogram"):
         srv.rounds_from_counts(3, 9, [2, 3, 0])

@@ -21,7 +21,7 @@ import test_engine_fields
 import test_engine_readings
 import test_served_readings
 from eaglewire.core.contract import TARGET_ARCHS
-from eaglewire.engines import spec_decode_metrics as metrics
+from eaglewire.engines.serving import spec_decode_metrics as metrics
 from eaglewire.engines.vllm import readings
 from eaglewire.engines.vllm.versions import NEWEST, READINGS, RECORDED, Reading, reading_for, version_line
 from test_engine_readings import compile_function, top_function

@@ -124,8 +124,8 @@ def _doctor_as_written(text: str, url: str):
     parsed by the CLI's own parser; its report."""
     from eaglewire.cli import build_parser
     from eaglewire.core.configs import config_from_args
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.run import run_doctor
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.doctor_command import run_doctor
 
     line = re.search(r"`(eaglewire doctor [^`]*)`", text).group(1)
     argv = shlex.split(line.replace("DRAFT", "reference").replace("http://HOST:8000", url))

@@ -144,8 +144,8 @@ def test_greedy_outputs_are_the_fp32_targets_plain_outputs(served, trained):
 def test_served_tau_is_the_replay_and_eaglewires_own_block_decoding(served, trained, draft, smollm2_target):
     from eaglewire.core.tokens import stop_token_ids
     from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.served import chain_length, replay_served, served_check
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.served_tau.served_check import chain_length, replay_served, served_check
 
     _, counts, _, _, _, _ = served
     _, prompts = trained
@@ -192,10 +192,10 @@ def foreign(tmp_path_factory, vllm_installation, served, trained, draft, smollm2
 
     from safetensors.torch import load_file, save_file
 
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.doctor.measure import Sequence
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.served import check_served
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.served_tau.served_check import check_served
     from eaglewire.engines.interface import ServedFiles
     from eaglewire.engines.vllm.server import RUNTIME
 

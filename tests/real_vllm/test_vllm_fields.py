@@ -6,7 +6,7 @@ was trained: ``"norm_before_residual": true`` in its config.json (vLLM's decoder
 (a) offline, the doctor's engine-fields check FAILs the config and measures the draft as vLLM builds it from it
 far below the draft as trained; (b) against the running server, the served check FAILs it: served τ far below
 the replay of the same draft on the server's own text; and where the doctor has its served-wiring diagnosis
-(doctor/diagnosis.py), it names the flag.
+(doctor/served_tau/diagnosis.py), it names the flag.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def flagged(tmp_path_factory, vllm_installation):
 
 
 def _doctor(target, files: ServedFiles, **kw):
-    from eaglewire.doctor.config import DoctorConfig
-    from eaglewire.doctor.run import run_doctor
+    from eaglewire.doctor.doctor_config import DoctorConfig
+    from eaglewire.doctor.doctor_command import run_doctor
 
     report = run_doctor(DoctorConfig(draft="reference", engine="vllm", engine_config=str(files.draft / "config.json"),
                                      num_sequences=SEQUENCES, tune=False, **kw), target=target)

@@ -96,10 +96,10 @@ def _doctor_served(server, target, reference, prompts, held_out, engine_config=N
     the report."""
     import torch
 
-    from eaglewire.doctor.config import DoctorConfig
+    from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.doctor.measure import Sequence
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.served import check_served
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.served_tau.served_check import check_served
 
     draft, layout = reference
     sequences = [Sequence(f"p{i}", torch.tensor(p + [0]), torch.arange(len(p) + 1) >= len(p))
@@ -206,7 +206,7 @@ def reference(smollm2_target):
 
 
 def _replay(smollm2_target, reference, prompts, counts):
-    from eaglewire.doctor.served import chain_length, replay_served
+    from eaglewire.doctor.served_tau.served_check import chain_length, replay_served
 
     draft, layout = reference
     return replay_served(smollm2_target, draft, layout, prompts, counts.outputs, chain_length(counts, CHAIN))
@@ -238,8 +238,8 @@ def test_greedy_outputs_with_the_draft_are_vllms_plain_outputs(plain, drafted, s
 
 
 def test_served_tau_is_the_replay_of_the_same_draft(smollm2_target, reference, prompts, drafted):
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.served import served_check
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.served_tau.served_check import served_check
 
     (counts, _, _), _, _ = drafted
     replayed = _replay(smollm2_target, reference, prompts, counts)
@@ -252,8 +252,8 @@ def test_served_tau_is_the_replay_of_the_same_draft(smollm2_target, reference, p
 
 
 def test_the_seeds_fault_is_served_far_below_the_replay(smollm2_target, reference, prompts, drafted, faulty):
-    from eaglewire.doctor.report import DoctorReport
-    from eaglewire.doctor.served import served_check
+    from eaglewire.doctor.verdicts import DoctorReport
+    from eaglewire.doctor.served_tau.served_check import served_check
 
     (good, _, _), _, _ = drafted
     (counts, _, _), _, _ = faulty
@@ -280,7 +280,7 @@ def test_the_seeds_fault_is_among_what_the_diagnosis_names_and_its_fix_gives_the
     several wirings on any text (benchmarks/doctor_probes.py), so the diagnosis probes, says why it stopped, and
     names the set it is left with, [0, 2, 15] among it; that layout's fix, applied to the served config, is the
     export's config, which vLLM serves at the replay's τ (test_served_tau_is_the_replay_of_the_same_draft)."""
-    from eaglewire.doctor.fix_proof import apply_edit, config_edit
+    from eaglewire.doctor.served_tau.fix_proof import apply_edit, config_edit
 
     work, files = served_files
     _, _, report = faulty

@@ -129,7 +129,7 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
             server: ServerSetup | None = None) -> tuple[EngineCosts, list[list[int]]]:
     """(the engine's costs, its plain outputs per prompt): probed for engines that run here, stated
     otherwise (whose outputs eaglewire's engine stands in for: greedy text is the target's)."""
-    from eaglewire.acceptance.probe import probe_eaglewire, probe_server
+    from eaglewire.acceptance.engine_timing import probe_eaglewire, probe_server
     from eaglewire.core.tokens import stop_token_ids
 
     spec = engine(query.engine)
@@ -152,7 +152,7 @@ def measure(query: SpeedQuery, target, draft, contract, prompts: list[list[int]]
                                "the verify side, exact for the chains probed (no probability stop)")
         return costs, probe.outputs
     if not query.stated and block:
-        from eaglewire.acceptance.probe import probe_eaglewire_blocks
+        from eaglewire.acceptance.engine_timing import probe_eaglewire_blocks
 
         probe, times = probe_eaglewire_blocks(target, draft, contract, prompts, stop_ids=stops, **common)
         plain_step = probe.plain.decode_seconds / max(probe.plain.tokens, 1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.model.dflash import DFlashDraft
 from eaglewire.model.dflash_blocks import anchored_blocks, draft_lm_head, drafted_index, mask_embedding
 from eaglewire.model.draft import Eagle3Draft

@@ -269,7 +269,7 @@ _ARCH_ALIASES = {
     "qwen3forcausallm": "qwen3", "gemma3forcausallm": "gemma3", "gemma3forconditionalgeneration": "gemma3",
     "gemma3_text": "gemma3", "deepseekv3forcausallm": "deepseek_v3", "glm4moeliteforcausallm": "glm4_moe_lite",
     "gptossforcausallm": "gpt_oss",
-    # wrapped multimodal targets: the family of the text model they run on (engines/model_file.py's
+    # wrapped multimodal targets: the family of the text model they run on (engines/formats/model_file.py's
     # WRAPPERS names the wrapper's own file each engine serves them from)
     "llavaforconditionalgeneration": "llama", "mistral3forconditionalgeneration": "mistral",
     "qwen2vlforconditionalgeneration": "qwen2", "qwen2_5_vlforconditionalgeneration": "qwen2",

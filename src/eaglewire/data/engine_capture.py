@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.model.target import Target
 
 # Relative error (``relative_error``: per token, averaged) within which an engine's state is the same state. fp32:

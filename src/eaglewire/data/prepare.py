@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from eaglewire.model.capture import capture_packed
+from eaglewire.model.boundary_capture import capture_packed
 from eaglewire.core.contract import (HiddenStateContract, default_aux_boundaries, describe_template_kwargs,
                                      validate_aux_boundaries)
 from eaglewire.data.conversations import (

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.core.contract import HiddenStateContract
 from eaglewire.data.conversations import load_conversations, tokenize_conversation
 from eaglewire.data.shards import ShardDataset, ShardError, incomplete_reason

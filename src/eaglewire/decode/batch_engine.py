@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -27,13 +27,43 @@ from eaglewire.core.generation import GenerationStats
 from eaglewire.decode.eagle3_batch import can_batch, draft_chains, extend_together
 from eaglewire.decode.runner import HFRunner, LeanRunner, LeanWeights, forward_blocks, has_lean_forward, make_runner
 from eaglewire.decode.sampling import SamplingParams, logits_to_probs
-from eaglewire.decode.schedule import Schedule
 from eaglewire.decode.spec_config import SpecConfig
 from eaglewire.decode.spec_decoder import Drafter, SpecDecoder, next_token, root_only, start_request, take_tokens
 from eaglewire.decode.tree import Tree
 from eaglewire.decode.verify import greedy_verify, sampling_verify
 
 FIRST_CACHE_COLUMNS = 256  # a new sequence's cache starts this wide and doubles as it needs
+
+
+class ShapeSchedule(Protocol):
+    """What the loop asks of a schedule: the shape a step of ``batch`` live sequences runs (None: plain). tune's
+    measured ``Schedule`` (concurrency/schedule.py) is one; ``OneShape`` is the loop's own default."""
+
+    def shape_for(self, batch: int) -> SpecConfig | None: ...
+
+    @property
+    def shapes(self) -> list[SpecConfig]: ...
+
+    @property
+    def max_steps(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class OneShape:
+    """One shape (or plain) at every batch size: what a decoder runs without a schedule."""
+
+    shape: SpecConfig | None
+
+    def shape_for(self, batch: int) -> SpecConfig | None:
+        return self.shape
+
+    @property
+    def shapes(self) -> list[SpecConfig]:
+        return [] if self.shape is None else [self.shape]
+
+    @property
+    def max_steps(self) -> int:
+        return 0 if self.shape is None else self.shape.num_steps
 
 
 @dataclass(eq=False)
@@ -79,7 +109,7 @@ class BatchEngine:
     """The decoding loop of many sequences at once over a ``SpecDecoder``'s target and draft; one thread drives it
     (``add``, ``step``, ``remove``)."""
 
-    def __init__(self, decoder: SpecDecoder, schedule: Schedule | None = None) -> None:
+    def __init__(self, decoder: SpecDecoder, schedule: ShapeSchedule | None = None) -> None:
         self.decoder, self.target = decoder, decoder.target
         self.has_draft = decoder.drafter is not None
         self.schedule = engine_schedule(decoder, schedule)
@@ -258,11 +288,11 @@ class BatchEngine:
             seq.finish_reason = seq.stats.finish_reason = finish
 
 
-def engine_schedule(decoder: SpecDecoder, schedule: Schedule | None) -> Schedule:
+def engine_schedule(decoder: SpecDecoder, schedule: ShapeSchedule | None) -> ShapeSchedule:
     """The schedule a decoder runs: ``schedule``, or without one its own shape at every batch size (plain without
     a draft). A schedule that speculates needs a draft."""
     has_draft = decoder.drafter is not None
-    schedule = schedule or Schedule.fixed(decoder.spec if has_draft else None)
+    schedule = schedule or OneShape(decoder.spec if has_draft else None)
     if not has_draft and schedule.shapes:
         raise ValueError("a schedule that speculates needs a draft; serve with --draft, or without --schedule")
     return schedule

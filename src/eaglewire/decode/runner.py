@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglewire.decode.attention import attend_biased, attend_rows, attention_bias, block_rows
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.decode.gemm import MAX_EXACT_ROWS, PackedLinear
 from eaglewire.decode.kv_cache import compact_target_cache, widened
 from eaglewire.decode.step_graphs import StepGraphs

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
+from eaglewire.doctor.verdicts import Check, DoctorReport, LayoutRow
 
 log = logging.getLogger(__name__)
 

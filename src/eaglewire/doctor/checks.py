@@ -15,11 +15,11 @@ import torch
 
 from eaglewire import engines
 from eaglewire.core.errors import read_json_object
-from eaglewire.doctor.config import DoctorConfig
+from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
 from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
-from eaglewire.doctor.report import Check, DoctorReport, LayoutRow
-from eaglewire.doctor.serving import (config_fix, dflash_config_fix, engine_refusal, lint_flags,
+from eaglewire.doctor.verdicts import Check, DoctorReport, LayoutRow
+from eaglewire.doctor.engine_reading import (config_fix, dflash_config_fix, engine_refusal, lint_flags,
                                      read_dflash_engine_config, read_engine_config)
 from eaglewire.engines import Ability
 from eaglewire.model.dflash_blocks import is_block_draft
@@ -351,7 +351,7 @@ def vocab_map_fault(m: Measured) -> str | None:
     ids, it covers clearly more of the target's next tokens on the judged replies (None otherwise)."""
     import torch
 
-    from eaglewire.engines.shared import looks_absolute
+    from eaglewire.engines.formats.eagle3_layout import looks_absolute
 
     if is_block_draft(m.draft):  # a DFlash draft predicts over the target's own head: no d2t
         return None
@@ -442,9 +442,9 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     computes, against training; a field read otherwise is a FAIL with the key to write, and the draft
     rebuilt as the engine builds it is measured on the same tokens (acc@0 as served)."""
     from eaglewire import engines
-    from eaglewire.doctor.serving import field_readers, read_fields, read_file_fields
+    from eaglewire.doctor.engine_reading import field_readers, read_fields, read_file_fields
     from eaglewire.engines import canonical
-    from eaglewire.engines.served_draft import as_served
+    from eaglewire.engines.serving.served_draft import as_served
 
     config = m.config
     if not config.engine_config or is_block_draft(m.draft):

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from eaglewire.model.capture import capture
+from eaglewire.model.boundary_capture import capture
 from eaglewire.data.prepare import batches_by_tokens
 from eaglewire.data.sources import pad_right
 from eaglewire.acceptance.replay import RoundAgreement, compare_rounds

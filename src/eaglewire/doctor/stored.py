@@ -41,11 +41,11 @@ from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
 from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
                                      check_serving, serving_fix)
-from eaglewire.doctor.config import DoctorConfig
+from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, block_parts, coverage, isolation_accuracy
-from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.verdicts import Check, DoctorReport
 from eaglewire.doctor.template_switch import check_template_switch
-from eaglewire.engines.foreign_draft import load_any_draft
+from eaglewire.engines.formats.foreign_draft import load_any_draft
 from eaglewire.model.dflash_blocks import is_block_draft
 from eaglewire.model.target import Target
 from eaglewire.core.device import resolve_device

@@ -29,7 +29,7 @@ from typing import Any
 from eaglewire import engines
 from eaglewire.core.contract import (ContractError, HiddenStateContract, describe_template_kwargs, template_kwargs,
                                      template_kwargs_flags)
-from eaglewire.doctor.report import Check, DoctorReport
+from eaglewire.doctor.verdicts import Check, DoctorReport
 
 NAME = "template switch"
 PROBE = [{"role": "system", "content": "You are a helpful assistant."},

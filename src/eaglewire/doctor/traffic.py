@@ -27,8 +27,8 @@ import torch
 
 from eaglewire.doctor.evidence import MIN_LEAD, Z
 from eaglewire.doctor.measure import Sequence, capture_batches, isolation_accuracy
-from eaglewire.doctor.report import Check, DoctorReport
-from eaglewire.doctor.serving import predicted_tau
+from eaglewire.doctor.verdicts import Check, DoctorReport
+from eaglewire.doctor.engine_reading import predicted_tau
 
 log = logging.getLogger(__name__)
 

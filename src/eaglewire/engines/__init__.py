@@ -21,12 +21,12 @@ what it accepted, ``measure_served`` in each module that can measure) and sampli
 """
 
 from eaglewire.engines.export import ExportConfig, ExportReport
-from eaglewire.engines.importing import ImportReport
+from eaglewire.engines.formats.importing import ImportReport
 from eaglewire.engines.interface import Ability, EngineSpec
 from eaglewire.engines.registry import (ENGINES, Engine, canonical, file_reader, file_readers, export_draft, from_engine, get, import_draft,
                                         infer_boundaries, names, read_ids, refusal, sampling_of, served_elsewhere,
                                         to_engine)
-from eaglewire.engines.shared import FormatError
+from eaglewire.engines.formats.eagle3_layout import FormatError
 
 __all__ = ["Ability", "ENGINES", "Engine", "EngineSpec", "ExportConfig", "ExportReport", "FormatError", "ImportReport", "canonical",
            "export_draft", "file_reader", "file_readers", "from_engine", "get", "import_draft", "infer_boundaries", "names", "read_ids", "refusal", "sampling_of", "served_elsewhere",

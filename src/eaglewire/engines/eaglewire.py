@@ -6,7 +6,7 @@ error instead of a silent adjustment.
 
 from __future__ import annotations
 
-from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags
+from eaglewire.engines.serving.launch_flags import Flags, as_int, chain_shape, parse_flags
 from eaglewire.engines.interface import EngineSpec, IdReading, Linter, Sampling
 
 NAME = "eaglewire"
@@ -41,7 +41,7 @@ def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: st
 # ``eaglewire serve`` exports vLLM 0.33.0's speculative counters under its own prefix
 # (``eaglewire_spec_decode_num_drafts_total`` ..., serve/metrics.py Metrics) and, with
 # --per-request-spec-decode-metrics, vLLM's per-request ``metrics.speculative_decoding``: the reader of that
-# shape (engines/spec_decode_metrics.py) reads it.
+# shape (engines/serving/spec_decode_metrics.py) reads it.
 
 METRICS_PREFIX = "eaglewire_"
 TRAFFIC = ("eaglewire_generated_tokens_total", "eaglewire_requests_running")  # serve/metrics.py Metrics.families
@@ -49,7 +49,7 @@ TRAFFIC = ("eaglewire_generated_tokens_total", "eaglewire_requests_running")  # 
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy completions of ``prompts`` from ``eaglewire serve`` at ``url`` and what it accepted."""
-    from eaglewire.engines.spec_decode_metrics import measure_served as measure
+    from eaglewire.engines.serving.spec_decode_metrics import measure_served as measure
 
     return measure(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout, prefix=METRICS_PREFIX, engine=NAME,
                    traffic_names=TRAFFIC)
@@ -57,7 +57,7 @@ def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, t
 
 def served_version(url: str) -> str | None:
     """The version ``eaglewire serve`` reports at ``/version`` (vLLM's route)."""
-    from eaglewire.engines.served_counts import version_at
+    from eaglewire.engines.serving.served_counts import version_at
 
     return version_at(url, who="eaglewire server")
 

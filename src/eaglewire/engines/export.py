@@ -18,7 +18,7 @@ import torch
 from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.core.contract import ContractError
 from eaglewire.core.contract import target_arch as target_arch_key
-from eaglewire.engines.shared import FormatError
+from eaglewire.engines.formats.eagle3_layout import FormatError
 from eaglewire.core.fileio import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from eaglewire.model.target import Target, load_target
 
@@ -76,7 +76,7 @@ class ExportReport:
 def default_target_arch(target_arch: str | None, architecture: str) -> str:
     """``target_arch`` if given, else the target's recorded HF architecture, as a contract key (a wrapped
     target's wrapper class as given: engines read it through the wrapper's own model file)."""
-    from eaglewire.engines.model_file import wrapper_key
+    from eaglewire.engines.formats.model_file import wrapper_key
 
     if wrapper_key(target_arch or architecture):
         return str(target_arch or architecture)

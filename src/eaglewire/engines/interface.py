@@ -132,7 +132,7 @@ class Sampling:
 
     acceptance_rule: str  # the rule in words, with the released code it was read from
     # (launch flags, the target's directory or None) -> the temperature they make it sample at, None where they
-    # say nothing (engines/sampling_defaults.py's Temperature)
+    # say nothing (engines/serving/sampling_defaults.py's Temperature)
     launch_temperature: Callable[[str, "Path | None"], Any] | None = None
 
 

@@ -13,16 +13,16 @@ from typing import Any
 from eaglewire.model.checkpoint import read_draft
 from eaglewire.core.contract import (FAMILIES, ContractError, EngineConventionError, default_aux_boundaries,
                                      validate_boundaries)
-from eaglewire.engines.eagle import SPEC as EAGLE
+from eaglewire.engines.formats.eagle import SPEC as EAGLE
 from eaglewire.engines.eaglewire import SPEC as EAGLEWIRE
 from eaglewire.engines.llamacpp import SPEC as LLAMACPP
 from eaglewire.engines.sglang import SPEC as SGLANG
-from eaglewire.engines.specforge import SPEC as SPECFORGE
+from eaglewire.engines.formats.specforge import SPEC as SPECFORGE
 from eaglewire.engines.vllm import SPEC as VLLM
 from eaglewire.engines.export import ExportConfig, ExportReport
-from eaglewire.engines.importing import ImportReport, import_checkpoint, import_dflash, is_dflash_dir
+from eaglewire.engines.formats.importing import ImportReport, import_checkpoint, import_dflash, is_dflash_dir
 from eaglewire.engines.interface import Ability, EngineSpec, IdReading, Sampling
-from eaglewire.engines.shared import FormatError
+from eaglewire.engines.formats.eagle3_layout import FormatError
 
 Engine = EngineSpec
 

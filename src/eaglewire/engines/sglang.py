@@ -35,14 +35,14 @@ from typing import Any
 from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.core.contract import TARGET_ARCHS, ContractError, EngineConventionError, target_arch, validate_boundaries
 from eaglewire.model.draft import DraftConfig
-import eaglewire.engines.model_file as model_file
+import eaglewire.engines.formats.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       record, serving_dtype, verifier, write_export)
-from eaglewire.engines.flags import Flags, as_int, chain_shape, parse_flags, resolve_abbreviation
+from eaglewire.engines.serving.launch_flags import Flags, as_int, chain_shape, parse_flags, resolve_abbreviation
 from eaglewire.engines.interface import EngineSpec, Exporter, IdReading, Importer, Linter, Sampling
-from eaglewire.engines.model_file import ModelFile
-from eaglewire.engines.sampling_defaults import Temperature, generation_config_temperature
-from eaglewire.engines.shared import ARCHITECTURE, eagle_config_ids, llama_layer_config, parse_eagle3_config
+from eaglewire.engines.formats.model_file import ModelFile
+from eaglewire.engines.serving.sampling_defaults import Temperature, generation_config_temperature
+from eaglewire.engines.formats.eagle3_layout import ARCHITECTURE, eagle_config_ids, llama_layer_config, parse_eagle3_config
 
 log = logging.getLogger(__name__)
 
@@ -424,8 +424,8 @@ def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embed
     """``ServedDraft``: what SGLang 0.5.23 computes a draft with, from its ``config.json`` ``d`` as SGLang
     reads it (``SERVED_CITED``); ``tensors`` / ``own_embedding_differs`` as for vLLM (SGLang always
     shares the target's embedding, so only the head depends on them)."""
-    from eaglewire.engines.served_draft import ServedDraft
-    from eaglewire.engines.shared import LLAMA_DEFAULTS, parse_rope
+    from eaglewire.engines.serving.served_draft import ServedDraft
+    from eaglewire.engines.formats.eagle3_layout import LLAMA_DEFAULTS, parse_rope
 
     c = {**LLAMA_DEFAULTS, "tie_word_embeddings": False, **{k: v for k, v in d.items() if v is not None}}
     nested = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
@@ -473,7 +473,7 @@ RUNNING_REQUESTS = "sglang:num_running_reqs"  # a Gauge set each logging interva
 def meta_spec(meta_info: dict[str, Any]) -> dict[str, Any] | None:
     """One answer's ``meta_info`` -> {drafts, draft_tokens, accepted, per_pos}; None when it holds
     no speculative figures (a server without speculation, or a request it did not verify)."""
-    import eaglewire.engines.served_counts as served
+    import eaglewire.engines.serving.served_counts as served
 
     verify = int(meta_info.get("spec_verify_ct") or 0)
     if verify <= 0:
@@ -491,7 +491,7 @@ def meta_spec(meta_info: dict[str, Any]) -> dict[str, Any] | None:
 
 def generate_ids(url: str, prompt_ids: list[int], *, max_new_tokens: int, timeout: float) -> dict[str, Any]:
     """A greedy native ``/generate`` of the token ids ``prompt_ids``."""
-    import eaglewire.engines.served_counts as served
+    import eaglewire.engines.serving.served_counts as served
 
     body = {"input_ids": list(prompt_ids), "stream": False,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
@@ -501,7 +501,7 @@ def generate_ids(url: str, prompt_ids: list[int], *, max_new_tokens: int, timeou
 def spec_gauges(text: str) -> dict[str, float]:
     """SGLang's speculative metrics in Prometheus text: the accept-length gauge (mean over its
     label sets) and the verify-call / generated-token counters (summed)."""
-    import eaglewire.engines.served_counts as served
+    import eaglewire.engines.serving.served_counts as served
 
     rows = served.samples(text)
     gauges = [v for n, _, v in rows if n == SPEC_ACCEPT_LENGTH]
@@ -515,7 +515,7 @@ def spec_gauges(text: str) -> dict[str, float]:
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy generations of ``prompts`` from the SGLang server at ``url`` and what it says it
     accepted: each answer's meta_info; the metrics (with --enable-metrics) beside them."""
-    import eaglewire.engines.served_counts as served
+    import eaglewire.engines.serving.served_counts as served
 
     metrics_url = url.rstrip("/") + "/metrics"
     before = served.get_text(metrics_url, timeout=timeout, who="SGLang server")
@@ -684,7 +684,7 @@ def lint_dflash_flags(flags: str, declared: list[int], num_layers: int, arch: st
 def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
                   allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
     """Write a DFlash ``draft`` in z-lab's layout with the ids of the target's SGLang model file."""
-    from eaglewire.engines.dflash_format import zlab_config
+    from eaglewire.engines.formats.dflash_layout import zlab_config
 
     contract = draft.contract
     bounds, L = list(contract.aux_boundaries), contract.num_layers
@@ -727,7 +727,7 @@ def launch_template_kwargs(flags: str) -> dict[str, Any] | None:
     (``--default-chat-template-kwargs JSON``: sglang/srt/arg_groups/fields/serving.py, ``json.loads``; a
     request's own ``chat_template_kwargs`` take precedence: sglang/srt/entrypoints/openai/serving_chat.py
     ``setdefault``); None when the flags set none."""
-    from eaglewire.engines.flags import template_kwargs_value
+    from eaglewire.engines.serving.launch_flags import template_kwargs_value
 
     value = parse_flags(flags).get(TEMPLATE_KWARGS_FLAG)
     return None if value is None else template_kwargs_value(TEMPLATE_KWARGS_FLAG, value)

@@ -18,9 +18,9 @@ import threading
 import uvicorn
 
 from eaglewire.decode.load import load_decoder
-from eaglewire.decode.schedule import Schedule
+from eaglewire.concurrency.schedule import Schedule
 from eaglewire.serve.decode_worker import DecodeWorker
-from eaglewire.serve.config import ServeConfig
+from eaglewire.serve.serve_config import ServeConfig
 from eaglewire.serve.routes import create_app
 
 log = logging.getLogger(__name__)

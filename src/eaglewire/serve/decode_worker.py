@@ -21,7 +21,7 @@ from typing import Union
 from eaglewire.core.generation import GenerationStats
 from eaglewire.core.tokens import stop_token_ids
 from eaglewire.decode.batch_engine import BatchEngine, Sequence
-from eaglewire.decode.schedule import Schedule
+from eaglewire.concurrency.schedule import Schedule
 from eaglewire.decode.spec_decoder import SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.decode.text import TextStream

@@ -1,6 +1,6 @@
 """/metrics of ``eaglewire serve``: the server's counters as Prometheus text, written by
 prometheus_client; its speculative counters are vLLM 0.33.0's names under the ``eaglewire_`` prefix,
-so one reader (engines/spec_decode_metrics.py) serves both.
+so one reader (engines/serving/spec_decode_metrics.py) serves both.
 """
 
 from __future__ import annotations

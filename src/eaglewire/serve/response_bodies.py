@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from eaglewire.serve.config import PER_REQUEST_LEVELS
+from eaglewire.serve.serve_config import PER_REQUEST_LEVELS
 from eaglewire.core.generation import GenerationStats
 
 

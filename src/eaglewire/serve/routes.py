@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglewire.decode.batch_engine import engine_schedule
-from eaglewire.decode.schedule import Schedule
+from eaglewire.concurrency.schedule import Schedule
 from eaglewire.decode.spec_decoder import SpecDecoder
 from eaglewire.decode.sampling import SamplingParams
 from eaglewire.serve.api_errors import APIError, error_body
@@ -40,7 +40,7 @@ from eaglewire.serve.decode_worker import DecodeWorker, Delta, Done, Event, Fail
 from eaglewire.serve.metrics import Metrics
 from eaglewire.serve.middleware import BearerAuth, CountRequests, LimitBody
 from eaglewire.serve.request_bodies import ChatCompletionRequest, CompletionRequest, parse_body, validation_error
-from eaglewire.serve.config import MAX_REQUEST_BYTES, PER_REQUEST_LEVELS, REQUEST_TIMEOUT_SECONDS
+from eaglewire.serve.serve_config import MAX_REQUEST_BYTES, PER_REQUEST_LEVELS, REQUEST_TIMEOUT_SECONDS
 from eaglewire.serve.response_bodies import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                              ChatCompletion, ChatCompletionChunk, ChatDelta, Completion,
                                              CompletionChoice, CompletionChunk, new_id, usage)

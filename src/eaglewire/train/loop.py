@@ -363,7 +363,7 @@ class Trainer:
     def _initial_draft(self, dcfg) -> torch.nn.Module:
         """The --init-draft weights, checked to fit this run: same contract and architecture, and
         none of its held-out sequences in this run's training split."""
-        from eaglewire.engines.foreign_draft import load_any_draft
+        from eaglewire.engines.formats.foreign_draft import load_any_draft
 
         draft, contract, stored, _ = load_any_draft(self.config.init_draft, target=self.target)  # foreign: converted
         self.contract.check_same(contract, what=f"--init-draft {self.config.init_draft}")

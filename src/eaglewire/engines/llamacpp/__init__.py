@@ -22,7 +22,7 @@ from eaglewire.engines.llamacpp.gguf import (converter_target_dir, dflash_layout
                                              read_gguf_metadata, run_converter, serving_md, target_architecture,
                                              target_gguf)
 from eaglewire.engines.llamacpp.build_config import BuildPlan, BuildRecord, plan_for, read_record
-from eaglewire.engines.llamacpp.errors import LlamaCppError
+from eaglewire.engines.llamacpp.failure import LlamaCppError
 from eaglewire.engines.llamacpp.installation import (BUILD, CONVERTER, INSTALL_HINT, INSTALLER, SDIST, SERVER, Installation,
                                                 build_server, built_server, download_sdist,
                                                 find_server, find_tree, install, require_server, require_tree,
@@ -39,7 +39,7 @@ from eaglewire.engines.llamacpp.readings import (NAME, DFLASH_GGUF_ARCH, DRAFT_O
                                                  to_ids)
 from eaglewire.engines.llamacpp.server import (LlamaServer, ServerConfig, chain_config, complete, free_port, metrics,
                                                parse_metrics, plain_server_config, server_args, spec_flags)
-from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-url (engines/served_counts.py)
+from eaglewire.engines.llamacpp.server import measure_served  # doctor --engine-url (engines/serving/served_counts.py)
 
 __all__ = [
     "BuildPlan", "BuildRecord", "plan_for", "read_record", "server_record", "SmokeFailed", "smoke_run",

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 import eaglewire.engines.llamacpp.installation as engine
-import eaglewire.engines.zlab_layout as zlab
+import eaglewire.engines.formats.zlab_layout as zlab
 from eaglewire.core.fileio import atomic_write_text
-from eaglewire.engines.dflash_format import head_rows_tensor
+from eaglewire.engines.formats.dflash_layout import head_rows_tensor
 from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, check_choice, write_export
 from eaglewire.engines.llamacpp.gguf import (convert_draft, converter_target, dflash_layout_problem, link_target,
                                              read_gguf_metadata, vocab_problem)
 from eaglewire.engines.llamacpp.readings import DRAFT_OUTTYPES, TARGET_OUTTYPES, dflash_to_ids
-from eaglewire.engines.shared import FormatError
+from eaglewire.engines.formats.eagle3_layout import FormatError
 from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.model.target import load_target
 from eaglewire.model.vocab import target_ids

@@ -1,7 +1,7 @@
 """llama.cpp's EAGLE-3 format: a GGUF draft made by llama.cpp's own converter.
 
 ``convert_hf_to_gguf.py SPECULATORS_DIR --target-model-dir TARGET`` reads a directory in the
-speculators layout (engines/speculators_format.py, the one vLLM loads) and writes architecture ``eagle3`` with ``eagle3.target_layers`` (llama.cpp's
+speculators layout (engines/formats/speculators_layout.py, the one vLLM loads) and writes architecture ``eagle3`` with ``eagle3.target_layers`` (llama.cpp's
 ``extract_layers``: it copies the *input* of layer i for id i, so ids are boundaries verbatim,
 exactly 3), ``eagle3.target_hidden_size`` and the norm flags. The export runs that converter
 with the tree's own gguf-py, reads the GGUF back with the ``gguf`` package and refuses a file
@@ -31,8 +31,8 @@ from eaglewire.engines.export import ExportConfig, ExportReport, OtherReadings, 
 import eaglewire.engines.llamacpp.installation as engine
 from eaglewire.engines.llamacpp.readings import (DFLASH_GGUF_ARCH, DRAFT_OUTTYPES, GGUF_ARCH, TARGET_OUTTYPES,
                                                  dflash_to_ids, to_ids)
-from eaglewire.engines.shared import FormatError
-import eaglewire.engines.speculators_format as speculators
+from eaglewire.engines.formats.eagle3_layout import FormatError
+import eaglewire.engines.formats.speculators_layout as speculators
 from eaglewire.core.fileio import atomic_path, atomic_write_text
 from eaglewire.core.presets import cache_dir
 

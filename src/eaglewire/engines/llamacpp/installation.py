@@ -30,7 +30,7 @@ from eaglewire.core.machine import SIMD_FLAGS, cpu
 from eaglewire.engines.interface import InstallError, InstallSettings, Progress
 from eaglewire.engines.llamacpp.build_config import (BuildPlan, BuildRecord, plan_for, read_record, rebuild_reason,
                                                      write_record)
-from eaglewire.engines.llamacpp.errors import LlamaCppError
+from eaglewire.engines.llamacpp.failure import LlamaCppError
 from eaglewire.engines.llamacpp.smoke import SmokeFailed, smoke_run
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ import math
 import shlex
 from dataclasses import dataclass, field
 
-from eaglewire.engines.flags import parse_flags
+from eaglewire.engines.serving.launch_flags import parse_flags
 from eaglewire.engines.llamacpp.installation import BUILD
-from eaglewire.engines.sampling_defaults import Temperature
+from eaglewire.engines.serving.sampling_defaults import Temperature
 
 # flag -> what replaced it (removed at this build: llama-server exits on them)
 REMOVED_FLAGS = {"--draft": "--spec-draft-n-max", "--draft-n": "--spec-draft-n-max", "--draft-max": "--spec-draft-n-max",
@@ -133,7 +133,7 @@ def launch_template_kwargs(flags: str) -> dict | None:
     ``--chat-template-kwargs JSON``, and ``--reasoning on|off`` setting ``enable_thinking`` (common/arg.cpp
     at this build; ``auto`` leaves the template's default); a request's own ``chat_template_kwargs``
     override them (tools/server/server-common.cpp). None when the flags set none."""
-    from eaglewire.engines.flags import template_kwargs_value
+    from eaglewire.engines.serving.launch_flags import template_kwargs_value
 
     args = parse_flags(flags)
     out = None

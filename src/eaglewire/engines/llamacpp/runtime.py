@@ -14,7 +14,7 @@ from typing import Iterator
 from eaglewire.core.generation import GenerationStats
 from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSettings, ServedFiles, Shape,
                                          needs_exporter)
-from eaglewire.engines.llamacpp.errors import LlamaCppError
+from eaglewire.engines.llamacpp.failure import LlamaCppError
 from eaglewire.engines.llamacpp.installation import BUILD, INSTALL_HINT, find_server, require_server, server_build
 from eaglewire.engines.llamacpp.readings import NAME
 from eaglewire.engines.llamacpp.server import LlamaServer, chain_config, complete, metrics, plain_server_config

@@ -1,6 +1,6 @@
 """What llama.cpp (build ``BUILD``) computes an EAGLE-3 draft with, read from the draft GGUF the way
 its loader and ``src/models/eagle3.cpp`` read it: ``read_served`` gives the ``ServedDraft`` every engine's
-reading is compared through (``engines/served_draft.py``), and the tensors that change the computation
+reading is compared through (``engines/serving/served_draft.py``), and the tensors that change the computation
 without a flag saying so.
 
 Read at build 11434:
@@ -31,7 +31,7 @@ import torch
 
 from eaglewire.engines.llamacpp.gguf import read_gguf_metadata, reader_tensor
 from eaglewire.engines.llamacpp.installation import BUILD
-from eaglewire.engines.served_draft import ServedDraft
+from eaglewire.engines.serving.served_draft import ServedDraft
 
 EAGLE3_CPP = "src/models/eagle3.cpp"
 NORM_BEFORE_FC_TENSOR = "enc.output_norm.weight"  # LLM_TENSOR_ENC_OUTPUT_NORM
@@ -142,9 +142,9 @@ def read_fields(path, draft, *, emb_rows=None):
     llama.cpp vocabulary check's."""
     from dataclasses import replace
 
-    from eaglewire.engines.served_draft import (FieldReading, Mismatch, embedding_comparable, embedding_differs,
+    from eaglewire.engines.serving.served_draft import (FieldReading, Mismatch, embedding_comparable, embedding_differs,
                                                 mismatches, own_embedding_mismatch, same_rope_type)
-    from eaglewire.engines.shared import SAME_WEIGHTS_TOLERANCE, relative_difference
+    from eaglewire.engines.formats.eagle3_layout import SAME_WEIGHTS_TOLERANCE, relative_difference
 
     gguf = read_served(path)
     served = gguf.served

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from eaglewire.engines.llamacpp.errors import LlamaCppError, exit_cause
-from eaglewire.engines.served_counts import (OTHER_TRAFFIC, ServedCounts, ServedError, log_tail, other_traffic, post_json,
+from eaglewire.engines.llamacpp.failure import LlamaCppError, exit_cause
+from eaglewire.engines.serving.served_counts import (OTHER_TRAFFIC, ServedCounts, ServedError, log_tail, other_traffic, post_json,
                                             wait_healthy)
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglewire.engines.llamacpp.errors import LlamaCppError, exit_cause
+from eaglewire.engines.llamacpp.failure import LlamaCppError, exit_cause
 from eaglewire.engines.llamacpp.server import LlamaServer, ServerConfig, complete
 
 SMOKE_THREADS = 2

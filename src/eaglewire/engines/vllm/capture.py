@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import torch
 
 from eaglewire.engines.interface import CaptureSettings, ServedFiles, Shape, StatesFile
-from eaglewire.engines.served_counts import post_json
+from eaglewire.engines.serving.served_counts import post_json
 from eaglewire.engines.vllm.installation import VllmError, require
 from eaglewire.engines.vllm.readings import NAME, to_boundaries, to_ids
 from eaglewire.engines.vllm.server import VllmServer, served_target, served_version

@@ -8,7 +8,7 @@ layer's pre-norm output), on every target model file that implements SupportsEag
 so vLLM serves no EAGLE-3 draft for them. tests/engines re-reads the cited functions.
 
 Format. The speculators EAGLE-3 format, as speculators 0.9 writes and reads it: its layout, the norm flags
-and the directory's writer are engines/speculators_format.py's (llama.cpp's converter reads the layout too);
+and the directory's writer are engines/formats/speculators_layout.py's (llama.cpp's converter reads the layout too);
 here, how vLLM reads such a config and what its export adds (the ids, SERVING.md).
 """
 
@@ -24,14 +24,14 @@ import torch
 from eaglewire.model.checkpoint import DraftFiles
 from eaglewire.core.contract import ContractError, EngineConventionError
 from eaglewire.core.contract import target_arch as target_arch_key
-import eaglewire.engines.model_file as model_file
+import eaglewire.engines.formats.model_file as model_file
 from eaglewire.engines.export import (ExportConfig, ExportReport, OtherReadings, default_target_arch, finish,
                                       load_export_target, record, serving_dtype, verifier, write_export)
-from eaglewire.engines.flags import Flags, as_int, parse_flexible
-from eaglewire.engines.model_file import ModelFile
-from eaglewire.engines.sampling_defaults import Temperature, generation_config_temperature, temperature_value
-from eaglewire.engines.shared import FormatError, parse_llama_layer
-import eaglewire.engines.speculators_format as speculators
+from eaglewire.engines.serving.launch_flags import Flags, as_int, parse_flexible
+from eaglewire.engines.formats.model_file import ModelFile
+from eaglewire.engines.serving.sampling_defaults import Temperature, generation_config_temperature, temperature_value
+from eaglewire.engines.formats.eagle3_layout import FormatError, parse_llama_layer
+import eaglewire.engines.formats.speculators_layout as speculators
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ def export_arch(config, contract) -> str | None:
 
 def export(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, *, target=None,
            allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings) -> ExportReport:
-    """Write ``draft`` in the speculators format into ``out`` (engines/speculators_format.py) with vLLM's ids and
+    """Write ``draft`` in the speculators format into ``out`` (engines/formats/speculators_layout.py) with vLLM's ids and
     launch command. Needs the target's embedding (``target``, else loaded from the spec the draft records;
     checked against the contract, ``allow`` as in ``HiddenStateContract.check_target``)."""
     contract = draft.contract
@@ -424,8 +424,8 @@ def read_served(d: dict[str, Any], tensors: set[str] | None = None, *, own_embed
     """``ServedDraft``: what vLLM 0.33.0 computes a draft with, from its ``config.json`` ``d`` as vLLM
     reads it (``SERVED_CITED``); ``tensors``: the checkpoint's tensor names, when known (its own
     lm_head / embed_tokens); ``own_embedding_differs``: its embed_tokens is not the target's exactly."""
-    from eaglewire.engines.served_draft import ServedDraft
-    from eaglewire.engines.shared import LLAMA_DEFAULTS, parse_rope
+    from eaglewire.engines.serving.served_draft import ServedDraft
+    from eaglewire.engines.formats.eagle3_layout import LLAMA_DEFAULTS, parse_rope
 
     speculators = d.get("speculators_model_type") is not None
     if speculators:
@@ -468,7 +468,7 @@ def served_config_key(d: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------- served acceptance (doctor --engine-url)
-# vLLM 0.33.0's counters and per-request figures, as engines/spec_decode_metrics.py reads them (eaglewire serve
+# vLLM 0.33.0's counters and per-request figures, as engines/serving/spec_decode_metrics.py reads them (eaglewire serve
 # exports the same shape under its own prefix), under vLLM's prefix.
 
 METRICS_PREFIX = "vllm:"
@@ -479,7 +479,7 @@ TRAFFIC = ("vllm:generation_tokens_total", "vllm:num_requests_running")
 
 def measure_served(url: str, prompts: list[list[int]], *, max_new_tokens: int, timeout: float = 900.0):
     """Greedy completions of ``prompts`` from the vLLM server at ``url`` and what it says it accepted."""
-    from eaglewire.engines.spec_decode_metrics import measure_served as measure
+    from eaglewire.engines.serving.spec_decode_metrics import measure_served as measure
 
     return measure(url, prompts, max_new_tokens=max_new_tokens, timeout=timeout, prefix=METRICS_PREFIX, engine=NAME,
                    traffic_names=TRAFFIC)
@@ -587,7 +587,7 @@ def dflash_config_fix(declared: list[int], num_layers: int, arch: str | None, co
 def parse_dflash_config(d: dict[str, Any], *, where: str = "config.json"
                         ) -> tuple[dict[str, Any], list[int] | None, list[str]]:
     """(DFlashConfig fields but num_aux / vocab_size, ids or None, notes) of a speculators DFlash directory."""
-    from eaglewire.engines.dflash_format import is_speculators, parse
+    from eaglewire.engines.formats.dflash_layout import is_speculators, parse
 
     if not is_speculators(d):
         raise FormatError(f"{where} is not a speculators DFlash config (no speculators_model_type \"dflash\"); "
@@ -604,7 +604,7 @@ def export_dflash(draft: DraftFiles, fmt: str, out: Path, config: ExportConfig, 
                   allow: frozenset[str] | set[str] = frozenset(), others: OtherReadings | None = None) -> ExportReport:
     """Write a DFlash ``draft`` in speculators' layout (vLLM loads it; ids = boundaries). A pruned vocabulary
     needs the target's head (``target``, else loaded from the spec the draft records) for its rows."""
-    from eaglewire.engines.dflash_format import head_rows_tensor, speculators_config
+    from eaglewire.engines.formats.dflash_layout import head_rows_tensor, speculators_config
 
     contract, cfg = draft.contract, draft.draft_config
     bounds, L = list(contract.aux_boundaries), contract.num_layers
@@ -684,7 +684,7 @@ def launch_template_kwargs(flags: str) -> dict[str, Any] | None:
     (``--default-chat-template-kwargs JSON``, read with ``json.loads``: vllm/entrypoints/common/cli_args.py;
     a request's own ``chat_template_kwargs`` take precedence: vllm/renderers/params.py ``merge_kwargs``);
     None when the flags set none."""
-    from eaglewire.engines.flags import template_kwargs_value
+    from eaglewire.engines.serving.launch_flags import template_kwargs_value
 
     args, _ = parse_flexible(flags, FLAG_ALIASES)
     value = args.get(TEMPLATE_KWARGS_FLAG)

@@ -32,9 +32,9 @@ from typing import Any
 from eaglewire.core.generation import GenerationStats
 from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSettings, ServedFiles, Shape,
                                          needs_exporter)
-from eaglewire.engines.served_counts import ServedError, get_text, post_json, samples, total, log_tail, wait_healthy
+from eaglewire.engines.serving.served_counts import ServedError, get_text, post_json, samples, total, log_tail, wait_healthy
 from eaglewire.engines.vllm.installation import INSTALL_HINT, Installation, VllmError, find, require
-from eaglewire.engines.spec_decode_metrics import spec_counters
+from eaglewire.engines.serving.spec_decode_metrics import spec_counters
 from eaglewire.engines.vllm.readings import METRICS_PREFIX
 
 log = logging.getLogger(__name__)

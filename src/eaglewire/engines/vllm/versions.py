@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-import eaglewire.engines.spec_decode_metrics as metrics
+import eaglewire.engines.serving.spec_decode_metrics as metrics
 import eaglewire.engines.vllm.readings as readings
 
 READINGS = ("0.32.0", "0.33.0")  # releases with a recorded reading, oldest first
