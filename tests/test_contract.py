@@ -16,7 +16,7 @@ from eaglewire.engines import from_engine, to_engine
 from eaglewire.engines import refusal as engine_refusal
 from eaglewire.engines.sglang import FILES as SGLANG_FILES
 from eaglewire.engines.sglang import ambiguity as sglang_ambiguity
-from eaglewire.engines.sglang import readings as sglang_readings
+from eaglewire.engines.sglang import readings_by_file as sglang_readings
 from eaglewire.engines.vllm import FILES as VLLM_FILES
 
 FP = TargetFingerprint(architecture="LlamaForCausalLM", num_layers=30, hidden_size=576,

@@ -8,7 +8,7 @@ import inspect
 import re
 from pathlib import Path
 
-import eaglewire.doctor.engine_reading
+from eaglewire.doctor import engine_reading
 import eaglewire.engines.llamacpp.served as gguf_served
 import eaglewire.engines.serving.served_draft as served_draft
 from eaglewire.engines.serving.served_draft import TRAINED_NORMS, ServedDraft, mismatches
@@ -38,7 +38,7 @@ def test_every_field_the_check_reports_has_a_row():
                       target_hidden_size=64, num_aux=3, vocab_size=256, draft_vocab_size=64)
     fields = {m.field for m in mismatches(_everything_otherwise(cfg), cfg)}
     # the fields read beside the config (tensors in the served directory or GGUF)
-    for module in (serving, served_draft, gguf_served):
+    for module in (engine_reading, served_draft, gguf_served):
         fields |= set(re.findall(r'Mismatch\("(\w+)"', inspect.getsource(module)))
     assert {"norm_before_fc", "rms_norm_eps", "lm_head", "embed_tokens", "d2t"} <= fields  # the probe probes
     first = " ".join(row[0] for row in _table())

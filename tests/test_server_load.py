@@ -97,7 +97,7 @@ def test_streams_later_requests_arrive_spread_out_with_the_same_tokens_each():
 def test_round_costs_split_a_loads_wall_time_by_the_servers_own_round_count(monkeypatch):
     """4 streams x 33 tokens at 2 tokens a round: 64 rounds, 16 a sequence; 2 s a load -> 125 ms a round. Plain:
     32 steps after the prefill's token -> 62.5 ms a step."""
-    monkeypatch.setattr(server_load, "load_once", lambda server, prompts, batch, tokens, each:
+    monkeypatch.setattr(server_measurement, "load_once", lambda server, prompts, batch, tokens, each:
                         (server.complete(prompts[0], max_new_tokens=tokens, temperature=0, seed=0, ignore_eos=True),
                          setattr(server, "rounds", server.rounds + 3 * 16), 2.0)[-1])  # the other 3 streams' rounds
     spec = measure_load(FakeServer(Shape(3)), PROMPTS, 4, speculative=True, tokens=33, warmup=1, repeats=4)
@@ -124,7 +124,7 @@ def test_a_server_engines_schedule_and_what_to_launch(monkeypatch, tmp_path):
             return wall[(3, batch)] / 1e3 * rounds_per_stream
         return wall[(None, batch)] / 1e3 * each * (tokens - 1)
 
-    monkeypatch.setattr(server_load, "load_once", fake_load)
+    monkeypatch.setattr(server_measurement, "load_once", fake_load)
     runtime = FakeRuntime(tokens_per_round=2.0, eos_after=11)  # 10 tokens after the prefill's: 5 rounds
     report = measure_server_concurrency(runtime, ServedFiles(tmp_path, tmp_path), RunSettings(), PROMPTS, [1, 2, 4],
                                         [CHAIN3], tokens=33, log_dir=tmp_path)

@@ -20,7 +20,7 @@ from eaglewire.core.errors import CorruptFileError, read_json_object, reading
 from eaglewire.model.checkpoint import CHECKPOINT_FORMAT, DAMAGED_DRAFT, save_draft
 from eaglewire.core.contract import ContractError, HiddenStateContract
 from eaglewire.model.draft import DraftConfig
-import eaglewire.engines.formats.eagle3_layout
+from eaglewire.engines.formats import eagle3_layout
 from eaglewire.engines.export import RECORD_KEY, default_target_arch
 from eaglewire.engines.formats.eagle3_layout import FormatError
 from eaglewire.model.target import Target
