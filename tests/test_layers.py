@@ -155,10 +155,11 @@ def test_decode_does_not_import_data():
 
 
 # Inside engines/, three tiers. An *engine* is a module or package whose ``SPEC`` the registry lists (read from
-# registry.py: eagle, eaglewire, llamacpp, sglang, specforge, vllm). The modules *above* the engines import them to
-# list, configure or detect them (ENGINES_ABOVE). Every other module at engines/ top level is *shared*, below every
-# engine: the interface, the formats several engines read or write (shared, dflash_format, speculators_format,
-# zlab_layout), export/import plumbing, flags, served counts and metrics. An engine imports shared modules only,
+# registry.py: the packages eaglewire, llamacpp, sglang, vllm; the import-only formats/eagle and formats/specforge).
+# The modules *above* the engines import them to list, configure or detect them (ENGINES_ABOVE). Every other module of
+# engines/ is *shared*, below every engine: the interface, export, the formats several engines read or write
+# (formats/: eagle3_layout, dflash_layout, speculators_layout, zlab_layout, importing, model_file) and what a running
+# server reports (serving/: served drafts, counts, metrics, sampling defaults, launch flags). An engine imports shared modules only,
 # never another engine nor a module above, so no engine reaches another, directly or through a shared module.
 ENGINES_ABOVE = {"eaglewire.engines", "eaglewire.engines.registry", "eaglewire.engines.command_settings",
                  "eaglewire.engines.formats.foreign_draft"}

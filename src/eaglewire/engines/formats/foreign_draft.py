@@ -12,7 +12,7 @@ ids in. Detection:
 | none of these                                 | eagle        | the hard-coded [2, L//2, L-3]  |
 
 SGLang and SpecForge write the same files; SGLang reads the ids per target model file
-(``engines/sglang.py``), and the import's notes name the readings that disagree. An eaglewire export's recorded contract wins.
+(``engines/sglang/readings.py``), and the import's notes name the readings that disagree. An eaglewire export's recorded contract wins.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 SGLang and vLLM both pick the aux states inside each target's model file; ``ModelFile``
 records, per file, where the rule lives (path and function in the engine's wheel) and what
-it captures. The tables themselves live with their engine (engines/sglang.py, engines/vllm.py);
+it captures. The tables themselves live with their engine (engines/sglang/readings.py, engines/vllm/readings.py);
 tests/engines re-reads every cited function from the released wheels.
 """
 

@@ -4,7 +4,7 @@ SpecForge trains drafts for SGLang and writes SGLang's file layout (``LlamaForCa
 ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; ids in the nested
 ``eagle_config.eagle_aux_hidden_state_layer_ids``). Its ids always mean "output of layer i"
 (HF ``hidden_states[i + 1]``, boundary ``i + 1``, so boundaries 1..L-1) on every target — the
-reading SGLang's ``llama.py``-style model files share, but not every file (engines/sglang.py);
+reading SGLang's ``llama.py``-style model files share, but not every file (engines/sglang/readings.py);
 its default ``[1, L//2-1, L-4]`` is boundaries ``[2, L//2, L-3]``.
 """
 

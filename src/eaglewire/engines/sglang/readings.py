@@ -329,7 +329,7 @@ def reads_export(engine: str, *, boundaries: list[int], ids: list[int], num_laye
     return [f"- SGLang {VERSION} cannot load it (it has no `Eagle3Speculator` architecture). Use "
             f"`eaglewire export --to sglang` instead: {_ids_note(boundaries, num_layers, target_arch)}.",
             "- Copying these ids into a SGLang config would be wrong: SGLang adds 1 to them on most target "
-            "model files (engines/sglang.py), one layer off."]
+            "model files (engines/sglang/readings.py), one layer off."]
 
 
 def _ids_note(bounds: list[int], L: int, arch: str | None) -> str:
