@@ -54,11 +54,11 @@ harness)
     "$OUT/harness/" 2>/dev/null
   ;;
 limits)
-  step decode 120 $PY benchmarks/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --tokens 128
-  step capture 100 $PY benchmarks/gpu_capture_probe.py --device "$DEVICE" --shape "$SHAPE" --variants forward,new
-  step shard_write 60 $PY benchmarks/shard_write.py --dir "$WORK/shard-write" --shards 1 --repeats 1
-  step decode_compiled 160 $PY benchmarks/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --compile
-  step train 120 $PY benchmarks/gpu_train_probe.py --device "$DEVICE" --shape "$SHAPE" --budget 100
+  step decode 120 $PY benchmarks/experiments/gpu/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --tokens 128
+  step capture 100 $PY benchmarks/experiments/gpu/gpu_capture_probe.py --device "$DEVICE" --shape "$SHAPE" --variants forward,new
+  step shard_write 60 $PY benchmarks/experiments/data/shard_write.py --dir "$WORK/shard-write" --shards 1 --repeats 1
+  step decode_compiled 160 $PY benchmarks/experiments/gpu/gpu_decode_probe.py --device "$DEVICE" --shape "$SHAPE" --reps 20 --compile
+  step train 120 $PY benchmarks/experiments/gpu/gpu_train_probe.py --device "$DEVICE" --shape "$SHAPE" --budget 100
   ;;
 *)
   echo "unknown stage $stage (tests, harness or limits)" >&2

@@ -1,8 +1,8 @@
 """The random-weight targets the GPU harness and probes build on the device: a real model's decoder shape, no
 weights to carry (the device tool carries at most 64 MiB).
 
-Imported by benchmarks/gpu_harness.py and the gpu_*_probe.py scripts (run as scripts from this folder, which
-python puts on the path).
+Imported by benchmarks/gpu_harness.py (run as a script from this folder, which python puts on the path) and the
+probes in benchmarks/experiments/gpu/ (which put this folder on the path).
 """
 
 from __future__ import annotations

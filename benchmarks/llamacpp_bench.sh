@@ -57,6 +57,6 @@ for _ in range(600):
 $EW doctor --draft reference --conversations sharegpt --offset 5000 --num-sequences 31 --steps 4 --engine llamacpp --engine-config "$DRAFT" --engine-flags "$FLAGS" \
   --engine-url "http://127.0.0.1:$PORT" --engine-prompts 8 --engine-tokens 64 > "$OUT/doctor.txt" 2>&1 || true
 kill $PID
-$PY benchmarks/llamacpp_divergence.py --export "$OUT/export-f32" --num-prompts "$N" --threads "$THREADS"
+$PY benchmarks/experiments/llamacpp/llamacpp_divergence.py --export "$OUT/export-f32" --num-prompts "$N" --threads "$THREADS"
 grep -h -A8 "^config" "$OUT"/f32.txt "$OUT"/f16.txt "$OUT"/q4_1.txt "$OUT"/f32-draft-f32.txt
 tail -25 "$OUT/doctor.txt"

@@ -1,5 +1,5 @@
 """A server that runs the draft under one wiring, without a server: for the doctor's served-wiring tests and
-benchmarks/doctor_probes.py. Greedy decoding is lossless, so a real server wired that way answers with the
+benchmarks/experiments/doctor/doctor_probes.py. Greedy decoding is lossless, so a real server wired that way answers with the
 target's own greedy text and counts what the wiring's replay of the greedy chain accepts on it."""
 
 from __future__ import annotations

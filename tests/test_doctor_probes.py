@@ -52,7 +52,7 @@ def test_probes_are_added_until_every_pair_with_different_fixes_is_apart():
 
 def test_stand_ins_are_judged_with_their_familys_spread():
     """Another model's rows are a family of hypotheses, each permutation accepting otherwise; the served copy
-    holds none of the doctor's. Measured on a real vLLM (benchmarks/vllm_served.py): stand-ins replaying
+    holds none of the doctor's. Measured on a real vLLM (benchmarks/experiments/doctor/vllm_served.py): stand-ins replaying
     0.15/0.21/0.22 at position 0 against a server at 0.10 over ~600 drafts: each is outside binomial noise alone,
     and a wrong layout that happened to fit was named. With the family's spread the family fits."""
     from dataclasses import replace
@@ -120,7 +120,7 @@ def test_the_pool_draws_every_source_and_drops_what_does_not_fit(smollm2_tokeniz
 def test_a_fault_the_first_answers_cannot_name_is_named_after_probes(smollm2_target):
     """The server feeds boundary 3 for 2 ([3, 15, 27]): on 4 MT-bench answers 9 wirings with different fixes fit
     its counters within noise; probe prompts chosen by replay name the layout, within the budget, and the probes
-    sent are said (benchmarks/doctor_probes.py runs every fault). With the stage-6 reference, [1, 15, 27] and
+    sent are said (benchmarks/experiments/doctor/doctor_probes.py runs every fault). With the stage-6 reference, [1, 15, 27] and
     [2, 14, 27] stay 9 apart after every probe that separates them (it accepts nearly as much with either
     neighbour): the doctor says so, and this test takes a neighbour it can tell."""
     from simulated_server import SimulatedServer
@@ -130,6 +130,7 @@ def test_a_fault_the_first_answers_cannot_name_is_named_after_probes(smollm2_tar
     from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.doctor.served_tau.diagnosis import Wiring, diagnose, layout_wirings
     from eaglewire.doctor.served_tau.probes import Prober, probe_pool
+    from eaglewire.doctor.served_tau.served_check import ServedSettings
     from eaglewire.doctor.verdicts import DoctorReport
     from eaglewire.doctor.engine_reading import config_fix
     from eaglewire.engines.formats.foreign_draft import load_any_draft
@@ -145,7 +146,8 @@ def test_a_fault_the_first_answers_cannot_name_is_named_after_probes(smollm2_tar
     report = DoctorReport("reference", "smollm2-135m")
     config = DoctorConfig(draft="reference", engine="vllm", engine_url="http://simulated", engine_tokens=tokens)
     prober = Prober(server, probe_pool(smollm2_target, texts[4:], None), budget=config.probe_tokens, tokens=tokens)
-    check = diagnose(report, config, smollm2_target, draft, declared, texts[:4], counts, trained, steps, [], prober)
+    check = diagnose(report, config.settings(ServedSettings), smollm2_target, draft, declared, texts[:4], counts,
+                     trained, steps, [], prober)
     got = report.served["diagnosis"]
     print(check.summary, got["probes"])
     assert got["probes"]["rounds"] >= 1 and got["probes"]["stopped"] == "one fix left"

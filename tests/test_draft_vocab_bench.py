@@ -1,4 +1,4 @@
-"""benchmarks/draft_vocab.py: the all-token chain acceptance it reports next to the doctor's."""
+"""benchmarks/experiments/training/draft_vocab.py: the all-token chain acceptance it reports next to the doctor's."""
 
 import importlib.util
 from pathlib import Path
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 _spec = importlib.util.spec_from_file_location(
-    "draft_vocab_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "draft_vocab.py")
+    "draft_vocab_bench",
+    Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "training" / "draft_vocab.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

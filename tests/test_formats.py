@@ -481,7 +481,7 @@ PEER_PYTHON = Path(os.environ.get("EAGLEWIRE_PEER_PYTHON", ROOT.parent / "peer-v
 
 
 def peer_skip_reason() -> str | None:
-    setup = "(set EAGLEWIRE_PEER_PYTHON; benchmarks/peer_speculators_check.py says how to make one)"
+    setup = "(set EAGLEWIRE_PEER_PYTHON; benchmarks/experiments/peers/peer_speculators_check.py says how to make one)"
     if not PEER_PYTHON.is_file():
         return f"no speculators environment at {PEER_PYTHON} {setup}"
     probe = subprocess.run([str(PEER_PYTHON), "-c", "import importlib.util as u, sys; "
@@ -522,7 +522,8 @@ def test_speculators_model_class_agrees_both_ways(tmp_path, chat_tiny_target):
               "input_ids": torch.randint(0, target.vocab_size, (1, 12), generator=g),
               "position_ids": torch.arange(12)[None]}
     save_file(inputs, str(tmp_path / "inputs.safetensors"))
-    run = subprocess.run([str(PEER_PYTHON), str(ROOT / "benchmarks" / "peer_speculators_check.py"),
+    check = ROOT / "benchmarks" / "experiments" / "peers" / "peer_speculators_check.py"
+    run = subprocess.run([str(PEER_PYTHON), str(check),
                           "--draft", str(tmp_path / "sp"), "--inputs", str(tmp_path / "inputs.safetensors"),
                           "--out", str(tmp_path / "peer.safetensors"), "--steps", str(steps),
                           "--create", str(tmp_path / "created")],

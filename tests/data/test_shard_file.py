@@ -38,7 +38,7 @@ def test_a_failed_write_leaves_no_hashing_thread_behind(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_the_disk_is_told_to_start_on_each_chunk_on_linux(tmp_path, monkeypatch):
     """Where libc has sync_file_range, each written chunk starts its writeback (the fsync then waits for the
-    rest only: benchmarks/shard_write.py); the bytes are the same either way."""
+    rest only: benchmarks/experiments/data/shard_write.py); the bytes are the same either way."""
     import eaglewire.data.shard_file as shard_file
 
     assert shard_file._START_WRITEBACK is not None

@@ -277,7 +277,7 @@ def test_correct_serving_passes_the_served_check_on_three_prompt_sets(drafted):
 
 def test_the_seeds_fault_is_among_what_the_diagnosis_names_and_its_fix_gives_the_export_back(served_files, faulty):
     """The served config names [0, 2, 15], no --engine-config: at τ ≈ 1 the draft accepts next to nothing under
-    several wirings on any text (benchmarks/doctor_probes.py), so the diagnosis probes, says why it stopped, and
+    several wirings on any text (benchmarks/experiments/doctor/doctor_probes.py), so the diagnosis probes, says why it stopped, and
     names the set it is left with, [0, 2, 15] among it; that layout's fix, applied to the served config, is the
     export's config, which vLLM serves at the replay's τ (test_served_tau_is_the_replay_of_the_same_draft)."""
     from eaglewire.doctor.served_tau.fix_proof import apply_edit, config_edit

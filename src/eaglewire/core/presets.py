@@ -88,7 +88,7 @@ DATA_PRESETS: dict[str, PackageAsset] = {
 
 # Drafts shipped inside this package (fp16): name -> directory under eaglewire/assets.
 DRAFT_PRESETS: dict[str, str] = {
-    "reference": "reference-smollm2-135m",  # for smollm2-135m; recipe: benchmarks/train_reference.sh
+    "reference": "reference-smollm2-135m",  # for smollm2-135m; recipe: benchmarks/reference_draft.sh
 }
 
 
