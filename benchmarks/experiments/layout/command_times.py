@@ -2,8 +2,8 @@
 
 Each revision is checked out once into a git worktree (``/tmp/eaglewire-rev-<sha>``) and run with this checkout's
 ``.venv`` and ``PYTHONPATH=<worktree>/src``, so the two differ in eaglewire's source alone. Commands run in order
-(``prepare`` before the ``train`` and ``doctor`` that read its shards), each at both revisions back to back, the
-order of the pair swapped every repeat; a repeat writes into fresh directories, so nothing resumes.
+(``prepare`` before the ``train`` and ``doctor`` that read its shards), first once untimed (fetches, file caches),
+then each at both revisions back to back, the order of the pair swapped every repeat; a repeat writes into fresh directories, so nothing resumes.
 
     python benchmarks/experiments/layout/command_times.py --old 020f7ce --new HEAD --repeats 2 --threads 2
 
@@ -55,8 +55,7 @@ def worktree(rev: str) -> tuple[str, Path]:
 
 def run_once(tree: Path, args: list[str], out: Path, threads: int) -> tuple[float, int, str]:
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "OMP_NUM_THREADS": str(threads)}
-    argv = [sys.executable, "-m", "eaglewire.cli", "--threads", str(threads), "--no-progress",
-            *[a.replace("{out}", str(out)) for a in args]]
+    argv = [sys.executable, "-m", "eaglewire.cli", "--threads", str(threads), *[a.replace("{out}", str(out)) for a in args]]
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     done = subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True)
@@ -76,6 +75,10 @@ def main() -> None:
     revs = [worktree(a.old), worktree(a.new)]
     only = set(filter(None, a.only.split(",")))
     rows: list[dict] = []
+    for name, args in COMMANDS:  # once, untimed: models and data sets fetched into the cache, files read once
+        if not only or name in only:
+            seconds, rc, tail = run_once(revs[1][1], args, (ROOT / a.work / "warm").resolve(), a.threads)
+            print(f"{name:9s} warm-up: {seconds:7.1f} s rc {rc}" + (f"\n{tail}" if rc else ""), file=sys.stderr, flush=True)
     for r in range(a.repeats):
         for name, args in COMMANDS:
             if only and name not in only:
