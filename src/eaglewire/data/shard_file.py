@@ -15,7 +15,7 @@ hashes, writes and fsyncs them one after another. So the sha256 runs on a thread
 writes (both release the GIL on large buffers), and after each chunk the kernel is told to start writing
 the file back to the disk (Linux's ``sync_file_range``, where there is one), so the caller's fsync finds
 little left to wait for instead of the whole file: 385 -> 644 MB/s on a 2-core VM's disk
-(benchmarks/shard_write.py, BENCHMARKS.md).
+(benchmarks/experiments/data/shard_write.py, BENCHMARKS.md).
 """
 
 from __future__ import annotations

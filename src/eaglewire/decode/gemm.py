@@ -6,7 +6,7 @@ features, M output features.
 On CPU the weight goes into oneDNN's blocked layout once (``mkldnn._reorder_linear_weight``)
 and every call runs oneDNN's GEMM on it. MKL's fp32 GEMM, which ``x @ w`` reaches, is built for
 large matrices: for 4-16 rows it costs 2.5-3x a single row, while the packed oneDNN GEMM costs
-1.3x at 8 rows and the same as MKL at 1 row (benchmarks/gemm_rows.py). Where oneDNN is missing
+1.3x at 8 rows and the same as MKL at 1 row (benchmarks/experiments/engine/gemm_rows.py). Where oneDNN is missing
 (other CPU builds) the weight is stored transposed and ``x @ w`` does the work, which beats ``F.linear``
 for few rows on CPU. On CUDA the weight stays as it is and ``F.linear`` runs cuBLAS's usual kernel for it,
 the one every GPU engine's decode step runs.

@@ -62,7 +62,7 @@ def serve_app(server: Server, sockets: list[socket.socket] | None = None) -> boo
     one. A second pool puts more threads than cores under libgomp, which then stops spinning
     between parallel regions, so every small GEMM of a decode step waits for its workers to wake:
     on 2 cores a one-row 576x1536 GEMM takes 2-3x as long on a second thread as on the first
-    (benchmarks/engine_thread.py), and speculative serving was 54.8 ms/token instead of 40.3.
+    (benchmarks/experiments/engine/engine_thread.py), and speculative serving was 54.8 ms/token instead of 40.3.
     """
     worker: DecodeWorker = server.config.app.state.worker
     on_main = threading.current_thread() is threading.main_thread()
