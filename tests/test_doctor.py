@@ -173,7 +173,10 @@ def test_sweep_says_within_noise_and_never_calls_a_runner_up_the_best():
 def test_too_little_evidence_is_inconclusive_and_says_where_more_comes_from():
     def judge(n, sequences, **kw):
         report = DoctorReport(draft="d", target="t")
-        check_evidence(report, n, sequences, DoctorConfig(draft="d", **kw), {"heldout_sequence_ids": ["x"]})
+        config = DoctorConfig(draft="d", **kw)
+        check_evidence(report, n, sequences, {"heldout_sequence_ids": ["x"]}, min_tokens=config.min_tokens,
+                       num_sequences=config.num_sequences, max_length=config.max_length,
+                       include_training=config.include_training)
         return report.checks[0]
 
     assert judge(1500, 20).verdict == "ok"

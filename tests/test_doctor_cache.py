@@ -68,7 +68,10 @@ def test_what_the_checks_read_is_keyed_and_where_to_send_is_not(setup, chat_tiny
     import torch
 
     seqs = [Sequence("a", torch.tensor([1, 2, 3, 4]), torch.tensor([False, False, True, True]))]
-    key = lambda c, s=seqs, v=None: doctor_cache.cache_key(c, tmp_path / "d", chat_tiny_target, s, v)  # noqa: E731
+    from eaglewire.core.configs import config_record
+
+    key = lambda c, s=seqs, v=None: doctor_cache.cache_key(config_record(c), tmp_path / "d",  # noqa: E731
+                                                           chat_tiny_target, s, v)
     base = key(setup)
     # where to send the served check, where to write, how long to probe: the cached checks never read them
     assert key(replace(setup, engine_url="http://x:1", json="/tmp/r.json", probe_tokens=0)) == base

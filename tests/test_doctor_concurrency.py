@@ -89,7 +89,8 @@ def judge(monkeypatch, chat_tiny_target, dflash, speedups, levels=(1, 2, 4), n_m
     report = DoctorReport(draft="d", target="t")
     config = DoctorConfig(draft="runs/draft", concurrency=list(levels))
     draft, contract = dflash
-    check = doctor_concurrency.check_speed_under_load(report, config, chat_tiny_target, draft, contract,
+    check = doctor_concurrency.check_speed_under_load(report, config.settings(doctor_concurrency.LoadSettings),
+                                                      chat_tiny_target, draft, contract,
                                                       [[1, 2, 3]], one_request(n_max), ["ranked: ..."])
     return check, report, calls
 

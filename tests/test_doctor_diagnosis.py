@@ -23,7 +23,7 @@ import torch
 from eaglewire.doctor.served_tau.diagnosis import (POST_NORM, Wiring, diagnosis_check, feeds_post_norm_state, field_wirings,
                                         fit, judge, layout_fix, layout_wirings, rate_noise, tau_noise)
 from eaglewire.doctor.verdicts import Check, DoctorReport
-from eaglewire.doctor.served_tau.served_check import Replayed
+from eaglewire.doctor.served_tau.served_check import Replayed, ServedSettings
 from eaglewire.engines.serving.served_counts import ServedCounts
 from servers import vllm_metrics
 
@@ -214,14 +214,11 @@ def test_the_post_norm_state_fed_back_changes_only_the_later_steps(tiny_draft):
 
 
 def test_llamacpps_layout_fix_names_what_it_was_fed():
-    from eaglewire.doctor.doctor_config import DoctorConfig
-
-    config = DoctorConfig(draft="reference", engine="llamacpp", engine_url="http://x")
-    fix = layout_fix(DoctorReport("d", "t"), config, DECLARED, L, "LlamaForCausalLM", False, [2, 15, 22])
+    fix = layout_fix(DoctorReport("d", "t"), "llamacpp", None, DECLARED, L, "LlamaForCausalLM", False, [2, 15, 22])
     assert "extract_layers [2, 15, 22]" in fix and "needs extract_layers [2, 15, 27]" in fix and "re-export" in fix
     report = DoctorReport("d", "t")
     report.add(Check("engine wiring", "fail", "x", fix="the wiring check's fix"))
-    assert layout_fix(report, config, DECLARED, L, None, False, [2, 15, 22]) == "the wiring check's fix"
+    assert layout_fix(report, "llamacpp", None, DECLARED, L, None, False, [2, 15, 22]) == "the wiring check's fix"
 
 
 # ------------------------------------------------------------------ the real target behind a stub vLLM server
@@ -294,7 +291,7 @@ def _doctor_against(target, served_text, drafts, draft_tokens, accepted, per_pos
     with vllm_stub(outputs, drafts, draft_tokens, accepted, per_pos) as url:
         config = DoctorConfig(draft="reference", engine="vllm", engine_url=url, engine_prompts=len(prompts),
                               engine_tokens=NEW_TOKENS, **config)
-        check_served(report, config, target, draft, DECLARED, sequences, 3)
+        check_served(report, config.settings(ServedSettings), target, draft, DECLARED, sequences, 3)
     return report, {c.name: c for c in report.checks}
 
 
@@ -489,8 +486,8 @@ def test_the_diagnosis_runs_every_candidate_of_either_family(family, tiny_draft)
     counts = ServedCounts("vllm", drafts=trained.drafts, draft_tokens=trained.draft_tokens, accepted=0,
                           accepted_per_pos=[0, 0, 0], outputs=outputs)
     report = DoctorReport("d", "t")
-    check = diagnose(report, DoctorConfig(draft="d", engine="vllm", engine_url="http://x"), target, draft, declared,
-                     prompts, counts, trained, 3, ["the decoding path"])
+    served = DoctorConfig(draft="d", engine="vllm", engine_url="http://x").settings(ServedSettings)
+    check = diagnose(report, served, target, draft, declared, prompts, counts, trained, 3, ["the decoding path"])
     labels = [c["label"] for c in report.served["diagnosis"]["candidates"]]
     assert check.name == "served wiring" and check.verdict in ("fail", "inconclusive")
     assert "[0, 1, 2]" in labels and ("[1, 2, 4 post-norm]" in labels) == (family == "eagle3")
@@ -657,7 +654,7 @@ def test_a_correct_engine_config_ranks_the_candidates_and_removes_none(tiny_expo
                           accepted_per_pos=served.accepted_per_pos, outputs=outputs)
     report = DoctorReport("d", "t")
     config = DoctorConfig(draft="d", engine="vllm", engine_url="http://x", engine_config=str(config_path))
-    check = diagnose(report, config, target, draft, declared, prompts, counts, trained, 3, [])
+    check = diagnose(report, config.settings(ServedSettings), target, draft, declared, prompts, counts, trained, 3, [])
     diagnosis = report.served["diagnosis"]
     labels = [c["label"] for c in diagnosis["candidates"]]
     for label in ("norm_before_residual true", "another embedding", "another lm_head", "order [3, 2, 1]", "no d2t"):
@@ -729,8 +726,8 @@ def test_a_served_norm_flag_with_the_correct_engine_config_names_the_flag_not_th
     report = DoctorReport("reference", "smollm2-135m")
     config = DoctorConfig(draft="reference", engine="vllm", engine_url="http://x",
                           engine_config=str(tmp_path / "vllm" / "config.json"))
-    check = diagnose(report, config, smollm2_target, draft, DECLARED, prompts, _served_as(served, outputs), trained, 3,
-                     [])
+    check = diagnose(report, config.settings(ServedSettings), smollm2_target, draft, DECLARED, prompts,
+                     _served_as(served, outputs), trained, 3, [])
     print(check.summary, check.fix, check.evidence)
     assert check.verdict == "fail" and "norm_before_residual" in check.summary, report.render()
     assert "does not run --engine-config" in check.summary

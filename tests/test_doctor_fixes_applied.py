@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglewire.core.contract import ContractError, EngineConventionError
-from eaglewire.doctor.checks import check_serving
+from eaglewire.doctor.checks import LaunchSettings, check_serving
 from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.verdicts import DoctorReport
 from eaglewire.engines import export_draft
@@ -48,15 +48,17 @@ def test_the_doctor_fails_an_engine_that_serves_no_draft_for_the_target_without_
     """It used to PASS with no --engine-config; the fix names the engine that serves it, and that passes."""
     for engine in ("vllm", "sglang"):
         report = DoctorReport(draft="d", target="t")
-        check_serving(report, DoctorConfig(draft="d", engine=engine), DECLARED, L, QWEN2_VL)
+        check_serving(report, DoctorConfig(draft="d", engine=engine).settings(LaunchSettings), DECLARED, L, QWEN2_VL)
         [check] = [c for c in report.checks if c.name == "engine architecture"]
         assert check.verdict == "fail" and check.fix == "serve it with eaglewire (doctor --engine eaglewire)"
         engine = re.search(r"--engine (\w+)", check.fix).group(1)
         report = DoctorReport(draft="d", target="t")
-        readings, _, _ = check_serving(report, DoctorConfig(draft="d", engine=engine), DECLARED, L, QWEN2_VL)
+        launch = DoctorConfig(draft="d", engine=engine).settings(LaunchSettings)
+        readings, _, _ = check_serving(report, launch, DECLARED, L, QWEN2_VL)
         assert not report.failed and readings == {"eaglewire": DECLARED}
     report = DoctorReport(draft="d", target="t")  # a target vLLM serves: no such check
-    check_serving(report, DoctorConfig(draft="d", engine="vllm"), DECLARED, L, "LlamaForCausalLM")
+    check_serving(report, DoctorConfig(draft="d", engine="vllm").settings(LaunchSettings), DECLARED, L,
+                  "LlamaForCausalLM")
     assert not any(c.name == "engine architecture" for c in report.checks)
 
 

@@ -6,10 +6,11 @@ named only by the flags (it used to WARN "cannot tell" and pass)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from eaglewire.doctor.checks import config_the_flags_load
+from eaglewire.doctor.checks import LaunchSettings, config_the_flags_load
 from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.verdicts import DoctorReport
 from eaglewire.doctor.engine_reading import lint_flags
@@ -32,9 +33,10 @@ def launch(engine: str, draft) -> str:
 
 def resolve(engine, flags, engine_config=None):
     report = DoctorReport(draft="d", target="t")
-    config = DoctorConfig(draft="d", engine=engine, engine_flags=flags, engine_config=engine_config)
+    launch = DoctorConfig(draft="d", engine=engine, engine_flags=flags, engine_config=engine_config
+                          ).settings(LaunchSettings)
     named = lint_flags(engine, flags, DECLARED, L, "LlamaForCausalLM").draft_path  # as check_serving reads it
-    got = config_the_flags_load(report, config, named)
+    got = config_the_flags_load(report, launch, named)
     return got.engine_config, {c.name: c for c in report.checks}
 
 
@@ -67,10 +69,10 @@ def test_llamacpp_reads_the_md_gguf_of_the_flags(tmp_path):
     other.write_bytes(b"GGUF two")
     flags = f"-md {loaded} --spec-type draft-eagle3"
     report = DoctorReport(draft="d", target="t")
-    got = config_the_flags_load(report, DoctorConfig(draft="d", engine="llamacpp", engine_flags=flags), str(loaded))
+    launch = DoctorConfig(draft="d", engine="llamacpp", engine_flags=flags).settings(LaunchSettings)
+    got = config_the_flags_load(report, launch, str(loaded))
     assert got.engine_config == str(loaded) and report.checks[0].verdict == "ok"
-    got = config_the_flags_load(report, DoctorConfig(draft="d", engine="llamacpp", engine_flags=flags,
-                                                    engine_config=str(other)), str(loaded))
+    got = config_the_flags_load(report, replace(launch, engine_config=str(other)), str(loaded))
     assert got.engine_config == str(loaded) and report.checks[1].verdict == "fail"
 
 

@@ -253,21 +253,22 @@ def test_a_server_failing_on_the_requests_is_told_from_one_that_is_not_there():
     against a real vLLM): the fix names the copy it cannot compute with and the user's copy to restart it on, not
     the URL."""
     from eaglewire.doctor.doctor_config import DoctorConfig
-    from eaglewire.doctor.served_tau.served_check import unanswered_fix
+    from eaglewire.doctor.served_tau.served_check import ServedSettings, unanswered_fix
     from eaglewire.engines import vllm
 
-    config = DoctorConfig(draft="d", engine="vllm", engine_url="http://x", engine_config="/exports/mine/config.json")
+    served = DoctorConfig(draft="d", engine="vllm", engine_url="http://x", engine_config="/exports/mine/config.json"
+                          ).settings(ServedSettings)
     with stub_server({"/metrics": [vllm_metrics(1, 3, 1, [1, 0, 0])], "/v1/completions": [500]}) as (url, _):
         with pytest.raises(ServedError, match="answered 500") as failed:
             vllm.measure_served(url, [[1]], max_new_tokens=2)
-    fix = unanswered_fix(failed.value, config)
+    fix = unanswered_fix(failed.value, served)
     assert "failed on a request" in fix and "absolute target ids" in fix and "restart it on /exports/mine" in fix
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ServedError) as absent:
         vllm.measure_served(f"http://127.0.0.1:{port}", [[1]], max_new_tokens=2, timeout=5)
-    assert unanswered_fix(absent.value, config).startswith("check that --engine-url http://x is the vllm server")
+    assert unanswered_fix(absent.value, served).startswith("check that --engine-url http://x is the vllm server")
 
 
 # ------------------------------------------------------------------ eaglewire's server end to end

@@ -6,7 +6,6 @@ beside greedy's, on the training-time unroll of the held-out sequences."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ import torch
 from eaglewire.acceptance.trace import trace_text
 from eaglewire.doctor.measure import Sequence
 from eaglewire.doctor.verdicts import DoctorReport
-from eaglewire.doctor.temperature import (check_sampling, reply_spans, sampled_acceptance, served_temperature,
-                                       traffic_temperature)
+from eaglewire.doctor.temperature import (SamplingSettings, check_sampling, reply_spans, sampled_acceptance,
+                                       served_temperature, traffic_temperature)
 from eaglewire.engines.llamacpp import launch_temperature as llamacpp_temperature
 from eaglewire.engines.sglang import launch_temperature as sglang_temperature
 from eaglewire.engines.vllm import launch_temperature as vllm_temperature
@@ -107,7 +106,7 @@ def test_a_dflash_draft_is_measured_on_its_blocks(small, sequences):
 def config(**kw):
     base = dict(temperature=None, traffic=None, traffic_prompts=32, engine="eaglewire", engine_flags=None,
                 target="no-such-target-dir", draft="runs/draft")
-    return SimpleNamespace(**{**base, **kw})
+    return SamplingSettings(**{**base, **kw})
 
 
 def test_the_temperature_users_sample_at_is_read_from_the_traffic_and_llama_server_and_named(small, sequences,

@@ -5,7 +5,6 @@ read them) and the traffic's own chat_template_kwargs; judged by what the target
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -28,13 +27,14 @@ def contract(target, kwargs):
     return HiddenStateContract(aux_boundaries=(2, 4, 5), target=target.fingerprint, chat_template_kwargs=kwargs)
 
 
-def doctor_config(engine="eaglewire", flags=None, kwargs=None):
-    return SimpleNamespace(engine=engine, engine_flags=flags, chat_template_kwargs=kwargs)
+def serving(engine="eaglewire", flags=None, kwargs=None):
+    """How serving is launched, as check_template_switch takes it."""
+    return dict(engine=engine, engine_flags=flags, chat_template_kwargs=kwargs)
 
 
-def judge(target, trained, config, traffic=None):
+def judge(target, trained, launch, traffic=None):
     report = DoctorReport(draft="d", target="t")
-    return check_template_switch(report, config, contract(target, trained), target.tokenizer, traffic)
+    return check_template_switch(report, contract(target, trained), target.tokenizer, traffic, **launch)
 
 
 def test_the_template_decides_whether_two_switches_differ(thinking, chat_tiny_target):
@@ -46,17 +46,17 @@ def test_the_template_decides_whether_two_switches_differ(thinking, chat_tiny_ta
 
 def test_serving_with_another_switch_than_training_fails_naming_both_and_the_flag(thinking):
     flags = "vllm serve M --speculative-config '{\"method\": \"eagle3\"}'"  # no default: the template's
-    check = judge(thinking, OFF, doctor_config("vllm", flags))
+    check = judge(thinking, OFF, serving("vllm", flags))
     assert check.verdict == "fail"
     assert 'chat_template_kwargs {"enable_thinking": false}' in check.summary and "defaults" in check.summary
     assert "--default-chat-template-kwargs '{\"enable_thinking\": false}'" in check.fix
     assert "--enable-thinking" in check.fix  # or retrain on what serving renders
-    assert judge(thinking, OFF, doctor_config("vllm", flags + " --default-chat-template-kwargs "
+    assert judge(thinking, OFF, serving("vllm", flags + " --default-chat-template-kwargs "
                                               "'{\"enable_thinking\": false}'")).verdict == "ok"
-    llama = judge(thinking, OFF, doctor_config("llamacpp", "llama-server -m t.gguf"))
+    llama = judge(thinking, OFF, serving("llamacpp", "llama-server -m t.gguf"))
     assert llama.verdict == "fail" and "--reasoning off" in llama.fix
-    assert judge(thinking, {}, doctor_config(kwargs='{"enable_thinking": true}')).verdict == "ok"
-    assert judge(thinking, {}, doctor_config(kwargs="[1]")).verdict == "fail"  # unreadable: named
+    assert judge(thinking, {}, serving(kwargs='{"enable_thinking": true}')).verdict == "ok"
+    assert judge(thinking, {}, serving(kwargs="[1]")).verdict == "fail"  # unreadable: named
 
 
 def test_traffic_requests_carry_their_own_switch_over_the_launch_default(tmp_path, thinking):
@@ -69,9 +69,9 @@ def test_traffic_requests_carry_their_own_switch_over_the_launch_default(tmp_pat
     assert traffic[0].template_kwargs == OFF and traffic[1].template_kwargs == ON
     assert [(s.kwargs, s.source) for s in traffic_switches(traffic, None)] == [
         (OFF, "1 of 3 traffic chat request(s)"), (ON, "1 of 3 traffic chat request(s)")]
-    check = judge(thinking, ON, doctor_config(), traffic)
+    check = judge(thinking, ON, serving(), traffic)
     assert check.verdict == "fail" and "1 of 3 traffic" in check.summary and "send" in check.fix
-    assert judge(thinking, OFF, doctor_config(), traffic[:1]).verdict == "ok"
+    assert judge(thinking, OFF, serving(), traffic[:1]).verdict == "ok"
     # ordinary requests (no chat_template_kwargs of their own) under a launch default render with the default
     launch = ServingSwitch(OFF, "launch flags")
     assert [(s.kwargs, s.source) for s in traffic_switches(traffic[2:], launch)] == [
@@ -79,8 +79,8 @@ def test_traffic_requests_carry_their_own_switch_over_the_launch_default(tmp_pat
 
 
 def test_a_draft_that_records_no_switch_is_skipped_and_no_source_adds_no_check(thinking):
-    assert judge(thinking, None, doctor_config(kwargs='{"enable_thinking": false}')).verdict == "skip"
-    assert judge(thinking, OFF, doctor_config()) is None
+    assert judge(thinking, None, serving(kwargs='{"enable_thinking": false}')).verdict == "skip"
+    assert judge(thinking, OFF, serving()) is None
 
 
 def test_the_doctor_reports_it_end_to_end(tmp_path, thinking):

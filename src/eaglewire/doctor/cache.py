@@ -73,17 +73,17 @@ def _tensor_digest(t: torch.Tensor | None, h) -> None:
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
-def cache_key(config, draft_dir: Path, target, sequences: list, server_version: str | None = None) -> str:
-    """sha256 of what the cached checks read: the settings (files named by content), the draft's files,
-    the target's fingerprint and device, the held-out sequences (tokens, masks, stored states), the
-    threads, the version a running server reports (it names the layouts swept), and eaglewire's source."""
-    from eaglewire.core.configs import config_record
-
+def cache_key(settings: dict[str, Any], draft_dir: Path, target, sequences: list,
+              server_version: str | None = None) -> str:
+    """sha256 of what the cached checks read: the settings (every flag by name, ``config_record``; files named by
+    content), the draft's files, the target's fingerprint and device, the held-out sequences (tokens, masks,
+    stored states), the threads, the version a running server reports (it names the layouts swept), and
+    eaglewire's source."""
     h = hashlib.sha256(f"eaglewire doctor cache {FORMAT} {source_digest()}".encode())
-    settings = {k: v for k, v in config_record(config).items() if k not in NOT_READ}
-    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    read = {k: v for k, v in settings.items() if k not in NOT_READ}
+    h.update(json.dumps(read, sort_keys=True, default=str).encode())
     for name in FILES:
-        value = getattr(config, name, None)
+        value = settings.get(name)
         if value and Path(value).exists():
             h.update(name.encode())
             _file_digest(Path(value), h)

@@ -1,4 +1,4 @@
-"""The checks both doctors run (``run.py`` on a fresh capture, ``stored.py`` on stored states),
+"""The checks both doctors run (``doctor_command.py`` on a fresh capture, ``stored.py`` on stored states),
 and ``Measured``, what they read: built once per run, after the draft has been measured at its
 declared layout."""
 
@@ -15,7 +15,6 @@ import torch
 
 from eaglewire import engines
 from eaglewire.core.errors import read_json_object
-from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.evidence import USEFUL_ACC0, judge_sweep, predicts_nothing, wilson_bounds
 from eaglewire.doctor.measure import EvalBatch, isolation_accuracy
 from eaglewire.doctor.verdicts import Check, DoctorReport, LayoutRow
@@ -31,13 +30,14 @@ from eaglewire.model.ttt import StepCounts
 class Measured:
     """The draft measured on the batches every check reads, and the layouts it is judged by."""
 
-    config: DoctorConfig
+    engine: str  # the serving engine (--engine)
+    engine_config: str | None  # the draft config it loads: --engine-config, or what its launch flags load
     draft: Eagle3Draft  # or a DFlashDraft: ``counts`` are then per drafted position (acc@0 = the first)
-    batches: list[EvalBatch]  # captured now (run.py) or built from stored states (stored.py)
+    batches: list[EvalBatch]  # captured now (doctor_command.py) or built from stored states (stored.py)
     declared: list[int]  # the aux boundaries the draft's contract declares
     num_layers: int  # L, the target's last boundary
     serving: dict[str, list[int]]  # label -> the boundaries the serving engine will feed
-    counts: list[StepCounts]  # the draft in isolation at ``declared``, per TTT step (config.steps)
+    counts: list[StepCounts]  # the draft in isolation at ``declared``, per TTT step (--steps)
 
     @property
     def acc0(self) -> float:
@@ -54,6 +54,17 @@ class Measured:
         return [c.cond_acc for c in self.counts[1:]]
 
 
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How the serving engine is launched, as the serving checks read it (the fields are the doctor flags of the same
+    name, filled by ``doctor_config``)."""
+
+    engine: str
+    engine_config: str | None  # the draft config the engine loads (llama.cpp: the draft GGUF)
+    engine_flags: str | None
+    target: str  # a GGUF target says which architecture it converted to
+
+
 ENGINE_CONFIG_FIX = "pass --engine-config the draft's config.json file the engine loads (not its directory, not inline JSON)"
 
 
@@ -64,87 +75,87 @@ def _same_content(a: Path, b: Path) -> bool:
     return filecmp.cmp(a, b, shallow=False)
 
 
-def config_the_flags_load(report: DoctorReport, config: DoctorConfig, named: str | None) -> DoctorConfig:
-    """``config`` with the engine config the launch flags load (``named``: their draft, a directory or llama.cpp's
+def config_the_flags_load(report: DoctorReport, launch: LaunchSettings, named: str | None) -> LaunchSettings:
+    """``launch`` with the engine config the launch flags load (``named``: their draft, a directory or llama.cpp's
     GGUF): read when no ``--engine-config`` is given, and judged instead of a ``--engine-config`` that differs from
     it (a FAIL says so): the engine loads what its flags name, whatever the doctor was shown. A draft that is
     not here (another machine's path, a hub name) changes nothing."""
     if not named:
-        return config
+        return launch
     loads = Path(named).expanduser()
     loads = loads / "config.json" if loads.is_dir() else loads
     if not loads.is_file():
-        return config
-    if not config.engine_config:
+        return launch
+    if not launch.engine_config:
         report.add(Check("engine config", "ok", f"read {loads}: what the launch flags load"))
-        return dataclasses.replace(config, engine_config=str(loads))
-    given = Path(config.engine_config)
+        return dataclasses.replace(launch, engine_config=str(loads))
+    given = Path(launch.engine_config)
     if given.is_file() and given.resolve() != loads.resolve() and not _same_content(given, loads):
         report.add(Check("engine config", "fail", f"--engine-config {given} is not what the launch flags load: "
-                         f"{loads} differs, and {config.engine} reads that one (judged below)",
+                         f"{loads} differs, and {launch.engine} reads that one (judged below)",
                          fix=f"point the launch flags at the draft of {given}, or fix {loads}"))
-        return dataclasses.replace(config, engine_config=str(loads))
-    return config
+        return dataclasses.replace(launch, engine_config=str(loads))
+    return launch
 
 
-def check_serving(report: DoctorReport, config: DoctorConfig, declared: list[int], L: int, arch: str,
+def check_serving(report: DoctorReport, launch: LaunchSettings, declared: list[int], L: int, arch: str,
                   dflash_block: int | None = None, *, vocab_ids: torch.Tensor | None = None
-                  ) -> tuple[dict[str, list[int]], int, DoctorConfig]:
+                  ) -> tuple[dict[str, list[int]], int, LaunchSettings]:
     """Serving flags lint; (the boundaries the serving engine will capture, label -> layout;
-    the tokens it drafts per round when the flags do not say, ``default_steps``; ``config`` with the engine config
+    the tokens it drafts per round when the flags do not say, ``default_steps``; ``launch`` with the engine config
     the flags load, ``config_the_flags_load``, for the checks after it). ``dflash_block``: the draft is a DFlash
     draft trained on blocks of that size; ``vocab_ids``: the target ids of the draft's vocabulary [Vd] (None: the
     whole vocabulary). Every engine answers through its linter: a config.json beside the weights read for its ids,
     or a draft file of its own (llama.cpp's GGUF) read for its layout and d2t (``check_draft_file``); both doctors
     come here. Its readings go into ``Measured.serving``, so it runs before the draft is measured and takes its
     inputs bare."""
-    spec = engines.get(config.engine, Ability.LINT)
-    lint, label = spec.linter, spec.linter.label or config.engine
+    spec = engines.get(launch.engine, Ability.LINT)
+    lint, label = spec.linter, spec.linter.label or launch.engine
     family = "eagle3" if dflash_block is None else "dflash"
-    steps = default_steps(config.engine, dflash_block)
-    shown = config
+    steps = default_steps(launch.engine, dflash_block)
+    shown = launch
     if lint.target_file_arch is not None:
-        arch = lint.target_file_arch(config.target) or arch  # a GGUF target says which architecture it converted to
+        arch = lint.target_file_arch(launch.target) or arch  # a GGUF target says which architecture it converted to
     if lint.arch_reading is not None:
-        report.add(architecture_check(config.engine, arch))
-    if config.engine_flags:
-        flags = lint_flags(config.engine, config.engine_flags, declared, L, arch, dflash_block=dflash_block)
+        report.add(architecture_check(launch.engine, arch))
+    if launch.engine_flags:
+        flags = lint_flags(launch.engine, launch.engine_flags, declared, L, arch, dflash_block=dflash_block)
         report.add(flags_check(label, flags.problems))
         steps = flags.num_steps or steps
-        config = config_the_flags_load(report, config, flags.draft_path)
+        launch = config_the_flags_load(report, launch, flags.draft_path)
     own_file = lint.draft_file_layout is not None
-    if config.engine == "eaglewire" and not config.engine_config:
-        return {"eaglewire": list(declared)}, steps, config
-    if family == "eagle3" and (refused := engine_refusal(config.engine, arch)):
+    if launch.engine == "eaglewire" and not launch.engine_config:
+        return {"eaglewire": list(declared)}, steps, launch
+    if family == "eagle3" and (refused := engine_refusal(launch.engine, arch)):
         why, others = refused
-        report.add(Check("engine architecture", "fail", f"{config.engine} serves no EAGLE-3 draft for a {arch} target",
+        report.add(Check("engine architecture", "fail", f"{launch.engine} serves no EAGLE-3 draft for a {arch} target",
                          [why], fix=f"serve it with {' or '.join(others)} (doctor --engine {others[0]})"))
-        return {}, steps, config
-    if not config.engine_config:
+        return {}, steps, launch
+    if not launch.engine_config:
         report.add(Check("engine config", "warn", f"no --engine-config: cannot tell which "
                          + (f"layers {label} will feed" if own_file else f"boundaries {label} will capture"),
                          fix=lint.draft_file_fix or "pass the config.json the engine will load"))
-        return {}, steps, config
+        return {}, steps, launch
     if own_file:
         # the checks after this one (engine fields, the diagnosis) read the --engine-config shown
-        return check_draft_file(report, config.engine, config.engine_config, declared, L, family, vocab_ids), steps, shown
-    cfg = read_json_object(config.engine_config, ENGINE_CONFIG_FIX)
+        return check_draft_file(report, launch.engine, launch.engine_config, declared, L, family, vocab_ids), steps, shown
+    cfg = read_json_object(launch.engine_config, ENGINE_CONFIG_FIX)
     if family == "dflash":
-        reading = read_dflash_engine_config(config.engine, cfg, L, declared, arch)
-        fix = dflash_config_fix(config.engine, declared, L, arch, cfg)
+        reading = read_dflash_engine_config(launch.engine, cfg, L, declared, arch)
+        fix = dflash_config_fix(launch.engine, declared, L, arch, cfg)
     else:
-        reading = read_engine_config(config.engine, cfg, L, declared, arch)
-        fix = config_fix(config.engine, declared, L, arch)
+        reading = read_engine_config(launch.engine, cfg, L, declared, arch)
+        fix = config_fix(launch.engine, declared, L, arch)
     wrong = {label: b for label, b in reading.readings.items() if b != declared}
     evidence = ([f"{label} captures boundaries {b}" for label, b in reading.readings.items()] + reading.notes
                 + reading.problems)
     if wrong or reading.problems:
         report.add(Check("engine wiring", "fail",
-                         f"{config.engine} will feed the draft boundaries other than the {declared} it was trained on",
+                         f"{launch.engine} will feed the draft boundaries other than the {declared} it was trained on",
                          evidence, fix=fix))
     else:
-        report.add(Check("engine wiring", "ok", f"{config.engine} captures {declared}, as trained", evidence))
-    return reading.readings, steps, config
+        report.add(Check("engine wiring", "ok", f"{launch.engine} captures {declared}, as trained", evidence))
+    return reading.readings, steps, launch
 
 
 def flags_check(engine: str, problems: list[tuple[str, str, str]]) -> Check:
@@ -215,26 +226,28 @@ def serving_fix(report: DoctorReport, m: Measured, arch: str | None = None) -> s
     (the key its engine reads for this draft family, on this target's model file; llama.cpp's re-export), else
     the engine's EAGLE-3 config fix."""
     wiring = next((c.fix for c in report.checks if c.name == "engine wiring" and c.fix), None)
-    return wiring or config_fix(m.config.engine, m.declared, m.num_layers, arch)
+    return wiring or config_fix(m.engine, m.declared, m.num_layers, arch)
 
 
-def check_evidence(report: DoctorReport, n: int, sequences: int, config: DoctorConfig, summary: dict) -> None:
-    """Judged tokens against the minimum; below it nothing can pass, and the fix says where more come from."""
-    what = f"{n:,} judged reply tokens on {sequences} held-out sequence(s) (minimum {config.min_tokens:,})"
-    if n >= config.min_tokens:
+def check_evidence(report: DoctorReport, n: int, sequences: int, summary: dict, *, min_tokens: int,
+                   num_sequences: int, max_length: int, include_training: bool) -> None:
+    """Judged tokens against ``min_tokens``; below it nothing can pass, and the fix says where more come from
+    (``num_sequences``, ``max_length``, ``include_training``: the flags that chose the ``sequences``)."""
+    what = f"{n:,} judged reply tokens on {sequences} held-out sequence(s) (minimum {min_tokens:,})"
+    if n >= min_tokens:
         report.add(Check("evidence", "ok", what))
         return
     per = max(n / max(sequences, 1), 1.0)
-    need = math.ceil(config.min_tokens / per)
-    if sequences < config.num_sequences:  # the source ran out, not the flag
+    need = math.ceil(min_tokens / per)
+    if sequences < num_sequences:  # the source ran out, not the flag
         recorded = len(summary.get("heldout_sequence_ids") or [])
         fix = (f"only {sequences} held-out sequence(s) were found" +
-               (f" (the draft recorded {recorded} held out)" if recorded and not config.include_training else "") +
+               (f" (the draft recorded {recorded} held out)" if recorded and not include_training else "") +
                f"; about {need} are needed: pass --conversations FILE with conversations training did not see "
                "(--offset skips the first ones) or --data SHARDS not used in training; or --include-training "
                "to also measure on training sequences (it reads optimistic)")
     else:
-        fix = f"raise --num-sequences from {config.num_sequences} to about {need}, or --max-length (now {config.max_length})"
+        fix = f"raise --num-sequences from {num_sequences} to about {need}, or --max-length (now {max_length})"
     report.add(Check("evidence", "inconclusive", f"too little evidence to pass: {what}",
                      [f"~{per:.0f} judged tokens per sequence; with {n:,} tokens an accuracy is known to about "
                       f"±{2 * math.sqrt(0.25 / max(n, 1)):.3f}"], fix=fix))
@@ -381,15 +394,15 @@ def served_embedding(batch: EvalBatch, embedding) -> EvalBatch:
     return dataclasses.replace(batch, emb=emb)
 
 
-def check_engine_version(report: DoctorReport, config: DoctorConfig) -> None:
-    """Ask the server at ``--engine-url`` which version it is and say which release's reading judges it (every
-    other line then names that release: ``name_the_judged_release``)."""
+def check_engine_version(report: DoctorReport, engine: str, engine_url: str) -> None:
+    """Ask the ``engine`` server at ``engine_url`` (``--engine-url``) which version it is and say which release's
+    reading judges it (every other line then names that release: ``name_the_judged_release``)."""
     from eaglewire import engines
 
-    spec = engines.get(config.engine)
+    spec = engines.get(engine)
     if spec.served_version is None or spec.judged is None:
         return
-    served = spec.served_version(config.engine_url)
+    served = spec.served_version(engine_url)
     report.engine_version = (served or "").strip() or None
     report.engine_release, line = spec.judged(served)
     exact = served is not None and line.startswith(f"judged with {report.engine_release}'s reading (the server says")
@@ -446,17 +459,16 @@ def check_engine_fields(report: DoctorReport, m: Measured) -> None:
     from eaglewire.engines import canonical
     from eaglewire.engines.serving.served_draft import as_served
 
-    config = m.config
-    if not config.engine_config or is_block_draft(m.draft):
+    if not m.engine_config or is_block_draft(m.draft):
         return  # the engines' field readings are EAGLE-3's (a DFlash draft's wiring: the engine wiring check)
-    path = Path(config.engine_config)
+    path = Path(m.engine_config)
     b = m.batches[0]
     real = b.loss_mask.new_ones(b.input_ids.shape, dtype=bool)  # [B, T]
     rows = (b.input_ids[real].cpu(), b.emb[real].cpu())  # [N], [N, H]
     if engines.file_readers(path.suffix):  # the file says what reads it (a .gguf: llama.cpp's loader)
         reading = read_file_fields(path, m.draft, emb_rows=rows)
-    elif config.engine in field_readers():
-        reading = read_fields(canonical(config.engine), read_json_object(path, ENGINE_CONFIG_FIX), path.parent,
+    elif m.engine in field_readers():
+        reading = read_fields(canonical(m.engine), read_json_object(path, ENGINE_CONFIG_FIX), path.parent,
                               m.draft, emb_rows=rows)
     else:
         return

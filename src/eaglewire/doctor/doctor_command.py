@@ -4,6 +4,7 @@ stored-states doctor shares from ``checks.py``, those that need the target to ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -15,14 +16,14 @@ import torch
 
 from eaglewire.core.configs import config_record
 from eaglewire.core.contract import SOFT_FIELDS, HiddenStateContract
-from eaglewire.doctor.checks import (check_engine_version, Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving, name_the_judged_release)
+from eaglewire.doctor.checks import (LaunchSettings, Measured, check_accuracy, check_alignment, check_engine_version,
+                                     check_evidence, check_layouts, check_serving, name_the_judged_release)
 from eaglewire.doctor.cache import Cached, cache_key, load, now, store
 from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.layouts import candidate_layouts
-from eaglewire.doctor.served_tau.served_check import check_served
+from eaglewire.doctor.served_tau.served_check import ServedSettings, check_served
 from eaglewire.doctor.stored import check_stored_boundaries, trained_on
-from eaglewire.doctor.temperature import check_sampling
+from eaglewire.doctor.temperature import SamplingSettings, check_sampling
 from eaglewire.doctor.template_switch import check_template_switch
 from eaglewire.doctor.traffic import check_traffic, load_traffic
 from eaglewire.doctor.measure import (Sequence, capture_batches, capture_drift, coverage, isolation_accuracy,
@@ -73,14 +74,19 @@ def _examine(config: DoctorConfig, target: Target | None) -> DoctorReport:
 
     identity_ok = _check_identity(report, contract, target, allow)
     if config.engine_url:
-        check_engine_version(report, config)  # which release's reading judges the running server
+        check_engine_version(report, config.engine, config.engine_url)  # which release's reading judges the server
     arch = config.target_arch or contract.target.architecture
     dflash_block = draft.config.block_size if is_block_draft(draft) else None
     rows = draft.draft_to_target
-    serving, serving_steps, config = check_serving(report, config, declared, L, arch, dflash_block,
-                                                   vocab_ids=rows if len(rows) < target.vocab_size else None)
-    check_template_switch(report, config, contract, target.tokenizer,
-                          load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None)
+    vocab_ids = rows if len(rows) < target.vocab_size else None
+    serving, serving_steps, launch = check_serving(report, config.settings(LaunchSettings), declared, L, arch,
+                                                   dflash_block, vocab_ids=vocab_ids)
+    if launch.engine_config != config.engine_config:  # the checks after it judge what the launch flags load
+        config = dataclasses.replace(config, engine_config=launch.engine_config)
+    check_template_switch(report, contract, target.tokenizer,
+                          load_traffic(config.traffic, config.traffic_prompts) if config.traffic else None,
+                          engine=config.engine, engine_flags=config.engine_flags,
+                          chat_template_kwargs=config.chat_template_kwargs)
     with report.timed("held-out sequences"):
         sequences, source = _load_sequences(config, target, contract, summary, report)
     if not sequences:
@@ -92,7 +98,8 @@ def _examine(config: DoctorConfig, target: Target | None) -> DoctorReport:
     key = None
     if config.cache:  # what an earlier run computed from the same draft, target, data and settings
         with report.timed("cache key"):
-            key = cache_key(config, resolve_draft(config.draft), target, sequences, report.engine_version)
+            key = cache_key(config_record(config), resolve_draft(config.draft), target, sequences,
+                            report.engine_version)
     cached = load(key) if key else None
     held_out = _HeldOut(config, target, draft, contract, summary, source, sequences, declared, serving, serving_steps)
     first = len(report.checks)
@@ -103,7 +110,8 @@ def _examine(config: DoctorConfig, target: Target | None) -> DoctorReport:
         judged = _held_out_checks(report, held_out)
     before = report.checks[first:]
     if config.engine_url:  # the running server against the replay on its own text (doctor/served_tau/served_check.py)
-        check_served(report, config, target, draft, declared, sequences, serving_steps)  # times its own stages
+        check_served(report, config.settings(ServedSettings), target, draft, declared, sequences,
+                     serving_steps)  # times its own stages
     first = len(report.checks)
     if cached:
         cached.restore_after(report)
@@ -164,32 +172,39 @@ def _held_out_checks(report: DoctorReport, h: _HeldOut) -> int:
                      fix=None if share >= 0.85 else "retrain with a larger --draft-vocab-size"))
 
     with report.timed("isolation accuracy"):
-        m = Measured(config=config, draft=draft, batches=batches, declared=declared, num_layers=L, serving=h.serving,
+        m = Measured(engine=config.engine, engine_config=config.engine_config, draft=draft, batches=batches,
+                     declared=declared, num_layers=L, serving=h.serving,
                      counts=isolation_accuracy(draft, batches, declared, steps=config.steps))
     report.accuracy = {"acc@0": m.acc0} | {f"cond acc@{j}": c for j, c in enumerate(m.cond, 1)}
-    check_evidence(report, m.n, len(h.sequences), config, h.summary)
+    check_evidence(report, m.n, len(h.sequences), h.summary, min_tokens=config.min_tokens,
+                   num_sequences=config.num_sequences, max_length=config.max_length,
+                   include_training=config.include_training)
     check_accuracy(report, m, h.summary, h.source)
     with report.timed("layout sweep"):
         check_layouts(report, m, layouts)
     with report.timed("stored states"):
-        check_stored_boundaries(report, config, target, h.summary)  # which boundary each stored state is
+        check_stored_boundaries(report, config.data, target, h.summary)  # which boundary each stored state is
         _check_drift(report, m)
     check_alignment(report, m)
     with report.timed("acceptance (eaglewire's engine)"):
-        _check_acceptance(report, m, target, h.contract, h.sequences, h.serving_steps)
-    with report.timed("sampling"):
-        check_sampling(report, config, target, draft, declared, h.sequences, h.serving_steps)  # doctor/temperature.py
+        _check_acceptance(report, m, target, h.contract, h.sequences, h.serving_steps,
+                          engine_prompts=config.engine_prompts, engine_tokens=config.engine_tokens)
+    with report.timed("sampling"):  # doctor/temperature.py
+        check_sampling(report, config.settings(SamplingSettings), target, draft, declared, h.sequences,
+                       h.serving_steps)
     return m.n
 
 
 def _later_checks(report: DoctorReport, h: _HeldOut) -> None:
     """The checks after the served one: the users' traffic, and what to serve for speed."""
-    if h.config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)
+    config = h.config
+    if config.traffic:  # the users' prompts beside the held-out data (doctor/traffic.py)
         with report.timed("traffic"):
-            check_traffic(report, h.config, h.target, h.draft, h.declared, h.sequences, h.serving_steps)
-    if h.config.tune:
+            check_traffic(report, config.traffic, h.target, h.draft, h.declared, h.sequences, h.serving_steps,
+                          prompts=config.traffic_prompts, reply_tokens=config.traffic_tokens, steps=config.steps)
+    if config.tune:
         with report.timed("tune"):
-            _check_speed(report, h.config, h.target, h.draft, h.contract, h.sequences)
+            _check_speed(report, config, h.target, h.draft, h.contract, h.sequences)
 
 
 # ------------------------------------------------------------------ checks
@@ -244,26 +259,28 @@ MIN_ROUND_AGREEMENT = 0.9
 
 
 def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contract: HiddenStateContract,
-                      sequences: list[Sequence], steps: int) -> RoundAgreement | None:
-    """The engine's greedy chain of ``steps`` on held-out prompts, round by round against the replay
-    of the training-time unroll on the text it produced (``replay.py``): they must accept the same."""
+                      sequences: list[Sequence], steps: int, *, engine_prompts: int, engine_tokens: int
+                      ) -> RoundAgreement | None:
+    """The engine's greedy chain of ``steps`` on the first ``engine_prompts`` held-out prompts (``engine_tokens``
+    new tokens each), round by round against the replay of the training-time unroll on the text it produced
+    (``replay.py``): they must accept the same."""
     from eaglewire.core.tokens import stop_token_ids
     from eaglewire.decode.spec_decoder import SpecConfig, SpecDecoder
 
-    config, draft = m.config, m.draft
+    draft = m.draft
     if is_block_draft(draft):
         steps = min(steps, draft.config.block_size - 1)  # a chain of n from one block
     predicted = predicted_tau(m.acc0, m.cond, steps)
-    if config.engine_prompts < 1:
+    if engine_prompts < 1:
         report.add(Check("acceptance", "skip", f"predicted τ {predicted:.2f} for a chain of {steps}; "
                          "measurement skipped (--engine-prompts 0)"))
         return None
     decoder = SpecDecoder(target, draft, contract, SpecConfig.chain(steps))
     stop = set(stop_token_ids(target.tokenizer, target.model))
-    rounds, prompts = RoundAgreement(), sequences[:config.engine_prompts]
+    rounds, prompts = RoundAgreement(), sequences[:engine_prompts]
     for seq in prompts:
         rounds.add(engine_agreement(decoder, draft, list(contract.aux_boundaries), seq.prompt_ids,
-                                    max_new_tokens=config.engine_tokens, stop_token_ids=stop))
+                                    max_new_tokens=engine_tokens, stop_token_ids=stop))
     measured = rounds.measured_tau
     evidence = [f"measured by eaglewire's engine on {len(prompts)} held-out prompts ({rounds.rounds} rounds, "
                 f"{rounds.measured_tokens} tokens): τ {measured:.2f} (chain of {steps})",
@@ -293,16 +310,16 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
     """What ``eaglewire tune`` recommends for the serving engine (its speed ranking), on the held-out prompts;
     with ``--concurrency``, up to how many concurrent requests that pays (``doctor/load_check.py``)."""
     from eaglewire.acceptance.speed import SpeedQuery, rank_speed
-    from eaglewire.doctor.load_check import check_load_elsewhere, check_speed_under_load, load_levels
+    from eaglewire.doctor.load_check import LoadSettings, check_load_elsewhere, check_speed_under_load, load_levels
 
     spec = engines.get(config.engine)
-    under_load = load_levels(config)  # --concurrency beyond one request (doctor/load_check.py)
+    under_load = load_levels(config.concurrency)  # --concurrency beyond one request (doctor/load_check.py)
     if not spec.stated_costs and not spec.in_process:
         report.add(Check("speed", "skip", f"{spec.runtime.label}'s round costs are measured on its own files, in "
                                           "servers tune launches",
                          fix=f"eaglewire tune --engine {spec.name} --draft {config.draft}"))
         if under_load:
-            check_load_elsewhere(report, config, spec)
+            check_load_elsewhere(report, under_load, config.draft, spec)
         return
     prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 2)]]
     in_process = next(e for e in engines.ENGINES if e.in_process).name
@@ -315,11 +332,12 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
                 f"(break-even τ {p.break_even_tau:.2f})" for p in result.ranked[:3]]
     evidence.append(f"costs {result.costs.source} for {engine}; `eaglewire tune` ranks every shape with more prompts")
     if under_load and spec.in_process:
-        report.add(check_speed_under_load(report, config, target, draft, contract, prompts, result, evidence))
+        report.add(check_speed_under_load(report, config.settings(LoadSettings), target, draft, contract, prompts,
+                                          result, evidence))
         return
     report.add(Check("speed", "warn" if choice.shape.plain else "ok", result.recommendation.reason, evidence))
     if under_load:  # a stated cost model prices one request: a server's load is measured in the server
-        check_load_elsewhere(report, config, spec)
+        check_load_elsewhere(report, under_load, config.draft, spec)
 
 
 # ------------------------------------------------------------------ data

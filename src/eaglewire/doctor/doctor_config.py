@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 from eaglewire import engines as engine_registry
 from eaglewire.engines import Ability
 from eaglewire.core.device import device_field
 from eaglewire.core.presets import DEFAULT_TARGET
+
+Part = TypeVar("Part")
 
 
 @dataclass(kw_only=True)
@@ -102,6 +105,11 @@ class DoctorConfig:
             self._check_concurrency()
         if self.probe_tokens < 0:
             raise ValueError(f"--probe-tokens must be >= 0 (0: no probes), got {self.probe_tokens}")
+
+    def settings(self, part: type[Part]) -> Part:
+        """The few settings one part of the doctor reads: ``part``, a frozen dataclass whose fields are named as
+        these flags (``ServedSettings``, ``LoadSettings``, ...), filled from them. Checked and defaulted here only."""
+        return part(**{f.name: getattr(self, f.name) for f in fields(part)})
 
     def _check_concurrency(self) -> None:
         """``--concurrency``: ascending batch sizes >= 1, and the speed check it extends must run."""

@@ -7,6 +7,7 @@ own server is measured under load by ``eaglewire tune``, whose command the check
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from eaglewire.concurrency.measurement import ConcurrencyReport, measure_concurrency, verdict
@@ -14,29 +15,38 @@ from eaglewire.acceptance.recommend import MANY_REQUESTS
 from eaglewire.core.device import device_field
 from eaglewire.concurrency.schedule import Schedule, concurrent, shape_name
 from eaglewire.decode.spec_config import SpecConfig
-from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.verdicts import Check, DoctorReport
 
 # Steps timed per (batch size, shape) after WARMUP: the doctor's look, not tune's measurement.
 WARMUP, REPEATS = 1, 6
 
 
-def load_levels(config: DoctorConfig) -> list[int] | None:
+@dataclass(frozen=True)
+class LoadSettings:
+    """What the speed check under load reads: the loads, the tokens per request, and the draft, target and device
+    the commands it names run on (the fields are the doctor flags of the same name, filled by ``doctor_config``)."""
+
+    concurrency: list[int] | None
+    engine_tokens: int
+    draft: str
+    target: str
+    device: str
+
+
+def load_levels(concurrency: list[int] | None) -> list[int] | None:
     """The batch sizes ``--concurrency`` asks about; None when that is one request (the speed check as ever)."""
-    levels = config.concurrency
-    return None if not levels or levels == [1] else list(levels)
+    return None if not concurrency or concurrency == [1] else list(concurrency)
 
 
 def levels_text(levels: list[int]) -> str:
     return ",".join(map(str, levels))
 
 
-def schedule_commands(config: DoctorConfig) -> str:
+def schedule_commands(load: LoadSettings) -> str:
     """The commands that measure every shape at ``--concurrency``'s loads and serve by load."""
-    where = f" --target {config.target}" + (f" --device {config.device}"
-                                              if config.device != device_field().default else "")
-    return (f"eaglewire tune --draft {config.draft}{where} --concurrency {levels_text(config.concurrency)} "
-            f"--schedule-out schedule.json, then eaglewire serve{where} --draft {config.draft} "
+    where = f" --target {load.target}" + (f" --device {load.device}" if load.device != device_field().default else "")
+    return (f"eaglewire tune --draft {load.draft}{where} --concurrency {levels_text(load.concurrency)} "
+            f"--schedule-out schedule.json, then eaglewire serve{where} --draft {load.draft} "
             "--schedule schedule.json")
 
 
@@ -79,14 +89,14 @@ def row_line(row: dict[str, Any]) -> str:
             f"{row['verdict']}")
 
 
-def check_speed_under_load(report: DoctorReport, config: DoctorConfig, target, draft, contract,
+def check_speed_under_load(report: DoctorReport, load: LoadSettings, target, draft, contract,
                            prompts: list[list[int]], ranking, evidence: list[str]) -> Check:
     """The speed check at ``--concurrency``'s batch sizes in eaglewire's engine: the one-request choice of
     ``ranking`` (``rank_speed``) measured beside plain at each on ``prompts``, the figures kept in
     ``report.concurrency``. A plain choice is not measured: a batch makes a verify dearer, not cheaper."""
     from eaglewire.decode.spec_decoder import SpecDecoder
 
-    levels = load_levels(config)
+    levels = load_levels(load.concurrency)
     choice, reason = ranking.recommendation.choice, ranking.recommendation.reason
     if choice.shape.plain:
         report.concurrency = {"levels": levels, "measured": False, "shape": None}
@@ -95,14 +105,14 @@ def check_speed_under_load(report: DoctorReport, config: DoctorConfig, target, d
                      evidence)
     shape = SpecConfig.chain(choice.shape.n_max, min_prob=choice.shape.p_min)  # eaglewire's spelling of the shape
     measured = measure_concurrency(SpecDecoder(target, draft, contract, shape), prompts, levels, [shape],
-                                   max_new_tokens=max(config.engine_tokens, 16), warmup=WARMUP, repeats=REPEATS)
+                                   max_new_tokens=max(load.engine_tokens, 16), warmup=WARMUP, repeats=REPEATS)
     rows = level_rows(measured)
     status, sentence = load_verdict(measured.schedule, levels, rows)
     report.concurrency = {"levels": levels, "measured": True, "shape": shape_name(shape),
                           "tau": round(measured.taus[shape_name(shape)], 3), "crossover": measured.schedule.crossover,
                           "schedule": measured.schedule.describe(), "rows": rows,
                           "steps_timed": REPEATS, "notes": measured.notes}
-    commands = schedule_commands(config)
+    commands = schedule_commands(load)
     lines = [f"at 1 request: {reason.removesuffix('; ' + MANY_REQUESTS)}", *evidence,
              f"{shape_name(shape)} at {levels_text(levels)} concurrent requests (τ {report.concurrency['tau']:.2f}, "
              f"{REPEATS} steps timed per batch size; {'; '.join(measured.notes)}):",
@@ -114,10 +124,10 @@ def check_speed_under_load(report: DoctorReport, config: DoctorConfig, target, d
                  fix=commands if status == "warn" else None)
 
 
-def check_load_elsewhere(report: DoctorReport, config: DoctorConfig, spec) -> None:
-    """An engine in its own server (``spec``) under ``--concurrency``'s loads: measured by ``eaglewire tune``
-    in servers it launches, not here."""
-    levels, name = load_levels(config), spec.name
+def check_load_elsewhere(report: DoctorReport, levels: list[int], draft: str, spec) -> None:
+    """An engine in its own server (``spec``) under ``levels`` (``--concurrency``'s loads) with ``draft``: measured
+    by ``eaglewire tune`` in servers it launches, not here."""
+    name = spec.name
     if spec.runtime is None:  # SGLang: its CPU kernels ship in no registry, so no server of it runs here
         report.concurrency = {"levels": levels, "measured": False, "engine": name, "command": None}
         report.add(Check("speed under load", "skip", f"{name} does not run here, so it cannot be loaded with "
@@ -125,7 +135,7 @@ def check_load_elsewhere(report: DoctorReport, config: DoctorConfig, spec) -> No
                          "clients, plain launch beside the speculative one (speculation pays while the speculative "
                          "launch's tokens/s beats plain's)"))
         return
-    command = f"eaglewire tune --engine {name} --draft {config.draft} --concurrency {levels_text(levels)}"
+    command = f"eaglewire tune --engine {name} --draft {draft} --concurrency {levels_text(levels)}"
     report.concurrency = {"levels": levels, "measured": False, "engine": name, "command": command}
     report.add(Check("speed under load", "skip", f"{spec.runtime.label} under load is measured in the servers "
                      f"`eaglewire tune` launches, not here: `{command}`", fix=command))

@@ -39,8 +39,8 @@ from eaglewire.data.import_data import ABSENT_LAST, import_command, reimport_com
 from eaglewire.data.label_check import POST_NORM, check_labels, reimport_fix, stored_last_state
 from eaglewire.data.shards import ShardDataset
 from eaglewire.data.sources import pad_right
-from eaglewire.doctor.checks import (Measured, check_accuracy, check_alignment, check_evidence, check_layouts,
-                                     check_serving, serving_fix)
+from eaglewire.doctor.checks import (LaunchSettings, Measured, check_accuracy, check_alignment, check_evidence,
+                                     check_layouts, check_serving, serving_fix)
 from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.measure import Drift, EvalBatch, Sequence, block_parts, coverage, isolation_accuracy
 from eaglewire.doctor.verdicts import Check, DoctorReport
@@ -168,10 +168,10 @@ def stored_drift(a: ShardDataset, b: ShardDataset, seq_ids: list[str]) -> tuple[
     return drifts, compared
 
 
-def _check_stored_drift(report: DoctorReport, m: Measured, ds: ShardDataset, picked: list[int], target: Target
-                        ) -> None:
+def _check_stored_drift(report: DoctorReport, config: DoctorConfig, m: Measured, ds: ShardDataset, picked: list[int],
+                        target: Target) -> None:
     """``ds`` against a second capture of its ``picked`` sequences (``--compare-data``)."""
-    config, draft, declared = m.config, m.draft, m.declared
+    draft, declared = m.draft, m.declared
     other = ShardDataset(config.compare_data, verify=False)
     drifts, compared = stored_drift(ds, other, [ds.sequence_ids[i] for i in picked])
     if not compared:
@@ -235,10 +235,11 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
     _check_labels(report, config, ds, target, summary)
     arch = config.target_arch or contract.target.architecture
     rows = draft.draft_to_target
-    serving, _, config = check_serving(report, config, declared, L, arch,
+    serving, _, launch = check_serving(report, config.settings(LaunchSettings), declared, L, arch,
                                        draft.config.block_size if is_block_draft(draft) else None,
                                        vocab_ids=rows.cpu() if len(rows) < target.vocab_size else None)
-    check_template_switch(report, config, contract, getattr(target, "tokenizer", None))
+    check_template_switch(report, contract, getattr(target, "tokenizer", None), engine=config.engine,
+                          engine_flags=config.engine_flags, chat_template_kwargs=config.chat_template_kwargs)
     picked, warning = _pick(ds, summary, config)
     if warning:
         report.add(Check("data", "warn", warning))
@@ -253,16 +254,19 @@ def run_stored_doctor(config: DoctorConfig) -> DoctorReport:
         report.add(Check("accuracy in isolation", "fail", f"the draft reads boundaries {declared}; {missing} "
                          f"are not among the stored {stored}", fix=_missing_fix(config, ds, declared)))
         return report
-    m = Measured(config=config, draft=draft, batches=batches, declared=declared, num_layers=L, serving=serving,
+    m = Measured(engine=launch.engine, engine_config=launch.engine_config, draft=draft, batches=batches,
+                 declared=declared, num_layers=L, serving=serving,
                  counts=isolation_accuracy(draft, batches, declared, steps=config.steps))
     report.accuracy = {"acc@0": m.acc0} | {f"cond acc@{j}": c for j, c in enumerate(m.cond, 1)}
-    check_evidence(report, m.n, len(picked), config, summary)
+    check_evidence(report, m.n, len(picked), summary, min_tokens=config.min_tokens,
+                   num_sequences=config.num_sequences, max_length=config.max_length,
+                   include_training=config.include_training)
     check_accuracy(report, m, summary, f"stored states in {config.data}")
     check_layouts(report, m, stored_layouts(stored + [b for b in declared if b == L], len(declared), declared, serving))
     _check_served(report, m, stored, arch)
     check_alignment(report, m)
     if config.compare_data:
-        _check_stored_drift(report, m, ds, picked, target)
+        _check_stored_drift(report, config, m, ds, picked, target)
     report.add(Check("stored boundaries", "skip", "which boundary each stored state is: needs the target to run "
                      "(--stored never runs it)", fix=f"`{_full_doctor(config)}` (not --stored) matches each stored "
                      "state against every boundary of the target run on a few stored sequences"))
@@ -419,18 +423,18 @@ def stored_samples(ds: ShardDataset, sequences: int = boundary_match.SEQUENCES,
     return out, said + ([L] if last else [])
 
 
-def check_stored_boundaries(report: DoctorReport, config: DoctorConfig, target: Target, summary: dict) -> None:
-    """``--data``'s stored states against every boundary of ``target`` run on a few of their sequences: a state
-    that is another boundary than the shards record FAILs, naming it, with the re-import line that fixes it (and
-    retraining where the draft was trained on them: ``summary``, its training record, says)."""
-    if not config.data:
+def check_stored_boundaries(report: DoctorReport, data: str | None, target: Target, summary: dict) -> None:
+    """The stored states at ``data`` (``--data``) against every boundary of ``target`` run on a few of their
+    sequences: a state that is another boundary than the shards record FAILs, naming it, with the re-import line
+    that fixes it (and retraining where the draft was trained on them: ``summary``, its training record, says)."""
+    if not data:
         return
-    ds = ShardDataset(config.data, verify=False)
+    ds = ShardDataset(data, verify=False)
     samples, said = stored_samples(ds)
     if not samples:
         return
     found = boundary_match.identify(target, samples, said)
-    where = f"{config.data} against every boundary of the target run on {found.what()}"
+    where = f"{data} against every boundary of the target run on {found.what()}"
     if found.ok:
         if found.unmatched():
             report.add(Check("stored boundaries", "warn", "some stored states are no boundary of the target run here "
@@ -443,12 +447,12 @@ def check_stored_boundaries(report: DoctorReport, config: DoctorConfig, target: 
     corrected = found.corrected()
     fixed = boundary_match.fix_boundaries(said, corrected)
     source = ds.manifest["source"]
-    out = _reimported(config.data)
+    out = _reimported(data)
     line = reimport_command(source, corrected, out)
     evidence = found.lines("recorded as") + ([found.cause()] if found.cause() else [])
     if line:
         fix = f"re-import them as the boundaries they are: `{line}`" + after_reimport(
-            summary, config.data, f"retrain the draft on {out} (`eaglewire train --data {out}`)")
+            summary, data, f"retrain the draft on {out} (`eaglewire train --data {out}`)")
     elif source.get("imported_from"):
         fix = "two stored states are one boundary: no --boundaries describes this capture; check which layers it holds"
     else:

@@ -54,7 +54,6 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -68,6 +67,20 @@ from eaglewire.engines.serving.sampling_defaults import Temperature, temperature
 from eaglewire.model.dflash_blocks import is_block_draft
 
 NAME = "sampling"
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What the sampling check reads: where the temperature users sample at may be said, and the draft and target
+    its fix names (the fields are the doctor flags of the same name, filled by ``doctor_config``)."""
+
+    temperature: float | None
+    traffic: str | None
+    traffic_prompts: int
+    engine: str
+    engine_flags: str | None
+    draft: str
+    target: str  # a directory: its generation_config.json may say the temperature
 
 
 # ---------------------------------------------------------------- one reader per source
@@ -102,19 +115,19 @@ def traffic_temperature(path: str | Path, limit: int) -> Temperature | None:
     return Temperature(value, f"{n} of {requests} --traffic requests", tuple(notes))
 
 
-def served_temperature(config: Any) -> Temperature | None:
+def served_temperature(settings: SamplingSettings) -> Temperature | None:
     """``--temperature``, else the traffic's requests, else the engine's launch flags and the target's
     generation config (the engine's ``sampling.launch_temperature``); None when nothing says. ValueError naming
     the source for a value that is not a temperature."""
-    if config.temperature is not None:
-        return Temperature(float(config.temperature), "--temperature")
-    if config.traffic:
-        found = traffic_temperature(config.traffic, config.traffic_prompts)
+    if settings.temperature is not None:
+        return Temperature(float(settings.temperature), "--temperature")
+    if settings.traffic:
+        found = traffic_temperature(settings.traffic, settings.traffic_prompts)
         if found is not None:
             return found
-    reader = engines.sampling_of(config.engine).launch_temperature
-    target_dir = Path(config.target).expanduser()
-    return reader(config.engine_flags or "", target_dir if target_dir.is_dir() else None) if reader else None
+    reader = engines.sampling_of(settings.engine).launch_temperature
+    target_dir = Path(settings.target).expanduser()
+    return reader(settings.engine_flags or "", target_dir if target_dir.is_dir() else None) if reader else None
 
 
 # ---------------------------------------------------------------- the measurement
@@ -192,12 +205,12 @@ def sampled_acceptance(target, draft, layout: list[int], sequences: list, *, ste
 
 # ---------------------------------------------------------------- the check
 
-def check_sampling(report: DoctorReport, config: Any, target, draft, layout: list[int], sequences: list,
-                   steps: int) -> Check | None:
+def check_sampling(report: DoctorReport, settings: SamplingSettings, target, draft, layout: list[int],
+                   sequences: list, steps: int) -> Check | None:
     """The temperature users sample at (the module's text) and, above 0, the draft's expected τ there beside
     greedy's; None (no check) when nothing says what temperature users sample at."""
     try:
-        found = served_temperature(config)
+        found = served_temperature(settings)
     except (ValueError, OSError) as e:
         return report.add(Check(NAME, "skip", f"cannot read the temperature users sample at: {e}",
                                 fix="pass --temperature T"))
@@ -208,8 +221,8 @@ def check_sampling(report: DoctorReport, config: Any, target, draft, layout: lis
         return report.add(Check(NAME, "ok", f"users decode greedily (T 0 from {found.source}): the greedy "
                                 "figures above are theirs", notes))
     got = sampled_acceptance(target, draft, layout, sequences, steps=steps, temperature=found.value,
-                             engine=config.engine)
-    engine = engines.canonical(config.engine)
+                             engine=settings.engine)
+    engine = engines.canonical(settings.engine)
     rule = engines.sampling_of(engine).acceptance_rule
     report.sampling = {"temperature": found.value, "source": found.source, "chain": got.chain,
                        "sampled_tau": got.tau, "greedy_tau": got.greedy_tau, "rounds": got.rounds,
@@ -228,5 +241,5 @@ def check_sampling(report: DoctorReport, config: Any, target, draft, layout: lis
         NAME, "warn", f"users sample at T {found.value:g} (from {found.source}); at that temperature the draft "
         f"accepts τ {got.tau:.2f} for a chain of {got.chain} vs {got.greedy_tau:.2f} greedy "
         f"({got.tau - got.greedy_tau:+.3f})", evidence,
-        fix=f"rank chain shapes at this temperature: eaglewire tune --draft {config.draft} --target {config.target} "
-            f"--engine {engine} --temperature {found.value:g}"))
+        fix=f"rank chain shapes at this temperature: eaglewire tune --draft {settings.draft} "
+            f"--target {settings.target} --engine {engine} --temperature {found.value:g}"))

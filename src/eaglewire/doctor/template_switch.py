@@ -46,24 +46,25 @@ class ServingSwitch:
     source: str
 
 
-def launch_switch(config: Any) -> tuple[ServingSwitch | None, str | None]:
-    """(serving's default switch, a problem reading it): ``--chat-template-kwargs``, else the engine's
-    launch flags; (None, None) when neither is given."""
-    if config.chat_template_kwargs:
+def launch_switch(engine: str, engine_flags: str | None, chat_template_kwargs: str | None
+                  ) -> tuple[ServingSwitch | None, str | None]:
+    """(serving's default switch, a problem reading it): ``chat_template_kwargs`` (``--chat-template-kwargs``),
+    else ``engine``'s launch flags; (None, None) when neither is given."""
+    if chat_template_kwargs:
         try:
-            kwargs = template_kwargs(json.loads(config.chat_template_kwargs))
+            kwargs = template_kwargs(json.loads(chat_template_kwargs))
         except (ValueError, ContractError) as e:
-            return None, f"--chat-template-kwargs {config.chat_template_kwargs!r}: {e}"
+            return None, f"--chat-template-kwargs {chat_template_kwargs!r}: {e}"
         return ServingSwitch(kwargs, "--chat-template-kwargs"), None
-    lint = engines.get(config.engine).linter
-    if not config.engine_flags or lint is None or lint.launch_template_kwargs is None:
+    lint = engines.get(engine).linter
+    if not engine_flags or lint is None or lint.launch_template_kwargs is None:
         return None, None
     try:
-        found = lint.launch_template_kwargs(config.engine_flags)
+        found = lint.launch_template_kwargs(engine_flags)
     except ValueError as e:
         return None, f"--engine-flags: {e}"
-    where = f"{config.engine}'s launch flags ({lint.template_kwargs_flag})" if found is not None else \
-        f"{config.engine}'s launch flags, which set no {lint.template_kwargs_flag}"
+    where = f"{engine}'s launch flags ({lint.template_kwargs_flag})" if found is not None else \
+        f"{engine}'s launch flags, which set no {lint.template_kwargs_flag}"
     return ServingSwitch(template_kwargs(found or {}), where), None
 
 
@@ -108,11 +109,13 @@ def _fix(engine: str, trained: dict[str, Any], serving: dict[str, Any], traffic:
             "(the draft then learns what serving renders)")
 
 
-def check_template_switch(report: DoctorReport, config: Any, contract: HiddenStateContract, tokenizer: Any,
-                          traffic: list[Any] | None = None) -> Check | None:
-    """Training's chat-template switch against serving's, where serving's can be known (see the module's
+def check_template_switch(report: DoctorReport, contract: HiddenStateContract, tokenizer: Any,
+                          traffic: list[Any] | None = None, *, engine: str, engine_flags: str | None,
+                          chat_template_kwargs: str | None) -> Check | None:
+    """Training's chat-template switch against serving's (``launch_switch``: the flags' or
+    ``chat_template_kwargs``, and the ``traffic`` requests'), where serving's can be known (see the module's
     text); None (no check) when the doctor was given nothing that says how serving renders."""
-    launch, problem = launch_switch(config)
+    launch, problem = launch_switch(engine, engine_flags, chat_template_kwargs)
     if problem:
         return report.add(Check(NAME, "fail", f"cannot read serving's chat template switch: {problem}",
                                 fix='give a JSON object, e.g. \'{"enable_thinking": false}\''))
@@ -138,4 +141,4 @@ def check_template_switch(report: DoctorReport, config: Any, contract: HiddenSta
         NAME, "fail", f"serving renders the chat template with {describe_template_kwargs(first.kwargs)} "
         f"({first.source}) but the draft was trained on data rendered with {describe_template_kwargs(trained)}: "
         "it is fed prompts unlike any it learned (a thinking block it never saw, or one it always saw missing)",
-        evidence, fix=_fix(config.engine, trained, first.kwargs, bool(traffic))))
+        evidence, fix=_fix(engine, trained, first.kwargs, bool(traffic))))

@@ -258,18 +258,18 @@ def traffic_check(slices: list[SliceAccuracy], heldout_acc0: float, heldout_n: i
     return Check(name, "warn", summary + f": {fixes[0]}", lines, fix="; ".join(fixes))
 
 
-def check_traffic(report: DoctorReport, config, target, draft, layout: list[int], heldout: list[Sequence],
-                  tau_steps: int) -> Check:
-    """The traffic's slices against the held-out prompts, both answered by the target's own greedy
-    replies and measured alike (recorded replies would differ from self-written ones by themselves)."""
-    prompts = load_traffic(config.traffic, config.traffic_prompts)
-    replier = Replier(target, config.traffic_tokens)
-    groups, skipped = traffic_groups(target, replier, prompts)
-    base = [replier(s.prompt_ids, s.id) for s in heldout[:config.traffic_prompts]
-            if 0 < len(s.prompt_ids) <= replier.room]
-    [reference] = measure_slices(target, draft, layout, {"held-out prompts": base}, steps=config.steps,
+def check_traffic(report: DoctorReport, path: str, target, draft, layout: list[int], heldout: list[Sequence],
+                  tau_steps: int, *, prompts: int, reply_tokens: int, steps: int) -> Check:
+    """The slices of the traffic at ``path`` (its first ``prompts``) against as many held-out prompts, both answered
+    by the target's own greedy replies of ``reply_tokens`` and measured alike over ``steps`` draft steps (recorded
+    replies would differ from self-written ones by themselves)."""
+    requests = load_traffic(path, prompts)
+    replier = Replier(target, reply_tokens)
+    groups, skipped = traffic_groups(target, replier, requests)
+    base = [replier(s.prompt_ids, s.id) for s in heldout[:prompts] if 0 < len(s.prompt_ids) <= replier.room]
+    [reference] = measure_slices(target, draft, layout, {"held-out prompts": base}, steps=steps,
                                  tau_steps=tau_steps) or [SliceAccuracy("held-out prompts", 0, 0, 0.0, 1.0)]
-    slices = measure_slices(target, draft, layout, groups, steps=config.steps, tau_steps=tau_steps)
+    slices = measure_slices(target, draft, layout, groups, steps=steps, tau_steps=tau_steps)
     check = report.add(traffic_check(slices, reference.acc0, reference.judged, skipped))
     check.evidence.insert(0, f"held-out prompts, the target's own replies: acc@0 {reference.acc0:.3f} over "
                              f"{reference.judged:,} judged tokens ({reference.prompts} prompts), predicted τ "

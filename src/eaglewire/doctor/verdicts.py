@@ -43,7 +43,7 @@ class DoctorReport:
     target: str
     checks: list[Check] = field(default_factory=list)
     layouts: list[LayoutRow] = field(default_factory=list)
-    resolved_config: dict[str, Any] = field(default_factory=dict)  # the DoctorConfig of the run (configs.config_record)
+    resolved_config: dict[str, Any] = field(default_factory=dict)  # the run's flags by name (config_record)
     facts: dict[str, Any] = field(default_factory=dict)  # sequences, counted tokens, seconds
     accuracy: dict[str, float] = field(default_factory=dict)  # acc@0, cond acc@j in isolation (JSON only; checks print them)
     served: dict[str, Any] = field(default_factory=dict)  # --engine-url: served τ, per position, the replay's (JSON)

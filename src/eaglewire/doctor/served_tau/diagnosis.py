@@ -373,21 +373,21 @@ def target_head_draft(draft, target):
     return full, judged_over_every_id
 
 
-def config_wirings(config, draft, declared: list[int], num_layers: int, arch: str | None, emb_rows,
-                   layout_fix: str | None, dflash: bool
+def config_wirings(engine: str, engine_config: str | None, draft, declared: list[int], num_layers: int,
+                   arch: str | None, emb_rows, layout_fix: str | None, dflash: bool
                    ) -> tuple[dict[str, list[int]], list[Wiring], list[str], ConfigView | None]:
-    """What the engine reads from ``--engine-config``: (label -> the boundaries it feeds, the wirings of its
-    field reading at each of its layouts, notes, the config as the fixes are proven on). Nothing without an
-    engine config."""
+    """What ``engine`` reads from ``engine_config`` (``--engine-config``): (label -> the boundaries it feeds, the
+    wirings of its field reading at each of its layouts, notes, the config as the fixes are proven on). Nothing
+    without an engine config."""
     from eaglewire import engines
     from eaglewire.core.errors import read_json_object
     from eaglewire.doctor import engine_reading
     from eaglewire.engines import canonical
     from eaglewire.engines.serving.served_draft import as_served
 
-    if not config.engine_config:
+    if not engine_config:
         return {}, [], [], None
-    path, engine = Path(config.engine_config), canonical(config.engine)
+    path, engine = Path(engine_config), canonical(engine)
     readings: dict[str, list[int]] = {}
     cfg = None
     try:
@@ -590,9 +590,9 @@ def proven(wirings: list[Wiring], view: ConfigView | None) -> list[Wiring]:
 # ---------------------------------------------------------------- replaying
 
 
-def layout_fix(report, config, declared: list[int], num_layers: int, arch: str | None, dflash: bool,
-               served_layout: list[int] | None = None) -> str:
-    """The config line that makes the serving engine feed ``declared``: the engine wiring check's fix where it
+def layout_fix(report, engine: str, engine_config: str | None, declared: list[int], num_layers: int,
+               arch: str | None, dflash: bool, served_layout: list[int] | None = None) -> str:
+    """The config line that makes ``engine`` feed ``declared``: the engine wiring check's fix where it
     failed, else the engine's own fix text (``engine_reading.config_fix``; llama.cpp's ``layout_problem`` on the GGUF,
     or a GGUF holding ``served_layout``; eaglewire: its draft's contract)."""
     from eaglewire import engines
@@ -602,18 +602,18 @@ def layout_fix(report, config, declared: list[int], num_layers: int, arch: str |
     wiring = next((c.fix for c in report.checks if c.name == "engine wiring" and c.fix), None)
     if wiring:
         return wiring
-    engine = canonical(config.engine)
+    engine = canonical(engine)
     spec = engines.get(engine)
     if spec.in_process:
         return (f"serve the draft whose contract declares {declared}: eaglewire's server feeds the boundaries "
                 "its draft's contract declares (`eaglewire serve --draft DRAFT`, the trained draft's directory)")
     if spec.linter.layout_fix is not None:  # an engine that reads the layout from a draft file of its own
-        return spec.linter.layout_fix(config.engine_config, declared, num_layers, served_layout, dflash)
+        return spec.linter.layout_fix(engine_config, declared, num_layers, served_layout, dflash)
     if dflash:
         cfg = {}
-        if config.engine_config and str(config.engine_config).endswith(".json"):
+        if engine_config and str(engine_config).endswith(".json"):
             try:
-                cfg = json.loads(Path(config.engine_config).read_text())
+                cfg = json.loads(Path(engine_config).read_text())
             except (OSError, ValueError):
                 cfg = {}
         return engine_reading.dflash_config_fix(engine, declared, num_layers, arch, cfg)
@@ -635,25 +635,28 @@ def _probe(prober: Prober, target, draft, declared: list[int], counts, replayed,
     return counts, replays["trained"], best, after + [f for f in ranked if id(f) not in kept], probed
 
 
-def diagnose(report, config, target, draft, declared: list[int], prompts: list[list[int]], counts, replayed,
+def diagnose(report, served, target, draft, declared: list[int], prompts: list[list[int]], counts, replayed,
              steps: int, causes: list[str], prober: Prober | None = None) -> Check:
     """The served-wiring Check for a server whose ``counts`` fall below the ``replayed`` (as trained) on its own
     ``counts.outputs``: every candidate wiring replayed on that text, the one that reproduces the counters named;
-    where several with different fixes do, ``prober`` asks the server more on prompts that separate them."""
+    where several with different fixes do, ``prober`` asks the server more on prompts that separate them
+    (``served``: ``served_check.ServedSettings``, of which it reads the engine, the config it loads and the
+    target's architecture as it loads it)."""
     from eaglewire.engines import canonical
     from eaglewire.model.dflash_blocks import is_block_draft
 
     start = time.perf_counter()
-    engine, L = canonical(config.engine), target.num_layers  # the engine's name; counts.engine: as the server says
-    arch = config.target_arch or target.fingerprint.architecture
+    engine, L = canonical(served.engine), target.num_layers  # the engine's name; counts.engine: as the server says
+    arch = served.target_arch or target.fingerprint.architecture
     dflash = is_block_draft(draft)
     emb_rows = None
     if prompts:
         ids = torch.tensor(sorted({i for p in prompts for i in p}))  # [N]
         with torch.no_grad():
             emb_rows = (ids, target.embed_tokens(ids.to(target.device)).float().cpu())  # [N], [N, H]
-    fix = layout_fix(report, config, declared, L, arch, dflash)
-    readings, from_config, notes, view = config_wirings(config, draft, declared, L, arch, emb_rows, fix, dflash)
+    fix = layout_fix(report, served.engine, served.engine_config, declared, L, arch, dflash)
+    readings, from_config, notes, view = config_wirings(served.engine, served.engine_config, draft, declared, L, arch,
+                                                        emb_rows, fix, dflash)
     spec = engines.get(engine)
     # --engine-config ranks the candidates (what it reads comes first among equal matches), never removes one:
     # the server may load another copy than the user's
@@ -662,7 +665,8 @@ def diagnose(report, config, target, draft, declared: list[int], prompts: list[l
         wirings += order_wirings(engine, declared, L)
     wirings += (block_field_wirings if dflash else field_wirings)(engine, draft, target, declared)
     if engines.get(engine).linter.layout_fix is not None:  # its fix names the layout it was fed
-        wirings = [replace(w, fix=layout_fix(report, config, declared, L, arch, dflash, list(w.layout)))
+        wirings = [replace(w, fix=layout_fix(report, served.engine, served.engine_config, declared, L, arch, dflash,
+                                             list(w.layout)))
                    if w.fix == fix else w for w in wirings]
     wirings = proven(wirings, view)
     texts = capture_texts(target, draft, prompts, counts.outputs, {b for w in wirings for b in w.layout})

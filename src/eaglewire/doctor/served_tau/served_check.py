@@ -15,6 +15,7 @@ Shapes: S draft steps, T tokens.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +33,23 @@ log = logging.getLogger(__name__)
 # The served text is the target's own greedy text at fewer positions than this: the server runs
 # another target (precision, quantization, weights) or does not decode greedily.
 MIN_TEXT_AGREEMENT = 0.98
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """What the served check and its diagnosis read: the server and how much to ask of it
+    (the fields are the doctor flags of the same name, filled by ``doctor_config``)."""
+
+    engine: str
+    engine_url: str | None
+    engine_config: str | None  # the draft config the server loads: --engine-config, or what its flags load
+    target_arch: str | None
+    engine_prompts: int
+    engine_tokens: int
+    probe_tokens: int
+    traffic: str | None  # the users' prompts: probe prompts are drawn from them too
+
+
 def replay_served(target, draft, layout: list[int], prompts: list[list[int]], outputs: list[list[int]],
                   num_steps: int) -> Replayed:
     """The replay on every (prompt, server output) pair, fed the declared ``layout``."""
@@ -150,29 +168,29 @@ def served_check(counts: ServedCounts, replayed: Replayed, report: DoctorReport)
                  "noise)", evidence)
 
 
-def unanswered_fix(error: ServedError, config) -> str:
+def unanswered_fix(error: ServedError, served: ServedSettings) -> str:
     """What to do when the server did not answer the doctor's requests: a server that failed on them (HTTP 5xx)
     runs a copy it cannot compute with; otherwise the URL is not this draft's server."""
     if not server_failed(error):
-        return f"check that --engine-url {config.engine_url} is the {config.engine} server serving this draft"
-    load = (f"restart it on {Path(config.engine_config).parent} (your --engine-config's copy)" if config.engine_config
+        return f"check that --engine-url {served.engine_url} is the {served.engine} server serving this draft"
+    load = (f"restart it on {Path(served.engine_config).parent} (your --engine-config's copy)" if served.engine_config
             else "re-export the draft with `eaglewire export` and restart it on that")
-    return (f"the {config.engine} server failed on a request: its log says why. A served draft copy with tensors "
+    return (f"the {served.engine} server failed on a request: its log says why. A served draft copy with tensors "
             "the engine cannot compute with fails so at the first draft (a d2t written as absolute target ids where "
             f"the engine reads offsets indexes past the vocabulary): {load}")
 
 
-def check_served(report: DoctorReport, config, target, draft, layout: list[int], sequences: list[Sequence],
-                 default_steps: int) -> Check:
-    """Measure the server at ``config.engine_url`` on the held-out prompts and judge it."""
-    prompts = [s.prompt_ids for s in sequences[:max(config.engine_prompts, 1)]]
-    spec = engines.get(config.engine, Ability.MEASURE, param="--engine")
+def check_served(report: DoctorReport, served: ServedSettings, target, draft, layout: list[int],
+                 sequences: list[Sequence], default_steps: int) -> Check:
+    """Measure the server at ``served.engine_url`` on the held-out prompts and judge it."""
+    prompts = [s.prompt_ids for s in sequences[:max(served.engine_prompts, 1)]]
+    spec = engines.get(served.engine, Ability.MEASURE, param="--engine")
     try:
         with report.timed("served: the server's answers"):
-            counts = spec.measure(config.engine_url, prompts, max_new_tokens=config.engine_tokens)
+            counts = spec.measure(served.engine_url, prompts, max_new_tokens=served.engine_tokens)
     except ServedError as e:
         return report.add(Check("served acceptance", "fail", f"could not read the served acceptance: {e}",
-                                fix=unanswered_fix(e, config)))
+                                fix=unanswered_fix(e, served)))
     steps = chain_length(counts, default_steps)
     with report.timed("served: replay"):
         replayed = replay_served(target, draft, layout, prompts, counts.outputs, steps)
@@ -188,10 +206,10 @@ def check_served(report: DoctorReport, config, target, draft, layout: list[int],
 
         from eaglewire.doctor.served_tau.probes import Prober, probe_pool
 
-        prober = Prober(lambda ps: spec.measure(config.engine_url, ps, max_new_tokens=config.engine_tokens),
-                        probe_pool(target, [s.prompt_ids for s in sequences[len(prompts):]], config.traffic),
-                        budget=config.probe_tokens, tokens=config.engine_tokens)
+        prober = Prober(lambda ps: spec.measure(served.engine_url, ps, max_new_tokens=served.engine_tokens),
+                        probe_pool(target, [s.prompt_ids for s in sequences[len(prompts):]], served.traffic),
+                        budget=served.probe_tokens, tokens=served.engine_tokens)
         with report.timed("served: diagnosis"):
-            report.add(diagnose(report, config, target, draft, layout, prompts, counts, replayed, steps,
+            report.add(diagnose(report, served, target, draft, layout, prompts, counts, replayed, steps,
                                 candidate_causes(report, replayed), prober))
     return check
