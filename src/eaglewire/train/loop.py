@@ -15,135 +15,39 @@ import random
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from eaglewire.model.checkpoint import save_draft
 from eaglewire.core.contract import HiddenStateContract, default_aux_boundaries
+from eaglewire.core.device import resolve_device
+from eaglewire.core.distributed import dist_rank_world
+from eaglewire.core.locks import directory_lock
+from eaglewire.core.precision import log_precision, resolve_precision
 from eaglewire.data.batching import pack_by_tokens
 from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
-from eaglewire.core.distributed import dist_rank_world
-from eaglewire.core.contract import FAMILIES
-from eaglewire.core.fileio import atomic_torch_save, atomic_write_text
-from eaglewire.core.locks import directory_lock
-from eaglewire.core.precision import DTYPE_CHOICES, log_precision, resolve_precision
-from eaglewire.core.presets import DEFAULT_TARGET
+from eaglewire.model.checkpoint import save_draft
 from eaglewire.model.label_head import label_head
-from eaglewire.core.device import device_field, resolve_device
 from eaglewire.model.target import Target, load_target
 from eaglewire.model.ttt import StepCounts
 from eaglewire.model.vocab import count_tokens, frequency_coverage
-from eaglewire.train.objectives import DFlashObjective, Eagle3Objective, Objective, default_gamma, summary_loss
-from eaglewire.train.curves import REPORT_TO, Curves, open_curves, require as require_curves
+from eaglewire.train.curves import Curves, open_curves, require as require_curves
 from eaglewire.train.flops import DraftShape, Utilisation, attention_length, eagle3_train_flops, utilisation
+from eaglewire.train.objectives import DFlashObjective, Eagle3Objective, Objective, default_gamma, summary_loss
 from eaglewire.train.prefetch import InStep, Prefetcher
-from eaglewire.train.unroll import COUNT_FIELDS, counted_on_device, ttt_unroll_on_device
+from eaglewire.train.run_state import (METRICS_FILE, History, Position, RunState, TrainingError, TrainResult,
+                                       init_lineage, load_state, save_state, truncate_metrics)
+from eaglewire.train.train_config import TrainConfig
+from eaglewire.train.unroll import COUNT_FIELDS, counted_on_device
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "train_state.pt"
-EAGLE3_DRAFT_VOCAB = 8192  # --draft-vocab-size of an EAGLE-3 draft when not given
-METRICS_FILE = "metrics.jsonl"
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    out: str = field(metadata={"help": "draft output directory (checkpoint, metrics, plots)"})
-    target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name, HF model directory or .gguf file"})
-    data: str | None = field(default=None, metadata={"help": "shard directory written by `eaglewire prepare` (offline mode)"})
-    online_data: str | None = field(default=None, metadata={"help": "conversations (preset or file) captured live (online mode)"})
-    num_conversations: int | None = field(default=None, metadata={"help": "online mode: use at most this many conversations"})
-    offset: int = field(default=0, metadata={"help": "online mode: skip this many conversations first"})
-    max_length: int = field(default=1024, metadata={"help": "online mode: truncate sequences to this many tokens"})
-    aux_boundaries: list[int] | None = field(default=None, metadata={"help": "online mode: boundaries to capture (default [2, L//2, L-3])"})
-    ttt_steps: int = field(default=7, metadata={"help": "training-time-test unroll steps"})
-    loss_decay: float = field(default=0.8, metadata={"help": "weight of step j is loss_decay**j"})
-    draft_vocab_size: int | None = field(default=None, metadata={"help": "draft vocabulary size (most frequent assistant tokens); default 8192 for EAGLE-3, the target's whole vocabulary for DFlash (which predicts with the target's head: a smaller vocabulary computes only those rows)"})
-    init_draft: str | None = field(default=None, metadata={"help": "start from this draft's weights and vocabulary (same contract; new optimizer and schedule); an SGLang, SpecForge, speculators or EAGLE directory is converted"})
-    epochs: int = field(default=1, metadata={"help": "passes over the training split"})
-    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    minutes: float | None = field(default=None, metadata={"help": "stop (resumably) after this much wall time"})
-    stop_at_step: int | None = field(default=None, metadata={"help": "stop (resumably) at this step; the schedule still runs to --max-steps"})
-    lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
-    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps before cosine decay"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    grad_clip: float = field(default=0.5, metadata={"help": "gradient norm clip"})
-    batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per micro-batch (per rank)"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step and rank: a step trains on world x grad_accum micro-batches"})
-    val_sequences: int = field(default=32, metadata={"help": "held-out sequences for validation"})
-    eval_interval: int = field(default=100, metadata={"help": "validate every N steps"})
-    save_interval: int = field(default=100, metadata={"help": "checkpoint every N steps"})
-    log_interval: int = field(default=10, metadata={"help": "write metrics every N steps"})
-    seed: int = field(default=0, metadata={"help": "random seed (data order, init)"})
-    device: str = device_field()
-    resume: bool = field(default=False, metadata={"help": "continue the run in --out exactly where it stopped", "record": False})
-    allow_target_mismatch: list[str] | None = field(default=None, metadata={"help": "target fingerprint fields allowed to differ from the data's, e.g. weights_sha256 for a requantized target"})
-    head_only: bool = field(default=False, metadata={"help": "offline mode: read only the target's embedding, final norm and lm_head (never its layers)"})
-    allow_incomplete_data: bool = field(default=False, metadata={"help": "train on --data whose `prepare` did not finish (refused otherwise; a warning says how much it covers)"})
-    skip_label_check: bool = field(default=False, metadata={"help": "train without the label check at start (the target's head on the stored last state against the stored next tokens); only for a target that is not a language model of this text, e.g. a random test target"})
-    family: str = field(default="eagle3", metadata={"help": "draft family: eagle3 (one token per draft pass, TTT) or dflash (a block per pass)", "choices": list(FAMILIES)})
-    block_size: int = field(default=8, metadata={"help": "dflash: positions per block (the anchor + block_size - 1 drafted tokens)"})
-    draft_layers: int = field(default=2, metadata={"help": "dflash: decoder layers of the draft (an EAGLE-3 draft has one)"})
-    anchors_per_sequence: int = field(default=32, metadata={"help": "dflash: blocks sampled per sequence and step (anchors on supervised tokens)"})
-    block_loss_gamma: float | None = field(default=None, metadata={"help": "dflash: drafted position j weighs exp(-(j-1)/gamma) in the loss (default by block size: 7 for 16, 5 for 10, 4 for 8)"})
-    mask_token_id: int | None = field(default=None, metadata={"help": "dflash: the token filling the drafted positions (default: a padded embedding row, the tokenizer's mask token or an unused special token)"})
-    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": "the draft's compute precision: auto (bf16 where the CPU computes bf16 natively, i.e. avx512_bf16 or AMX with oneDNN, and on CUDA; fp32 elsewhere), fp32, bf16 (autocast; fp32 weights, loss and softmax)"})
-    report_to: str = field(default="none", metadata={"choices": REPORT_TO, "help": "where the training curves also go: none (metrics.jsonl and training.png only) or tensorboard (event files in --out/runs)"})
-    prefetch: int = field(default=2, metadata={"help": "offline mode: training batches read ahead on a background thread while the step computes (0: read in the step)"})
-    sync_free: str = field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": "eagle3: steps that never wait for the device (counts and the non-finite loss check stay on it until a log row, evaluation or checkpoint is due; the draft head and loss run at every position, masked); auto: on CUDA"})
-    compile: bool = field(default=False, metadata={"help": "torch.compile the draft's norms and MLP (dynamic shapes; falls back to eager with a warning if compiling fails)"})
-
-    def __post_init__(self) -> None:
-        if (self.data is None) == (self.online_data is None):
-            raise ValueError("give exactly one of --data (shards from `eaglewire prepare`) or "
-                             "--online-data (conversations captured live)")
-        if self.head_only and self.data is None:
-            raise ValueError("--head-only trains on stored states (--data); online capture runs the whole target")
-        if self.ttt_steps < 1:
-            raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
-        if self.draft_vocab_size is None and self.family == "eagle3":
-            self.draft_vocab_size = EAGLE3_DRAFT_VOCAB
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        for name in ("epochs", "batch_tokens", "grad_accum", "eval_interval", "save_interval", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.loss_decay <= 1:
-            raise ValueError(f"loss_decay must be in (0, 1], got {self.loss_decay}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        for name in ("draft_layers", "anchors_per_sequence"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (the anchor and one drafted token), got {self.block_size}")
-        if self.block_loss_gamma is not None and self.block_loss_gamma <= 0:
-            raise ValueError(f"block_loss_gamma must be > 0, got {self.block_loss_gamma}")
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0 (batches read ahead), got {self.prefetch}")
-        if self.sync_free not in ("auto", "on", "off"):
-            raise ValueError(f"sync_free must be auto, on or off, got {self.sync_free!r}")
-        if self.sync_free == "on" and self.family != "eagle3":
-            raise ValueError(f"--sync-free on is EAGLE-3's step; family {self.family!r} takes auto or off")
-
-    # Fields that may change between an interrupted run and its resume.
-    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
-                                   "head_only", "allow_incomplete_data", "skip_label_check", "dtype", "report_to",
-                                   "prefetch", "sync_free", "compile"})
-
-    def identity(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in self.RESUMABLE_CHANGES}
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (NaN/inf, mismatched resume); the last good checkpoint is kept."""
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "TrainingError", "batch_plan", "lr_lambda", "split_indices",
+           "summarize", "train", "truncate_metrics"]
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -155,29 +59,6 @@ def split_indices(n: int, val_sequences: int, seed: int) -> tuple[list[int], lis
     val = min(val_sequences, max(1, n // 10))
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[val:]), sorted(order[:val])
-
-
-def init_lineage(path: str, training: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chain of runs a --init-draft run continues, oldest first: where each started and what
-    it trained (steps, tokens, seconds), so a continued draft still states its whole budget."""
-    own = {"draft": str(path), **{k: training.get(k) for k in ("steps", "train_tokens", "seconds")}}
-    return list(training.get("init_draft") or []) + [own]
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the rows of the metrics file ``path`` up to ``step``, atomically: a run resumed from
-    the checkpoint of ``step`` redoes (and logs again) the steps after it; a fresh run keeps none."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a row cut off by the crash
-            continue
-        if isinstance(row, dict) and row.get("step", 0) <= step:
-            keep.append(line + "\n")
-    atomic_write_text(path, "".join(keep))
 
 
 def batch_plan(indices: list[int], lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
@@ -217,62 +98,6 @@ def summarize(counts: list[StepCounts], *, weights: list[float], prefix: str = "
 
 
 # ------------------------------------------------------------------ the trainer
-
-@dataclass
-class TrainResult:
-    out: str
-    steps: int
-    epochs_done: float
-    train_tokens: int
-    seconds: float
-    final_eval: dict[str, float]
-    finished: bool  # False when stopped by --minutes / --max-steps before the planned end
-    timers: dict[str, float]  # seconds in data, target head, draft forward, backward (this run)
-    throughput: dict[str, float | None] = field(default_factory=dict)  # tokens_per_s, tflops, mfu (this run's steps)
-
-
-@dataclass(kw_only=True)
-class Position:
-    """Where the run stands; stored in the state file as a dict (resume reads it back)."""
-    step: int = 0
-    epoch: int = 0
-    batch: int = 0  # micro-batches of this rank's plan already taken in this epoch
-    tokens: int = 0
-
-
-@dataclass(kw_only=True)
-class History:
-    evals: list[dict[str, float]] = field(default_factory=list)
-    seconds: float = 0.0  # training time of the earlier runs (resume)
-
-
-@dataclass(kw_only=True)
-class RunState:
-    """What one ``Trainer.run`` carries from step to step."""
-    draft: torch.nn.Module  # Eagle3Draft or DFlashDraft
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    plans: list[list[list[int]]]  # per epoch: batches of sequence indices
-    per_epoch: int  # optimizer steps per epoch
-    total_steps: int
-    coverage: float  # draft-vocabulary coverage of the training tokens
-    start: float  # perf_counter at the start of this run (of its last save at the end)
-    position: Position
-    history: History
-    window: torch.Tensor  # [positions, 5] float64 on the device: StepCounts fields summed since the last log row
-    metrics_file: IO[str] | None
-    bar: Any  # tqdm
-    stopped_early: bool = False
-    curves: Curves | None = None  # --report-to tensorboard (rank 0)
-    log_time: float = 0.0  # perf_counter and tokens at the last log row: the window's tokens/s
-    log_tokens: int = 0
-    # Steps whose non-finite-loss flag (a device tensor) is not read yet: (position before the step, its
-    # micro-batches, flag [2]: this rank's loss, any rank's). Read when a log row, evaluation or save is due.
-    unchecked: list[tuple[Position, list[list[int]], torch.Tensor]] = field(default_factory=list)
-    flops_per_token: float | None = None  # the draft's training FLOPs per token (None: not counted for the family)
-    step_tokens: int = 0  # tokens and seconds of this run's logged windows (evaluation and saves left out)
-    step_seconds: float = 0.0
-
 
 class Trainer:
     def __init__(self, config: TrainConfig, target: Target | None = None) -> None:
@@ -535,39 +360,6 @@ class Trainer:
 
     # -- checkpointing -------------------------------------------------------
 
-    def _save(self, draft: torch.nn.Module, optimizer, scheduler, position: dict[str, int], history: dict,
-              training_summary: dict) -> None:
-        if self.rank != 0:
-            return
-        atomic_torch_save({"config": self.config.identity(), "draft": draft.state_dict(),
-                           "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                           "rng": torch.get_rng_state(), "position": position, "history": history},
-                          self.out / STATE_FILE)
-        save_draft(self.out, draft, self.contract, training_summary)
-
-    def _load_state(self) -> dict[str, Any] | None:
-        path = self.out / STATE_FILE
-        if not self.config.resume:
-            if path.exists():
-                raise TrainingError(f"{self.out} already holds a training run; pass --resume to continue "
-                                    "it, or choose another --out")
-            return None
-        if not path.exists():
-            raise TrainingError(f"--resume: {path} does not exist; nothing to resume (drop --resume to start)")
-        state = torch.load(path, weights_only=False)
-        now = self.config.identity()
-        # A field the stored run predates had its default then.
-        defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-        was = {k: state["config"].get(k, defaults.get(k)) for k in now}
-        if was.get("family") == "dflash" and was.get("draft_vocab_size") == EAGLE3_DRAFT_VOCAB:
-            was["draft_vocab_size"] = None  # recorded before DFlash read it, when it meant the whole vocabulary
-        diff = {k: (was[k], v) for k, v in now.items() if was[k] != v}
-        if diff:
-            lines = "; ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise TrainingError(f"--resume: {self.out} was trained with a different configuration ({lines}); "
-                                "resume with the same settings or start a new --out")
-        return state
-
     # -- the loop ------------------------------------------------------------
 
     def run(self, progress: bool = True) -> TrainResult:
@@ -614,7 +406,7 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, min(cfg.warmup_steps, total_steps // 10 + 1), total_steps))
         position, history = Position(), History()
-        state = self._load_state()
+        state = load_state(self.out, cfg)
         if state is not None:
             draft.load_state_dict(state["draft"])
             optimizer.load_state_dict(state["optimizer"])
@@ -764,8 +556,10 @@ class Trainer:
         return {"data_preset": name} if isinstance(name, str) and name in DATA_PRESETS else {}
 
     def _save_run(self, run: RunState, training_summary: dict[str, Any]) -> None:
-        self._save(run.draft, run.optimizer, run.scheduler, asdict(run.position), asdict(run.history),
-                   training_summary)
+        if self.rank != 0:
+            return
+        save_state(self.out, self.config, run)
+        save_draft(self.out, run.draft, self.contract, training_summary)
 
     def _result(self, run: RunState) -> TrainResult:
         cfg, position = self.config, run.position
