@@ -71,7 +71,7 @@ def test_interrupted_and_resumed_run_reproduces_losses(tmp_path, conversations_f
     train(full, target=chat_tiny_target, progress=False)
     reference = losses(tmp_path / "a" / "draft" / "metrics.jsonl")
 
-    real_unroll, calls = objectives_mod.ttt_unroll, {"n": 0}
+    real_unroll, calls = objectives_mod.ttt_loss, {"n": 0}
 
     def crash_at_step_5(*args, **kwargs):
         calls["n"] += 1
@@ -79,10 +79,10 @@ def test_interrupted_and_resumed_run_reproduces_losses(tmp_path, conversations_f
             raise KeyboardInterrupt  # killed after the checkpoint of step 3, before step 5 finished
         return real_unroll(*args, **kwargs)
 
-    monkeypatch.setattr(objectives_mod, "ttt_unroll", crash_at_step_5)
+    monkeypatch.setattr(objectives_mod, "ttt_loss", crash_at_step_5)
     with pytest.raises(KeyboardInterrupt):
         train(config(tmp_path / "b", conversations_file, epochs=3), target=chat_tiny_target, progress=False)
-    monkeypatch.setattr(objectives_mod, "ttt_unroll", real_unroll)
+    monkeypatch.setattr(objectives_mod, "ttt_loss", real_unroll)
     with pytest.raises(TrainingError, match="--resume"):
         train(config(tmp_path / "b", conversations_file, epochs=3), target=chat_tiny_target, progress=False)
     train(config(tmp_path / "b", conversations_file, epochs=3, resume=True), target=chat_tiny_target, progress=False)
@@ -154,7 +154,7 @@ def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_p
     train(config(tmp_path / "a", conversations_file, max_steps=3), target=chat_tiny_target, progress=False)
     start, _, _ = load_draft(tmp_path / "a" / "draft")
     seen = {}
-    real_unroll = objectives_mod.ttt_unroll
+    real_unroll = objectives_mod.ttt_loss
 
     def first_weights(draft, *args, **kwargs):
         seen.setdefault("fc", draft.fc.weight.detach().clone())
@@ -162,7 +162,7 @@ def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_p
 
     cont = config(tmp_path / "b", conversations_file, max_steps=2, init_draft=str(tmp_path / "a" / "draft"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(objectives_mod, "ttt_unroll", first_weights)
+        mp.setattr(objectives_mod, "ttt_loss", first_weights)
         train(cont, target=chat_tiny_target, progress=False)
     assert torch.equal(seen["fc"], start.fc.weight)  # the first step ran on the stored weights
     lineage = load_draft(tmp_path / "b" / "draft")[2]["training"]["init_draft"]
@@ -177,14 +177,14 @@ def test_init_draft_continues_from_its_weights_and_keeps_its_heldout_split(tmp_p
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, conversations_file, chat_tiny_target,
                                                                  monkeypatch):
-    real_unroll, calls = objectives_mod.ttt_unroll, {"n": 0}
+    real_unroll, calls = objectives_mod.ttt_loss, {"n": 0}
 
     def nan_at_step_4(*args, **kwargs):
         calls["n"] += 1
         loss, counts = real_unroll(*args, **kwargs)
         return (loss * float("nan") if calls["n"] == 4 else loss), counts
 
-    monkeypatch.setattr(objectives_mod, "ttt_unroll", nan_at_step_4)
+    monkeypatch.setattr(objectives_mod, "ttt_loss", nan_at_step_4)
     with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*sequences \["):
         train(config(tmp_path, conversations_file, epochs=3), target=chat_tiny_target, progress=False)
     load_draft(tmp_path / "draft", target=chat_tiny_target)  # the step-3 checkpoint is intact
@@ -371,13 +371,13 @@ def test_a_draft_inherits_the_template_switch_its_data_was_rendered_with(tmp_pat
 
 def _record_autocast(monkeypatch):
     """Wrap the TTT unroll to note whether the draft's forward ran under CPU bf16 autocast."""
-    real, seen = objectives_mod.ttt_unroll, []
+    real, seen = objectives_mod.ttt_loss, []
 
     def unroll(*args, **kwargs):
         seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(objectives_mod, "ttt_unroll", unroll)
+    monkeypatch.setattr(objectives_mod, "ttt_loss", unroll)
     return seen
 
 
@@ -455,7 +455,7 @@ def test_a_resumed_run_purges_the_steps_it_redoes_from_its_curves(tmp_path, conv
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    real_unroll, calls = objectives_mod.ttt_unroll, {"n": 0}
+    real_unroll, calls = objectives_mod.ttt_loss, {"n": 0}
 
     def crash_at_step_5(*args, **kwargs):
         calls["n"] += 1
@@ -464,10 +464,10 @@ def test_a_resumed_run_purges_the_steps_it_redoes_from_its_curves(tmp_path, conv
         return real_unroll(*args, **kwargs)
 
     kw = dict(max_steps=6, report_to="tensorboard")
-    monkeypatch.setattr(objectives_mod, "ttt_unroll", crash_at_step_5)
+    monkeypatch.setattr(objectives_mod, "ttt_loss", crash_at_step_5)
     with pytest.raises(KeyboardInterrupt):
         train(config(tmp_path, conversations_file, **kw), target=chat_tiny_target, progress=False)
-    monkeypatch.setattr(objectives_mod, "ttt_unroll", real_unroll)
+    monkeypatch.setattr(objectives_mod, "ttt_loss", real_unroll)
     train(config(tmp_path, conversations_file, resume=True, **kw), target=chat_tiny_target, progress=False)
     events = EventAccumulator(str(tmp_path / "draft" / "runs"))
     events.Reload()

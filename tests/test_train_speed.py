@@ -1,6 +1,6 @@
 """Training on a GPU without waiting for it: the FLOP count and MFU, the prefetching reader, the sync-free
-TTT step (against ``ttt_unroll``), the chunked soft cross-entropy, ``--compile`` and its fallback; the GPU
-paths through the fake CUDA device."""
+TTT step (the unroll's dense mode against its selecting one), the chunked soft cross-entropy, ``--compile`` and
+its fallback; the GPU paths through the fake CUDA device."""
 
 import json
 import logging
@@ -15,13 +15,12 @@ from eaglewire.data.prepare import PrepareConfig, prepare
 from eaglewire.data.sources import Batch
 from eaglewire.model.checkpoint import load_draft
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
-from eaglewire.model.ttt import TargetSignal, counted_per_step, ttt_unroll
+from eaglewire.model.ttt import TargetSignal, counted_per_step, soft_cross_entropy, ttt_loss
 from eaglewire.train import compiled as compiled_mod
 from eaglewire.train.flops import (DraftShape, attention_length, eagle3_forward_flops, eagle3_train_flops,
                                    peak_flops, utilisation)
 from eaglewire.train.loop import TrainConfig, Trainer, TrainingError, train
 from eaglewire.train.prefetch import InStep, Prefetcher
-from eaglewire.train.unroll import counted_on_device, soft_cross_entropy, ttt_unroll_on_device
 from fake_cuda import fake_cuda
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
@@ -126,28 +125,29 @@ def test_soft_cross_entropy_matches_log_softmax_forward_and_backward(dtype):
     torch.testing.assert_close(ours.float(), logits.grad.float(), **tol)
 
 
-def test_sync_free_unroll_equals_ttt_unroll():
+def test_dense_unroll_reads_nothing_and_equals_the_selecting_one():
     emb, aux, loss_mask, signal = tiny_inputs()
     K = 3
+    normalizers = torch.tensor([5.0, 4.0, 3.0], dtype=torch.float64)
     reference = tiny_draft()
     with HostReads() as reads_ref:
-        loss_ref, counts_ref = ttt_unroll(reference, emb, aux, loss_mask, signal, ttt_steps=K, decay=0.8,
-                                          normalizers=[5, 4, 3])
+        loss_ref, counts_ref = ttt_loss(reference, emb, aux, loss_mask, signal, ttt_steps=K, decay=0.8,
+                                        normalizers=normalizers)
     loss_ref.backward()
     draft = tiny_draft()
-    normalizers = torch.tensor([5.0, 4.0, 3.0], dtype=torch.float64)
     with HostReads() as reads:
-        loss, counts = ttt_unroll_on_device(draft, emb, aux, loss_mask, signal, ttt_steps=K, decay=0.8,
-                                            normalizers=normalizers)
+        loss, counts = ttt_loss(draft, emb, aux, loss_mask, signal, ttt_steps=K, decay=0.8, normalizers=normalizers,
+                                dense=True)
         loss.backward()
-    assert reads.reads == [] and reads_ref.reads  # the watcher sees ttt_unroll's reads
+        counted = counted_per_step(loss_mask, signal.in_vocab, K)
+    assert reads.reads == [] and reads_ref.reads  # the watcher sees the selecting unroll's reads
     torch.testing.assert_close(loss, loss_ref)
-    assert counts.shape == (K, 5) and counts.dtype == torch.float64
-    torch.testing.assert_close(counts, torch.tensor([c.as_floats() for c in counts_ref], dtype=torch.float64),
-                               rtol=1e-6, atol=0)  # loss sums: fp32, other order
+    assert counts.shape == counts_ref.shape == (K, 5) and counts.dtype == counts_ref.dtype == torch.float64
+    torch.testing.assert_close(counts, counts_ref, rtol=1e-6, atol=0)  # loss sums: fp32, other order
+    assert counts[:, 1:].tolist() == counts_ref[:, 1:].tolist()  # the counts themselves: exactly
     for (name, p), q in zip(draft.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
-    assert counted_on_device(loss_mask, signal.in_vocab, K).tolist() == counted_per_step(loss_mask, signal.in_vocab, K)
+    assert counted.tolist() == counts_ref[:, 1].tolist()
 
 
 # ------------------------------------------------------------------ prefetching
@@ -225,16 +225,16 @@ def test_prefetch_and_the_sync_free_step_train_as_before(tmp_path, shards, chat_
 
 def test_sync_free_steps_stop_at_the_first_non_finite_loss_before_saving(tmp_path, shards, chat_tiny_target,
                                                                          monkeypatch):
-    real, calls = objectives_mod.ttt_unroll_on_device, {"n": 0}
+    real, calls = objectives_mod.ttt_loss, {"n": 0}
 
     def nan_at_step_4(*args, **kwargs):
         calls["n"] += 1
         loss, counts = real(*args, **kwargs)
         return (loss * float("nan") if calls["n"] == 4 else loss), counts
 
-    monkeypatch.setattr(objectives_mod, "ttt_unroll_on_device", nan_at_step_4)
+    monkeypatch.setattr(objectives_mod, "ttt_loss", nan_at_step_4)
     # log every 2 steps, save every 3: step index 3 is read at step 4, before the step-6 save
-    with pytest.raises(TrainingError, match=r"loss is not finite at step 3 .*sequences \["):
+    with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*sequences \["):
         train(config(tmp_path, shards, sync_free="on", epochs=3), target=chat_tiny_target, progress=False)
     assert calls["n"] == 4
     load_draft(tmp_path / "draft", target=chat_tiny_target)  # the step-3 checkpoint is intact
@@ -269,7 +269,7 @@ def test_compile_trains_as_eager_and_falls_back_when_compiling_fails(tmp_path, s
 
 
 def test_train_on_fake_cuda_steps_without_reading_the_device(tmp_path, shards, chat_tiny_target, monkeypatch):
-    real_step, reads = Trainer._train_step_on_device, []
+    real_step, reads = Trainer._train_step, []
 
     def watched(self, *args, **kwargs):
         with HostReads() as mode:
@@ -277,7 +277,7 @@ def test_train_on_fake_cuda_steps_without_reading_the_device(tmp_path, shards, c
         reads.extend(mode.reads)
         return out
 
-    monkeypatch.setattr(Trainer, "_train_step_on_device", watched)
+    monkeypatch.setattr(Trainer, "_train_step", watched)
     with fake_cuda():
         result = train(config(tmp_path, shards, device="cuda", dtype="fp32", log_interval=1000, save_interval=1000,
                               epochs=1), target=chat_tiny_target, progress=False)

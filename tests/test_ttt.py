@@ -3,7 +3,7 @@ import torch
 
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, shift_left, signal_positions, target_signal,
-                           ttt_unroll)
+                                 ttt_loss, ttt_unroll)
 
 V, VD, T = 16, 16, 10
 
@@ -116,10 +116,11 @@ def _rows(sig: TargetSignal, rows: slice) -> TargetSignal:
     return TargetSignal(probs=sig.probs[rows], argmax=sig.argmax[rows], in_vocab=sig.in_vocab[rows])
 
 
-def test_parts_normalised_by_the_whole_batch_add_up_to_the_whole_batch():
+@pytest.mark.parametrize("dense", [False, True])
+def test_parts_normalised_by_the_whole_batch_add_up_to_the_whole_batch(dense):
     """Micro-batches (or ranks) given the whole step's counts as normalizers: their losses and
     gradients add up to those of one batch holding all their rows, however unevenly the rows
-    count positions (here 2 rows with few, 2 with many)."""
+    count positions (here 2 rows with few, 2 with many); with the counted positions selected or masked."""
     torch.manual_seed(2)
     head = torch.nn.Linear(16, V)
     sig = target_signal(head, torch.randn(4, T, 16), torch.arange(VD), torch.rand(V) < 0.8)
@@ -129,15 +130,16 @@ def test_parts_normalised_by_the_whole_batch_add_up_to_the_whole_batch():
     emb, aux = torch.randn(4, T, 16), torch.randn(4, T, 32)
 
     whole_draft, parts_draft = tiny_draft(), tiny_draft()
-    whole, _ = ttt_unroll(whole_draft, emb, aux, loss_mask, sig, ttt_steps=3)
+    whole, _ = ttt_loss(whole_draft, emb, aux, loss_mask, sig, ttt_steps=3, dense=dense)
     whole.backward()
-    normalizers = counted_per_step(loss_mask, sig.in_vocab, 3)
+    normalizers = counted_per_step(loss_mask, sig.in_vocab, 3)  # [3]
     halves = (slice(0, 2), slice(2, 4))
-    assert counted_per_step(loss_mask[:2], sig.in_vocab[:2], 3) != counted_per_step(loss_mask[2:], sig.in_vocab[2:], 3)
+    assert (counted_per_step(loss_mask[:2], sig.in_vocab[:2], 3).tolist()
+            != counted_per_step(loss_mask[2:], sig.in_vocab[2:], 3).tolist())
     total = 0.0
     for rows in halves:
-        part, _ = ttt_unroll(parts_draft, emb[rows], aux[rows], loss_mask[rows], _rows(sig, rows), ttt_steps=3,
-                             normalizers=normalizers)
+        part, _ = ttt_loss(parts_draft, emb[rows], aux[rows], loss_mask[rows], _rows(sig, rows), ttt_steps=3,
+                           normalizers=normalizers, dense=dense)
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, whole.detach())

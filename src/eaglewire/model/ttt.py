@@ -111,6 +111,9 @@ def topk_signal(logprobs: torch.Tensor, ids: torch.Tensor, draft_ids: torch.Tens
     return TargetSignal(probs=probs.view(B, T, -1), argmax=argmax.view(B, T), in_vocab=in_vocab.view(B, T))
 
 
+COUNT_FIELDS = 5  # StepCounts' fields in order: loss_sum, valid, correct, cond_valid, cond_correct
+
+
 @dataclass
 class StepCounts:
     """Sums over a batch for one TTT step (add them across batches, divide at the end)."""
@@ -133,6 +136,11 @@ class StepCounts:
         """The inverse of ``as_floats`` (counts back to int), e.g. after a sum over ranks."""
         return cls(**{name: v if name == "loss_sum" else int(round(v))
                       for name, v in zip(cls.__dataclass_fields__, values)})
+
+    @classmethod
+    def rows(cls, counts: torch.Tensor) -> list[StepCounts]:
+        """[K, COUNT_FIELDS] counts (``ttt_loss``'s, the training loop's sums) -> one per step (one read)."""
+        return [cls.from_floats(row) for row in counts.tolist()]
 
     @property
     def loss(self) -> float:
@@ -158,9 +166,10 @@ def counted_positions(loss_mask: torch.Tensor, in_vocab: torch.Tensor, j: int) -
     return valid
 
 
-def counted_per_step(loss_mask: torch.Tensor, in_vocab: torch.Tensor, ttt_steps: int) -> list[int]:
-    """How many positions each TTT step counts in a batch (what ``ttt_unroll`` divides by)."""
-    return [int(counted_positions(loss_mask, in_vocab, j).sum()) for j in range(ttt_steps)]
+def counted_per_step(loss_mask: torch.Tensor, in_vocab: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """[K] float64 on the mask's device: how many positions each TTT step counts in a batch (what ``ttt_loss``
+    divides by when not given ``normalizers``); no read to the host."""
+    return torch.stack([counted_positions(loss_mask, in_vocab, j).sum().double() for j in range(ttt_steps)])
 
 
 def ttt_hidden_states(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor,
@@ -176,20 +185,68 @@ def ttt_hidden_states(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.T
         yield j, hidden
 
 
-def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
-               signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8,
-               normalizers: list[int] | None = None,
-               observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
-               ) -> tuple[torch.Tensor, list[StepCounts]]:
-    """Unroll the draft ``ttt_steps`` times; return the weighted loss and per-step counts.
+class SoftCrossEntropy(torch.autograd.Function):
+    """``-(p * log_softmax(logits)).sum(-1)`` in fp32, token chunk by token chunk: logits [N, Vd] (any float
+    dtype), p [N, Vd] target probabilities (constant) -> [N]. Keeps only the logits in their own dtype (bf16
+    under autocast) and a log-sum-exp per row for the backward: no fp32 copy of the logits nor of their
+    log-softmax, which at every position of a step (``dense``) would be the largest tensors of the step."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p: torch.Tensor, chunk: int) -> torch.Tensor:
+        N = logits.shape[0]
+        ce = logits.new_empty(N, dtype=torch.float32)  # [N]
+        lse = logits.new_empty(N, dtype=torch.float32)  # [N]
+        for s in range(0, N, chunk):
+            x = logits[s:s + chunk].float()  # [c, Vd]
+            lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
+            q = p[s:s + chunk]
+            # -sum_v q (x - lse) = lse * sum_v q - sum_v q x
+            ce[s:s + chunk] = lse[s:s + chunk] * q.sum(-1) - (q * x).sum(-1)
+        ctx.save_for_backward(logits, p, lse)
+        ctx.chunk = chunk
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor):
+        logits, p, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [N, Vd]
+        for s in range(0, logits.shape[0], ctx.chunk):
+            q = p[s:s + ctx.chunk]
+            softmax = torch.exp(logits[s:s + ctx.chunk].float() - lse[s:s + ctx.chunk, None])  # [c, Vd]
+            g = grad_ce[s:s + ctx.chunk, None]  # [c, 1]
+            grad[s:s + ctx.chunk] = (g * (softmax * q.sum(-1, keepdim=True) - q)).to(grad.dtype)
+        return grad, None, None
+
+
+CHUNK_ELEMENTS = 1 << 26  # fp32 temporaries of the cross-entropy: at most 256 MiB per chunk
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """[N, Vd] draft logits, [N, Vd] target probabilities -> [N] cross-entropy (fp32), ``chunk`` rows at a time."""
+    return SoftCrossEntropy.apply(logits, p, chunk or max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1)))
+
+
+def ttt_loss(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
+             signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8, normalizers: torch.Tensor | None = None,
+             dense: bool = False,
+             observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unroll the draft ``ttt_steps`` times: the weighted loss and the per-step counts, both device tensors.
 
     emb [B, T, H] target embeddings of input_ids; aux_hidden [B, T, k*Ht]; loss_mask [B, T].
-    Loss: sum_j decay**j * (sum over valid positions of -sum_v p_target log q_draft) / N_j, where
-    N_j is this batch's count of valid positions, or ``normalizers[j]`` when the batch is one part
-    of a larger optimizer step (micro-batches, ranks): then the parts' losses add up to the loss
-    of the whole step. ``observe(j, logits [N, Vd], right [N], cond [N])``, if given, sees each
-    step's draft logits at its counted positions (detached), whether each is right, and whether
-    every earlier step was right there.
+    Loss: sum_j decay**j * (sum over counted positions of -sum_v p_target log q_draft) / N_j, where N_j is
+    this batch's count of counted positions, or ``normalizers[j]`` ([K] tensor) when the batch is one part
+    of a larger optimizer step (micro-batches, ranks): then the parts' losses add up to the loss of the
+    whole step. Counts: [K, COUNT_FIELDS] float64, ``StepCounts``' fields per step (``StepCounts.rows``
+    reads them). ``observe(j, logits [N, Vd], right [N], cond [N])``, if given, sees each step's draft
+    logits at its counted positions (detached), whether each is right, and whether every earlier step was
+    right there.
+
+    Where the draft head and the loss run (same loss and counts either way, up to float summation order):
+    - ``dense=False``: only at the counted positions, selected by a boolean mask, so padding and prompt
+      tokens cost nothing; their number is a shape the host reads (a CUDA host then waits for the device);
+    - ``dense=True``: at every position of the step, a mask zeroing the others, with the chunked
+      ``soft_cross_entropy``: no shape depends on values, so nothing makes the host wait (``--sync-free``).
     """
     B, T, _ = emb.shape
     draft_to_target = draft.draft_to_target
@@ -197,27 +254,52 @@ def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, 
     total = emb.new_zeros(())
     counts = []
     for j, hidden in ttt_hidden_states(draft, emb, aux_hidden, ttt_steps):
-        # Only positions that count reach the head and the loss: the draft vocabulary head
-        # and the soft cross-entropy are most of a step's cost, padding and prompt tokens
-        # would be thrown away. Step j at t is judged against the target at t+1+j.
+        # Step j at t is judged against the target at t+1+j.
         n_pos = max(T - 1 - j, 0)
-        valid = counted_positions(loss_mask, signal.in_vocab, j)  # [B, n_pos]
-        logits = draft.logits(hidden[:, :n_pos][valid]).float()  # [N, Vd]
-        p = signal.probs[:, 1 + j:][valid]  # [N, Vd]
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
-        n = int(valid.sum())
-        step_loss = ce.sum() / max(n if normalizers is None else normalizers[j], 1)
-        total = total + decay ** j * step_loss
+        valid = counted_positions(loss_mask, signal.in_vocab, j)  # [B, n]
+        if dense:
+            logits = draft.logits(hidden[:, :n_pos]).flatten(0, 1)  # [B*n, Vd]
+            ce = soft_cross_entropy(logits, signal.probs[:, 1 + j:].flatten(0, 1)).view(B, n_pos)  # [B, n]
+            ce_sum = torch.where(valid, ce, torch.zeros_like(ce)).sum()
+            with torch.no_grad():
+                predicted = draft_to_target[logits.argmax(-1)].view(B, n_pos)  # [B, n] target ids
+                right = (predicted == signal.argmax[:, 1 + j:]) & valid  # [B, n]
+        else:
+            logits = draft.logits(hidden[:, :n_pos][valid]).float()  # [N, Vd]
+            ce = -(signal.probs[:, 1 + j:][valid] * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
+            ce_sum = ce.sum()
+            with torch.no_grad():
+                right = torch.zeros_like(valid)  # [B, n]
+                right[valid] = draft_to_target[logits.argmax(-1)] == signal.argmax[:, 1 + j:][valid]
+        n = valid.sum().double()
+        step_norm = n if normalizers is None else normalizers[j]
+        norm = step_norm.clamp(min=1).to(ce_sum.dtype)
+        # Each mode rounds as it did before the two unrolls were one: runs reproduce their losses bit for bit.
+        total = total + (decay ** j * ce_sum / norm if dense else decay ** j * (ce_sum / norm))
         with torch.no_grad():
-            right_sel = draft_to_target[logits.argmax(-1)] == signal.argmax[:, 1 + j:][valid]  # [N]
-            right = torch.zeros(B, T, dtype=torch.bool, device=emb.device)
-            right[:, :n_pos][valid] = right_sel
-            cond = all_right_so_far[:, :n_pos][valid]  # [N]
+            cond = all_right_so_far[:, :n_pos] & valid  # [B, n]
             if observe is not None:
-                observe(j, logits.detach(), right_sel, cond)
-            counts.append(StepCounts(loss_sum=float(ce.sum()), valid=n, correct=int(right_sel.sum()),
-                                     cond_valid=int(cond.sum()), cond_correct=int((right_sel & cond).sum())))
+                picked = logits.view(B, n_pos, -1)[valid].float() if dense else logits
+                observe(j, picked.detach(), right[valid], cond[valid])
+            counts.append(torch.stack([ce_sum.detach().double(), n, right.sum().double(), cond.sum().double(),
+                                       (right & cond).sum().double()]))  # [COUNT_FIELDS]
             # A position whose earlier step did not count (outside the loss mask, or the
             # target's token outside the draft vocab) is not "right so far".
-            all_right_so_far = all_right_so_far & right
-    return total, counts
+            right_full = torch.zeros_like(all_right_so_far)  # [B, T]
+            right_full[:, :n_pos] = right
+            all_right_so_far = all_right_so_far & right_full
+    return total, torch.stack(counts)  # [K, COUNT_FIELDS]
+
+
+def ttt_unroll(draft: Eagle3Draft, emb: torch.Tensor, aux_hidden: torch.Tensor, loss_mask: torch.Tensor,
+               signal: TargetSignal, *, ttt_steps: int, decay: float = 0.8,
+               normalizers: torch.Tensor | list[int] | None = None,
+               observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+               ) -> tuple[torch.Tensor, list[StepCounts]]:
+    """``ttt_loss`` with its counts read to the host (one read) as a ``StepCounts`` per step: for callers that
+    use them at once (the doctor's replay, benchmarks); ``normalizers`` may be a list of counts."""
+    if normalizers is not None:
+        normalizers = torch.as_tensor(normalizers, dtype=torch.float64, device=emb.device)
+    total, counts = ttt_loss(draft, emb, aux_hidden, loss_mask, signal, ttt_steps=ttt_steps, decay=decay,
+                             normalizers=normalizers, observe=observe)
+    return total, StepCounts.rows(counts)

@@ -33,7 +33,7 @@ from eaglewire.data.sources import Batch, OnlineSource, ShardSource, Source
 from eaglewire.model.checkpoint import save_draft
 from eaglewire.model.label_head import label_head
 from eaglewire.model.target import Target, load_target
-from eaglewire.model.ttt import StepCounts
+from eaglewire.model.ttt import COUNT_FIELDS, StepCounts
 from eaglewire.model.vocab import count_tokens, frequency_coverage
 from eaglewire.train.curves import Curves, open_curves, require as require_curves
 from eaglewire.train.flops import DraftShape, Utilisation, attention_length, eagle3_train_flops, utilisation
@@ -42,7 +42,6 @@ from eaglewire.train.prefetch import InStep, Prefetcher
 from eaglewire.train.run_state import (METRICS_FILE, History, Position, RunState, TrainingError, TrainResult,
                                        init_lineage, load_state, save_state, truncate_metrics)
 from eaglewire.train.train_config import TrainConfig
-from eaglewire.train.unroll import COUNT_FIELDS, counted_on_device
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +140,12 @@ class Trainer:
         self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
         self.timers = {"target_head": 0.0, "draft_forward": 0.0, "backward": 0.0, "data": 0.0}
-        # On a GPU every read of a device value stalls the host until the device catches up: the step keeps its
-        # counts there (train/unroll.py). On the CPU the step reads them as it goes (nothing to stall).
-        self.sync_free = config.sync_free == "on" or (config.sync_free == "auto" and config.family == "eagle3"
-                                                      and self.device.type == "cuda")
+        # On a GPU every read of a device value stalls the host until the device catches up, and a boolean-mask
+        # selection is a read (its shape): the step runs the head and the loss at every position, masked, and
+        # reads the non-finite flag at the next log row. On the CPU nothing stalls: the step selects the counted
+        # positions (fewer FLOPs) and reads its flag before the update.
+        self.dense = config.sync_free == "on" or (config.sync_free == "auto" and config.family == "eagle3"
+                                                  and self.device.type == "cuda")
         self._read_lock = threading.Lock()  # the prefetch thread and evaluation read the same shards
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
@@ -210,32 +211,18 @@ class Trainer:
     def _signal(self, draft, batch: Batch, *, evaluation: bool = False):
         """The target's signal where the objective reads it (timed as target head)."""
         t0 = time.perf_counter()
-        signal = self.objective.signal(draft, batch, evaluation=evaluation)
+        signal = self.objective.signal(draft, batch, evaluation=evaluation, dense=self.dense and not evaluation)
         self.timers["target_head"] += time.perf_counter() - t0
         return signal
 
-    def _unroll(self, draft, batch: Batch, signal,
-                normalizers: list[int] | None = None) -> tuple[torch.Tensor, list[StepCounts]]:
+    def _unroll(self, draft, batch: Batch, signal, normalizers: torch.Tensor | None = None, *,
+                evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weighted loss, counts [positions, COUNT_FIELDS] on the device) of one batch (timed as draft forward)."""
         t0 = time.perf_counter()
         with self.precision.autocast():  # the loss and softmax stay fp32 inside (the objectives cast)
-            out = self.objective.loss(draft, batch, signal, normalizers)
+            out = self.objective.loss(draft, batch, signal, normalizers, dense=self.dense and not evaluation)
         self.timers["draft_forward"] += time.perf_counter() - t0
         return out
-
-    def _forward(self, draft, batch: Batch, *, evaluation: bool = False
-                 ) -> tuple[torch.Tensor, list[StepCounts], tuple[int, int]]:
-        """(weighted loss, per-position counts, draft-vocab coverage counts) of one batch on its own."""
-        signal = self._signal(draft, batch, evaluation=evaluation)
-        loss, counts = self._unroll(draft, batch, signal)
-        return loss, counts, self.objective.coverage(batch, signal)
-
-    def _all_sum(self, values: list[float]) -> list[float]:
-        """Sum a few numbers over ranks (identity when alone)."""
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # [n]
-        dist.all_reduce(t)
-        return t.tolist()
 
     def _read(self, idx: list[int], device: torch.device) -> Batch:
         with self._read_lock:
@@ -254,78 +241,42 @@ class Trainer:
         """One optimizer step over this rank's micro-batches ``batches`` (sequences ``idxs``); every rank's
         parts add up to the loss of the whole step (normalised by the step's global count of positions per TTT
         step), so N ranks x M micro-batches train exactly as one process with N x M micro-batches.
-        Returns the step's counts summed over ranks ([positions, 5] float64 on the device) and, on the
-        sync-free path, its unread non-finite-loss flag [2] (this rank, any rank); the other path checks it
-        here and raises."""
-        if self.sync_free:
-            return self._train_step_on_device(draft, optimizer, batches)
+
+        The normalizers, counts and losses stay device tensors, summed over ranks by two all-reduces. Returns
+        the step's counts summed over ranks ([positions, COUNT_FIELDS] float64 on the device) and, when
+        ``self.dense``, its unread non-finite flag [M + 1] (this rank's micro-batch losses, then whether any
+        rank's was not finite): nothing in the step waits for the device, and ``_check_finite`` reads the flag
+        before the next log row, evaluation or save. Otherwise (a CPU: nothing to wait for) the step reads the
+        flag before its update, raises at a bad step with the weights still the last good ones, and returns None."""
         cfg = self.config
         signals = [self._signal(draft, b) for b in batches]
-        local = [sum(n) for n in zip(*(self.objective.counted(b, s) for b, s in zip(batches, signals)))]
-        normalizers = [int(n) for n in self._all_sum(local)]
-        optimizer.zero_grad(set_to_none=True)
-        step_counts = [StepCounts() for _ in range(self.positions)]
-        bad = None  # (loss, micro-batch) of the first non-finite loss on this rank
-        for idx, batch, signal in zip(idxs, batches, signals):
-            loss, counts = self._unroll(draft, batch, signal, normalizers)
-            if not torch.isfinite(loss):
-                bad = bad or (loss.item(), idx)
-                continue
-            t1 = time.perf_counter()
-            loss.backward()
-            self.timers["backward"] += time.perf_counter() - t1
-            for total, c in zip(step_counts, counts):
-                total.add(c)
-        # One sum over ranks before the update: whether any loss was not finite (every rank then
-        # stops together; a lone rank raising would leave the others in all_reduce) and the step's counts.
-        summed = self._all_sum([float(bad is not None)] + [v for c in step_counts for v in c.as_floats()])
-        if summed[0]:
-            what = (f"loss is {bad[0]} at step {where.step} (epoch {where.epoch}, batch {where.batch}, "
-                    f"sequences {[self.source.sequence_ids[i] for i in bad[1]]})" if bad else
-                    f"another rank's loss is not finite at step {where.step}")
-            raise TrainingError(f"{what}; the last good checkpoint in {self.out} is kept")
-        t1 = time.perf_counter()
-        self._sync_grads(draft)
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
-        optimizer.step()
-        self.timers["backward"] += time.perf_counter() - t1
-        per_step = [StepCounts.from_floats(summed[1:][j * COUNT_FIELDS:(j + 1) * COUNT_FIELDS]).as_floats()
-                    for j in range(self.positions)]
-        return torch.tensor(per_step, dtype=torch.float64, device=self.device), None  # [positions, 5]
-
-    def _train_step_on_device(self, draft, optimizer, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_train_step`` without reading a device value: normalizers, counts and the non-finite flag stay
-        tensors (summed over ranks by one all-reduce); a non-finite loss poisons the update, and the flag read
-        at the next log row stops the run before the next save."""
-        cfg = self.config
-        t0 = time.perf_counter()
-        signals = [self.objective.signal_on_device(draft, b) for b in batches]
-        self.timers["target_head"] += time.perf_counter() - t0
-        local = torch.stack([counted_on_device(b.loss_mask, s.in_vocab, self.positions)
-                             for b, s in zip(batches, signals)]).sum(0)  # [positions]
-        normalizers = self._all_sum_tensor(local)
+        local = torch.stack([self.objective.counted(b, s) for b, s in zip(batches, signals)]).sum(0)  # [positions]
+        normalizers = self._all_sum(local)
         optimizer.zero_grad(set_to_none=True)
         counts = torch.zeros(self.positions, COUNT_FIELDS, dtype=torch.float64, device=self.device)
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        losses = []
         for batch, signal in zip(batches, signals):
-            t0 = time.perf_counter()
-            with self.precision.autocast():  # the loss and softmax stay fp32 inside
-                loss, c = self.objective.loss_on_device(draft, batch, signal, normalizers)
+            loss, c = self._unroll(draft, batch, signal, normalizers)
             t1 = time.perf_counter()
-            self.timers["draft_forward"] += t1 - t0
-            loss.backward()
+            loss.backward()  # a non-finite loss is flagged below
             self.timers["backward"] += time.perf_counter() - t1
             counts += c
-            bad |= ~torch.isfinite(loss.detach())
-        summed = self._all_sum_tensor(torch.cat([bad.double()[None], counts.flatten()]))  # [1 + positions*5]
+            losses.append(loss.detach().double())
+        losses = torch.stack(losses)  # [M]
+        # One sum over ranks: whether any loss was not finite (every rank then stops together; a lone rank
+        # raising would leave the others in all_reduce) and the step's counts.
+        summed = self._all_sum(torch.cat([(~torch.isfinite(losses)).any().double()[None], counts.flatten()]))
+        flag = torch.cat([losses, summed[:1]])  # [M + 1]
+        if not self.dense:
+            self._raise_if_not_finite([(where, idxs, flag)])
         t1 = time.perf_counter()
         self._sync_grads(draft)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         optimizer.step()
         self.timers["backward"] += time.perf_counter() - t1
-        return summed[1:].view(self.positions, COUNT_FIELDS), torch.stack([bad, summed[0] > 0])
+        return summed[1:].view(self.positions, COUNT_FIELDS), flag if self.dense else None
 
-    def _all_sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a device tensor over ranks, in place, without reading it (identity when alone)."""
         if self.world > 1:
             dist.all_reduce(t)
@@ -333,29 +284,37 @@ class Trainer:
 
     def _check_finite(self, run: RunState) -> None:
         """Read the non-finite flags of the steps since the last check (one read); raise at the first bad step."""
-        if not run.unchecked:
-            return
-        flags = torch.stack([flag for _, _, flag in run.unchecked]).tolist()  # [steps, 2]
         pending, run.unchecked = run.unchecked, []
-        for (where, idxs, _), (mine, anyone) in zip(pending, flags):
+        self._raise_if_not_finite(pending)
+
+    def _raise_if_not_finite(self, pending: list[tuple[Position, list[list[int]], torch.Tensor]]) -> None:
+        if not pending:
+            return
+        flags = torch.cat([flag for _, _, flag in pending]).tolist()  # the one read
+        for where, idxs, _ in pending:
+            *losses, anyone = flags[:len(idxs) + 1]
+            flags = flags[len(idxs) + 1:]
             if anyone:
-                what = (f"loss is not finite at step {where.step} (epoch {where.epoch}, batch {where.batch}, "
-                        f"sequences {[self.source.sequence_ids[i] for idx in idxs for i in idx]})" if mine else
+                bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+                what = (f"loss is {losses[bad]} at step {where.step} (epoch {where.epoch}, batch {where.batch + bad}, "
+                        f"sequences {[self.source.sequence_ids[i] for i in idxs[bad]]})" if bad is not None else
                         f"another rank's loss is not finite at step {where.step}")
                 raise TrainingError(f"{what}; the last good checkpoint in {self.out} is kept")
 
     @torch.no_grad()
     def evaluate(self, draft) -> dict[str, float]:
+        """Loss and accuracies on the held-out split (each batch on its own), the draft-vocabulary coverage."""
         draft.eval()
-        total = [StepCounts() for _ in range(self.positions)]
+        total = torch.zeros(self.positions, COUNT_FIELDS, dtype=torch.float64, device=self.device)
         inside = counted = 0
         for idx in batch_plan(self.val_idx, self.source.lengths, self.config.batch_tokens, seed=0):
-            _, counts, (n_in, n) = self._forward(draft, self._read(idx, self.device), evaluation=True)
-            for t, c in zip(total, counts):
-                t.add(c)
+            batch = self._read(idx, self.device)
+            signal = self._signal(draft, batch, evaluation=True)
+            total += self._unroll(draft, batch, signal, evaluation=True)[1]
+            n_in, n = self.objective.coverage(batch, signal)
             inside, counted = inside + n_in, counted + n
         draft.train()
-        return {**summarize(total, prefix="val_", weights=self.objective.weights),
+        return {**summarize(StepCounts.rows(total), prefix="val_", weights=self.objective.weights),
                 "val_vocab_coverage": round(inside / max(counted, 1), 4)}
 
     # -- checkpointing -------------------------------------------------------
@@ -502,7 +461,7 @@ class Trainer:
 
     def _log_window(self, run: RunState) -> None:
         position = run.position
-        window = [StepCounts.from_floats(row) for row in run.window.tolist()]  # the window's one read
+        window = StepCounts.rows(run.window)  # the window's one read
         seconds = max(time.perf_counter() - run.log_time, 1e-9)
         tokens = position.tokens - run.log_tokens
         run.step_tokens, run.step_seconds = run.step_tokens + tokens, run.step_seconds + seconds

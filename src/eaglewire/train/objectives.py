@@ -2,8 +2,12 @@
 batch, count what each predicted position divides by, and the loss with its counts.
 
 Both families report per predicted position (EAGLE-3: TTT step j; DFlash: drafted block position
-j + 1) the same ``StepCounts``, so the loop's steps, data parallel sums, logging, evaluation and
+j + 1) the same ``StepCounts`` fields, as a [positions, COUNT_FIELDS] float64 tensor on the batch's device
+(read to the host once per log row), so the loop's steps, data parallel sums, logging, evaluation and
 resume are one code path.
+
+``dense`` (EAGLE-3's ``--sync-free``): the target's head and the draft's loss at every position, masked,
+so that nothing in the step makes a CUDA host wait for the device (``model/ttt.py``'s ``ttt_loss``).
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.model.target import Target
 from eaglewire.model.target_head import HeadOnlyError, unnorm_weight
 from eaglewire.model.ttt import (StepCounts, TargetSignal, counted_per_step, signal_positions, target_signal,
-                                 topk_signal, ttt_unroll, vocab_coverage)
+                                 topk_signal, ttt_loss, vocab_coverage)
 from eaglewire.model.vocab import build_draft_vocab
-from eaglewire.train.unroll import ttt_unroll_on_device
 
 
 class Objective(Protocol):
@@ -31,9 +34,10 @@ class Objective(Protocol):
     weights: list[float]  # each position's weight in the loss
 
     def build(self, target: Target, num_aux: int, counts: torch.Tensor) -> torch.nn.Module: ...
-    def signal(self, draft, batch: Batch, *, evaluation: bool = False): ...
-    def counted(self, batch: Batch, signal) -> list[int]: ...
-    def loss(self, draft, batch: Batch, signal, normalizers: list[int] | None) -> tuple[torch.Tensor, list[StepCounts]]: ...
+    def signal(self, draft, batch: Batch, *, evaluation: bool = False, dense: bool = False): ...
+    def counted(self, batch: Batch, signal) -> torch.Tensor: ...  # [positions] float64
+    def loss(self, draft, batch: Batch, signal, normalizers: torch.Tensor | None, *,
+             dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...  # loss, counts [positions, COUNT_FIELDS]
     def coverage(self, batch: Batch, signal) -> tuple[int, int]: ...
 
 
@@ -53,38 +57,26 @@ class Eagle3Objective:
         draft.set_vocab(*build_draft_vocab(counts, self.vocab))
         return draft
 
-    def signal(self, draft, batch: Batch, *, evaluation: bool = False) -> TargetSignal:
+    def signal(self, draft, batch: Batch, *, evaluation: bool = False, dense: bool = False) -> TargetSignal:
+        """The target's signal where a step reads it; ``dense``: the head over every position (selecting the
+        positions is a shape the host would wait for). The counted positions and their signal are the same
+        either way: a step counts only where the loss mask says the signal is read."""
         needed = signal_positions(batch.loss_mask)
         if batch.topk_ids is not None:  # shards with --labels topk:K: the stored top-K is the target's signal
+            # (its rows are selected on the host even when dense: one read per batch)
             return topk_signal(batch.topk_logprobs, batch.topk_ids, draft.draft_to_target, draft.t2d, needed)
         return target_signal(self.head, batch.last_hidden.to(self.target.dtype),
-                             draft.draft_to_target, draft.t2d, needed)
+                             draft.draft_to_target, draft.t2d, None if dense else needed)
 
-    def counted(self, batch: Batch, signal: TargetSignal) -> list[int]:
-        return counted_per_step(batch.loss_mask, signal.in_vocab, self.positions)
+    def counted(self, batch: Batch, signal: TargetSignal) -> torch.Tensor:
+        return counted_per_step(batch.loss_mask, signal.in_vocab, self.positions)  # [K]
 
-    def loss(self, draft, batch: Batch, signal: TargetSignal, normalizers):
+    def loss(self, draft, batch: Batch, signal: TargetSignal, normalizers: torch.Tensor | None, *,
+             dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
-        return ttt_unroll(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal,
-                          ttt_steps=self.positions, decay=self.decay, normalizers=normalizers)
-
-    def signal_on_device(self, draft, batch: Batch) -> TargetSignal:
-        """``signal`` without a host synchronisation: the head over every position (selecting the positions a
-        step reads is a shape the host would wait for). The counted positions and their signal are the same:
-        a step counts only where the loss mask says the signal is read."""
-        if batch.topk_ids is not None:  # the stored top-K's rows are selected on the host: one read per batch
-            return self.signal(draft, batch)
-        return target_signal(self.head, batch.last_hidden.to(self.target.dtype), draft.draft_to_target, draft.t2d)
-
-    def loss_on_device(self, draft, batch: Batch, signal: TargetSignal,
-                       normalizers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``loss`` without a host synchronisation (train/unroll.py): normalizers [K] and the counts [K, 5]
-        are device tensors."""
-        with torch.no_grad():
-            emb = self.target.embed_tokens(batch.input_ids).float()  # [B, T, H]
-        return ttt_unroll_on_device(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal,
-                                    ttt_steps=self.positions, decay=self.decay, normalizers=normalizers)
+        return ttt_loss(draft, emb, batch.aux_hidden.float(), batch.loss_mask, signal, ttt_steps=self.positions,
+                        decay=self.decay, normalizers=normalizers, dense=dense)
 
     def coverage(self, batch: Batch, signal: TargetSignal) -> tuple[int, int]:
         return vocab_coverage(signal.in_vocab, batch.loss_mask)
@@ -131,7 +123,8 @@ class DFlashObjective:
                 pass
         return draft
 
-    def signal(self, draft, batch: Batch, *, evaluation: bool = False) -> BlockSignal:
+    def signal(self, draft, batch: Batch, *, evaluation: bool = False, dense: bool = False) -> BlockSignal:
+        # (``dense`` is EAGLE-3's: a DFlash step reads its sampled blocks' counts on the host.)
         # Evaluation samples the same anchors every time (a fixed generator); training draws from
         # torch's generator, which the checkpoint saves, so a resumed run draws what it would have.
         generator = torch.Generator().manual_seed(self.seed) if evaluation else None
@@ -142,14 +135,17 @@ class DFlashObjective:
                             head=self.head, last_hidden=last, topk=topk, vocab_size=self.target.vocab_size,
                             generator=generator, vocab=vocab)
 
-    def counted(self, batch: Batch, signal: BlockSignal) -> list[int]:
-        return signal.per_position()
+    def counted(self, batch: Batch, signal: BlockSignal) -> torch.Tensor:
+        return torch.tensor(signal.per_position(), dtype=torch.float64, device=batch.input_ids.device)  # [J]
 
-    def loss(self, draft, batch: Batch, signal: BlockSignal, normalizers):
+    def loss(self, draft, batch: Batch, signal: BlockSignal, normalizers: torch.Tensor | None, *,
+             dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         embed = self.target.embed_tokens
-        return block_loss(draft, lambda ids: embed(ids).float(), self.lm_head(draft),
-                          batch.input_ids, batch.aux_hidden.float(), signal, gamma=self.gamma,
-                          normalizers=normalizers)
+        loss, counts = block_loss(draft, lambda ids: embed(ids).float(), self.lm_head(draft),
+                                  batch.input_ids, batch.aux_hidden.float(), signal, gamma=self.gamma,
+                                  normalizers=None if normalizers is None else [int(n) for n in normalizers.tolist()])
+        return loss, torch.tensor([c.as_floats() for c in counts], dtype=torch.float64,
+                                  device=batch.input_ids.device)  # [J, COUNT_FIELDS]
 
     def coverage(self, batch: Batch, signal: BlockSignal) -> tuple[int, int]:
         """(pairs counted, pairs under the loss mask): a pruned vocabulary drops those whose target argmax is outside."""

@@ -72,7 +72,8 @@ class RunState:
     log_time: float = 0.0  # perf_counter and tokens at the last log row: the window's tokens/s
     log_tokens: int = 0
     # Steps whose non-finite-loss flag (a device tensor) is not read yet: (position before the step, its
-    # micro-batches, flag [2]: this rank's loss, any rank's). Read when a log row, evaluation or save is due.
+    # micro-batches, flag [M + 1]: this rank's micro-batch losses, whether any rank's was not finite). Read when a
+    # log row, evaluation or save is due.
     unchecked: list[tuple[Position, list[list[int]], torch.Tensor]] = field(default_factory=list)
     flops_per_token: float | None = None  # the draft's training FLOPs per token (None: not counted for the family)
     step_tokens: int = 0  # tokens and seconds of this run's logged windows (evaluation and saves left out)

@@ -18,7 +18,7 @@ from eaglewire.core.precision import Precision
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.model.label_head import label_head
 from eaglewire.model.target import Target
-from eaglewire.model.ttt import signal_positions, target_signal, ttt_unroll
+from eaglewire.model.ttt import signal_positions, target_signal, ttt_loss
 
 __all__ = ["training_tokens_per_second"]
 
@@ -44,12 +44,14 @@ def training_tokens_per_second(target: Target, precision: Precision, *, num_aux:
     last = torch.randn(B, PROBE_ROWS, H, generator=g).to(target.device, target.dtype)  # [B, T, H]
     emb = torch.randn(B, PROBE_ROWS, H, generator=g).to(target.device)  # [B, T, H]
     mask = torch.ones(B, PROBE_ROWS, dtype=torch.bool, device=target.device)  # [B, T]
+    dense = mask.device.type == "cuda"  # as the loop's --sync-free auto
 
     def step() -> float:
         start = time.perf_counter()
-        signal = target_signal(head, last, draft.draft_to_target, draft.t2d, signal_positions(mask))
+        needed = None if dense else signal_positions(mask)
+        signal = target_signal(head, last, draft.draft_to_target, draft.t2d, needed)
         with precision.autocast():  # as the training loop runs the unroll (train/loop.py)
-            loss, _ = ttt_unroll(draft, emb, aux, mask, signal, ttt_steps=ttt_steps)
+            loss, _ = ttt_loss(draft, emb, aux, mask, signal, ttt_steps=ttt_steps, dense=dense)
         loss.backward()
         draft.zero_grad(set_to_none=True)
         return time.perf_counter() - start
