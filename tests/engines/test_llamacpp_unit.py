@@ -16,7 +16,7 @@ from eaglewire.bench.bench_command import BenchConfig, Row, parse_config, same_o
 from eaglewire.engines.command_settings import EngineRunConfig
 from eaglewire.engines.interface import RunSettings, ServedFiles
 from eaglewire.engines.llamacpp.runtime import answer_stats as llamacpp_stats, launch_config
-from eaglewire.doctor.checks import architecture_check, check_serving
+from eaglewire.doctor.checks import LaunchSettings, architecture_check, check_serving
 from eaglewire.doctor.doctor_config import DoctorConfig
 from eaglewire.doctor.verdicts import DoctorReport
 from eaglewire.engines import llamacpp as engine
@@ -90,7 +90,7 @@ def doctor_config(gguf: Path | None, flags: str | None = None, target: str = "sm
     """The doctor told of llama.cpp's serving side; the flags' draft, when named, is not here (the GGUF given is
     judged)."""
     return DoctorConfig(draft="d", engine="llamacpp", target=target, engine_flags=flags,
-                        engine_config=str(gguf) if gguf else None)
+                        engine_config=str(gguf) if gguf else None).settings(LaunchSettings)
 
 
 def test_doctor_fails_a_miswired_gguf_and_passes_the_right_one(tmp_path):
@@ -120,7 +120,7 @@ def test_both_doctors_read_the_gguf_through_the_one_serving_check(tmp_path):
 
     bad = write_draft_gguf(tmp_path / "bad.gguf", [1, 14, 26], d2t=IDS)
     report = DoctorReport(draft="d", target="t")
-    config = DoctorConfig(draft="d", engine="llamacpp", engine_config=str(bad))
+    config = DoctorConfig(draft="d", engine="llamacpp", engine_config=str(bad)).settings(LaunchSettings)
     readings, steps, same = check_serving(report, config, TRAINED, L, "LlamaForCausalLM",
                                           vocab_ids=torch.tensor(IDS))
     assert readings == {"llamacpp": [1, 14, 26]} and steps == engine.DEFAULT_N_MAX and same is config

@@ -195,7 +195,7 @@ def foreign(tmp_path_factory, vllm_installation, served, trained, draft, smollm2
     from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.doctor.measure import Sequence
     from eaglewire.doctor.verdicts import DoctorReport
-    from eaglewire.doctor.served_tau.served_check import check_served
+    from eaglewire.doctor.served_tau.served_check import ServedSettings, check_served
     from eaglewire.engines.interface import ServedFiles
     from eaglewire.engines.vllm.server import RUNTIME
 
@@ -221,7 +221,7 @@ def foreign(tmp_path_factory, vllm_installation, served, trained, draft, smollm2
         report = DoctorReport(str(draft_dir), "smollm2-135m")
         config = DoctorConfig(draft=str(draft_dir), engine="vllm", engine_url=server.url, engine_prompts=len(ids),
                               engine_tokens=NEW_TOKENS, engine_config=str(files.draft / "config.json"))
-        check_served(report, config, smollm2_target, dflash, list(contract.aux_boundaries), sequences, CHAIN)
+        check_served(report, config.settings(ServedSettings), smollm2_target, dflash, list(contract.aux_boundaries), sequences, CHAIN)
     assert _group_gone(pgid), f"vLLM's processes (group {pgid}) outlived the server: see {copy / 'vllm.log'}"
     return files, copy, report
 

@@ -99,7 +99,7 @@ def _doctor_served(server, target, reference, prompts, held_out, engine_config=N
     from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.doctor.measure import Sequence
     from eaglewire.doctor.verdicts import DoctorReport
-    from eaglewire.doctor.served_tau.served_check import check_served
+    from eaglewire.doctor.served_tau.served_check import ServedSettings, check_served
 
     draft, layout = reference
     sequences = [Sequence(f"p{i}", torch.tensor(p + [0]), torch.arange(len(p) + 1) >= len(p))
@@ -107,7 +107,7 @@ def _doctor_served(server, target, reference, prompts, held_out, engine_config=N
     report = DoctorReport("reference", "smollm2-135m")
     config = DoctorConfig(draft="reference", engine="vllm", engine_url=server.url, engine_prompts=len(prompts),
                           engine_tokens=NEW_TOKENS, engine_config=engine_config and str(engine_config))
-    check_served(report, config, target, draft, layout, sequences, CHAIN)
+    check_served(report, config.settings(ServedSettings), target, draft, layout, sequences, CHAIN)
     return report
 
 

@@ -59,6 +59,7 @@ def main() -> None:
     from eaglewire.core.presets import DEFAULT_TARGET
     from eaglewire.doctor.doctor_config import DoctorConfig
     from eaglewire.doctor.served_tau.diagnosis import Wiring, diagnose, field_wirings, layout_wirings, order_wirings
+    from eaglewire.doctor.served_tau.served_check import ServedSettings
     from eaglewire.doctor.served_tau.probes import Prober, probe_pool
     from eaglewire.doctor.verdicts import DoctorReport
     from eaglewire.doctor.engine_reading import config_fix
@@ -102,8 +103,8 @@ def main() -> None:
                                   probe_tokens=budget, engine_tokens=args.tokens)
             prober = Prober(server, probe_pool(target, held_out, None), budget=budget, tokens=args.tokens)
             start = time.perf_counter()
-            check = diagnose(report, config, target, draft, DECLARED, first, counts, as_trained, args.steps, [],
-                             prober)
+            check = diagnose(report, config.settings(ServedSettings), target, draft, DECLARED, first, counts, as_trained,
+                             args.steps, [], prober)
             got = report.served["diagnosis"]
             named = got["match"]["label"] if check.verdict == "fail" and "cannot tell apart" not in check.summary \
                 and got["match"] else f"{len(got['within_noise'])} left"
