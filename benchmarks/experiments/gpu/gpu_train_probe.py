@@ -166,22 +166,15 @@ def run_variant(name: str, shape: str, device, *, prefetch: bool, sync_free: boo
             batch = next(batches)
             t.append(time.perf_counter())
             optimizer.zero_grad(set_to_none=True)
-            if sync_free:
-                signal = objective.signal_on_device(draft, batch)
-                t.append(time.perf_counter())
-                from eaglewire.train.unroll import counted_on_device
-
-                normalizers = counted_on_device(batch.loss_mask, signal.in_vocab, TTT_STEPS)
-                with precision.autocast():
-                    loss, counts = objective.loss_on_device(draft, batch, signal, normalizers)
-            else:
-                signal = objective.signal(draft, batch)
-                t.append(time.perf_counter())
-                normalizers = objective.counted(batch, signal)  # read to the host, as the old step did
-                with precision.autocast():
-                    loss, counts = objective.loss(draft, batch, signal, normalizers)
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"loss is {loss.item()}")
+            # sync_free: the training loop's dense mode (every position, nothing read by the host); else the
+            # selecting mode, with the non-finite check read before the update as the CPU step does
+            signal = objective.signal(draft, batch, dense=sync_free)
+            t.append(time.perf_counter())
+            normalizers = objective.counted(batch, signal)  # [K]
+            with precision.autocast():
+                loss, counts = objective.loss(draft, batch, signal, normalizers, dense=sync_free)
+            if not sync_free and not torch.isfinite(loss):
+                raise RuntimeError(f"loss is {loss.item()}")
             t.append(time.perf_counter())
             loss.backward()
             t.append(time.perf_counter())
