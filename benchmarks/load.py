@@ -523,20 +523,23 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sustained", help="C clients for S seconds, mixed requests: no 5xx, replies whole, memory flat")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--seconds", type=float, default=300)
-    p.add_argument("--server", default="chain 1", choices=sorted(SHAPES))
-    p.add_argument("--schedule")
-    p.add_argument("--threads", type=int, default=2)
+    one_server(p)
     p.add_argument("--out")
     p.set_defaults(run=sustained)
 
     p = sub.add_parser("alone", help="each reply under load equals the reply to that request alone")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=24)
+    one_server(p)
+    p.set_defaults(run=alone)
+    return ap
+
+
+def one_server(p: argparse.ArgumentParser) -> None:
+    """The flags of a mode that loads one server: its shape, or a schedule, and its threads."""
     p.add_argument("--server", default="chain 1", choices=sorted(SHAPES))
     p.add_argument("--schedule")
     p.add_argument("--threads", type=int, default=2)
-    p.set_defaults(run=alone)
-    return ap
 
 
 def main() -> int:
