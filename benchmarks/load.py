@@ -520,26 +520,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out")
     p.set_defaults(run=concurrency)
 
-    p = sub.add_parser("sustained", help="C clients for S seconds, mixed requests: no 5xx, replies whole, memory flat")
-    p.add_argument("--clients", type=int, default=32)
+    p = one_server(sub, "sustained", "C clients for S seconds, mixed requests: no 5xx, replies whole, memory flat",
+                   clients=32, run=sustained)
     p.add_argument("--seconds", type=float, default=300)
-    one_server(p)
     p.add_argument("--out")
-    p.set_defaults(run=sustained)
 
-    p = sub.add_parser("alone", help="each reply under load equals the reply to that request alone")
-    p.add_argument("--clients", type=int, default=8)
+    p = one_server(sub, "alone", "each reply under load equals the reply to that request alone", clients=8, run=alone)
     p.add_argument("--requests", type=int, default=24)
-    one_server(p)
-    p.set_defaults(run=alone)
     return ap
 
 
-def one_server(p: argparse.ArgumentParser) -> None:
-    """The flags of a mode that loads one server: its shape, or a schedule, and its threads."""
+def one_server(sub, name: str, help: str, *, clients: int, run) -> argparse.ArgumentParser:
+    """A mode that loads one server: its clients, its shape (or a schedule) and its threads."""
+    p = sub.add_parser(name, help=help)
+    p.set_defaults(run=run)
+    p.add_argument("--clients", type=int, default=clients)
     p.add_argument("--server", default="chain 1", choices=sorted(SHAPES))
     p.add_argument("--schedule")
     p.add_argument("--threads", type=int, default=2)
+    return p
 
 
 def main() -> int:
