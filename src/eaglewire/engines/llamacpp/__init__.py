@@ -6,7 +6,7 @@
 | installation.py | finding or building ``llama-server`` and the source tree (converter, gguf-py) |
 | build_config.py | the cmake options for this CPU (its own ISA, AMX off on x86), the build's record |
 | smoke.py     | the smoke run that proves a built server runs here (a Q8_0 GGUF, two threads) |
-| errors.py    | ``LlamaCppError``                                                         |
+| failure.py   | ``LlamaCppError``, a server's exit in words                             |
 | server.py    | a llama-server process, ``/completion``, its Prometheus ``/metrics``      |
 | gguf.py      | the EAGLE-3 export (the converter over the vLLM export), reading a GGUF draft back |
 | dflash_export.py | the DFlash export (the converter over z-lab's layout; a pruned vocabulary's d2t) |
