@@ -12,7 +12,7 @@ the blocks of all of them into one pass) and, with a draft, its drafter (a fork 
 weights shared, its context its own). The target's states of the tokens a sequence decoded plainly wait in
 ``Sequence.unseen`` and enter its draft's context at its next speculative round, so plain steps cost the draft
 nothing. Greedy output is the target's: with a draft or without, at any batch size (fp32: up to the GEMM's rounding,
-which can depend on the number of rows; bf16 on CPU: row-exact up to 64 rows, runner.forward_blocks).
+which can depend on the number of rows; bf16 on CPU: row-exact up to 64 rows, runner.forward_blocks and gemm.PackedLinear).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from torch import nn
 ROWS_HINT = 8  # oneDNN picks its blocking for this many rows; 8 is as fast as 1 at N=1 and best to N=64
 MIN_EXACT_ROWS = 2  # row-exact calls run at least this many rows (see PackedLinear.exact_rows)
 MAX_EXACT_ROWS = 64  # a call of at most this many rows is a verify (row-exact); a longer one is a prefill
+EXACT_CHUNK_ROWS = 32  # oneDNN's bf16 kernel for 2-32 rows is one; on AMX it takes another from 33 (measured)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -42,10 +43,12 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  dtype: torch.dtype | None = None, onednn: bool | None = None, exact_rows: bool = False) -> None:
         """``exact_rows``: a row's result does not depend on how many rows (up to ``MAX_EXACT_ROWS``) the call has.
-        oneDNN's bf16 GEMM takes another kernel for one row than for 2-64 when K is large (K >= 1536 measured on
-        AMD AVX-512 BF16: the down projection), one bf16 ulp apart, and an ulp flips later greedy tokens: a verify
-        of N rows would not be N plain steps. So with oneDNN one row runs as two (the same row twice; as fast at
-        one thread, measured); without it (``x @ w``, whose blocking follows the rows) each row runs alone."""
+        oneDNN's bf16 GEMM takes another kernel for one row than for 2-32 when K is large (K >= 1536 measured on
+        AMD AVX-512 BF16: the down projection), and on an Intel Xeon with AMX another again from 33 rows (every K
+        measured), each one bf16 ulp apart, and an ulp flips later greedy tokens: a verify of N rows would not be
+        N plain steps. So with oneDNN a call runs in chunks of 2 to ``EXACT_CHUNK_ROWS`` rows, a lone row as two
+        (the same row twice; as fast at one thread, measured); without it (``x @ w``, whose blocking follows the
+        rows) each row runs alone."""
         weight = weight.detach().to(dtype or weight.dtype)  # [M, K]
         self.exact_rows = exact_rows
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -66,10 +69,16 @@ class PackedLinear:
             return self._gemm(x)
         if not self.onednn:
             return torch.cat([self._gemm(row[None]) for row in rows]).reshape(*x.shape[:-1], -1)  # [..., M]
+        if rows.shape[0] <= EXACT_CHUNK_ROWS:
+            return self._exact_chunk(rows).reshape(*x.shape[:-1], -1)  # [..., M]
+        chunks = [self._exact_chunk(c) for c in rows.split(EXACT_CHUNK_ROWS)]  # each [<=32, M]
+        return torch.cat(chunks).reshape(*x.shape[:-1], -1)  # [..., M]
+
+    def _exact_chunk(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, K], 1 <= n <= EXACT_CHUNK_ROWS -> [n, M] through the 2-32-row kernel (a lone row twice)."""
         if rows.shape[0] == 1:
-            twice = rows.expand(MIN_EXACT_ROWS, -1).contiguous()  # [2, K]: the row twice
-            return self._gemm(twice)[:1].reshape(*x.shape[:-1], -1)  # [..., M]
-        return self._gemm(x)
+            return self._gemm(rows.expand(MIN_EXACT_ROWS, -1).contiguous())[:1]  # [2, K]: the row twice
+        return self._gemm(rows)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., M], one call of the kernel."""
