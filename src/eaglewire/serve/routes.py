@@ -252,7 +252,8 @@ def create_app(decoder: SpecDecoder, *, model_name: str, max_queue: int = 64, ap
     if decoder.target.tokenizer is None:
         raise ValueError("the target has no tokenizer; load it with eaglewire.model.target.load_target")
     max_context = max_context or int(decoder.target.text_config.max_position_embeddings)
-    schedule = engine_schedule(decoder, schedule)
+    schedule = schedule or Schedule.fixed(decoder.spec if decoder.drafter is not None else None)
+    engine_schedule(decoder, schedule)  # refuses a schedule that speculates without a draft
     metrics = Metrics(1 + schedule.max_steps, ROUTES)
     worker = DecodeWorker(decoder, max_queue, metrics, own_thread=engine_thread,
                           per_request_metrics=per_request_metrics, max_batch=max_batch, schedule=schedule)
