@@ -236,5 +236,12 @@ def test_a_served_copy_with_another_embedding_is_named_and_the_one_fix_is_to_ser
     check = checks["served wiring"]
     diagnosis = report.served["diagnosis"]
     print(check.summary, "\nfix:", check.fix, "\nprobes:", diagnosis["probes"])
-    assert check.verdict == "fail" and diagnosis["match"]["label"] == "another embedding", diagnosis
-    assert check.fix.startswith(f"make the server load {files.draft / 'config.json'}"), check.fix
+    load = f"make the server load {files.draft / 'config.json'}"
+    assert check.verdict == "fail" and "another embedding" in diagnosis["within_noise"], diagnosis
+    if len(diagnosis["within_noise"]) == 1:
+        assert diagnosis["match"]["label"] == "another embedding", diagnosis
+        assert check.fix.startswith(load), check.fix
+    else:  # on an Intel Xeon with AMX, fc's columns in another order accept alike on every probe of the pool:
+        # the set is said, why the probes stopped, and serving the user's export is among its fixes
+        assert diagnosis["probes"]["stopped"] in check.summary, check.summary
+        assert load in check.fix and "embed_tokens" in check.fix, check.fix
