@@ -49,7 +49,8 @@ def commands(work: Path) -> dict[str, list[str]]:
                     "--no-regenerate", "--out", str(data), "--overwrite", "--no-progress"],
         "train": ["train", "--target", "smollm2-135m", "--data", str(data), "--out", str(draft), "--max-steps", "20",
                   "--val-sequences", "2", "--no-progress"],
-        "doctor": ["doctor", "--draft", "reference", "--target", "smollm2-135m", "--num-sequences", "8"],
+        "doctor": ["doctor", "--draft", "reference", "--target", "smollm2-135m", "--num-sequences", "8",
+                   "--no-cache"],  # a repeat would read the first run's checks back (doctor/cache.py)
         "bench": ["bench", "--draft", "reference", "--dataset", "mt-bench", "--num-prompts", "4",
                   "--max-new-tokens", "64", "--configs", "1,0,0,0;1,3,1,4", "--out", str(bench), "--no-progress"],
     }
