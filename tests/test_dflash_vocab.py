@@ -15,7 +15,8 @@ from eaglewire.model.checkpoint import load_draft
 from eaglewire.model.dflash import DFlashConfig, DFlashDraft
 from eaglewire.model.dflash_blocks import draft_head, draft_lm_head, target_lm_head
 from eaglewire.model.dflash_objective import block_signal
-from eaglewire.train.loop import TrainConfig, train
+from eaglewire.train.loop import train
+from eaglewire.train.train_config import TrainConfig
 from tiny import pruned_dflash_draft, random_dflash_draft, sharp_shards, tiny_target
 
 AUX = (2, 4, 5)

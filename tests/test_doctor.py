@@ -234,7 +234,8 @@ PROMPTS = ["Name three primary colors.", "What is the capital of France?", "Writ
 def trained(tmp_path_factory, smollm2_target):
     """Two drafts on the target's own greedy replies: one reads [0, 2, 15], one [2, 15, 27]."""
     from eaglewire.data.prepare import PrepareConfig, prepare
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     root = tmp_path_factory.mktemp("doctor")
     chats = root / "chats.jsonl"

@@ -15,7 +15,8 @@ from eaglewire.doctor.measure import Sequence, capture_batches, engine_agreement
 from eaglewire.model.boundary_capture import capture
 from eaglewire.model.checkpoint import load_draft, save_draft
 from eaglewire.model.dflash_blocks import target_lm_head
-from eaglewire.train.loop import TrainConfig, train
+from eaglewire.train.loop import train
+from eaglewire.train.train_config import TrainConfig
 from test_dflash_acceptance import decode_block
 from tiny import random_dflash_draft, sharp_shards, tiny_target
 

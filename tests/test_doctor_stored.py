@@ -11,7 +11,8 @@ from eaglewire.data.shards import ShardWriter
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.doctor.stored import stored_layouts, token_signal
 from eaglewire.model.target import load_target
-from eaglewire.train.loop import TrainConfig, train
+from eaglewire.train.loop import train
+from eaglewire.train.train_config import TrainConfig
 from tiny import save_tiny_dir
 
 AUX = (2, 4, 5)

@@ -14,7 +14,8 @@ from eaglewire.data.shards import ShardWriter
 from eaglewire.model.draft import DraftConfig, Eagle3Draft
 from eaglewire.engines.formats.foreign_draft import detect_draft_format, load_any_draft
 from eaglewire.engines import export_draft
-from eaglewire.train.loop import TrainConfig, train
+from eaglewire.train.loop import train
+from eaglewire.train.train_config import TrainConfig
 from tiny import tiny_target
 
 AUX, VD = (2, 4, 5), 64

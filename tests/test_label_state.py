@@ -268,7 +268,8 @@ def test_train_and_doctor_name_the_re_import(sources, target_dir, target, tmp_pa
     from eaglewire.doctor import DoctorConfig, run_doctor
     from eaglewire.model.checkpoint import save_draft
     from eaglewire.model.draft import DraftConfig, Eagle3Draft
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     data = tmp_path / "post"
     run_import(sources, "vllm", "post", data, target_dir, skip_label_check=True)

@@ -18,7 +18,8 @@ from eaglewire.data.import_data import ImportDataConfig, import_data
 from eaglewire.doctor import DoctorConfig, run_doctor
 from eaglewire.engines.registry import export_draft
 from eaglewire.model.target_head import load_target_head
-from eaglewire.train.loop import TrainConfig, train
+from eaglewire.train.loop import train
+from eaglewire.train.train_config import TrainConfig
 from tiny import save_tiny_dir
 
 L, H = 8, 64

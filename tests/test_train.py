@@ -10,7 +10,8 @@ from eaglewire.model.checkpoint import load_draft
 from eaglewire.core.contract import ContractError
 from eaglewire.data.prepare import PrepareConfig, prepare
 from eaglewire.model.target import Target
-from eaglewire.train.loop import TrainConfig, TrainingError, batch_plan, lr_lambda, split_indices, train
+from eaglewire.train.loop import TrainingError, batch_plan, lr_lambda, split_indices, train
+from eaglewire.train.train_config import TrainConfig
 from tiny import tiny_target
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()

@@ -21,7 +21,8 @@ def _rank_main(rank, world, port, data, out, grad_accum, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from eaglewire.model.target import load_tokenizer
-    from eaglewire.train.loop import TrainConfig, Trainer
+    from eaglewire.train.loop import Trainer
+    from eaglewire.train.train_config import TrainConfig
     from tiny import tiny_target
 
     tok = load_tokenizer("smollm2-135m")

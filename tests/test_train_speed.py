@@ -19,7 +19,8 @@ from eaglewire.model.ttt import TargetSignal, counted_per_step, soft_cross_entro
 from eaglewire.train import compiled as compiled_mod
 from eaglewire.train.flops import (DraftShape, attention_length, eagle3_forward_flops, eagle3_train_flops,
                                    peak_flops, utilisation)
-from eaglewire.train.loop import TrainConfig, Trainer, TrainingError, train
+from eaglewire.train.loop import Trainer, TrainingError, train
+from eaglewire.train.train_config import TrainConfig
 from eaglewire.train.prefetch import InStep, Prefetcher
 from fake_cuda import fake_cuda
 

@@ -86,7 +86,8 @@ def test_a_saved_wrapper_loads_whole_and_head_only_with_one_fingerprint(tmp_path
 def test_llava_goes_through_prepare_train_and_the_doctor(tmp_path):
     from eaglewire.data.prepare import PrepareConfig, prepare
     from eaglewire.doctor import DoctorConfig, run_doctor
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     path, _ = save_wrapper_dir(tmp_path / "llava")
     rows = tmp_path / "chats.jsonl"

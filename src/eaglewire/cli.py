@@ -61,7 +61,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     config = config_from_args(TrainConfig, args)
     result = train(config, progress=not args.no_progress)
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eaglewire.engines.command_settings import EnginesConfig, ExportCommandConfig, ImportConfig
     from eaglewire.quickstart import QuickstartConfig
     from eaglewire.serve.serve_config import ServeConfig
-    from eaglewire.train.loop import TrainConfig
+    from eaglewire.train.train_config import TrainConfig
     from eaglewire.tune.tune_command import TuneConfig
 
     parser = argparse.ArgumentParser(prog="eaglewire", description=__doc__)

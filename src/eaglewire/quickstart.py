@@ -109,7 +109,8 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
     from eaglewire.bench.bench_command import BenchConfig, run_bench
     from eaglewire.bench.bench_report import write_report
     from eaglewire.doctor import DoctorConfig, run_doctor
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     out = Path(config.out)
     stages = Stages(out, config)

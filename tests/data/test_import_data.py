@@ -226,7 +226,8 @@ def test_config_only_target_records_what_it_knows(shards, target_dir, tmp_path):
 
 def test_train_on_imported_data_with_the_head_only(shards, target_dir, tmp_path):
     """Training on imported shards reads only the head; it trains exactly as with the full target."""
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     src = write_vllm(ShardDataset(shards), tmp_path / "src")
     run_import("vllm", src, tmp_path / "data", target_dir, boundaries=[*AUX, L])
@@ -245,7 +246,8 @@ def test_train_on_imported_data_with_the_head_only(shards, target_dir, tmp_path)
 def test_a_capture_without_boundary_L_is_for_token_labels_only(shards, target_dir, tmp_path):
     from eaglewire.data.import_data import ABSENT_LAST
     from eaglewire.doctor import DoctorConfig, run_doctor
-    from eaglewire.train.loop import TrainConfig, TrainingError, train
+    from eaglewire.train.loop import TrainingError, train
+    from eaglewire.train.train_config import TrainConfig
 
     ds = ShardDataset(shards)
     src = tmp_path / "src"

@@ -132,7 +132,8 @@ def test_prepare_refuses_aux_boundaries_with_L(tiny, tmp_path):
 
 
 def test_train_refuses_a_lower_layer_capture(greedy, tiny, tmp_path):
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     path, target = tiny
     common = dict(target=str(path), max_steps=1, batch_tokens=64, val_sequences=1, draft_vocab_size=64, ttt_steps=1,

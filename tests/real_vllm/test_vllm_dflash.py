@@ -52,7 +52,8 @@ def trained(tmp_path_factory, smollm2_target):
     from eaglewire.data.prepare import PrepareConfig, prepare
     from eaglewire.decode.spec_decoder import SpecDecoder
     from eaglewire.model.checkpoint import load_draft
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     root = tmp_path_factory.mktemp("vllm-dflash")
     tok = smollm2_target.tokenizer

@@ -40,7 +40,8 @@ from eaglewire.doctor.measure import isolation_accuracy
 from eaglewire.doctor.stored import stored_batches
 from eaglewire.model.checkpoint import load_draft
 from eaglewire.model.target import load_target
-from eaglewire.train.loop import TrainConfig, train
+from eaglewire.train.loop import train
+from eaglewire.train.train_config import TrainConfig
 
 KIMI_H, KIMI_V, KIMI_AUX = 7168, 163_840, 3
 KIMI_TOKENS = 100_000 * 2_000  # the 100k samples of 2k tokens

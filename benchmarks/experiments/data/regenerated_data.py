@@ -52,7 +52,8 @@ from eaglewire.data.remote_regenerate import RemoteConfig, meta_path, regenerate
 from eaglewire.data.shards import ShardDataset  # noqa: E402
 from eaglewire.engines.llamacpp import require_server  # noqa: E402
 from eaglewire.model.target import load_target  # noqa: E402
-from eaglewire.train.loop import TrainConfig, train  # noqa: E402
+from eaglewire.train.loop import train  # noqa: E402
+from eaglewire.train.train_config import TrainConfig  # noqa: E402
 
 INPROCESS = "inprocess"
 

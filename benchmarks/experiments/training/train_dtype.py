@@ -48,7 +48,8 @@ from eaglewire.model import ttt_attention as attention_module  # noqa: E402
 from eaglewire.model.checkpoint import load_draft  # noqa: E402
 from eaglewire.model.target import load_target  # noqa: E402
 from eaglewire.model.ttt import ttt_unroll  # noqa: E402
-from eaglewire.train.loop import TrainConfig, train  # noqa: E402
+from eaglewire.train.loop import train  # noqa: E402
+from eaglewire.train.train_config import TrainConfig  # noqa: E402
 
 DTYPES = ("fp32", "bf16")
 

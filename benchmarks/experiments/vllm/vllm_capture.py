@@ -97,7 +97,8 @@ def train_on_each(args, target, work: Path) -> dict:
     from eaglewire.doctor.measure import isolation_accuracy
     from eaglewire.doctor.stored import stored_batches
     from eaglewire.model.checkpoint import load_draft
-    from eaglewire.train.loop import TrainConfig, train
+    from eaglewire.train.loop import train
+    from eaglewire.train.train_config import TrainConfig
 
     heldout_dir = work / "heldout"
     prepare(PrepareConfig(out=str(heldout_dir), num_conversations=args.heldout_conversations,

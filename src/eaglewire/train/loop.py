@@ -45,7 +45,7 @@ from eaglewire.train.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer", "TrainingError", "batch_plan", "lr_lambda", "split_indices",
+__all__ = ["TrainResult", "Trainer", "TrainingError", "batch_plan", "lr_lambda", "split_indices",
            "summarize", "train", "truncate_metrics"]
 
 
