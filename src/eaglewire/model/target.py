@@ -19,7 +19,7 @@ from torch import nn
 from eaglewire.core.contract import TargetFingerprint
 from eaglewire.core.device import resolve_device
 from eaglewire.core.errors import reading
-from eaglewire.core.fileio import atomic_dir
+from eaglewire.core.fileio import atomic_dir, atomic_write_text
 from eaglewire.core.locks import file_lock
 from eaglewire.core.presets import TARGET_PRESETS, cache_dir, fetch_asset
 
@@ -230,6 +230,7 @@ def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a cached safetensors model directory."""
     out = _gguf_cache_dir(gguf)
     if (out / "DONE").is_file():
+        _record_architecture(out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out.with_name(out.name + ".lock"), wait=True):  # another process may be converting it
@@ -250,6 +251,7 @@ def _convert_gguf_unlocked(gguf: Path, out: Path) -> None:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # dequantized: plain weights from here on
+        config.architectures = [type(model).__name__]  # what model.save_pretrained records; SGLang needs it
         config.save_pretrained(tmp)
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if getattr(config, "tie_word_embeddings", False):
@@ -257,6 +259,20 @@ def _convert_gguf_unlocked(gguf: Path, out: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
+
+
+def _record_architecture(out: Path) -> None:
+    """A directory dequantized before its config recorded ``architectures`` gets it (SGLang's model config reads
+    ``architectures[0]``; transformers and vLLM infer it from model_type)."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("architectures"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    if name:
+        atomic_write_text(path, json.dumps({**config, "architectures": [name]}, indent=2, sort_keys=True) + "\n")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglewire.core.fileio import atomic_write_text
+from eaglewire.core.logged_run import run_logged
 from eaglewire.core.presets import cache_dir
 from eaglewire.engines.interface import Progress
 
@@ -240,18 +241,7 @@ def require(python: str | Path | None = None) -> Installation:
 # ------------------------------------------------------------------ installing it
 
 def _run(cmd: list[str], logfile: Path, stage: str, progress: Progress, *, timeout: float = 3600.0) -> None:
-    progress(stage, None)
-    with open(logfile, "a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        out.flush()
-        try:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise VllmError(f"{stage}: still running after {timeout:.0f} s; log {logfile}") from None
-    if proc.returncode != 0:
-        tail = "".join(logfile.read_text(errors="replace").splitlines(keepends=True)[-15:])
-        raise VllmError(f"{stage} failed (exit {proc.returncode}); log {logfile}:\n{tail}")
+    run_logged(cmd, logfile, stage, progress, error=VllmError, timeout=timeout)
 
 
 def download_wheel(dest: Path, logfile: Path, progress: Progress = _no_progress) -> Path:

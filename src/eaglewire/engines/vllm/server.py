@@ -35,6 +35,7 @@ from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSe
 from eaglewire.engines.serving.served_counts import ServedError, get_text, post_json, samples, total, log_tail, wait_healthy
 from eaglewire.engines.vllm.installation import INSTALL_HINT, Installation, VllmError, find, require
 from eaglewire.engines.serving.spec_decode_metrics import spec_counters
+from eaglewire.engines.serving.served_target import served_target as _served_target
 from eaglewire.engines.vllm.readings import METRICS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -469,19 +470,8 @@ def _draft_family(path: Path) -> str:
 
 
 def served_target(target: str | Path) -> Path:
-    """The transformers directory vLLM loads for ``target``: a preset's dequantized directory (the one
-    eaglewire makes from its GGUF, as ``export.verifier`` names it), an HF directory itself; a .gguf refused."""
-    from eaglewire.core.presets import TARGET_PRESETS
-    from eaglewire.model.target import resolve_target_path
-
-    spec = str(target)
-    if spec in TARGET_PRESETS:
-        return resolve_target_path(spec)
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        raise VllmError(f"vLLM here serves a transformers directory, not the GGUF {path}: pass the target's model "
-                        "directory (or a preset name, whose dequantized directory eaglewire makes)")
-    return resolve_target_path(str(path)).resolve()
+    """The transformers directory vLLM loads for ``target`` (``serving/served_target.py``)."""
+    return _served_target(target, "vLLM", VllmError)
 
 
 @dataclass
