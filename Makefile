@@ -36,3 +36,11 @@ llamacpp: $(BIN)/eaglewire
 .PHONY: vllm
 vllm: $(BIN)/eaglewire
 	$(BIN)/eaglewire engines install vllm
+
+# SGLang (sglang 0.5.23, pinned) into its own venv in the user cache, once, with its CPU kernels compiled here from the
+# pinned source in ../shared/third_party (~5 min of pip, ~4-7 min of compiling on 2 cores), SGLang's own kernel tests
+# and one smoke serve with the reference draft; `make test` then runs its marked tests too (they skip, saying how to
+# install it, when it is absent).
+.PHONY: sglang
+sglang: $(BIN)/eaglewire
+	$(BIN)/eaglewire engines install sglang --jobs $(THREADS)

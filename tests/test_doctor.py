@@ -87,7 +87,21 @@ def test_lint_sglang_flags_it_would_silently_change():
                        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 8", [2, 15, 27], 30)
     assert flags.num_steps == 5
     [(verdict, what, fix)] = flags.problems
-    assert verdict == "warn" and "overrides" in what and fix == "--speculative-num-draft-tokens 6"
+    assert verdict == "warn" and "capped the draft" in what and "drafts 5 tokens a round, not the 7" in what
+    assert fix.startswith("--speculative-num-steps 7 for a chain of 7")
+
+
+def test_lint_sglang_the_seeds_num_steps_cap():
+    """The seeds' launch: --speculative-num-steps 1 with 16 draft tokens drafts one token a round."""
+    flags = lint_flags("sglang", "--speculative-algorithm EAGLE3 --speculative-num-steps 1 "
+                       "--speculative-eagle-topk 1 --speculative-num-draft-tokens 16", [2, 15, 27], 30)
+    [(verdict, what, fix)] = flags.problems
+    assert "capped the draft" in what and "drafts 1 token a round, not the 15" in what
+    assert fix.startswith("--speculative-num-steps 15")
+    fewer = lint_flags("sglang", "--speculative-algorithm EAGLE3 --speculative-num-steps 5 "
+                       "--speculative-eagle-topk 1 --speculative-num-draft-tokens 3", [2, 15, 27], 30)
+    [(_, what, fix)] = fewer.problems
+    assert "overrides" in what and fix == "--speculative-num-draft-tokens 6"
 
 
 def test_lint_sglang_boundaries_its_model_file_cannot_capture():

@@ -255,9 +255,9 @@ def test_a_second_run_reads_the_figures_back_from_the_cache(tmp_path):
     assert report.concurrency == figures and report.to_dict()["concurrency"] == figures
 
 
-def test_sglang_under_load_is_said_to_run_elsewhere_not_sent_to_a_tune_that_refuses_it(monkeypatch):
-    """SGLang does not run here, and `tune --engine sglang --concurrency` is refused: the check names no such
-    command; it says to load the user's own SGLang server."""
+def test_sglang_under_load_is_sent_to_the_tune_that_launches_it(monkeypatch):
+    """SGLang runs here (its CPU kernels built by `eaglewire engines install sglang`): the doctor's speed check
+    prices it with the stated GPU model for one request and sends its load to `eaglewire tune`, which launches it."""
     from eaglewire.doctor.doctor_command import _check_speed
 
     monkeypatch.setattr("eaglewire.acceptance.speed.rank_speed", lambda *a, **kw: one_request())
@@ -265,5 +265,5 @@ def test_sglang_under_load_is_said_to_run_elsewhere_not_sent_to_a_tune_that_refu
     _check_speed(report, DoctorConfig(draft="runs/draft", engine="sglang", concurrency=[1, 4]), None, None, None,
                  [SimpleNamespace(prompt_ids=[1, 2, 3])] * 2)
     load = report.checks[-1]
-    assert load.name == "speed under load" and load.verdict == "skip" and load.fix is None
-    assert "does not run here" in load.summary and "eaglewire tune" not in load.summary
+    assert load.name == "speed under load" and load.verdict == "skip"
+    assert load.fix == "eaglewire tune --engine sglang --draft runs/draft --concurrency 1,4"

@@ -184,8 +184,8 @@ def test_concurrency_flags_route_to_a_server_engine_or_say_why_not(capsys):
 
     assert TuneConfig(draft="reference", engine="vllm", concurrency=[1, 2]).concurrency_shapes == SERVER_SHAPES
     assert TuneConfig(draft="reference", concurrency=[1, 2]).concurrency_shapes == IN_PROCESS_SHAPES
-    assert main(["tune", "--draft", "reference", "--engine", "sglang", "--concurrency", "1,2"]) == 2
-    assert "does not run here" in capsys.readouterr().err
+    assert main(["tune", "--draft", "reference", "--engine", "sglang", "--costs", "stated", "--concurrency", "1,2"]) == 2
+    assert "is priced by --costs stated" in capsys.readouterr().err
     assert main(["tune", "--draft", "reference", "--shapes", "1,1,2"]) == 2
     assert "give --concurrency too" in capsys.readouterr().err
     BenchConfig(draft="reference", engine=["llamacpp"], configs="1,0,0,0;1,3,1,4", concurrency=[1, 2])

@@ -189,13 +189,14 @@ def test_tune_end_to_end_on_a_stated_engine(tmp_path, target_dir, draft_dir, cap
     out = tmp_path / "tune.json"
     argv = ["tune", "--target", str(target_dir), "--draft", str(draft_dir), "--dataset", str(prompts),
             "--offset", "0", "--num-prompts", "2", "--max-new-tokens", "12", "--max-steps", "2", "--engine", "sglang",
-            "--draft-cost", "3", "--dtype", dtype, "--out", str(out)]
+            "--costs", "stated", "--draft-cost", "3", "--dtype", dtype, "--out", str(out)]
     assert main(argv) == 0
     shown = capsys.readouterr().out
     assert "recommended: plain decoding" in shown  # a draft step dearer than three target steps never pays
     report = json.loads(out.read_text())
     assert report["recommendation"]["shape"]["shape"]["n_max"] == 0
-    assert len(report["ranked"]) == 1 + 2 * 6 and report["costs"]["source"] == "stated"
+    # SGLang drafts a fixed chain (no probability stop): plain and chains of 1 and 2
+    assert len(report["ranked"]) == 1 + 2 and report["costs"]["source"] == "stated"
 
 
 def test_bench_runs_what_tune_recommends(tmp_path, target_dir, draft_dir, capsys, one_thread):
@@ -217,7 +218,7 @@ def test_tune_errors_exit_2(tmp_path, capsys):
     assert "tune knows" in capsys.readouterr().err
 
 
-def test_tune_measures_what_its_flags_say():
+def test_tune_measures_what_its_flags_say(monkeypatch):
     """Every setting of the speed ranking has a tune flag of its name, defaulting to the library's
     value, and the query tune hands the library carries each flag's value."""
     plain = TuneConfig(draft="x")
@@ -230,8 +231,11 @@ def test_tune_measures_what_its_flags_say():
     assert {f.name for f in fields(SpeedQuery)} == set(given) | {"stated"}
     assert TuneConfig(draft="x", **given).query() == SpeedQuery(**{**given, "p_mins": (0.2,)}, stated=True)
     assert not TuneConfig(draft="x").query().stated  # eaglewire's own engine is timed here
-    with pytest.raises(ValueError, match="sglang does not run here"):
+    monkeypatch.setattr("eaglewire.engines.sglang.server.find", lambda python=None: None)  # not installed here
+    with pytest.raises(ValueError, match="SGLang is not installed: run `eaglewire engines install sglang`"):
         TuneConfig(draft="x", engine="sglang", costs="measured").query()
+    note = TuneConfig(draft="x", engine="sglang").measured()[1]  # auto: the stated model, saying why
+    assert note.startswith("SGLang is not installed") and note.endswith("ranked with the stated cost model instead")
 
 
 def test_the_speed_ranking_names_what_it_cannot_time():

@@ -218,8 +218,10 @@ def test_llamacpp_runs_drop_trees_and_refuse_only_trees():
 
 
 def test_bench_config_checks_engines():
-    with pytest.raises(ValueError, match="--engine sglang"):
-        BenchConfig(engine=["sglang"])  # stated costs only: it does not run here
+    with pytest.raises(ValueError, match="needs a draft"):
+        BenchConfig(engine=["sglang"])  # SGLang runs here (engines install sglang): its chains need the draft
+    with pytest.raises(ValueError, match="no draft-probability stop"):
+        BenchConfig(engine=["sglang"], draft="d", configs="1,3,1,4,0.2")
     assert BenchConfig(engine=["llamacpp"], configs="1,0,0,0", temperature=0.7).temperature == 0.7  # sampled rows
     with pytest.raises(ValueError, match="tuned for one engine"):
         BenchConfig(engine=["eaglewire", "llamacpp"], draft="d", configs="recommended")

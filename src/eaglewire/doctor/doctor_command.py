@@ -75,6 +75,7 @@ def _examine(config: DoctorConfig, target: Target | None) -> DoctorReport:
     identity_ok = _check_identity(report, contract, target, allow)
     if config.engine_url:
         check_engine_version(report, config.engine, config.engine_url)  # which release's reading judges the server
+        config = _flags_from_server(report, config)
     arch = config.target_arch or contract.target.architecture
     dflash_block = draft.config.block_size if is_block_draft(draft) else None
     rows = draft.draft_to_target
@@ -341,6 +342,19 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
 
 
 # ------------------------------------------------------------------ data
+
+def _flags_from_server(report: DoctorReport, config: DoctorConfig) -> DoctorConfig:
+    """Without --engine-flags, the launch flags the running server says it runs with (an engine that reports
+    them, SGLang's /get_server_info), so its flags and the draft config they load are checked as served."""
+    spec = engines.get(config.engine)
+    if config.engine_flags or spec.served_flags is None:
+        return config
+    flags = spec.served_flags(config.engine_url)
+    if not flags:
+        return config
+    report.add(Check("launch flags", "ok", f"read from the running server at {config.engine_url}: {flags}"))
+    return dataclasses.replace(config, engine_flags=flags)
+
 
 def _load_sequences(config: DoctorConfig, target: Target, contract: HiddenStateContract, summary: dict,
                     report: DoctorReport) -> tuple[list[Sequence], str]:

@@ -128,7 +128,7 @@ def check_load_elsewhere(report: DoctorReport, levels: list[int], draft: str, sp
     """An engine in its own server (``spec``) under ``levels`` (``--concurrency``'s loads) with ``draft``: measured
     by ``eaglewire tune`` in servers it launches, not here."""
     name = spec.name
-    if spec.runtime is None:  # SGLang: its CPU kernels ship in no registry, so no server of it runs here
+    if spec.runtime is None:  # an engine eaglewire does not launch here: the user's own server is loaded
         report.concurrency = {"levels": levels, "measured": False, "engine": name, "command": None}
         report.add(Check("speed under load", "skip", f"{name} does not run here, so it cannot be loaded with "
                          f"{levels_text(levels)} concurrent requests here: load your own {name} server with that many "

@@ -7,8 +7,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from eaglewire.engines import llamacpp, vllm
+from eaglewire.engines import llamacpp, sglang, vllm
 from eaglewire.engines import Ability, names as engine_names
+from eaglewire.engines import export_draft
 from eaglewire.engines.export import ExportConfig
 from eaglewire.engines.interface import InstallSettings, RunSettings
 from eaglewire.engines.llamacpp import DRAFT_OUTTYPES, TARGET_OUTTYPES
@@ -78,6 +79,11 @@ class EnginesConfig:
     build: bool = field(default=False, metadata={"help": "build into the cache even when llama-server is on PATH"})
     vllm_python: str | None = field(default=None, metadata={
         "help": "vllm: use this python (any that can `import vllm`) instead of eaglewire's own venv"})
+    sglang_python: str | None = field(default=None, metadata={
+        "help": "sglang: use this python (one whose sgl_kernel has the CPU ops) instead of eaglewire's own venv"})
+    kernel_source: str | None = field(default=None, metadata={
+        "help": "sglang: build the CPU kernels from this archive, sgl-kernel directory or git URL[@commit] "
+                "(default: the pinned archive in ../shared/third_party)"})
 
     def __post_init__(self) -> None:
         _choice("ACTION", self.action, ENGINE_ACTIONS)
@@ -86,12 +92,17 @@ class EnginesConfig:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
         if self.engine != vllm.NAME and self.vllm_python is not None:
             raise ValueError("--vllm-python is for `engines ... vllm`")
-        if self.engine == vllm.NAME and (self.llamacpp_dir or self.jobs or self.build):
-            raise ValueError("--llamacpp-dir, --jobs and --build are for `engines ... llamacpp`")
+        if self.engine != sglang.NAME and (self.sglang_python is not None or self.kernel_source is not None):
+            raise ValueError("--sglang-python and --kernel-source are for `engines ... sglang`")
+        if self.engine != llamacpp.NAME and (self.llamacpp_dir or self.build):
+            raise ValueError("--llamacpp-dir and --build are for `engines ... llamacpp`")
+        if self.engine == vllm.NAME and self.jobs:
+            raise ValueError("--jobs is for the engines built here (llamacpp, sglang)")
 
     def settings(self) -> InstallSettings:
         """What the engine's installer is handed (each flag belongs to one engine, checked above)."""
-        return InstallSettings(install=self.llamacpp_dir or self.vllm_python, jobs=self.jobs, build=self.build)
+        return InstallSettings(install=self.llamacpp_dir or self.vllm_python or self.sglang_python, jobs=self.jobs,
+                               build=self.build, source=self.kernel_source, export=export_draft)
 
 
 @dataclass(kw_only=True)

@@ -247,9 +247,11 @@ Progress = Callable[[str, "float | None"], None]  # (stage or build line, percen
 class InstallSettings:
     """``eaglewire engines install|which``'s options (flags and checks: command_settings.EnginesConfig)."""
 
-    install: str | None = None  # the user's own (llama.cpp: a build directory or llama-server; vLLM: a python)
+    install: str | None = None  # the user's own (llama.cpp: a build directory or llama-server; vLLM, SGLang: a python)
     jobs: int | None = None  # parallel compile jobs, where it builds (default: all cores)
     build: bool = False  # build into the cache even when one is on PATH
+    source: str | None = None  # what it builds from instead of the pinned source (SGLang's CPU kernels)
+    export: ExportDraft | None = None  # the registry's export_draft, for a smoke run that serves a draft
 
 
 class InstallError(RuntimeError):
@@ -384,6 +386,7 @@ class EngineSpec:
     linter: Linter | None = None
     measure: Callable[..., Any] | None = None  # (url, prompts, *, max_new_tokens, timeout) -> ServedCounts
     served_version: Callable[[str], "str | None"] | None = None  # a running server's own version, asked at its url
+    served_flags: Callable[[str], "str | None"] | None = None  # the launch flags a running server says it runs with
     # served version -> (the release whose reading judges it, e.g. "vLLM 0.32.0"; the line that says so)
     judged: Callable[["str | None"], "tuple[str, str]"] | None = None
     runtime: Runtime | None = None

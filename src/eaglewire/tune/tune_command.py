@@ -27,7 +27,7 @@ SERVER_SHAPES = "1,1,2;2,1,3;3,1,4"  # ... and in a server engine (chains only)
 class TuneConfig:
     draft: str = field(metadata={"help": "draft directory or `reference`"})
     target: str = field(default=DEFAULT_TARGET, metadata={"help": "preset name or HF model directory (eaglewire's copy of the target)"})
-    engine: str = field(default=_QUERY.engine, metadata={"help": "eaglewire, llamacpp or vllm (measured here); sglang (or vllm with --costs stated): a stated cost model"})
+    engine: str = field(default=_QUERY.engine, metadata={"help": "eaglewire, llamacpp, sglang or vllm (measured here); sglang or vllm with --costs stated: the stated GPU cost model"})
     costs: str = field(default="auto", metadata={"choices": COSTS, "help": "measured: time the engine here; stated: the stated GPU cost model (--verify-cost, --draft-cost); auto: measured where the engine runs here"})
     dataset: str = field(default="mt-bench", metadata={"help": "mt-bench, humaneval or a JSONL file of prompts"})
     offset: int = field(default=40, metadata={"help": "prompts skipped first (bench measures the first ones: keep them apart)"})

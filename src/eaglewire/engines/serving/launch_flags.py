@@ -59,7 +59,14 @@ def chain_shape(args: dict[str, str], out: Flags, *, verdict: str, silently: str
     out.topk = as_int(args.get("--speculative-eagle-topk"))
     out.num_draft_tokens = as_int(args.get("--speculative-num-draft-tokens"))
     steps, topk, tokens = out.num_steps, out.topk, out.num_draft_tokens
-    if topk == 1 and steps is not None and tokens is not None and tokens != steps + 1:
+    if topk == 1 and steps is not None and tokens is not None and tokens > steps + 1:
+        out.problems.append((verdict, f"the flags capped the draft: --speculative-eagle-topk 1 with "
+                             f"--speculative-num-steps {steps} drafts {steps} token{'s' if steps != 1 else ''} a "
+                             f"round, not the {tokens - 1} that --speculative-num-draft-tokens {tokens} asks for "
+                             f"({silently}, setting it to {steps + 1})",
+                             f"--speculative-num-steps {tokens - 1} for a chain of {tokens - 1} (or "
+                             f"--speculative-num-draft-tokens {steps + 1} to say what runs)"))
+    elif topk == 1 and steps is not None and tokens is not None and tokens != steps + 1:
         out.problems.append((verdict, f"--speculative-eagle-topk 1 with --speculative-num-draft-tokens {tokens} != "
                              f"--speculative-num-steps {steps} + 1: {silently}",
                              f"--speculative-num-draft-tokens {steps + 1}"))

@@ -1,0 +1,241 @@
+"""The real SGLang serving the reference EAGLE-3 draft on SmolLM2, four server starts for the module, one at a time:
+plain; the export as written (a chain of 3); the export with the seeds' fault in its config (the ids written as
+the trained boundaries, so SGLang's model file captures one layer on); and the seeds' launch flags
+(``--speculative-num-steps 1 --speculative-num-draft-tokens 16``).
+
+(a) greedy outputs with the draft are SGLang's plain outputs on 12 MT-bench prompts; (b) the τ SGLang reports per
+request is the doctor's replay of the same draft on its text; (c) the doctor against each running server, its flags
+read from the server: the seeds' ids FAIL with the ids and the fix, the flags' cap is named, the export PASSES.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from eaglewire.engines import export_draft
+from eaglewire.engines.interface import RunSettings, ServedFiles, Shape
+
+pytestmark = [pytest.mark.sglang, pytest.mark.real]
+
+NEW_TOKENS = 48
+CHAIN = 3
+PROMPTS = 12
+TRAINED = [2, 15, 27]  # the reference draft's boundaries
+SGLANG_IDS = [1, 14, 26]  # what SGLang's llama.py captures them from (boundary = id + 1)
+SEEDS_IDS = TRAINED  # the seeds' fault: the boundaries written as ids, so SGLang captures [3, 16, 28]
+CAP_FLAGS = ("--speculative-num-steps", "1", "--speculative-num-draft-tokens", "16")  # the seeds' launch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed(sglang_installation):
+    """Skip before any other fixture loads the target, where SGLang is absent."""
+    return sglang_installation
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    from eaglewire.core.prompts import load_prompts
+    from eaglewire.decode.text import encode_prompt
+
+    return [encode_prompt(smollm2_tokenizer, p.text, chat=p.chat) for p in load_prompts("mt-bench", limit=PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def served_files(tmp_path_factory, sglang_installation):
+    from eaglewire.engines.sglang.server import RUNTIME
+
+    work = tmp_path_factory.mktemp("sglang")
+    files = RUNTIME.files("reference", "smollm2-135m", work, RunSettings(install=str(sglang_installation.python)),
+                          export=export_draft)
+    return work, files
+
+
+def _serve(installation, files: ServedFiles, shape: Shape, log: Path, work, flags=()):
+    """Start, run ``work(server)``, stop; (its result, the launch record), after checking no process is left."""
+    from eaglewire.engines.serving.server_process import group_alive
+    from eaglewire.engines.sglang.server import SglangServer
+
+    with SglangServer(installation, files, shape, threads=2, log_path=log, flags=flags) as server:
+        pgid = server.process.proc.pid
+        record = server.record
+        result = work(server)
+    assert not group_alive(pgid), f"SGLang's processes (group {pgid}) outlived the server: see {log}"
+    return result, record
+
+
+def _doctor(url: str, out: Path) -> tuple[int, dict, float]:
+    """``eaglewire doctor`` against the running server, its flags read from it: (exit code, the JSON report,
+    seconds)."""
+    from eaglewire.cli import main
+
+    start = time.perf_counter()
+    code = main(["--threads", "2", "doctor", "--draft", "reference", "--target", "smollm2-135m", "--engine", "sglang",
+                 "--engine-url", url, "--engine-prompts", "4", "--engine-tokens", "32", "--num-sequences", "8",
+                 "--probe-tokens", "0", "--no-tune", "--json", str(out)])
+    return code, json.loads(out.read_text()), time.perf_counter() - start
+
+
+def _checks(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def _regenerate(url: str, tokenizer, out: Path):
+    """Two conversations' replies regenerated through SGLang's OpenAI API (``eaglewire regenerate --server``)."""
+    from eaglewire.data.conversations import Conversation
+    from eaglewire.data.regenerate import RegenerateConfig
+    from eaglewire.data.remote_regenerate import RemoteConfig, regenerate_remote
+
+    conversations = [Conversation(id=str(i), messages=[{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                      {"role": "assistant", "content": "old reply"}])
+                     for i in range(2)]
+    return regenerate_remote(conversations, out, tokenizer=tokenizer, urls=[url], target="smollm2-135m",
+                             config=RegenerateConfig(max_new_tokens=12, max_prompt_tokens=400),
+                             remote=RemoteConfig(concurrency=2))
+
+
+@pytest.fixture(scope="module")
+def plain(sglang_installation, served_files, prompts, smollm2_tokenizer):
+    work, files = served_files
+
+    def work_on(server):
+        answers = [server.generate(p, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0) for p in prompts]
+        return answers, _regenerate(server.url, smollm2_tokenizer, work / "regenerated.jsonl")
+
+    (answers, regenerated), record = _serve(sglang_installation, ServedFiles(target=files.target, draft=None),
+                                            Shape(), work / "plain.log", work_on)
+    return answers, record, regenerated
+
+
+@pytest.fixture(scope="module")
+def drafted(sglang_installation, served_files, prompts, tmp_path_factory):
+    """The export as written: SGLang's own counts on the 12 prompts, one request's stats, and the doctor."""
+    from eaglewire.engines.sglang import measure_served
+
+    work, files = served_files
+
+    def work_on(server):
+        counts = measure_served(server.url, prompts, max_new_tokens=NEW_TOKENS)
+        answer = server.generate(prompts[0], max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0)
+        return counts, answer, server.draft_totals(), _doctor(server.url, work / "doctor-export.json")
+
+    return _serve(sglang_installation, files, Shape(n_max=CHAIN), work / "eagle3.log", work_on)
+
+
+@pytest.fixture(scope="module")
+def seeds_ids(sglang_installation, served_files, prompts):
+    """The seeds' ids in the served config: the doctor, and SGLang's counts on 4 prompts."""
+    from eaglewire.engines.sglang import measure_served
+
+    work, files = served_files
+    bad = work / "sglang-export-seeds"
+    shutil.copytree(files.draft, bad)
+    config = json.loads((bad / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == SGLANG_IDS
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = SEEDS_IDS
+    (bad / "config.json").write_text(json.dumps(config, indent=2))
+
+    def work_on(server):
+        return measure_served(server.url, prompts[:4], max_new_tokens=NEW_TOKENS), \
+            _doctor(server.url, work / "doctor-seeds.json")
+
+    (counts, doctor), _ = _serve(sglang_installation, ServedFiles(target=files.target, draft=bad),
+                                 Shape(n_max=CHAIN), work / "seeds.log", work_on)
+    return bad, counts, doctor
+
+
+@pytest.fixture(scope="module")
+def capped(sglang_installation, served_files):
+    """The seeds' launch flags on the export as written: what the server says it runs, and the doctor."""
+    from eaglewire.engines.sglang.server import server_info
+
+    work, files = served_files
+    (info, doctor), _ = _serve(sglang_installation, files, Shape(n_max=CHAIN), work / "capped.log",
+                               lambda s: (server_info(s.url), _doctor(s.url, work / "doctor-capped.json")),
+                               flags=CAP_FLAGS)
+    return info, doctor
+
+
+def test_plain_serving_counts_one_token_a_round(served_files, plain):
+    _, files = served_files
+    answers, record, _ = plain
+    assert files.family == "eagle3" and files.target.name.startswith("SmolLM2-135M")
+    assert all(len(a.tokens) == NEW_TOKENS or a.stats.finish_reason == "stop" for a in answers)
+    assert all(a.stats.accept_lengths == [1] * (len(a.tokens) - 1) for a in answers)
+    assert all(0 < a.stats.prefill_seconds < a.stats.total_seconds for a in answers)
+    assert record["cpus"] == "0-1" and "sglang.launch_server" in " ".join(record["command"])
+
+
+def test_replies_regenerate_through_sglangs_openai_api(served_files, plain):
+    from eaglewire.data.remote_regenerate import read_meta
+
+    work, _ = served_files
+    _, _, report = plain
+    assert report.turns_regenerated == 2
+    probes = read_meta(work / "regenerated.jsonl")["probes"]
+    assert probes and probes[0]["usage_prompt_tokens"] == probes[0]["prompt_tokens"]  # SGLang tokenizes as we do
+
+
+def test_greedy_outputs_with_the_draft_are_sglangs_plain_outputs(plain, drafted):
+    answers, _, _ = plain
+    (counts, answer, totals, _), record = drafted
+    assert len(counts.outputs) == PROMPTS
+    assert counts.outputs == [a.tokens for a in answers]  # speculation is lossless, token for token
+    assert answer.tokens == answers[0].tokens
+    assert counts.source == "per-request" and counts.drafts > 0
+    assert totals is not None and totals.draft_seconds is None and totals.rounds >= counts.drafts
+    assert set(answer.stats.verified_lengths) <= {1, CHAIN + 1}
+    assert "--speculative-num-steps 3" in " ".join(record["command"])
+
+
+def test_served_tau_is_the_replay_of_the_same_draft(smollm2_target, prompts, drafted):
+    from eaglewire.core.presets import resolve_draft
+    from eaglewire.doctor.served_tau.served_check import chain_length, replay_served
+    from eaglewire.model.checkpoint import load_draft
+
+    (counts, _, _, _), _ = drafted
+    draft, contract, _ = load_draft(resolve_draft("reference"), target=smollm2_target)
+    replayed = replay_served(smollm2_target, draft, list(contract.aux_boundaries), prompts,
+                             counts.outputs, chain_length(counts, CHAIN))
+    print(f"served τ {counts.tau:.3f} ({counts.drafts} steps), replayed τ {replayed.tau:.3f} "
+          f"({replayed.drafts} rounds), text agreement {replayed.text_agreement:.3f}")
+    # SGLang computes in bf16 (its intel_amx kernels), eaglewire's replay in fp32: the text is SGLang's own, so
+    # only the draft's near-ties can differ; the vLLM check's tolerance holds
+    assert counts.tau == pytest.approx(replayed.tau, abs=0.05), (counts.tau, replayed.tau, counts.accepted_per_pos,
+                                                                 replayed.accepted_per_pos)
+
+
+def test_the_doctor_passes_the_export_as_trained(drafted):
+    (_, _, _, (code, report, seconds)), _ = drafted
+    checks = _checks(report)
+    print(f"doctor against SGLang, export as written: exit {code} in {seconds:.0f} s")
+    assert code == 0, json.dumps(report["checks"], indent=1)
+    assert "read from the running server" in checks["launch flags"]["summary"]
+    assert checks["served acceptance"]["verdict"] == "ok"
+
+
+def test_the_doctor_names_the_seeds_ids_from_the_running_server(seeds_ids, drafted):
+    bad, counts, (code, report, seconds) = seeds_ids
+    (good, _, _, _), _ = drafted
+    print(f"seeds' ids {SEEDS_IDS}: served τ {counts.tau:.3f} against {good.tau:.3f} as exported; doctor exit {code} "
+          f"in {seconds:.0f} s")
+    assert counts.tau < good.tau - 0.2
+    assert code == 1
+    failed = [c for c in report["checks"] if c["verdict"] == "fail"]
+    text = json.dumps(failed)
+    assert str(bad) in text or "eagle_aux_hidden_state_layer_ids" in text, text
+    assert "[2, 15, 27]" in text and "[1, 14, 26]" in text, text  # the ids served and the ids that feed the draft
+
+
+def test_the_doctor_says_the_flags_capped_the_draft(capped):
+    info, (code, report, seconds) = capped
+    print(f"server info: num_steps {info['speculative_num_steps']}, num_draft_tokens "
+          f"{info['speculative_num_draft_tokens']}; doctor exit {code} in {seconds:.0f} s")
+    assert info["speculative_num_steps"] == 1
+    text = json.dumps(report["checks"])
+    assert "--speculative-num-steps 1" in _checks(report)["launch flags"]["summary"]
+    assert "drafts 1 token a round" in text or "capped" in text, text
