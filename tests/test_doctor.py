@@ -339,3 +339,26 @@ def test_launch_flags_parse_as_a_shell_splits_them_for_every_engine():
     flags = parse_flags("--speculative-num-steps 3 --speculative-config='{\"a\": 1}' -t 2 --metrics -td 2 --x -1")
     assert flags == {"--speculative-num-steps": "3", "--speculative-config": '{"a": 1}', "-t": "2",
                      "--metrics": "", "-td": "2", "--x": "-1"}
+
+
+def test_the_launch_cap_is_named_where_a_longer_chain_pays():
+    """The seeds' launch drafted 1 token a round where a longer chain paid: named with the chain to launch; no
+    warning where the launch is the choice, or the longer chain is within the ranking's margin."""
+    from types import SimpleNamespace
+
+    from eaglewire.acceptance.simulate import Shape
+    from eaglewire.doctor.doctor_command import launch_cap
+    from eaglewire.engines.sglang import CHAIN_RULE
+
+    def ranking(best: int, speeds: dict[int, float]):
+        ranked = [SimpleNamespace(shape=Shape(n), tau=1 + 0.3 * n, speedup=v) for n, v in speeds.items()]
+        choice = next(p for p in ranked if p.shape.n_max == best)
+        return SimpleNamespace(ranked=ranked, rule=CHAIN_RULE, recommendation=SimpleNamespace(choice=choice))
+
+    speeds = {3: 1.6, 1: 1.3, 0: 1.0}
+    cap = launch_cap(ranking(3, speeds), 1)
+    assert cap.verdict == "warn" and "cap the draft at 1 drafted token a round" in cap.summary
+    assert cap.fix == "launch with --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+    assert launch_cap(ranking(3, speeds), 3) is None  # the launch is the choice
+    assert launch_cap(ranking(3, {3: 1.31, 1: 1.3, 0: 1.0}), 1) is None  # within the margin
+    assert launch_cap(ranking(0, {0: 1.0, 1: 0.9}), 1) is None  # plain is the choice: the speed check says so

@@ -12,7 +12,10 @@ import pytest
 @pytest.fixture(scope="session")
 def sglang_installation():
     from eaglewire.engines.sglang.installation import INSTALL_HINT, SglangError, find
+    from eaglewire.engines.sglang.kernels import cpu_refusal
 
+    if cpu_refusal() and not os.environ.get("EAGLEWIRE_SGLANG_PYTHON"):
+        pytest.skip(cpu_refusal())
     try:
         found = find(os.environ.get("EAGLEWIRE_SGLANG_PYTHON") or None)
     except SglangError as e:

@@ -205,7 +205,7 @@ def _later_checks(report: DoctorReport, h: _HeldOut) -> None:
                           prompts=config.traffic_prompts, reply_tokens=config.traffic_tokens, steps=config.steps)
     if config.tune:
         with report.timed("tune"):
-            _check_speed(report, config, h.target, h.draft, h.contract, h.sequences)
+            _check_speed(report, config, h.target, h.draft, h.contract, h.sequences, h.serving_steps)
 
 
 # ------------------------------------------------------------------ checks
@@ -307,7 +307,7 @@ def _check_acceptance(report: DoctorReport, m: Measured, target: Target, contrac
 
 
 def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, draft, contract,
-                 sequences: list[Sequence]) -> None:
+                 sequences: list[Sequence], launch_steps: int | None = None) -> None:
     """What ``eaglewire tune`` recommends for the serving engine (its speed ranking), on the held-out prompts;
     with ``--concurrency``, up to how many concurrent requests that pays (``doctor/load_check.py``)."""
     from eaglewire.acceptance.speed import SpeedQuery, rank_speed
@@ -337,8 +337,33 @@ def _check_speed(report: DoctorReport, config: DoctorConfig, target: Target, dra
                                           result, evidence))
         return
     report.add(Check("speed", "warn" if choice.shape.plain else "ok", result.recommendation.reason, evidence))
+    if config.engine_flags and launch_steps is not None:
+        cap = launch_cap(result, launch_steps)
+        if cap is not None:
+            report.add(cap)
     if under_load:  # a stated cost model prices one request: a server's load is measured in the server
         check_load_elsewhere(report, under_load, config.draft, spec)
+
+
+def launch_cap(result, launch_steps: int) -> Check | None:
+    """The launch's chain against the speed ranking's choice: a WARN where the flags draft fewer tokens a round
+    than the recommended chain and the ranking predicts the launch's chain slower by more than its margin (the
+    seeds' --speculative-num-steps 1 under --speculative-num-draft-tokens 16); None otherwise."""
+    from eaglewire.acceptance.recommend import MARGIN
+
+    best = result.recommendation.choice
+    launched = next((p for p in result.ranked if p.shape.n_max == launch_steps and not p.shape.p_min), None)
+    if best.shape.plain or launched is None or best.shape.n_max <= launch_steps:
+        return None
+    if best.speedup < launched.speedup * (1 + MARGIN):
+        return None
+    label = best.shape.label(result.rule)
+    return Check("launch shape", "warn",
+                 f"the launch flags cap the draft at {launch_steps} drafted token{'s' if launch_steps != 1 else ''} a "
+                 f"round (τ {launched.tau:.2f}, {launched.speedup:.2f}x plain predicted); {label} is predicted "
+                 f"{best.speedup:.2f}x (τ {best.tau:.2f})",
+                 [f"{p.shape.label(result.rule)}: τ {p.tau:.2f}, {p.speedup:.2f}x" for p in result.ranked[:4]],
+                 fix=f"launch with {label}")
 
 
 # ------------------------------------------------------------------ data

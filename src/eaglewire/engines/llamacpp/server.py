@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import signal
 import subprocess
 import tempfile
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from eaglewire.engines.llamacpp.failure import LlamaCppError, exit_cause
 from eaglewire.engines.serving.served_counts import (OTHER_TRAFFIC, ServedCounts, ServedError, log_tail, other_traffic, post_json,
                                             wait_healthy)
+from eaglewire.engines.serving.server_process import free_port
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,6 @@ def server_args(config: ServerConfig, *, port: int, host: str = "127.0.0.1") -> 
         args += ["-md", str(config.draft), *spec_flags(config.n_max, config.n_min, config.p_min, config.spec_type),
                  "-td", t, "-tbd", t]
     return args + list(config.extra)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer:

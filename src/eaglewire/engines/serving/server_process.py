@@ -118,3 +118,56 @@ class ServerProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+class ProcessServer:
+    """A running server whose process is ``self.process``: what every engine's server class shares (its command,
+    log, readiness, and the ``with`` block that starts and stops it)."""
+
+    process: ServerProcess
+
+    @property
+    def command(self) -> list[str]:
+        return self.process.command
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.process.log_path
+
+    @property
+    def seconds_to_ready(self) -> float | None:
+        return self.process.seconds_to_ready
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 25) -> str:
+        return self.process.log_tail(lines)
+
+    def __enter__(self):
+        self.process.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.__exit__(*exc)
+
+
+def cpu_list(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the CPU-list syntax vLLM's and SGLang's thread binding take)."""
+    out, run = [], []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (a server's threads are pinned to the first of them)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

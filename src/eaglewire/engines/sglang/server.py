@@ -12,7 +12,7 @@ maps no other for CPU), kept on a CPU without AMX by the installer's patch (``ke
 per tensor-parallel rank, "|"-joined: srt/utils/numa_utils.py). A chain of n drafted tokens is EAGLE-3 with
 ``--speculative-num-steps n --speculative-eagle-topk 1 --speculative-num-draft-tokens n + 1``. Per request, the
 native ``/generate`` answers ``meta_info`` with ``spec_verify_ct`` and ``spec_correct_drafts_histogram`` (served.py);
-``/get_server_info`` says its version and the speculative settings it runs with.
+``/server_info`` says its version and the speculative settings it runs with.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from eaglewire.core.generation import GenerationStats
 from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSettings, ServedFiles, Shape,
                                          needs_exporter)
-from eaglewire.engines.serving.server_process import ServerProcess, free_port
+from eaglewire.engines.serving.server_process import ProcessServer, ServerProcess, allowed_cpus, cpu_list, free_port
 from eaglewire.engines.serving.served_counts import get_text, post_json, samples, total
 from eaglewire.engines.serving.served_target import served_target
 from eaglewire.engines.sglang.installation import INSTALL_HINT, Installation, SglangError, find, require
@@ -74,7 +74,8 @@ def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127
                 flags: Sequence[str] = ()) -> list[str]:
     """launch_server's arguments for serving ``files`` at ``shape`` on the CPU: the intel_amx backend (its EAGLE
     path's only CPU backend), metrics on, no prefix cache (every request prefills alike, as the other engines here
-    run), seed 0; ``flags`` last (they override)."""
+    run), seed 0, and the scheduler asleep while idle (``--sleep-on-idle``: awake, its event loop holds a core at 100 %
+    between requests, half of a 2-core machine, measured); ``flags`` last (they override)."""
     spec: list[str] = []
     if not shape.plain:
         if files.draft is None:
@@ -82,25 +83,10 @@ def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127
         spec = speculative_args(files.draft, shape, files.family)
     args = ["--model-path", str(files.target), "--device", "cpu", "--attention-backend", "intel_amx",
             "--dtype", dtype, "--host", host, "--port", str(port), "--random-seed", "0", "--disable-radix-cache",
-            "--enable-metrics", "--max-total-tokens", str(max_total_tokens), *spec]
+            "--enable-metrics", "--max-total-tokens", str(max_total_tokens), "--sleep-on-idle", *spec]
     if max_running is not None:
         args += ["--max-running-requests", str(max_running)]
     return args + list(flags)
-
-
-def cpu_list(cpus: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    out, run = [], []
-    for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def launch_env(threads: int, *, cpus: Sequence[int], base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -117,10 +103,6 @@ def launch_env(threads: int, *, cpus: Sequence[int], base: Mapping[str, str] | N
                 "SGLANG_CPU_OMP_THREADS_BIND": cpu_list(sorted(cpus)[:threads]),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"})
     return env
-
-
-def allowed_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 # ------------------------------------------------------------------ a request's own account (pure)
@@ -172,12 +154,17 @@ def generate_body(ids: Sequence[int], *, max_new_tokens: int, temperature: float
 # ------------------------------------------------------------------ talking to it
 
 def server_info(url: str, timeout: float = 30.0) -> dict[str, Any] | None:
-    """``/get_server_info``: its version and every setting it runs with (None where it answers none)."""
-    text = get_text(url.rstrip("/") + "/get_server_info", timeout=timeout, who="SGLang server")
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return None
+    """``/server_info`` (0.5.23; ``/get_server_info`` before, deprecated there): its version and every setting it
+    runs with (None where it answers neither)."""
+    for route in ("/server_info", "/get_server_info"):
+        text = get_text(url.rstrip("/") + route, timeout=timeout, who="SGLang server")
+        try:
+            info = json.loads(text) if text else None
+        except ValueError:
+            info = None
+        if isinstance(info, dict):
+            return info
+    return None
 
 
 def served_version(url: str) -> str | None:
@@ -237,7 +224,7 @@ def verify_calls(url: str) -> int | None:
 
 # ------------------------------------------------------------------ the process
 
-class SglangServer:
+class SglangServer(ProcessServer):
     """``with SglangServer(installation, files, shape) as server:`` SGLang serving ``files`` at ``server.url``."""
 
     def __init__(self, installation: Installation, files: ServedFiles, shape: Shape, *, threads: int = 2,
@@ -256,33 +243,11 @@ class SglangServer:
                                      startup_timeout=startup_timeout, record=lambda: self.record)
 
     @property
-    def command(self) -> list[str]:
-        return self.process.command
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.process.log_path
-
-    @property
-    def seconds_to_ready(self) -> float | None:
-        return self.process.seconds_to_ready
-
-    @property
     def record(self) -> dict[str, Any]:
         return {"command": self.command, "version": self.installation.version, "shape": self.shape.label(),
                 "family": self.files.family, "threads": self.threads,
                 "cpus": self.env["SGLANG_CPU_OMP_THREADS_BIND"], "seconds_to_ready": self.seconds_to_ready,
                 "log": str(self.log_path)}
-
-    def __enter__(self) -> SglangServer:
-        self.process.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.process.__exit__(*exc)
-
-    def log_tail(self, lines: int = 25) -> str:
-        return self.process.log_tail(lines)
 
     # the RunningServer protocol
     def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int) -> Answer:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +30,8 @@ from typing import Any
 from eaglewire.core.generation import GenerationStats
 from eaglewire.engines.interface import (Answer, DraftTotals, ExportDraft, RunSettings, ServedFiles, Shape,
                                          needs_exporter)
-from eaglewire.engines.serving.served_counts import ServedError, get_text, post_json, samples, total, log_tail, wait_healthy
+from eaglewire.engines.serving.served_counts import ServedError, get_text, post_json, samples, total
+from eaglewire.engines.serving.server_process import ProcessServer, ServerProcess, allowed_cpus, cpu_list, free_port
 from eaglewire.engines.vllm.installation import INSTALL_HINT, Installation, VllmError, find, require
 from eaglewire.engines.serving.spec_decode_metrics import spec_counters
 from eaglewire.engines.serving.served_target import served_target as _served_target
@@ -99,21 +98,6 @@ def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127
     return args + list(flags)
 
 
-def cpu_list(cpus: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5" (the CPU-list syntax VLLM_CPU_OMP_THREADS_BIND takes)."""
-    out, run = [], []
-    for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
-
-
 def thread_bind(cpus: Sequence[int], ranks: int = 1) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for ``ranks`` tensor-parallel workers on ``cpus``: one CPU list per rank, joined by
     "|" (vllm/utils/ompmultiprocessing.py splits it so, one list per local rank)."""
@@ -154,10 +138,6 @@ def launch_env(threads: int, *, preload: Sequence[str | Path], cpus: Sequence[in
     else:
         env.pop("LD_PRELOAD", None)
     return env
-
-
-def allowed_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 # ------------------------------------------------------------------ a request's own account (pure)
@@ -304,17 +284,9 @@ def generate(url: str, ids: Sequence[int], *, max_new_tokens: int, temperature: 
     return Answer(tokens=tokens, stats=stats)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ------------------------------------------------------------------ the process
 
-class VllmServer:
+class VllmServer(ProcessServer):
     """``with VllmServer(installation, files, shape) as server:`` a vLLM serving ``files`` at ``server.url``.
 
     Started in its own process group (``start_new_session``), its output to ``log_path``; waits for
@@ -335,8 +307,6 @@ class VllmServer:
         self.installation, self.files, self.shape = installation, files, shape
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.preload = [str(p) for p in (installation.preload if preload is None else preload)]
         if tensor_parallel > 1:
             flags = [*flags, "--tensor-parallel-size", str(tensor_parallel)]
@@ -348,13 +318,14 @@ class VllmServer:
             paths = [*map(str, pythonpath), *filter(None, [self.env.get("PYTHONPATH")])]
             self.env["PYTHONPATH"] = os.pathsep.join(paths)
         self.threads = threads
-        self.seconds_to_ready: float | None = None
-        self._proc: subprocess.Popen | None = None
-        self._log = None
+        self.process = ServerProcess([str(installation.python), "-m", ENTRYPOINT, *self.args], self.env,
+                                     url=self.url, label="vLLM", error=VllmError, log_path=log_path,
+                                     startup_timeout=startup_timeout, stop_timeout=stop_timeout,
+                                     record=lambda: self.record)
 
     @property
-    def command(self) -> list[str]:
-        return [str(self.installation.python), "-m", ENTRYPOINT, *self.args]
+    def _proc(self) -> subprocess.Popen | None:
+        return self.process.proc
 
     @property
     def record(self) -> dict[str, Any]:
@@ -365,77 +336,8 @@ class VllmServer:
                 "log": str(self.log_path)}
 
     def __enter__(self) -> VllmServer:
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
-        log.info("starting vLLM (%s, LD_PRELOAD=%s): %s", self.shape.label(), self.env.get("LD_PRELOAD", ""),
-                 " ".join(self.command))
-        start = time.monotonic()
-        self._proc = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            self._wait_ready()
-            self.seconds_to_ready = time.monotonic() - start
-            self.log_path.with_name(self.log_path.name + ".json").write_text(json.dumps(self.record, indent=2))
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def _wait_ready(self) -> None:
-        def exited(rc: int) -> None:
-            raise VllmError(f"vLLM exited with {rc} while starting ({' '.join(self.command)}); "
-                            f"log {self.log_path}:\n{self.log_tail()}")
-
-        def timed_out() -> None:
-            raise VllmError(f"vLLM did not become ready within {self.startup_timeout:.0f} s; log {self.log_path}:\n"
-                            f"{self.log_tail()}")
-
-        wait_healthy(self.url, exited=self._proc.poll, timeout=self.startup_timeout, interval=0.5, on_exit=exited,
-                     on_timeout=timed_out)
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self._proc is None else self._proc.poll()
-
-    def log_tail(self, lines: int = 25) -> str:
-        return log_tail(self.log_path, lines)
-
-    def _group_alive(self, pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def __exit__(self, *exc) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            pgid = proc.pid  # start_new_session: the leader's pid is the group's id
-            for sig, wait in ((signal.SIGTERM, self.stop_timeout), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + wait
-                while time.monotonic() < deadline:
-                    if proc.poll() is not None and not self._group_alive(pgid):
-                        break
-                    time.sleep(0.2)
-                else:
-                    log.warning("vLLM's process group %d outlived %s; sending the next signal", pgid, sig.name)
-                    continue
-                break
-            if proc.poll() is None:
-                proc.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        log.info("starting vLLM (%s, LD_PRELOAD=%s)", self.shape.label(), self.env.get("LD_PRELOAD", ""))
+        return super().__enter__()
 
     # the RunningServer protocol
     def generate(self, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int) -> Answer:
