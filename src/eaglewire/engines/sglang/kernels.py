@@ -63,11 +63,11 @@ def cpu_refusal(cpuinfo_path: Path = Path("/proc/cpuinfo")) -> str | None:
 # ------------------------------------------------------------------ the source
 
 def archive_candidates(repo_root: Path) -> list[Path]:
-    """Where the pinned archive is looked for: ``$EAGLEWIRE_THIRD_PARTY``, then the shared directory beside the
-    checkout (``../shared/third_party``) and above it."""
+    """Where the pinned archive is looked for: ``$EAGLEWIRE_THIRD_PARTY``, then ``shared/third_party`` beside the
+    checkout (``../shared/third_party``) or beside any directory above it."""
     dirs = [Path(os.environ["EAGLEWIRE_THIRD_PARTY"])] if os.environ.get("EAGLEWIRE_THIRD_PARTY") else []
-    dirs += [repo_root.parent / "shared" / "third_party", repo_root / "shared" / "third_party",
-             repo_root.parent.parent / "shared" / "third_party"]
+    dirs += [repo_root / "shared" / "third_party"]
+    dirs += [parent / "shared" / "third_party" for parent in repo_root.parents]
     return [d / KERNEL_ARCHIVE for d in dirs]
 
 
