@@ -36,8 +36,9 @@ def test_patches_apply_once_to_the_pinned_source(kernel_source):
     # the two schemas now take 0.5.23's arguments and dispatch to the adapter
     assert "float key_scale, float value_scale, Tensor(a!) output" in text
     assert "Tensor? tree_mask=None, bool is_causal=True) -> ()" in text
-    assert "&decode_attention_cpu_v0523);" in text and "&extend_attention_cpu_v0523);" in text
-    assert "&decode_attention_cpu);" not in text and "&extend_attention_cpu);" not in text
+    assert 'bool is_vnni, str activation=\\"silu\\") -> Tensor");' in text  # the MoE experts' activation
+    for op in ("decode_attention_cpu", "extend_attention_cpu", "fused_experts_cpu"):
+        assert f"&{op}_v0523);" in text and f"&{op});" not in text, op
     # every test call site of the attention ops passes the two scales
     tests = root / "cpu-tests-from-sglang/registered/cpu"
     for name in ("test_decode.py", "test_extend.py", "test_spec_kernels.py"):

@@ -28,7 +28,7 @@ DIST = "sglang"
 INSTALL_HINT = "run `eaglewire engines install sglang` (or `make sglang`) once, or pass --sglang-python"
 _OWN = "or run `eaglewire engines install sglang` (or `make sglang`) for eaglewire's own"
 RECORD = "eaglewire-sglang.json"
-RECORD_VERSION = 1  # bumped when what install does changes: an older record means reinstall
+RECORD_VERSION = 2  # bumped when what install does changes: an older record means reinstall (2: MoE experts)
 NUMA_PACKAGE = "libnuma-dev"  # Debian's: numa.h and libnuma.so, which the kernels' numa_utils.cpp needs
 _PROBE = ("import json, sys, importlib.util; from importlib.metadata import version, PackageNotFoundError\n"
           "def v(n):\n"
@@ -93,7 +93,7 @@ class Installation:
                      ("CPU kernels from", str(kernels.get("origin"))),
                      ("kernels built", f"{kernels.get('build_seconds', 0):.0f} s, {' '.join(kernels.get('cflags', []))}"),
                      ("kernels library", str(kernels.get("library"))),
-                     ("changed", "; ".join(record.get("patches", [])) or "nothing"),
+                     ("changed", ", ".join(p.split(":")[0] for p in record.get("patches", [])) or "nothing"),
                      ("set aside", ", ".join(record.get("set_aside", [])) or "nothing"),
                      ("SGLang's kernel tests", str(record.get("kernel_tests"))),
                      ("installed on", str(record.get("cpu"))),

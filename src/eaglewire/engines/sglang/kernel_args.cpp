@@ -64,3 +64,27 @@ void extend_attention_cpu_v0523(
                        seq_lens, extend_seq_lens, extend_start_loc, max_len_extend, sm_scale, logit_cap, is_cross_attn,
                        sliding_window_size, encoder_lens, sinks, tree_mask);
 }
+
+at::Tensor fused_experts_cpu(
+    at::Tensor& hidden_states, at::Tensor& w1, at::Tensor& w2, at::Tensor& topk_weights, at::Tensor& topk_ids,
+    bool inplace, int64_t moe_comp_method, const std::optional<at::Tensor>& w1_scale,
+    const std::optional<at::Tensor>& w2_scale, const std::optional<at::Tensor>& w1_zero,
+    const std::optional<at::Tensor>& w2_zero, const std::optional<std::vector<int64_t>> block_size,
+    const std::optional<at::Tensor>& w1_bias, const std::optional<at::Tensor>& w2_bias,
+    const std::optional<double>& alpha, const std::optional<double>& limit, bool is_vnni);
+
+// 0.5.23 names the experts' activation last (MoeRunnerConfig.activation, "silu" by default); the pinned kernels
+// compute SiLU-and-mul (with alpha/limit for the clamped SwiGLU variant), so any other activation is refused.
+at::Tensor fused_experts_cpu_v0523(
+    at::Tensor& hidden_states, at::Tensor& w1, at::Tensor& w2, at::Tensor& topk_weights, at::Tensor& topk_ids,
+    bool inplace, int64_t moe_comp_method, const std::optional<at::Tensor>& w1_scale,
+    const std::optional<at::Tensor>& w2_scale, const std::optional<at::Tensor>& w1_zero,
+    const std::optional<at::Tensor>& w2_zero, const std::optional<std::vector<int64_t>> block_size,
+    const std::optional<at::Tensor>& w1_bias, const std::optional<at::Tensor>& w2_bias,
+    const std::optional<double>& alpha, const std::optional<double>& limit, bool is_vnni,
+    c10::string_view activation) {
+  TORCH_CHECK(activation == "silu", "eaglewire's build of SGLang's CPU kernels (pinned commit 3b3810d) computes the "
+              "experts with SiLU only; this model's MoE activation is ", activation);
+  return fused_experts_cpu(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method, w1_scale, w2_scale,
+                           w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni);
+}

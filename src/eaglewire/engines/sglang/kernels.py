@@ -199,6 +199,11 @@ void extend_attention_cpu_v0523(at::Tensor&, const std::optional<at::Tensor>&, c
     at::Tensor&, at::Tensor&, at::Tensor&, double, double, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
     at::Tensor&, int64_t, double, double, bool, int64_t, std::optional<at::Tensor>, std::optional<at::Tensor>,
     std::optional<at::Tensor>, bool);
+at::Tensor fused_experts_cpu_v0523(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool, int64_t,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<std::vector<int64_t>>, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<double>&, const std::optional<double>&, bool,
+    c10::string_view);
 
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {"""
 
@@ -217,6 +222,13 @@ KERNEL_PATCHES = (
               f'&extend_attention_cpu_v0523);',
           done=r"&extend_attention_cpu_v0523\);",
           why="extend_attention_cpu takes 0.5.23's key_scale, value_scale and is_causal (causal only)"),
+    Patch(name="experts-args-0.5.23", file="csrc/cpu/torch_extension_cpu.cpp",
+          old=r'(?s)(m\.def\(\s*"fused_experts_cpu\(.*?bool is_vnni)\) -> Tensor"\);\s*m\.impl\("fused_experts_cpu", '
+              r'torch::kCPU, &fused_experts_cpu\);',
+          new=r'\g<1>, str activation=\"silu\") -> Tensor");\n  m.impl("fused_experts_cpu", torch::kCPU, '
+              r'&fused_experts_cpu_v0523);',
+          done=r"&fused_experts_cpu_v0523\);",
+          why="fused_experts_cpu takes 0.5.23's activation (SiLU only): MoE layers run"),
     Patch(name="declare-adapters", file="csrc/cpu/torch_extension_cpu.cpp",
           old=r"\nTORCH_LIBRARY_FRAGMENT\(sgl_kernel, m\) \{", new=_DECLARATIONS,
           done=r"eaglewire \(kernel_args\.cpp\)",
