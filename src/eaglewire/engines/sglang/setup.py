@@ -59,8 +59,13 @@ def ensure_numa(logfile: Path, progress: Progress) -> str:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise SglangError(f"SGLang's CPU kernels include numa.h, which this machine lacks: install "
                           f"{inst.NUMA_PACKAGE} (apt-get install {inst.NUMA_PACKAGE}) and rerun")
-    _run(["apt-get", "install", "-y", "--no-install-recommends", inst.NUMA_PACKAGE], logfile,
-         f"apt-get install {inst.NUMA_PACKAGE} (the kernels include numa.h)", progress, timeout=600)
+    install = ["apt-get", "install", "-y", "--no-install-recommends", inst.NUMA_PACKAGE]
+    stage = f"apt-get install {inst.NUMA_PACKAGE} (the kernels include numa.h)"
+    try:
+        _run(install, logfile, stage, progress, timeout=600)
+    except SglangError:  # a machine whose package lists were never fetched
+        _run(["apt-get", "update"], logfile, "apt-get update (no package lists yet)", progress, timeout=600)
+        _run(install, logfile, stage, progress, timeout=600)
     return "installed with apt-get"
 
 
