@@ -229,7 +229,9 @@ def test_tune_measures_what_its_flags_say(monkeypatch):
     given = dict(engine="sglang", max_new_tokens=9, max_steps=2, p_mins=[0.2], temperature=0.5, seed=3,
                  verify_cost=0.1, draft_cost=0.2)
     assert {f.name for f in fields(SpeedQuery)} == set(given) | {"stated"}
-    assert TuneConfig(draft="x", **given).query() == SpeedQuery(**{**given, "p_mins": (0.2,)}, stated=True)
+    # --costs stated: the GPU model, whether or not SGLang is installed here
+    assert TuneConfig(draft="x", costs="stated", **given).query() == SpeedQuery(**{**given, "p_mins": (0.2,)},
+                                                                                stated=True)
     assert not TuneConfig(draft="x").query().stated  # eaglewire's own engine is timed here
     monkeypatch.setattr("eaglewire.engines.sglang.server.find", lambda python=None: None)  # not installed here
     with pytest.raises(ValueError, match="SGLang is not installed: run `eaglewire engines install sglang`"):
