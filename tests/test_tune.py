@@ -241,7 +241,7 @@ def test_tune_measures_what_its_flags_say(monkeypatch):
 
 
 def test_the_speed_ranking_names_what_it_cannot_time():
-    with pytest.raises(ValueError, match="engine 'tensorrt': the speed ranking knows eaglewire, vllm, llamacpp, sglang$"):
+    with pytest.raises(ValueError, match="engine 'tensorrt': the speed ranking knows eaglewire, sglang, vllm, llamacpp$"):
         SpeedQuery(engine="tensorrt")
     target = tiny_target("llama", vocab_size=6)
     with pytest.raises(ValueError, match="server=server_setup"):
