@@ -30,7 +30,7 @@ from eaglewire.core.fileio import atomic_write_json
 from eaglewire.core.logged_run import run_logged
 from eaglewire.engines.interface import ExportDraft, InstallError, InstallSettings, Progress, ServedFiles, Shape
 import eaglewire.engines.sglang.installation as inst  # the module itself, not through the package
-from eaglewire.engines.sglang import kernels
+import eaglewire.engines.sglang.kernels as kernels  # the module itself, not through the package
 from eaglewire.engines.sglang.installation import DIST, RECORD_VERSION, VERSION_RUN, Installation, SglangError
 from eaglewire.engines.sglang.server import SglangServer
 
