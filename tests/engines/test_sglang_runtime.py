@@ -11,8 +11,10 @@ import pytest
 
 from eaglewire.engines.interface import ServedFiles, Shape
 from eaglewire.engines.sglang import kernels
-from eaglewire.engines.sglang.server import (flags_from_info, generate_body, launch_args, launch_env, refusal,
-                                             request_stats)
+from eaglewire.engines.interface import RunSettings
+from eaglewire.engines.sglang.installation import SglangError
+from eaglewire.engines.sglang.server import (RUNTIME, flags_from_info, generate_body, head_size_refusal, launch_args,
+                                             launch_env, refusal, request_stats)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -139,6 +141,22 @@ def test_shapes_it_refuses():
     assert "p-min" in refusal(Shape(n_max=3, p_min=0.2), "eagle3")
     assert "CUDA path" in refusal(Shape(n_max=3), "dflash")
     assert refusal(Shape(), "dflash") is None  # plain serves any target
+
+
+def test_head_sizes_its_cpu_attention_refuses():
+    """The extend kernel stops a server at its first prompt on a head size that is not a multiple of 32 (CI's
+    tiny targets have 16): refused before the launch, saying what would run."""
+    assert head_size_refusal({"hidden_size": 576, "num_attention_heads": 9}, "t") is None  # SmolLM2-135M: 64
+    assert head_size_refusal({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 128}, "t") is None
+    assert head_size_refusal({"text_config": {"hidden_size": 128, "num_attention_heads": 2}}, "t") is None
+    why = head_size_refusal({"hidden_size": 64, "num_attention_heads": 4}, "the target t")
+    assert why and "the target t has attention heads of size 16" in why and "--costs stated" in why
+    assert head_size_refusal({"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 32}, "t") is None  # MLA
+
+
+def test_a_tiny_target_is_refused_before_any_launch(target_dir, tmp_path):
+    with pytest.raises(SglangError, match="attention heads of size 16"):
+        RUNTIME.files(None, str(target_dir), tmp_path, RunSettings())
 
 
 def test_launch_env_binds_threads_and_keeps_intel_amx():

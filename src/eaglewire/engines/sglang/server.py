@@ -41,6 +41,7 @@ ALGORITHMS = {"eagle3": "EAGLE3"}  # draft family -> --speculative-algorithm (DF
 MAX_TOTAL_TOKENS = 16384  # the KV cache's tokens: SmolLM2's in a few hundred MB, far more than a load here needs
 STARTUP_TIMEOUT = 900.0  # ~40 s with a draft on 2 idle cores (the tokenizer's start is most of it)
 DTYPE = "bfloat16"  # the intel_amx backend's kernels compute in bf16/fp16
+HEAD_SIZE_MULTIPLE = 32  # the CPU extend-attention kernel's check (sgl-kernel csrc/cpu/extend.cpp: head_size % 32)
 
 
 # ------------------------------------------------------------------ the launch (pure)
@@ -56,6 +57,21 @@ def refusal(shape: Shape, family: str) -> str | None:
         return (f"eaglewire launches SGLang with {', '.join(ALGORITHMS)} drafts here; a {family} draft runs on "
                 f"SGLang's CUDA path (--speculative-algorithm DFLASH), not on its CPU one")
     return None
+
+
+def head_size_refusal(config: Mapping[str, Any], what: str) -> str | None:
+    """Why SGLang's CPU attention cannot run the model of ``config`` (a config.json; None: it can). Its extend
+    kernel takes head sizes that are multiples of 32 and stops the server with "invalid head_size" on the first
+    prompt otherwise; MLA models (``kv_lora_rank``) run other kernels and are not judged here."""
+    text = config.get("text_config") or config
+    if "kv_lora_rank" in text or not text.get("num_attention_heads"):
+        return None
+    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if head % HEAD_SIZE_MULTIPLE == 0:
+        return None
+    return (f"{what} has attention heads of size {head}, and SGLang's CPU attention kernel takes only multiples of "
+            f"{HEAD_SIZE_MULTIPLE} (sgl-kernel csrc/cpu/extend.cpp): serve a model of a real shape (SmolLM2-135M: "
+            f"64), or price SGLang with --costs stated")
 
 
 def speculative_args(draft: Path, shape: Shape, family: str) -> list[str]:
@@ -297,12 +313,14 @@ class SglangRuntime:
     def files(self, draft_dir: str | None, target: str, work_dir: Path, settings: RunSettings, *,
               export: ExportDraft | None = None, allow: frozenset[str] = frozenset()) -> ServedFiles:
         target_dir = served_target(settings.target_file or target, "SGLang", SglangError)
+        _refuse_head_size(target_dir / "config.json", f"the target {target_dir}")
         if settings.draft_file:
             return ServedFiles(target=target_dir, draft=Path(settings.draft_file).expanduser().resolve())
         if draft_dir is None:
             return ServedFiles(target=target_dir, draft=None)
         out = Path(work_dir) / "sglang-export"
         needs_exporter(export)(draft_dir, "sglang", out, allow=allow)
+        _refuse_head_size(out / "config.json", f"the draft {draft_dir}")
         return ServedFiles(target=target_dir, draft=out)
 
     def can_run(self, shape: Shape, family: str) -> str | None:
@@ -318,6 +336,14 @@ class SglangRuntime:
         ``draft_timing`` changes nothing: SGLang times no drafting apart."""
         return SglangServer(self._installation(settings), files, shape, threads=settings.threads,
                             flags=settings.flags, log_path=log_path, max_running=max(settings.slots, 1))
+
+
+def _refuse_head_size(config_path: Path, what: str) -> None:
+    """Raise before a launch that SGLang would stop at its first prompt (see ``head_size_refusal``)."""
+    if config_path.is_file():
+        why = head_size_refusal(json.loads(config_path.read_text()), what)
+        if why:
+            raise SglangError(why)
 
 
 RUNTIME = SglangRuntime()
