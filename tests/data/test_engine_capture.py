@@ -173,7 +173,7 @@ def test_read_states_checks_the_tokens_and_slots_and_removes_the_file(tmp_path):
 
 
 def test_prepare_refuses_an_engine_that_does_not_capture_and_a_url_without_an_engine(tmp_path):
-    with pytest.raises(ValueError, match=r"--capture 'llamacpp' is not one of vllm.*, or here"):
+    with pytest.raises(ValueError, match=r"--capture .llamacpp. is not one of sglang, vllm.*, or here"):
         PrepareConfig(out=str(tmp_path), capture="llamacpp")
     with pytest.raises(ValueError, match="--capture-url names a running engine's server: add --capture ENGINE"):
         PrepareConfig(out=str(tmp_path), capture_url="http://127.0.0.1:8000")

@@ -24,6 +24,7 @@ from eaglewire.model.target import Target
 # 0.03 at 27, up to 0.05 at the label state 30, bf16 storage included). Neighbouring boundaries of SmolLM2 are
 # 0.24 to 0.9 apart per token, so a state one layer off is 2.4x the bf16 tolerance away.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
+PRE_NORM, POST_NORM = "pre-norm", "post-norm"  # which side of the final norm an engine's label slot is on
 CHECKED_SEQUENCES = 4  # sequences captured both ways on every run
 
 
@@ -60,25 +61,36 @@ class SlotCheck:
         return self.own <= tolerance and self.closest == self.boundary
 
 
-def check_slots(engine: torch.Tensor, slots: list[int], here: dict[int, torch.Tensor]) -> list[SlotCheck]:
-    """Each engine slot ([T, n, H], slot j said to hold boundary ``slots[j]``) against every boundary here."""
+def normed(target: Target, state: torch.Tensor) -> torch.Tensor:
+    """[T, H] the target's final norm applied to ``state`` (an engine that returns its label state after the norm
+    is compared with ours normed alike)."""
+    with torch.no_grad():
+        return target.decoder.norm(state.to(device=target.device, dtype=target.dtype)).float()
+
+
+def check_slots(engine: torch.Tensor, slots: list[int], here: dict[int, torch.Tensor], *,
+                here_label: dict[int, torch.Tensor] | None = None, label: int | None = None) -> list[SlotCheck]:
+    """Each engine slot ([T, n, H], slot j said to hold boundary ``slots[j]``) against every boundary here; the
+    slot of boundary ``label`` against ``here_label`` instead where given (every boundary after the final norm)."""
     out = []
     engine = engine.to(next(iter(here.values())).device)  # [T, n, H], beside the states it is compared with
     for j, b in enumerate(slots):
-        errors = {k: relative_error(engine[:, j], state) for k, state in here.items()}
+        against = here_label if here_label is not None and b == label else here
+        errors = {k: relative_error(engine[:, j], state) for k, state in against.items()}
         closest = min(errors, key=errors.get)
         out.append(SlotCheck(b, errors[b], closest, errors[closest]))
     return out
 
 
-def problems(checks: list[SlotCheck], tolerance: float, engine: str, num_layers: int) -> list[str]:
+def problems(checks: list[SlotCheck], tolerance: float, engine: str, num_layers: int,
+             last_state: str = PRE_NORM) -> list[str]:
     """What is wrong with the slots, in words (empty: every slot is its own boundary within ``tolerance``)."""
+    side = "before the final norm" if last_state == PRE_NORM else "after the final norm, as it returns it"
     out = []
     for c in checks:
         if c.ok(tolerance):
             continue
-        said = f"boundary {c.boundary}" + (" (the label state, before the final norm)" if c.boundary == num_layers
-                                           else "")
+        said = f"boundary {c.boundary}" + (f" (the label state, {side})" if c.boundary == num_layers else "")
         if c.closest != c.boundary and c.closest_error <= tolerance:
             out.append(f"{engine}'s state for {said} is boundary {c.closest} here (relative error "
                        f"{c.closest_error:.1e}; {c.own:.1e} from its own)")
@@ -89,11 +101,15 @@ def problems(checks: list[SlotCheck], tolerance: float, engine: str, num_layers:
 
 
 def require_same_states(engine_states: torch.Tensor, slots: list[int], target: Target, token_ids: list[int],
-                        engine: str, *, sequence: str) -> list[SlotCheck]:
-    """The cross-check of one sequence; raises EngineCaptureError naming each slot that is another boundary."""
+                        engine: str, *, sequence: str, last_state: str = PRE_NORM) -> list[SlotCheck]:
+    """The cross-check of one sequence; raises EngineCaptureError naming each slot that is another boundary.
+    ``last_state`` POST_NORM: the engine's label slot is after the final norm, so it is compared with every boundary
+    here normed."""
     tolerance = TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16])
-    checks = check_slots(engine_states, slots, states_here(target, token_ids))
-    found = problems(checks, tolerance, engine, target.num_layers)
+    here = states_here(target, token_ids)
+    here_label = {b: normed(target, x) for b, x in here.items()} if last_state == POST_NORM else None
+    checks = check_slots(engine_states, slots, here, here_label=here_label, label=target.num_layers)
+    found = problems(checks, tolerance, engine, target.num_layers, last_state)
     if found:
         raise EngineCaptureError(
             f"the states {engine} captured for {sequence} are not the boundaries it was asked for (tolerance "
@@ -105,16 +121,19 @@ def require_same_states(engine_states: torch.Tensor, slots: list[int], target: T
 
 
 def split_states(states: torch.Tensor, slots: list[int], aux_boundaries: list[int],
-                 num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux [T, k*H] in the contract's order, last [T, H]) from the engine's [T, n, H] slots."""
+                 num_layers: int, unnorm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [T, k*H] in the contract's order, last [T, H]) from the engine's [T, n, H] slots; ``unnorm`` [H]
+    (``target_head.unnorm_weight``) where the label slot is after the final norm: stored as y / norm(1), whose
+    norm is y again (as ``import-data --last-state post-norm`` stores it)."""
     T, _, H = states.shape
     index = [slots.index(b) for b in aux_boundaries]
     aux = states[:, index].reshape(T, len(index) * H)  # [T, k, H] -> [T, k*H]
-    return aux, states[:, slots.index(num_layers)]
+    last = states[:, slots.index(num_layers)]
+    return aux, last if unnorm is None else last / unnorm.to(last.device)
 
 
 def require_last_layer(engine_states: torch.Tensor, slots: list[int], target: Target, token_ids: list[int],
-                       engine: str, *, sequence: str) -> list[SlotCheck]:
+                       engine: str, *, sequence: str, last_state: str = PRE_NORM) -> list[SlotCheck]:
     """The cross-check of a head-only target (``prepare --head-only``), which holds its embedding and its last
     decoder layer but not the others: the engine's label slot (boundary L) must be the last layer applied to the
     engine's own boundary L-1, and a boundary-0 slot the embedding output. An off-by-one label slot (boundary L-1
@@ -127,6 +146,8 @@ def require_last_layer(engine_states: torch.Tensor, slots: list[int], target: Ta
     before = engine_states[:, slots.index(L - 1)]  # [T, H]
     last = engine_states[:, slots.index(L)]  # [T, H]
     expected = through_layer(target, L - 1, before)
+    if last_state == POST_NORM:  # the engine's label slot after the final norm: compared with ours normed
+        expected, before = normed(target, expected), normed(target, before)
     checks = [SlotCheck(L, relative_error(last, expected), L, relative_error(last, expected))]
     found = []
     if not checks[0].ok(tolerance):

@@ -67,10 +67,10 @@ class PrepareConfig:
     overwrite: bool = field(default=False, metadata={"help": "delete the shards, manifests and regenerated replies already in --out and start over", "record": False})
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # --regenerate through servers: its flags
     state_dtype: str | None = field(default=None, metadata={"choices": STATE_DTYPES, "help": "aux states on disk: fp8 (e4m3 with a scale per token and boundary, half the bytes), or bf16/fp16 (default: --storage-dtype)"})
-    capture: str = field(default="here", metadata={"help": "where the states are computed: here (the target in this process) or an engine that captures them (vllm: launched here, or the one at --capture-url); the first sequences are captured both ways and compared per boundary"})
-    capture_url: str | None = field(default=None, metadata={"help": "a running engine with state extraction on (the launch line `prepare --capture vllm` logs); its storage path must be readable here"})
+    capture: str = field(default="here", metadata={"help": "where the states are computed: here (the target in this process) or an engine that captures them (vllm or sglang: launched here, or the one at --capture-url); the first sequences are captured both ways and compared per boundary"})
+    capture_url: str | None = field(default=None, metadata={"help": "a running engine with state extraction on (the launch line `prepare --capture ENGINE` logs): vLLM's storage path must be readable here; SGLang takes AUX_URL,LABEL_URL (two servers)"})
     capture_tensor_parallel: int = field(default=1, metadata={"help": "--tensor-parallel-size of the vLLM launched to capture"})
-    capture_python: str | None = field(default=None, metadata={"help": "the python of the vLLM to launch (default: `eaglewire engines install vllm`'s)"})
+    capture_python: str | None = field(default=None, metadata={"help": "the python of the engine to launch (default: the one `eaglewire engines install ENGINE` made)"})
     capture_threads: int = field(default=2, metadata={"help": "threads of the engine launched to capture"})
     head_only: bool = field(default=False, metadata={"help": "a target too large for this process: read only its tokenizer, embedding, last decoder layer, final norm and lm_head; the states come from --capture ENGINE, checked with the last layer on the engine's boundary L-1 instead of a whole in-process capture"})
     skip_label_check: bool = field(default=False, metadata={"help": "no label check after the capture (the target's head on the stored last state against the stored next tokens); only for a target that is not a language model of this text, e.g. a random test target captured --head-only", "record": False})
@@ -357,31 +357,39 @@ def engine_batch(engine, target: Target, contract: HiddenStateContract, batch: l
     relative error so far, with the count under key -1). ``cross_check=False``: a head-only target cannot compute
     the states here; its last layer is checked on the engine's boundary L-1 instead (and the label check after the
     run)."""
-    from eaglewire.data.engine_capture import (CHECKED_SEQUENCES, require_last_layer, require_same_states,
-                                               split_states)
+    from eaglewire.data.engine_capture import (CHECKED_SEQUENCES, POST_NORM, PRE_NORM, require_last_layer,
+                                               require_same_states, split_states)
+    from eaglewire.model.target_head import unnorm_weight
 
     require = require_same_states if cross_check else require_last_layer
+    last_state = getattr(engine, "last_state", PRE_NORM)
+    unnorm = unnorm_weight(target) if last_state == POST_NORM else None
     for s in batch:
         states = engine.states(list(s.input_ids))  # [T, n, H]
         if checked.get(-1, 0) < CHECKED_SEQUENCES:
             for c in require(states, engine.boundaries, target, list(s.input_ids), engine.version,
-                             sequence=f"conversation {s.id}"):
+                             sequence=f"conversation {s.id}", last_state=last_state):
                 checked[c.boundary] = max(checked.get(c.boundary, 0.0), c.own)
             checked[-1] = checked.get(-1, 0) + 1
-        aux, last = split_states(states, engine.boundaries, list(contract.aux_boundaries), target.num_layers)
+        aux, last = split_states(states, engine.boundaries, list(contract.aux_boundaries), target.num_layers,
+                                 unnorm)
         yield s, aux, last
 
 
-def _check_record(checked: dict[int, float], target: Target, *, head_only: bool = False) -> dict[str, Any]:
+def _check_record(checked: dict[int, float], target: Target, *, head_only: bool = False,
+                  last_state: str | None = None) -> dict[str, Any]:
     """The manifest's ``status.capture_check``: sequences compared, the tolerance, each boundary's largest error;
-    with ``head_only`` only boundary L (and 0) were compared, and it says how."""
-    from eaglewire.data.engine_capture import TOLERANCE
+    with ``head_only`` only boundary L (and 0) were compared, and it says how; ``last_state`` post-norm: the engine
+    answered the label state after the final norm, and it says how it was compared and stored."""
+    from eaglewire.data.engine_capture import POST_NORM, TOLERANCE
 
     record = {"sequences": int(checked.get(-1, 0)),
               "tolerance": TOLERANCE.get(target.dtype, TOLERANCE[torch.bfloat16]),
               "max_relative_error": {str(b): float(f"{e:.3g}") for b, e in sorted(checked.items()) if b >= 0}}
     if head_only:
         record["instead"] = HEAD_ONLY_CHECK
+    if last_state == POST_NORM:
+        record["label_state"] = POST_NORM_LABEL
     return record
 
 
@@ -389,6 +397,11 @@ HEAD_ONLY_CHECK = ("--head-only: the target's layers but the last are not here t
                    "label state is checked as the last layer applied to its boundary L-1 (and boundary 0 as the "
                    "embedding output), and the label check (the target's head on the stored boundary-L states gives "
                    "its own next tokens) runs after")
+
+
+POST_NORM_LABEL = ("the engine answers the label state (boundary L) after the final norm: it was compared with ours "
+                   "normed, and is stored as y / norm(1), whose norm is y (as import-data --last-state post-norm "
+                   "stores it), so the target's head on it gives the engine's logits")
 
 
 def _add_each(writer: ShardWriter, captured: list[tuple[TokenizedConversation, torch.Tensor, torch.Tensor]]) -> None:
@@ -508,7 +521,8 @@ def _prepare(config: PrepareConfig, target: Target | None, progress: bool, pace:
         totals = writer.close()
         captured = time.perf_counter() - capture_start
         if engine is not None:
-            writer.set_status(capture_check=_check_record(checked, target, head_only=config.head_only))
+            writer.set_status(capture_check=_check_record(checked, target, head_only=config.head_only,
+                                                          last_state=getattr(engine, "last_state", None)))
         writer.set_status(complete=True, conversations=len(conversations), dropped_no_reply=dropped,
                           truncated_to_max_length_this_run=truncated)
     bar.close()

@@ -296,6 +296,7 @@ class CapturedStates(Protocol):
     version: str  # the engine's release, as the manifest records it ("vllm 0.32.0")
     boundaries: list[int]  # what each captured slot holds, in order
     url: str  # its OpenAI-compatible server, which generates too (``prepare --regenerate`` through it)
+    last_state: str  # the label slot's side of the final norm: "pre-norm" (boundary L as is) or "post-norm"
 
     def states(self, token_ids: list[int]) -> Any:
         """The states of ``token_ids`` through the target: a float tensor [T, len(boundaries), H]."""

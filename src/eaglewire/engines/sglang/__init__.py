@@ -19,6 +19,7 @@ from eaglewire.engines.sglang.served import (
 from eaglewire.engines.interface import ChainRule, EngineSpec, Exporter, IdReading, Importer, Linter, Sampling  # noqa: E402
 from eaglewire.engines.sglang.server import RUNTIME, served_flags, served_version  # noqa: E402
 from eaglewire.engines.sglang.setup import INSTALLER  # noqa: E402
+from eaglewire.engines.sglang.capture import CAPTURER  # noqa: E402
 
 
 def _speculative_label(n_max: int, p_min: float, n_min: int, block: bool) -> str:
@@ -40,7 +41,7 @@ def judged(served: str | None) -> tuple[str, str]:
 
 SPEC = EngineSpec(
     name=NAME, version=VERSION, stated_costs=True, measure=measure_served, reads_export=reads_export,
-    runtime=RUNTIME, installer=INSTALLER, served_version=served_version, served_flags=served_flags, judged=judged, chain_rule=CHAIN_RULE,
+    runtime=RUNTIME, installer=INSTALLER, capturer=CAPTURER, served_version=served_version, served_flags=served_flags, judged=judged, chain_rule=CHAIN_RULE,
     eagle3=IdReading(to_ids=to_ids, to_boundaries=to_boundaries, read_ids=read_ids, read_notes=read_notes,
                      per_model_file=PER_MODEL_FILE, needs_target_arch=NEEDS_TARGET_ARCH, families=families),
     dflash=IdReading(to_ids=dflash_to_ids, to_boundaries=dflash_to_boundaries, read_ids=read_dflash_ids),

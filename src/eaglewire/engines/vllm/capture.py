@@ -114,6 +114,7 @@ class VllmCapturedStates:
     boundaries: list[int]
     ids: list[int]
     timeout: float = 600.0
+    last_state: str = "pre-norm"  # vLLM hands the last layer's output, before the final norm
 
     def states(self, token_ids: list[int]) -> torch.Tensor:
         body = {"prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0, "stream": False}
