@@ -475,3 +475,48 @@ def test_a_resumed_run_purges_the_steps_it_redoes_from_its_curves(tmp_path, conv
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]  # step 4 once: the redone one
     rows = [r for r in map(json.loads, open(tmp_path / "draft" / "metrics.jsonl")) if not r.get("eval")]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows])
+
+
+def test_val_data_validates_on_other_shards_and_trains_on_all_of_data(tmp_path, stored_three_ways, chat_tiny_target):
+    """--val-data: the held-out figures come from other shards (the quickstart's: the target's own replies), and
+    --data is trained on whole; shards with other labels are refused."""
+    from eaglewire.train.loop import Trainer
+
+    hidden = stored_three_ways["hidden"]
+    trainer = Trainer(offline(tmp_path / "d", hidden, val_data=str(hidden), val_sequences=3), target=chat_tiny_target)
+    assert trainer.train_idx == list(range(len(trainer.source.sequence_ids))) and trainer.val_idx == [0, 1, 2]
+    assert trainer.val_source is not trainer.source
+    result = train(offline(tmp_path / "d2", hidden, val_data=str(hidden), val_sequences=3, max_steps=2),
+                   target=chat_tiny_target, progress=False)
+    recorded = json.loads((tmp_path / "d2" / "config.json").read_text())["training"]
+    assert result.steps == 2 and "val_loss" in result.final_eval and len(recorded["heldout_sequence_ids"]) == 3
+    with pytest.raises(TrainingError, match="same --labels"):
+        Trainer(offline(tmp_path / "d3", hidden, val_data=str(stored_three_ways["compact"])), target=chat_tiny_target)
+
+
+def test_early_stop_reason_on_a_made_up_loss_curve():
+    from eaglewire.train.loop import early_stop_reason
+
+    evals = [{"step": 10 * (i + 1), "val_loss": v} for i, v in enumerate([3.0, 2.5, 2.4, 2.45, 2.41, 2.5])]
+    assert early_stop_reason(evals, 0) is None  # off
+    assert early_stop_reason(evals[:4], 2) is None  # one evaluation since the low
+    assert early_stop_reason(evals, 4) is None  # three since the low at step 30
+    said = early_stop_reason(evals, 3)
+    assert said and "2.4000 (step 30)" in said and "3 evaluation(s)" in said
+    assert early_stop_reason(evals[:5] + [{"step": 60, "val_loss": 2.3}], 3) is None  # a new low
+
+
+def test_early_stop_ends_the_run_when_the_held_out_loss_stops_falling(tmp_path, conversations_file,
+                                                                      chat_tiny_target, monkeypatch):
+    """A held-out loss that never falls (evaluate patched to a constant) stops the run after --early-stop
+    evaluations, saying why; the run is not 'finished' and a resume stays stopped."""
+    monkeypatch.setattr(train_mod.Trainer, "evaluate", lambda self, draft: {"val_loss": 1.0, "val_acc_0": 0.0})
+    cfg = config(tmp_path, conversations_file, epochs=4, eval_interval=1, early_stop=2)
+    result = train(cfg, target=chat_tiny_target, progress=False)
+    assert not result.finished and result.steps == 3 and "has not fallen below" in result.stop_reason
+    again = train(config(tmp_path, conversations_file, epochs=4, eval_interval=1, early_stop=2, resume=True),
+                  target=chat_tiny_target, progress=False)
+    assert again.steps == 3 and again.stop_reason == result.stop_reason
+    on = train(config(tmp_path, conversations_file, epochs=4, eval_interval=1, early_stop=0, resume=True),
+               target=chat_tiny_target, progress=False)
+    assert on.finished and on.steps > 3 and on.stop_reason is None  # --early-stop 0 on resume: trained on

@@ -96,6 +96,19 @@ def summarize(counts: list[StepCounts], *, weights: list[float], prefix: str = "
     return out
 
 
+def early_stop_reason(evals: list[dict[str, float]], patience: int) -> str | None:
+    """Why training stops here (None: it goes on): the held-out loss (``val_loss``) has not reached a new low in
+    the last ``patience`` evaluations (0: never stops)."""
+    if patience < 1 or len(evals) <= patience:
+        return None
+    losses = [e["val_loss"] for e in evals]
+    best = min(range(len(losses)), key=losses.__getitem__)
+    if len(losses) - 1 - best < patience:
+        return None
+    return (f"the held-out loss has not fallen below its low of {losses[best]:.4f} (step {evals[best]['step']}) "
+            f"in the {patience} evaluation(s) since")
+
+
 # ------------------------------------------------------------------ the trainer
 
 class Trainer:
@@ -137,7 +150,14 @@ class Trainer:
         self.contract: HiddenStateContract = self.source.contract.for_family(config.family)
         self.objective: Objective = self._objective()
         self.positions = self.objective.positions
-        self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences, config.seed)
+        self.val_source: Source = self.source
+        if config.val_data is not None:  # validation on other data: --data is trained on whole
+            self.val_source = self._val_source(allow)
+            self.train_idx = list(range(len(self.source.sequence_ids)))
+            self.val_idx = list(range(min(config.val_sequences, len(self.val_source.sequence_ids))))
+        else:
+            self.train_idx, self.val_idx = split_indices(len(self.source.sequence_ids), config.val_sequences,
+                                                         config.seed)
         self.init_lineage: list[dict[str, Any]] = []  # the --init-draft runs this one continues
         self.timers = {"target_head": 0.0, "draft_forward": 0.0, "backward": 0.0, "data": 0.0}
         # On a GPU every read of a device value stalls the host until the device catches up, and a boolean-mask
@@ -148,6 +168,19 @@ class Trainer:
                                                   and self.device.type == "cuda")
         self._read_lock = threading.Lock()  # the prefetch thread and evaluation read the same shards
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def _val_source(self, allow: set[str]) -> ShardSource:
+        """--val-data: shards of the same states of the same target as --data, storing the same kind of labels."""
+        cfg = self.config
+        val = ShardSource(cfg.val_data, self.target, allow=allow)
+        self.source.contract.check_same(val.contract, what=f"--val-data {cfg.val_data}", allow=allow)
+        ours, theirs = (src.dataset.storage.labels for src in (self.source, val))
+        if ours != theirs:
+            raise TrainingError(f"--val-data {cfg.val_data} stores {theirs} labels and --data {cfg.data} {ours}: "
+                                "prepare both with the same --labels")
+        if not val.sequence_ids:
+            raise TrainingError(f"--val-data {cfg.val_data} holds no sequence")
+        return val
 
     def _online_source(self) -> OnlineSource:
         from eaglewire.data.prepare import resolve_data
@@ -224,9 +257,9 @@ class Trainer:
         self.timers["draft_forward"] += time.perf_counter() - t0
         return out
 
-    def _read(self, idx: list[int], device: torch.device) -> Batch:
+    def _read(self, idx: list[int], device: torch.device, source: Source | None = None) -> Batch:
         with self._read_lock:
-            return self.source.batch(idx, device)
+            return (source or self.source).batch(idx, device)
 
     def _batches(self, plan: list[list[int]]) -> Prefetcher | InStep:
         """The training batches of ``plan`` in order: read ahead on a thread from shards, in the step online
@@ -307,8 +340,8 @@ class Trainer:
         draft.eval()
         total = torch.zeros(self.positions, COUNT_FIELDS, dtype=torch.float64, device=self.device)
         inside = counted = 0
-        for idx in batch_plan(self.val_idx, self.source.lengths, self.config.batch_tokens, seed=0):
-            batch = self._read(idx, self.device)
+        for idx in batch_plan(self.val_idx, self.val_source.lengths, self.config.batch_tokens, seed=0):
+            batch = self._read(idx, self.device, self.val_source)
             signal = self._signal(draft, batch, evaluation=True)
             total += self._unroll(draft, batch, signal, evaluation=True)[1]
             n_in, n = self.objective.coverage(batch, signal)
@@ -372,6 +405,7 @@ class Trainer:
             scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"])
             position, history = Position(**state["position"]), History(**state["history"])
+            history.stop_reason = early_stop_reason(history.evals, cfg.early_stop)  # --early-stop may differ now
             log.info("resuming %s at step %d (epoch %d, batch %d)", self.out, position.step,
                      position.epoch, position.batch)
         draft.train()
@@ -400,7 +434,7 @@ class Trainer:
         try:
             while position.batch < len(mine) and position.step < run.total_steps:
                 out_of_time = cfg.minutes is not None and time.perf_counter() - run.start > cfg.minutes * 60
-                if out_of_time or position.step == cfg.stop_at_step:
+                if out_of_time or position.step == cfg.stop_at_step or run.history.stop_reason:
                     return False
                 idxs = mine[position.batch:position.batch + cfg.grad_accum]
                 t0 = time.perf_counter()
@@ -438,6 +472,9 @@ class Trainer:
             self._log_window(run)
         if step % cfg.eval_interval == 0:
             self._record_eval(run.draft, step, run.history, run.metrics_file, run.curves)
+            run.history.stop_reason = early_stop_reason(run.history.evals, cfg.early_stop)
+            if run.history.stop_reason:
+                log.info("stopping early: %s", run.history.stop_reason)
         if step % cfg.save_interval == 0:
             self._save_run(run, self._summary(run))
         if logged:  # the next window's tokens/s counts training, not this step's evaluation and save
@@ -499,7 +536,7 @@ class Trainer:
         cfg, history = self.config, run.history
         return {"target": cfg.target, "data": cfg.data or cfg.online_data, "steps": run.position.step,
                 "train_tokens": run.position.tokens, "draft_vocab_coverage": round(run.coverage, 4),
-                "heldout_sequence_ids": [self.source.sequence_ids[i] for i in self.val_idx],
+                "heldout_sequence_ids": [self.val_source.sequence_ids[i] for i in self.val_idx],
                 "config": cfg.identity(), "init_draft": self.init_lineage, "precision": self.precision.record(),
                 "final_eval": final_eval or (history.evals[-1] if history.evals else {}),
                 "seconds": round(history.seconds + time.perf_counter() - run.start, 1),
@@ -527,7 +564,7 @@ class Trainer:
                            train_tokens=position.tokens, seconds=run.history.seconds,
                            final_eval=run.history.evals[-1], finished=not run.stopped_early,
                            timers={k: round(v, 2) for k, v in self.timers.items()},
-                           throughput=self._throughput(run))
+                           throughput=self._throughput(run), stop_reason=run.history.stop_reason)
 
     def _throughput(self, run: RunState) -> dict[str, float | None]:
         """This run's training speed over its logged windows (evaluations and saves left out), logged once."""

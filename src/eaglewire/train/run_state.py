@@ -31,9 +31,10 @@ class TrainResult:
     train_tokens: int
     seconds: float
     final_eval: dict[str, float]
-    finished: bool  # False when stopped by --minutes / --max-steps before the planned end
+    finished: bool  # False when stopped by --minutes / --max-steps / --early-stop before the planned end
     timers: dict[str, float]  # seconds in data, target head, draft forward, backward (this run)
     throughput: dict[str, float | None] = field(default_factory=dict)  # tokens_per_s, tflops, mfu (this run's steps)
+    stop_reason: str | None = None  # why it ended before the planned end, in words (--early-stop)
 
 
 @dataclass(kw_only=True)
@@ -49,6 +50,7 @@ class Position:
 class History:
     evals: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0  # training time of the earlier runs (resume)
+    stop_reason: str | None = None  # set when --early-stop ends the run (a resume stays stopped)
 
 
 @dataclass(kw_only=True)

@@ -41,6 +41,8 @@ class TrainConfig:
     batch_tokens: int = field(default=4096, metadata={"help": "padded tokens per micro-batch (per rank)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step and rank: a step trains on world x grad_accum micro-batches"})
     val_sequences: int = field(default=32, metadata={"help": "held-out sequences for validation"})
+    val_data: str | None = field(default=None, metadata={"help": "shard directory to validate on (its first --val-sequences) instead of a split of --data, which is then trained on whole: e.g. the target's own replies held out while training on the dataset's"})
+    early_stop: int = field(default=0, metadata={"help": "stop once the held-out loss has not reached a new low for this many evaluations in a row (0: never)"})
     eval_interval: int = field(default=100, metadata={"help": "validate every N steps"})
     save_interval: int = field(default=100, metadata={"help": "checkpoint every N steps"})
     log_interval: int = field(default=10, metadata={"help": "write metrics every N steps"})
@@ -99,7 +101,7 @@ class TrainConfig:
             raise ValueError(f"--sync-free on is EAGLE-3's step; family {self.family!r} takes auto or off")
 
     # Fields that may change between an interrupted run and its resume.
-    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "eval_interval", "save_interval", "log_interval", "resume", "device",
+    RESUMABLE_CHANGES = frozenset({"minutes", "stop_at_step", "early_stop", "eval_interval", "save_interval", "log_interval", "resume", "device",
                                    "head_only", "allow_incomplete_data", "skip_label_check", "dtype", "report_to",
                                    "prefetch", "sync_free", "compile"})
 
