@@ -159,6 +159,21 @@ def test_a_tiny_target_is_refused_before_any_launch(target_dir, tmp_path):
         RUNTIME.files(None, str(target_dir), tmp_path, RunSettings())
 
 
+def test_its_shared_memory_segments_are_named_by_the_launch(tmp_path):
+    """The CPU kernels' all-reduce buffer (258 MiB a launch, never unlinked by SGLang) takes its name from
+    MASTER_ADDR/MASTER_PORT: the launch sets them, so the server's own segments (and no other's) are found."""
+    from eaglewire.engines.sglang.server import shm_segments
+
+    env = launch_env(2, cpus=[0, 1], base={}, shm_port=41234)
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "41234"
+    for name in ("deepspeed_allreduce_buffer_0_127.0.0.1_41234_0", "deepspeed_allreduce_buffer_0_127.0.0.1_41234_1",
+                 "deepspeed_allreduce_buffer_0_127.0.0.1_51234_0", "deepspeed_allreduce_buffer_7_127.0.0.1_41234_0"):
+        (tmp_path / name).write_text("")
+    assert [p.name for p in shm_segments(41234, 0, tmp_path)] == ["deepspeed_allreduce_buffer_0_127.0.0.1_41234_0",
+                                                                  "deepspeed_allreduce_buffer_0_127.0.0.1_41234_1"]
+    assert "MASTER_PORT" not in launch_env(2, cpus=[0, 1], base={})
+
+
 def test_launch_env_binds_threads_and_keeps_intel_amx():
     env = launch_env(2, cpus=[4, 5, 6], base={"OMP_NUM_THREADS": "8", "PATH": "/bin"})
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "4-5"

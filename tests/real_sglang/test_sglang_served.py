@@ -56,15 +56,18 @@ def served_files(tmp_path_factory, sglang_installation):
 
 
 def _serve(installation, files: ServedFiles, shape: Shape, log: Path, work, flags=()):
-    """Start, run ``work(server)``, stop; (its result, the launch record), after checking no process is left."""
+    """Start, run ``work(server)``, stop; (its result, the launch record), after checking no process is left and
+    the all-reduce segment it made in /dev/shm (258 MiB, which SGLang never unlinks) is gone."""
     from eaglewire.engines.serving.server_process import group_alive
-    from eaglewire.engines.sglang.server import SglangServer
+    from eaglewire.engines.sglang.server import SglangServer, shm_segments
 
     with SglangServer(installation, files, shape, threads=2, log_path=log, flags=flags) as server:
         pgid = server.process.proc.pid
         record = server.record
+        record["shm_segments"] = [p.name for p in shm_segments(server.shm_port)]
         result = work(server)
     assert not group_alive(pgid), f"SGLang's processes (group {pgid}) outlived the server: see {log}"
+    assert not shm_segments(server.shm_port), f"the server's /dev/shm segments outlived it: {record['shm_segments']}"
     return result, record
 
 
@@ -176,6 +179,7 @@ def test_plain_serving_counts_one_token_a_round(served_files, plain):
     assert all(a.stats.accept_lengths == [1] * (len(a.tokens) - 1) for a in answers)
     assert all(0 < a.stats.prefill_seconds < a.stats.total_seconds for a in answers)
     assert record["cpus"] == "0-1" and "sglang.launch_server" in " ".join(record["command"])
+    assert len(record["shm_segments"]) == 1  # one rank's all-reduce buffer, named by the launch (and removed)
 
 
 def test_replies_regenerate_through_sglangs_openai_api(served_files, plain):

@@ -41,6 +41,8 @@ ALGORITHMS = {"eagle3": "EAGLE3"}  # draft family -> --speculative-algorithm (DF
 MAX_TOTAL_TOKENS = 16384  # the KV cache's tokens: SmolLM2's in a few hundred MB, far more than a load here needs
 STARTUP_TIMEOUT = 900.0  # ~40 s with a draft on 2 idle cores (the tokenizer's start is most of it)
 DTYPE = "bfloat16"  # the intel_amx backend's kernels compute in bf16/fp16
+SHM_ROOT = Path("/dev/shm")
+SHM_ADDR = "127.0.0.1"
 HEAD_SIZE_MULTIPLE = 32  # the CPU extend-attention kernel's check (sgl-kernel csrc/cpu/extend.cpp: head_size % 32)
 
 
@@ -105,10 +107,21 @@ def launch_args(files: ServedFiles, shape: Shape, *, port: int, host: str = "127
     return args + list(flags)
 
 
-def launch_env(threads: int, *, cpus: Sequence[int], base: Mapping[str, str] | None = None) -> dict[str, str]:
+def shm_segments(shm_port: int, uid: int | None = None, root: Path = SHM_ROOT) -> list[Path]:
+    """The shared-memory segments a server launched with ``launch_env(shm_port=...)`` made: the CPU kernels'
+    all-reduce buffer per rank, ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (sgl-kernel
+    csrc/cpu/shm.cpp), 258 MiB each, which SGLang never unlinks."""
+    uid = os.getuid() if uid is None else uid
+    return sorted(root.glob(f"deepspeed_allreduce_buffer_{uid}_{SHM_ADDR}_{shm_port}_*"))
+
+
+def launch_env(threads: int, *, cpus: Sequence[int], base: Mapping[str, str] | None = None,
+               shm_port: int | None = None) -> dict[str, str]:
     """The server's environment: ``base`` (default: this process's) with SGLang's CPU platform chosen, the
     intel_amx backend kept (``KEEP_AMX_ENV``), its OpenMP threads bound to the first ``threads`` of ``cpus``, and
-    nothing fetched or reported. OMP_NUM_THREADS is removed: SGLang sizes each rank's pool from its CPU list."""
+    nothing fetched or reported. OMP_NUM_THREADS is removed: SGLang sizes each rank's pool from its CPU list.
+    ``shm_port``: the name its all-reduce segments take (MASTER_ADDR/MASTER_PORT, which SGLang keeps where set:
+    srt/distributed/bootstrap.py ``_set_shm_master_env``), so that they can be removed (``shm_segments``)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     if threads > len(cpus):
@@ -118,6 +131,8 @@ def launch_env(threads: int, *, cpus: Sequence[int], base: Mapping[str, str] | N
     env.update({"SGLANG_USE_CPU_ENGINE": "1", KEEP_AMX_ENV: "1",
                 "SGLANG_CPU_OMP_THREADS_BIND": cpu_list(sorted(cpus)[:threads]),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"})
+    if shm_port is not None:
+        env.update({"MASTER_ADDR": SHM_ADDR, "MASTER_PORT": str(shm_port)})
     return env
 
 
@@ -253,10 +268,19 @@ class SglangServer(ProcessServer):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = launch_args(files, shape, port=self.port, dtype=dtype, max_running=max_running, flags=flags)
-        self.env = launch_env(threads, cpus=allowed_cpus())
+        self.shm_port = free_port()
+        self.env = launch_env(threads, cpus=allowed_cpus(), shm_port=self.shm_port)
         self.process = ServerProcess([str(installation.python), "-m", ENTRYPOINT, *self.args], self.env,
                                      url=self.url, label="SGLang", error=SglangError, log_path=log_path,
                                      startup_timeout=startup_timeout, record=lambda: self.record)
+
+    def __exit__(self, *exc: object) -> None:
+        """Stopped as a group, then its all-reduce segments removed (258 MiB of /dev/shm a launch otherwise)."""
+        try:
+            super().__exit__(*exc)
+        finally:
+            for segment in shm_segments(self.shm_port):
+                segment.unlink(missing_ok=True)
 
     @property
     def record(self) -> dict[str, Any]:
