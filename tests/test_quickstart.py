@@ -27,6 +27,13 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, inputs, chat_tiny
     out = tmp_path / "qs"
     assert done["prepare"]["sequences"] == 10 and done["heldout"]["sequences"] == 4
     assert done["train"]["steps"] >= 1
+    # validated on the held-out stage's conversations (the target's own replies), beside training's own figures
+    from eaglewire.data.shards import ShardDataset
+
+    training = json.loads((out / "draft" / "config.json").read_text())["training"]
+    assert training["heldout_sequence_ids"] == ShardDataset(out / "heldout").sequence_ids
+    assert "train_acc_0" in done["train"] and "val_acc_0" in done["train"]
+    assert "(training's last steps: acc@0" in (out / "summary.md").read_text()
     assert set(done["doctor"]["verdicts"]) >= {"identity", "layout sweep", "capture drift", "acceptance"}
     names = [r["name"] for r in done["bench"]]
     assert names[:2] == ["1,0,0,0", "1,2,1,3"]
@@ -249,3 +256,27 @@ def test_a_data_stage_6x_slower_than_its_probe_is_replanned_to_end_within_its_bu
     assert spent == pytest.approx(plan.budget_seconds, rel=0.25)
     assert final.conversations < plan.conversations and done["sequences"] == final.conversations
     assert "re-plan after 16 conversations: " in capsys.readouterr().out  # said when it happens
+
+
+def test_the_training_probe_labels_the_datas_fraction_of_positions(chat_tiny_target, monkeypatch):
+    """A step's cost follows its labelled positions (the head and the draft run there only, on a CPU): the probe
+    labels the fraction the data has, not every position (which read 2.5x slow, issue 74)."""
+    import torch
+
+    from eaglewire.core.precision import resolve_precision
+    from eaglewire.train import train_rate
+
+    seen, real = [], train_rate.ttt_loss
+
+    def counting(draft, emb, aux, mask, *args, **kwargs):
+        seen.append(float(mask.float().mean()))
+        return real(draft, emb, aux, mask, *args, **kwargs)
+
+    monkeypatch.setattr(train_rate, "ttt_loss", counting)
+    speed = train_rate.training_tokens_per_second(chat_tiny_target, resolve_precision("fp32", torch.device("cpu")),
+                                                  ttt_steps=2, draft_vocab_size=64, batch_tokens=1024,
+                                                  label_fraction=0.4)
+    assert speed > 0 and len(seen) == 3 and all(abs(f - 0.4) < 0.01 for f in seen)
+    with pytest.raises(ValueError, match="label_fraction"):
+        train_rate.training_tokens_per_second(chat_tiny_target, resolve_precision("fp32", torch.device("cpu")),
+                                              ttt_steps=2, draft_vocab_size=64, batch_tokens=1024, label_fraction=0)

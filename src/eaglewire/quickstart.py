@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 STAGES_FILE = "stages.json"
 BATCH_TOKENS = 2048  # the training stage's batch
+EVAL_INTERVAL = 50  # steps between held-out evaluations (~100 s at the ~1,000 tokens/s of a 2-core machine in bf16)
+EARLY_STOP = 3  # evaluations without a new held-out low before training stops
+OVERFIT_GAP = 0.15  # train acc@0 above held-out acc@0 by more than this: said in the summary
 # The shipped reference draft on MT-bench first turns, greedy, 2 threads (BENCHMARKS.md, "MT-bench
 # and HumanEval with the reference draft"): two runs of the same configs on one host read 1.32x and
 # 1.13x for its fastest config, so a range is all that section supports. Cited, not re-measured: stage 5b
@@ -138,13 +141,18 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
         _banner(f"3/6 train: a draft within {plan.train_minutes:g} minutes (re-run to resume)")
         tokens = stages.done["prepare"]["tokens"]
         epochs = max(1, math.floor(plan.train_minutes * 60 * plan.tokens_per_second / max(tokens, 1)))
+        # validated on the held-out conversations (the target's own replies, whatever the recipe), stopped early
+        # once their loss stops falling
         r = train(TrainConfig(out=str(draft), target=config.target, data=str(data), ttt_steps=config.ttt_steps,
                               draft_vocab_size=config.draft_vocab_size, epochs=epochs, minutes=plan.train_minutes,
-                              lr=1e-3, batch_tokens=BATCH_TOKENS, val_sequences=4, eval_interval=50, save_interval=25,
-                              dtype=config.dtype, device=str(target.device), resume=(draft / "train_state.pt").exists()),
+                              lr=1e-3, batch_tokens=BATCH_TOKENS, val_data=str(heldout),
+                              val_sequences=config.heldout_conversations, eval_interval=EVAL_INTERVAL,
+                              early_stop=EARLY_STOP, save_interval=25, dtype=config.dtype, device=str(target.device),
+                              resume=(draft / "train_state.pt").exists()),
                   target=target, progress=progress)
         stages.record("train", {"steps": r.steps, "epochs": round(r.epochs_done, 2), "tokens": r.train_tokens,
-                                "seconds": round(r.seconds, 1), "finished": r.finished, **r.final_eval})
+                                "seconds": round(r.seconds, 1), "finished": r.finished, "stop_reason": r.stop_reason,
+                                **last_training_window(draft), **r.final_eval})
     if "doctor" not in stages.done:
         _banner("4/6 doctor: is the draft wired as it was trained? (on the held-out conversations)")
         # whole sequences, as trained: the doctor's shorter default would judge a fraction of each reply
@@ -180,6 +188,14 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
     return stages.done
 
 
+def last_training_window(draft: Path) -> dict[str, float]:
+    """The training figures of the run's last logged window (``train_acc_0``, ``train_loss``), to set beside the
+    held-out ones: a gap between them is the draft learning its data by heart."""
+    rows = [json.loads(line) for line in (draft / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if not r.get("eval")]
+    return {f"train_{k}": rows[-1][k] for k in ("loss", "acc_0") if rows and k in rows[-1]}
+
+
 def plan_stage(config: QuickstartConfig, target: Target, *, progress: bool = False) -> DataPlan:
     """Time a training step here and, unless --num-conversations fixes the slice, the data stage on its own first
     conversations (seconds); then size the data and the training budget to them."""
@@ -187,15 +203,18 @@ def plan_stage(config: QuickstartConfig, target: Target, *, progress: bool = Fal
     from eaglewire.train.train_rate import training_tokens_per_second
 
     precision = resolve_precision(config.dtype, target.device)
-    speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
-                                       draft_vocab_size=config.draft_vocab_size, batch_tokens=BATCH_TOKENS)
-    if config.num_conversations is not None:
-        return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
-                         conversations=config.num_conversations)
     data = data_seconds_per_conversation(target, prepare_config(config, Path(config.out) / "data", target, offset=0,
                                                                 count=None), progress=progress)
+    # timed as training runs: a step costs its labelled (reply) positions, the data's fraction of its tokens
+    speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
+                                       draft_vocab_size=config.draft_vocab_size, batch_tokens=BATCH_TOKENS,
+                                       label_fraction=min(1.0, max(data["reply_tokens"] / data["tokens"], 0.05)))
+    if config.num_conversations is not None:
+        return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
+                         conversations=config.num_conversations, tokens_per_conversation=data["tokens"])
     return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
-                     data_seconds=round(data["seconds"], 2), capture_seconds=round(data["capture"], 2))
+                     data_seconds=round(data["seconds"], 2), capture_seconds=round(data["capture"], 2),
+                     tokens_per_conversation=data["tokens"])
 
 
 def plan_in_force(stages: Stages) -> DataPlan:
@@ -290,8 +309,8 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
              + (f"; held out for the doctor: {h['sequences']} sequences ({h['reply_tokens']:,} reply tokens)"
                 if h else "")),
             ("training", f"{t['steps']} steps, {t['tokens']:,} tokens, {t['seconds']:,.0f} s"
-                         + ("" if t["finished"] else " (time budget reached)")),
-            ("held-out acc@0 / cond acc@1", f"{t.get('val_acc_0', 0):.3f} / {t.get('val_cond_acc_1', 0):.3f}"),
+                         + ("" if t["finished"] else f" ({t.get('stop_reason') or 'time budget reached'})")),
+            ("held-out acc@0 / cond acc@1", heldout_row(t)),
             ("doctor", d.get("status", "passed" if d["ok"] else "failed").upper()
              + (f" ({d['evidence']})" if d.get("evidence") else "") + ": "
              + ", ".join(f"{k} {v}" for k, v in d["verdicts"].items()))]
@@ -305,6 +324,18 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("tune for llama.cpp", "eaglewire tune --engine llamacpp --draft <out>/draft (exports the GGUFs, "
                                        "times llama-server; docs/llamacpp.md)"))
     return rows
+
+
+def heldout_row(t: dict[str, Any]) -> str:
+    """Held-out acc@0 / cond acc@1 (the target's own replies, conversations training never saw) beside the last
+    training window's acc@0, and what their gap says."""
+    row = f"{t.get('val_acc_0', 0):.3f} / {t.get('val_cond_acc_1', 0):.3f}"
+    if "train_acc_0" not in t:
+        return row
+    gap = t["train_acc_0"] - t.get("val_acc_0", 0)
+    row += f" (training's last steps: acc@0 {t['train_acc_0']:.3f}"
+    return row + (f"; {gap:.2f} above held out: the draft learnt its data by heart, more data would pay more than "
+                  "more passes)" if gap > OVERFIT_GAP else ")")
 
 
 def spec_flags(config: str) -> str:

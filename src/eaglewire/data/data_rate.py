@@ -23,9 +23,11 @@ def data_seconds_per_conversation(target: Target, config: PrepareConfig, *, samp
                                   progress: bool = False) -> dict[str, float]:
     """Seconds the data stage ``config`` spends here on one of its conversations: its first ``sample`` prepared as
     it prepares them (``config.out`` unused). Returns the parts (``regenerate``, ``capture``) and their sum
-    (``seconds``); the stage's fixed costs (reading the data, the label check) are left out."""
+    (``seconds``), the stage's fixed costs (reading the data, the label check) left out; and what a conversation
+    yields, ``tokens`` and ``reply_tokens`` (the labelled ones), which size training."""
     count = min(sample, config.num_conversations or sample)
     with tempfile.TemporaryDirectory(prefix="eaglewire-probe-") as scratch:
         s = prepare(replace(config, out=scratch, num_conversations=count), target=target, progress=progress)
     regenerate, capture = s.regenerate_seconds / count, s.capture_seconds / count
-    return {"regenerate": regenerate, "capture": capture, "seconds": regenerate + capture}
+    return {"regenerate": regenerate, "capture": capture, "seconds": regenerate + capture,
+            "tokens": s.tokens / count, "reply_tokens": s.loss_tokens / count}
