@@ -34,15 +34,14 @@ from eaglewire.core.precision import resolve_precision
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.data.prepare import PrepareConfig, prepare
 from eaglewire.model.target import load_target
+from eaglewire.quickstart import BATCH_TOKENS, RECIPES, QuickstartConfig
 from eaglewire.train.loop import train
 from eaglewire.train.train_config import TrainConfig
 
-RECIPES = {  # name -> (prepare's settings, conversations by default)
-    "regenerate": ({"regenerate": True, "max_new_tokens": 128}, 64),
-    "first-turn": ({"regenerate": True, "max_new_tokens": 128, "max_turns": 1}, 96),
-    "dataset": ({}, 1200),
-}
-QUICKSTART = {"ttt_steps": 3, "draft_vocab_size": 8192, "lr": 1e-3, "batch_tokens": 2048, "max_length": 512}
+COUNTS = {"regenerate": 64, "first-turn": 96, "dataset": 1200}  # conversations per recipe by default
+_Q = QuickstartConfig()
+QUICKSTART = {"ttt_steps": _Q.ttt_steps, "draft_vocab_size": _Q.draft_vocab_size, "lr": 1e-3,
+              "batch_tokens": BATCH_TOKENS, "max_length": _Q.max_length, "max_new_tokens": _Q.max_new_tokens}
 
 
 def cpu_name() -> str:
@@ -54,10 +53,10 @@ def data_stage(out: Path, target, recipe: str, count: int, offset: int = 0) -> d
     record = out.parent / f"{out.name}.json"
     if record.exists():
         return json.loads(record.read_text())
-    settings, _ = RECIPES[recipe]
     start = time.perf_counter()
     s = prepare(PrepareConfig(out=str(out), target=DEFAULT_TARGET, data="sharegpt", offset=offset,
-                              num_conversations=count, max_length=QUICKSTART["max_length"], **settings),
+                              num_conversations=count, max_length=QUICKSTART["max_length"],
+                              max_new_tokens=QUICKSTART["max_new_tokens"], **RECIPES[recipe]),
                 target=target, progress=True)
     done = {"conversations": count, "sequences": s.sequences, "tokens": s.tokens, "reply_tokens": s.loss_tokens,
             "seconds": round(time.perf_counter() - start, 1)}
@@ -131,7 +130,7 @@ def main() -> None:
         if path.exists():
             results[recipe] = json.loads(path.read_text())
             continue
-        count = counts.get(recipe, RECIPES[recipe][1])
+        count = counts.get(recipe, COUNTS[recipe])
         data = data_stage(out / recipe / "data", target, recipe, count)
         trained = train_stage(out / recipe / "draft", out / recipe / "data", heldout, target, args.train_minutes,
                               args.eval_every, args.heldout, data["tokens"], speed)
