@@ -12,14 +12,12 @@ accepts no venv without a good record, so a cut or failed install is never hande
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglewire.core.presets import cache_dir
+from eaglewire.engines.serving.engine_venv import EngineHome, probe_python
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +46,8 @@ class SglangError(RuntimeError):
 
 # ------------------------------------------------------------------ where
 
-def install_dir() -> Path:
-    """``<cache>/engines/sglang-VERSION_RUN``: the venv, the kernels, the record, the logs."""
-    return cache_dir() / "engines" / f"{DIST}-{VERSION_RUN}"
-
-
-def venv_dir() -> Path:
-    return install_dir() / "venv"
-
-
-def venv_python(venv: Path | None = None) -> Path:
-    return (venv or venv_dir()) / "bin" / "python"
-
-
-def record_path() -> Path:
-    return install_dir() / RECORD
+HOME = EngineHome(DIST, VERSION_RUN, RECORD, RECORD_VERSION)
+install_dir, venv_dir, venv_python, record_path = HOME.install_dir, HOME.venv_dir, HOME.venv_python, HOME.record_path
 
 
 def site_packages(prefix: Path) -> Path:
@@ -106,28 +91,14 @@ class Installation:
 
 def read_record(path: Path | None = None) -> dict[str, Any] | None:
     """The install's record, when it is complete and for this release (else None)."""
-    path = path or record_path()
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = (record.get("record_version") == RECORD_VERSION and record.get("version") == VERSION_RUN
-          and record.get("smoke") and Path(record.get("python", "")).is_file())
-    return record if ok else None
+    return HOME.read_record(path)
 
 
 def probe(python: str | Path, program: str = _PROBE, timeout: float = 300.0) -> dict[str, Any]:
     """What ``python`` prints as JSON for ``program`` (default: itself and sglang, without importing sglang)."""
-    try:
-        proc = subprocess.run([str(python), "-c", program], capture_output=True, text=True, timeout=timeout,
-                              env={"SGLANG_USE_CPU_ENGINE": "1", "PATH": "/usr/bin:/bin"})
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise SglangError(f"--sglang-python {python} does not run ({e}): pass a python that imports sglang, "
-                          f"{_OWN}") from None
-    if proc.returncode != 0:
-        raise SglangError(f"--sglang-python {python} does not run (exit {proc.returncode}): "
-                          f"{proc.stderr.strip()[-300:]}\npass a python that imports sglang, {_OWN}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return probe_python(python, program, error=SglangError, timeout=timeout,
+                        env={"SGLANG_USE_CPU_ENGINE": "1", "PATH": "/usr/bin:/bin"},
+                        asked=f"--sglang-python: pass a python that imports sglang, {_OWN}")
 
 
 def gate_patched(prefix: Path) -> bool:

@@ -257,7 +257,7 @@ GATE_PATCH = Patch(
     name="keep-intel-amx-without-amx", file="sglang/srt/arg_groups/overrides.py",
     old=r'(view\.attention_backend == "intel_amx"\n\s+and view\.device == "cpu"\n(\s+)and not get_platform\(\)\.has_amx\n)',
     new=rf'\g<1>\g<2>and not __import__("os").environ.get("{KEEP_AMX_ENV}")  # eaglewire: the kernels were built\n',
-    done=rf"# eaglewire: the kernels were built",
+    done=r"# eaglewire: the kernels were built",
     why=f"SGLang keeps the intel_amx backend on a CPU without AMX where {KEEP_AMX_ENV}=1 (eaglewire's launches set "
         "it; the kernels run its ops on AVX-512); unset, it falls back to torch_native as released")
 

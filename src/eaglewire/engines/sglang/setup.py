@@ -16,11 +16,9 @@ From nothing, in ``<cache>/engines/sglang-VERSION_RUN`` (one install at a time, 
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any
 from eaglewire.core.fileio import atomic_write_json
 from eaglewire.core.logged_run import run_logged
 from eaglewire.engines.interface import ExportDraft, InstallError, InstallSettings, Progress, ServedFiles, Shape
+from eaglewire.engines.serving.engine_venv import apt_install, can_apt, ensure_venv
 import eaglewire.engines.sglang.installation as inst  # the module itself, not through the package
 import eaglewire.engines.sglang.kernels as kernels  # the module itself, not through the package
 from eaglewire.engines.sglang.installation import DIST, RECORD_VERSION, VERSION_RUN, Installation, SglangError
@@ -56,16 +55,10 @@ def ensure_numa(logfile: Path, progress: Progress) -> str:
     """``numa.h`` on this machine: found, else installed with apt-get when running as root (CI), else an error."""
     if any(p.is_file() for p in NUMA_HEADERS):
         return "found"
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+    if not can_apt():
         raise SglangError(f"SGLang's CPU kernels include numa.h, which this machine lacks: install "
                           f"{inst.NUMA_PACKAGE} (apt-get install {inst.NUMA_PACKAGE}) and rerun")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", inst.NUMA_PACKAGE]
-    stage = f"apt-get install {inst.NUMA_PACKAGE} (the kernels include numa.h)"
-    try:
-        _run(install, logfile, stage, progress, timeout=600)
-    except SglangError:  # a machine whose package lists were never fetched
-        _run(["apt-get", "update"], logfile, "apt-get update (no package lists yet)", progress, timeout=600)
-        _run(install, logfile, stage, progress, timeout=600)
+    apt_install(inst.NUMA_PACKAGE, "the kernels include numa.h", logfile, progress, error=SglangError)
     return "installed with apt-get"
 
 
@@ -132,15 +125,12 @@ def install(settings: InstallSettings, progress: Progress | None = None) -> Inst
 
     progress = progress or _no_progress
     jobs = settings.jobs or os.cpu_count() or 1
-    root = inst.install_dir()
     if settings.install is not None:
         given = inst._given(settings.install)
         progress(f"smoke run: {given.python} serves SmolLM2", None)
-        smoke = smoke_run(given, export=settings.export, work=root.parent / "sglang-given")
+        smoke = smoke_run(given, export=settings.export, work=inst.install_dir().parent / "sglang-given")
         return replace(given, smoke=smoke["smoke"])
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.with_name(root.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time
+    with inst.HOME.locked() as root:  # one install at a time
         found = inst.find()
         if found is not None:
             return found
@@ -152,10 +142,7 @@ def install(settings: InstallSettings, progress: Progress | None = None) -> Inst
         inst.record_path().unlink(missing_ok=True)
         logfile = root / "eaglewire-install.log"
         numa = ensure_numa(logfile, progress)
-        venv, py = inst.venv_dir(), inst.venv_python()
-        if not py.is_file():
-            shutil.rmtree(venv, ignore_errors=True)  # a venv cut before its python: start it again
-            _run([sys.executable, "-m", "venv", str(venv)], logfile, f"creating the venv {venv}", progress)
+        venv, py = inst.venv_dir(), ensure_venv(inst.HOME, logfile, progress, error=SglangError)
         pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--quiet"]
         _run([*pip, f"{DIST}=={VERSION_RUN}", "ninja"], logfile,
              f"installing {DIST}=={VERSION_RUN} and the torch it pins from the registry (~5 min)", progress)

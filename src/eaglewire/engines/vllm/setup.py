@@ -7,9 +7,6 @@ plan and record), so neither of those imports the other's callers.
 
 from __future__ import annotations
 
-import fcntl
-import shutil
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +15,7 @@ from typing import Any
 from eaglewire.core.fileio import atomic_write_json, atomic_write_text
 from eaglewire.core.presets import cache_dir
 from eaglewire.engines.interface import InstallError, InstallSettings, Progress, ServedFiles, Shape
+from eaglewire.engines.serving.engine_venv import ensure_venv
 import eaglewire.engines.vllm.installation as inst  # the module itself, not through the package that imports this one
 from eaglewire.engines.vllm.installation import DIST, DROPPED, RECORD_VERSION, VERSION_RUN, Installation, VllmError
 from eaglewire.engines.vllm.server import VllmServer
@@ -56,10 +54,7 @@ def install(python: str | Path | None = None, progress: Progress | None = None) 
         progress(f"smoke run: {given.python} serves SmolLM2 plainly", None)
         smoke = smoke_run(given)
         return replace(given, smoke=smoke["smoke"])
-    root = inst.install_dir()
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.with_name(root.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time
+    with inst.HOME.locked() as root:  # one install at a time
         found = inst.find()
         if found is not None:
             return found
@@ -71,11 +66,7 @@ def install(python: str | Path | None = None, progress: Progress | None = None) 
         plan = inst.install_plan(inst.wheel_metadata(wheel))
         reqs = root / "requirements.txt"
         atomic_write_text(reqs, "".join(f"{r}\n" for r in plan.requirements))
-        venv = inst.venv_dir()
-        py = inst.venv_python(venv)
-        if not py.is_file():
-            shutil.rmtree(venv, ignore_errors=True)  # a venv cut before its python: start it again
-            inst._run([sys.executable, "-m", "venv", str(venv)], logfile, f"creating the venv {venv}", progress)
+        venv, py = inst.venv_dir(), ensure_venv(inst.HOME, logfile, progress, error=VllmError)
         pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--quiet"]
         inst._run([*pip, "--upgrade", "pip"], logfile, "upgrading pip in it", progress)
         try:
