@@ -56,7 +56,7 @@ def data_stage(out: Path, target, recipe: str, count: int, offset: int = 0) -> d
     start = time.perf_counter()
     s = prepare(PrepareConfig(out=str(out), target=DEFAULT_TARGET, data="sharegpt", offset=offset,
                               num_conversations=count, max_length=QUICKSTART["max_length"],
-                              max_new_tokens=QUICKSTART["max_new_tokens"], **RECIPES[recipe]),
+                              max_new_tokens=QUICKSTART["max_new_tokens"], **RECIPES[recipe].prepare),
                 target=target, progress=True)
     done = {"conversations": count, "sequences": s.sequences, "tokens": s.tokens, "reply_tokens": s.loss_tokens,
             "seconds": round(time.perf_counter() - start, 1)}

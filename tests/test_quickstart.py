@@ -280,3 +280,25 @@ def test_the_training_probe_labels_the_datas_fraction_of_positions(chat_tiny_tar
     with pytest.raises(ValueError, match="label_fraction"):
         train_rate.training_tokens_per_second(chat_tiny_target, resolve_precision("fp32", torch.device("cpu")),
                                               ttt_steps=2, draft_vocab_size=64, batch_tokens=1024, label_fraction=0)
+
+
+def test_the_plan_for_the_datasets_own_replies_buys_data_not_passes():
+    """--replies dataset: a conversation costs its capture only, so the plan takes as many as one pass over them
+    fills (made-up rates): a training-bound machine more than a data-bound one, both within the recipe's cap, each
+    spending the same wall clock; regenerated replies (seconds a conversation) are a few hundred at most."""
+    from eaglewire.quickstart import RECIPES
+    from eaglewire.train.plan import plan_data
+
+    dataset = RECIPES["dataset"]
+    kw = dict(minutes=20, precision="bf16", tokens_per_conversation=450, passes=dataset.passes, most=dataset.most)
+    training_bound = plan_data(tokens_per_second=600, data_seconds=0.2, **kw)
+    faster = plan_data(tokens_per_second=1200, data_seconds=0.2, **kw)
+    data_bound = plan_data(tokens_per_second=6000, data_seconds=1.5, **kw)
+    for plan in (training_bound, faster, data_bound):
+        assert plan.epochs == 1 and 48 < plan.conversations < dataset.most
+        assert abs(plan.budget_seconds - (48 * plan.data_seconds + 20 * 60)) < 60  # the same wall clock
+    assert training_bound.conversations < faster.conversations  # faster training: more data in one pass
+    assert data_bound.conversations * 1.5 > 0.8 * data_bound.budget_seconds  # mostly capture
+    regenerated = plan_data(tokens_per_second=1000, data_seconds=5.0, minutes=20, precision="bf16",
+                            passes=RECIPES["regenerate"].passes, most=RECIPES["regenerate"].most)
+    assert regenerated.conversations <= RECIPES["regenerate"].most and regenerated.epochs > 1

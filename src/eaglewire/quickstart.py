@@ -25,7 +25,7 @@ from eaglewire.core.precision import DTYPE_CHOICES, resolve_precision
 from eaglewire.core.locks import directory_lock
 from eaglewire.core.presets import DEFAULT_TARGET
 from eaglewire.model.target import Target, load_target
-from eaglewire.train.plan import REPLAN_OFF_BY, DataPlan, paced, plan_data
+from eaglewire.train.plan import EPOCHS, MAX_CONVERSATIONS, REPLAN_OFF_BY, DataPlan, paced, plan_data
 
 if TYPE_CHECKING:
     from eaglewire.data.prepare import PrepareConfig
@@ -43,11 +43,24 @@ OVERFIT_GAP = 0.15  # train acc@0 above held-out acc@0 by more than this: said i
 # 1.13x for its fastest config, so a range is all that section supports. Cited, not re-measured: stage 5b
 # was measured so; stage 6 (shipped since) accepts more on the same prompts (τ 1.56 -> 1.64 for a chain of 3,
 # BENCHMARKS.md "The reference draft for SmolLM2-135M"), so the range holds as a floor.
-# How the training conversations get their replies (--replies); the held-out ones are always the target's own.
-RECIPES: dict[str, dict[str, Any]] = {
-    "regenerate": {"regenerate": True},  # every reply the target's own: the best matched, the slowest to get
-    "first-turn": {"regenerate": True, "max_turns": 1},  # the first reply the target's own, the conversation ends
-    "dataset": {},  # the dataset's own replies as they are: the target's labels on another writer's text, fast
+@dataclass(frozen=True)
+class Recipe:
+    """How the training conversations get their replies (``--replies``; the held-out ones are always the target's
+    own), and what the plan aims for with them."""
+
+    prepare: dict[str, Any]  # PrepareConfig's fields
+    passes: int  # over the data (train/plan.py)
+    most: int  # conversations at most
+
+
+RECIPES: dict[str, Recipe] = {
+    # every reply the target's own: the best matched, the slowest to get
+    "regenerate": Recipe({"regenerate": True}, passes=EPOCHS, most=MAX_CONVERSATIONS),
+    # the first reply the target's own, the conversation ending there
+    "first-turn": Recipe({"regenerate": True, "max_turns": 1}, passes=EPOCHS, most=2 * MAX_CONVERSATIONS),
+    # the dataset's own replies as they are: the target's labels on another writer's text, many times faster to
+    # get, so new data each pass (~2 MiB of states a conversation: the cap is ~8 GiB)
+    "dataset": Recipe({}, passes=1, most=4000),
 }
 REFERENCE = {"config": "1,5,4,12,0.1", "speedup_low": 1.13, "speedup_high": 1.32, "tau": 1.61}
 REFERENCE_RECIPE = "sh benchmarks/reference_draft.sh"
@@ -220,12 +233,14 @@ def plan_stage(config: QuickstartConfig, target: Target, *, progress: bool = Fal
     speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
                                        draft_vocab_size=config.draft_vocab_size, batch_tokens=BATCH_TOKENS,
                                        label_fraction=min(1.0, max(data["reply_tokens"] / data["tokens"], 0.05)))
+    recipe = RECIPES[config.replies]
     if config.num_conversations is not None:
         return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
-                         conversations=config.num_conversations, tokens_per_conversation=data["tokens"])
+                         conversations=config.num_conversations, tokens_per_conversation=data["tokens"],
+                         passes=recipe.passes, most=recipe.most)
     return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
                      data_seconds=round(data["seconds"], 2), capture_seconds=round(data["capture"], 2),
-                     tokens_per_conversation=data["tokens"])
+                     tokens_per_conversation=data["tokens"], passes=recipe.passes, most=recipe.most)
 
 
 def plan_in_force(stages: Stages) -> DataPlan:
@@ -270,7 +285,7 @@ def prepare_config(config: QuickstartConfig, out: Path, target: Target, *, offse
 
     return PrepareConfig(out=str(out), target=config.target, device=str(target.device), data=config.data,
                          offset=offset, num_conversations=count, max_length=config.max_length,
-                         max_new_tokens=config.max_new_tokens, **RECIPES[replies or config.replies])
+                         max_new_tokens=config.max_new_tokens, **RECIPES[replies or config.replies].prepare)
 
 
 def prepare_stage(config: QuickstartConfig, out: Path, target: Target, *, offset: int, count: int, progress: bool,

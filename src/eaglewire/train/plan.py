@@ -50,6 +50,8 @@ class DataPlan:
     capture_seconds: float = 0.0  # the capture's part of data_seconds (the stage's pace checks the rest)
     probed_seconds: float | None = None  # re-planned: the data_seconds the probe measured (None: not re-planned)
     tokens_per_conversation: float = TOKENS_PER_CONVERSATION  # what a conversation yields, measured by the probe
+    passes: int = EPOCHS  # passes over the data the plan aims for (the recipe's)
+    most: int = MAX_CONVERSATIONS  # conversations at most (the recipe's)
 
     @property
     def seconds_per_conversation(self) -> float:
@@ -80,24 +82,28 @@ class DataPlan:
 
 def plan_data(*, tokens_per_second: float, minutes: float, precision: str, conversations: int | None = None,
               data_seconds: float | None = None, capture_seconds: float = 0.0,
-              tokens_per_conversation: float | None = None) -> DataPlan:
+              tokens_per_conversation: float | None = None, passes: int = EPOCHS,
+              most: int = MAX_CONVERSATIONS) -> DataPlan:
     """The plan for a training budget of ``minutes`` at ``tokens_per_second`` and a data stage of ``data_seconds``
     per conversation (None: ``REGEN_SECONDS``; ``capture_seconds`` of it capturing) yielding
-    ``tokens_per_conversation`` (None: ``TOKENS_PER_CONVERSATION``); ``conversations`` given: train on those,
-    planning the steps to the measured speed within ``minutes``."""
+    ``tokens_per_conversation`` (None: ``TOKENS_PER_CONVERSATION``), aiming for ``passes`` over at most ``most``
+    conversations; ``conversations`` given: train on those, planning the steps to the measured speed within
+    ``minutes``."""
+    if passes < 1 or most < BASE_CONVERSATIONS:
+        raise ValueError(f"a plan needs passes >= 1 and most >= {BASE_CONVERSATIONS}, got {passes}, {most}")
     if tokens_per_second <= 0 or minutes <= 0:
         raise ValueError(f"a plan needs a positive speed and budget, got {tokens_per_second} tokens/s, {minutes} min")
     tokens = round(tokens_per_conversation or TOKENS_PER_CONVERSATION, 1)
     if conversations is not None:
         epochs = max(1, int(minutes * 60 * tokens_per_second // (conversations * tokens)))
         return DataPlan(conversations, minutes, epochs, tokens_per_second, precision, sized=False,
-                        data_seconds=data_seconds, capture_seconds=capture_seconds, tokens_per_conversation=tokens)
+                        data_seconds=data_seconds, capture_seconds=capture_seconds, tokens_per_conversation=tokens,
+                        passes=passes, most=most)
     per_data = data_seconds or REGEN_SECONDS  # seconds per conversation
     wall = BASE_CONVERSATIONS * per_data + minutes * 60  # seconds
-    return DataPlan(**_fill(wall, per_data, tokens_per_second, tokens, least=BASE_CONVERSATIONS,
-                            most=MAX_CONVERSATIONS),
+    return DataPlan(**_fill(wall, per_data, tokens_per_second, tokens, passes, least=BASE_CONVERSATIONS, most=most),
                     tokens_per_second=tokens_per_second, precision=precision, sized=True, data_seconds=data_seconds,
-                    capture_seconds=capture_seconds, tokens_per_conversation=tokens)
+                    capture_seconds=capture_seconds, tokens_per_conversation=tokens, passes=passes, most=most)
 
 
 def paced(plan: DataPlan, *, regenerated: int, seconds: float, done: int) -> DataPlan:
@@ -118,16 +124,16 @@ def replan(plan: DataPlan, *, data_seconds: float, done: int) -> DataPlan:
     wall clock, no more conversations than planned (only those are loaded) and no fewer than ``done``, training for
     the rest of it."""
     sized = _fill(plan.budget_seconds, data_seconds, plan.tokens_per_second, plan.tokens_per_conversation,
-                  least=max(BASE_CONVERSATIONS, done), most=plan.conversations)
+                  plan.passes, least=max(BASE_CONVERSATIONS, done), most=plan.conversations)
     return replace(plan, **sized, data_seconds=round(data_seconds, 2),
                    probed_seconds=plan.seconds_per_conversation if plan.probed_seconds is None else plan.probed_seconds)
 
 
-def _fill(wall: float, data_seconds: float, speed: float, tokens: float, *, least: int, most: int) -> dict:
+def _fill(wall: float, data_seconds: float, speed: float, tokens: float, passes: int, *, least: int,
+          most: int) -> dict:
     """The conversations (``least`` to ``most``), training minutes and epochs that fill ``wall`` seconds with a data
-    stage of ``data_seconds`` per conversation of ``tokens`` and ``EPOCHS`` passes of training at ``speed``
-    tokens/s."""
-    per_conversation = data_seconds + EPOCHS * tokens / speed  # seconds
+    stage of ``data_seconds`` per conversation of ``tokens`` and ``passes`` over them at ``speed`` tokens/s."""
+    per_conversation = data_seconds + passes * tokens / speed  # seconds
     count = min(most, max(least, int(wall // per_conversation)))
     train_seconds = max(wall - count * data_seconds, 60.0)
     epochs = max(1, int(train_seconds * speed // (count * tokens)))
