@@ -117,13 +117,14 @@ def main() -> None:
     target = load_target(DEFAULT_TARGET, device="cpu", dtype=precision.name)
     heldout = out / "heldout"
     data_stage(heldout, target, "regenerate", args.heldout, offset=args.heldout_offset)
-    speed = args.speed
-    if speed is None:
+    def probed_speed(data: dict) -> float:
+        """Training tokens/s as the quickstart's plan probes it, for this data's share of labelled tokens."""
         from eaglewire.train.train_rate import training_tokens_per_second
 
-        speed = training_tokens_per_second(target, precision, ttt_steps=QUICKSTART["ttt_steps"],
-                                           draft_vocab_size=QUICKSTART["draft_vocab_size"],
-                                           batch_tokens=QUICKSTART["batch_tokens"])
+        return args.speed or training_tokens_per_second(
+            target, precision, ttt_steps=QUICKSTART["ttt_steps"], draft_vocab_size=QUICKSTART["draft_vocab_size"],
+            batch_tokens=QUICKSTART["batch_tokens"], label_fraction=data["reply_tokens"] / data["tokens"])
+
     results = {}
     for recipe in args.recipes.split(","):
         path = out / f"{recipe}.json"
@@ -132,6 +133,7 @@ def main() -> None:
             continue
         count = counts.get(recipe, COUNTS[recipe])
         data = data_stage(out / recipe / "data", target, recipe, count)
+        speed = probed_speed(data)
         trained = train_stage(out / recipe / "draft", out / recipe / "data", heldout, target, args.train_minutes,
                               args.eval_every, args.heldout, data["tokens"], speed)
         results[recipe] = {"recipe": recipe, "data": data, "train": trained, "cpu": cpu_name(),
