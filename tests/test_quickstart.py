@@ -302,3 +302,15 @@ def test_the_plan_for_the_datasets_own_replies_buys_data_not_passes():
     regenerated = plan_data(tokens_per_second=1000, data_seconds=5.0, minutes=20, precision="bf16",
                             passes=RECIPES["regenerate"].passes, most=RECIPES["regenerate"].most)
     assert regenerated.conversations <= RECIPES["regenerate"].most and regenerated.epochs > 1
+
+
+def test_the_summary_says_what_more_time_would_buy_on_the_data_curve():
+    from eaglewire.quickstart import DATA_CURVE, curve_acc, more_time_row
+    from eaglewire.train.plan import plan_data
+
+    assert curve_acc(1e3) == DATA_CURVE[0][1] and curve_acc(1e9) == DATA_CURVE[-1][1]
+    assert curve_acc(0.65e6) == pytest.approx(0.310) and 0.310 < curve_acc(1e6) < 0.378
+    plan = plan_data(tokens_per_second=1000, minutes=20, precision="bf16", data_seconds=1.0,
+                     tokens_per_conversation=500, passes=1, most=4000)
+    said = more_time_row(plan, 300_000)  # 1 s of capture + 0.5 s of training per 500 tokens: 0.6M in 30 min
+    assert "+30 min here adds ~0.60M tokens" in said and f"about {curve_acc(0.9e6):.2f}" in said

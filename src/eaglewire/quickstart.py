@@ -62,6 +62,9 @@ RECIPES: dict[str, Recipe] = {
     # get, so new data each pass (~2 MiB of states a conversation: the cap is ~8 GiB)
     "dataset": Recipe({}, passes=1, most=4000),
 }
+# Held-out acc@0 (the target's own replies) against the ShareGPT tokens a draft was trained on, one pass each
+# (BENCHMARKS.md, "What data buys": 0.09M to 0.65M from scratch, then new data in stages): more time buys more data.
+DATA_CURVE = ((0.09e6, 0.187), (0.27e6, 0.245), (0.65e6, 0.310), (2.07e6, 0.378), (3.06e6, 0.411))
 REFERENCE = {"config": "1,5,4,12,0.1", "speedup_low": 1.13, "speedup_high": 1.32, "tau": 1.61}
 REFERENCE_RECIPE = "sh benchmarks/reference_draft.sh"
 REFERENCE_HOURS = 9.5  # that recipe's wall time on 2 CPU cores (benchmarks/reference_draft.sh)
@@ -245,7 +248,11 @@ def plan_stage(config: QuickstartConfig, target: Target, *, progress: bool = Fal
 
 def plan_in_force(stages: Stages) -> DataPlan:
     """The plan the stages run to: the data stage's re-plan where its own pace re-planned, else the probed one."""
-    return DataPlan(**stages.done.get("replan", stages.done["plan"]))
+    return plan_in_force_of(stages.done)
+
+
+def plan_in_force_of(done: dict[str, Any]) -> DataPlan:
+    return DataPlan(**done.get("replan", done["plan"]))
 
 
 def pace_data(stages: Stages) -> Pace:
@@ -338,10 +345,12 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
                 if h else "")),
             ("training", f"{t['steps']} steps, {t['tokens']:,} tokens, {t['seconds']:,.0f} s"
                          + ("" if t["finished"] else f" ({t.get('stop_reason') or 'time budget reached'})")),
-            ("held-out acc@0 / cond acc@1", heldout_row(t)),
-            ("doctor", d.get("status", "passed" if d["ok"] else "failed").upper()
-             + (f" ({d['evidence']})" if d.get("evidence") else "") + ": "
-             + ", ".join(f"{k} {v}" for k, v in d["verdicts"].items()))]
+            ("held-out acc@0 / cond acc@1", heldout_row(t))]
+    if "plan" in done:
+        rows.append(("more time", more_time_row(plan_in_force_of(done), t["tokens"])))
+    rows.append(("doctor", d.get("status", "passed" if d["ok"] else "failed").upper()
+                 + (f" ({d['evidence']})" if d.get("evidence") else "") + ": "
+                 + ", ".join(f"{k} {v}" for k, v in d["verdicts"].items())))
     for row in done["bench"]:
         tau = f", τ {row['tau_pooled']:.2f}" if row.get("tau_pooled") else ""
         speed = f", {row['speedup']:.2f}x" if row.get("speedup") else ""
@@ -352,6 +361,28 @@ def summary_rows(done: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("tune for llama.cpp", "eaglewire tune --engine llamacpp --draft <out>/draft (exports the GGUFs, "
                                        "times llama-server; docs/llamacpp.md)"))
     return rows
+
+
+def curve_acc(tokens: float) -> float:
+    """Held-out acc@0 that ``tokens`` of one-pass training read on ``DATA_CURVE`` (log-linear between its points,
+    the ends held)."""
+    points = DATA_CURVE
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (t0, a0), (t1, a1) in zip(points, points[1:]):
+        if tokens <= t1:
+            return a0 + (a1 - a0) * math.log(tokens / t0) / math.log(t1 / t0)
+    return points[-1][1]
+
+
+def more_time_row(plan: DataPlan, trained_tokens: int, extra_minutes: float = 30.0) -> str:
+    """What ``extra_minutes`` more would buy at this machine's measured rates: the tokens a minute of the data stage
+    and one pass of training adds, read on ``DATA_CURVE``."""
+    per_token = plan.seconds_per_conversation / plan.tokens_per_conversation + plan.passes / plan.tokens_per_second
+    more = extra_minutes * 60 / per_token  # tokens
+    return (f"+{extra_minutes:g} min here adds ~{more / 1e6:.2f}M tokens of new data (one pass): held-out acc@0 "
+            f"about {curve_acc(trained_tokens + more):.2f} by the data curve in BENCHMARKS.md (\"What data buys\"; "
+            f"{curve_acc(trained_tokens):.2f} at this run's {trained_tokens / 1e6:.2f}M); `--minutes` sets it")
 
 
 def heldout_row(t: dict[str, Any]) -> str:
