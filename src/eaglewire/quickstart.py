@@ -84,7 +84,7 @@ class QuickstartConfig:
                                                                      "regenerated and captured for the doctor only"})
     max_length: int = field(default=512, metadata={"help": "tokens per training sequence"})
     max_new_tokens: int = field(default=128, metadata={"help": "reply length when regenerating"})
-    replies: str = field(default="regenerate", metadata={"choices": tuple(RECIPES), "help": "the training "
+    replies: str = field(default="dataset", metadata={"choices": tuple(RECIPES), "help": "the training "
                          "conversations' replies: regenerate (every one the target's own), first-turn (the first one, "
                          "the conversation ending there) or dataset (the data's own, captured as they are); the "
                          "held-out conversations are the target's own either way"})
