@@ -158,7 +158,7 @@ def test_the_plan_sizes_the_slice_to_the_data_stage_measured_here():
     for plan, d in ((quick, 4.0), (slow, 12.0)):
         spent = plan.conversations * d + plan.train_minutes * 60
         assert spent == pytest.approx(BASE_CONVERSATIONS * d + 20 * 60, abs=d)  # the wall clock, to one conversation
-    assert "regenerating and capturing a conversation in 4.0 s" in quick.describe()
+    assert "preparing a conversation (its replies and states) in 4.0 s" in quick.describe()
 
 
 class _Clock:
@@ -314,3 +314,20 @@ def test_the_summary_says_what_more_time_would_buy_on_the_data_curve():
                      tokens_per_conversation=500, passes=1, most=4000)
     said = more_time_row(plan, 300_000)  # 1 s of capture + 0.5 s of training per 500 tokens: 0.6M in 30 min
     assert "+30 min here adds ~0.60M tokens" in said and f"about {curve_acc(0.9e6):.2f}" in said
+
+
+def test_training_gets_what_the_plans_wall_clock_leaves_after_the_data_stage():
+    """The data stage as it ran, not as planned, sets the training budget: a stage faster than planned leaves more
+    training (the capture-only probe read 2x slow), a slower one less, never under a minute; a fixed slice keeps
+    the plan's minutes."""
+    from eaglewire.quickstart import training_minutes
+    from eaglewire.train.plan import plan_data
+
+    plan = plan_data(tokens_per_second=600, minutes=20, precision="bf16", data_seconds=1.2,
+                     tokens_per_conversation=450, passes=1, most=4000)
+    planned_data = plan.conversations * 1.2
+    assert training_minutes(plan, planned_data) == pytest.approx(plan.train_minutes, abs=0.01)
+    assert training_minutes(plan, planned_data / 2) == pytest.approx(plan.train_minutes + planned_data / 120, abs=0.01)
+    assert training_minutes(plan, plan.budget_seconds) == 1.0
+    fixed = plan_data(tokens_per_second=600, minutes=7, precision="bf16", conversations=100)
+    assert training_minutes(fixed, 10_000) == 7

@@ -51,6 +51,7 @@ class Recipe:
     prepare: dict[str, Any]  # PrepareConfig's fields
     passes: int  # over the data (train/plan.py)
     most: int  # conversations at most
+    probe: int = 8  # conversations the plan's data probe prepares (data_rate.PROBE_CONVERSATIONS: one batch)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -60,7 +61,9 @@ RECIPES: dict[str, Recipe] = {
     "first-turn": Recipe({"regenerate": True, "max_turns": 1}, passes=EPOCHS, most=2 * MAX_CONVERSATIONS),
     # the dataset's own replies as they are: the target's labels on another writer's text, many times faster to
     # get, so new data each pass (~2 MiB of states a conversation: the cap is ~8 GiB)
-    "dataset": Recipe({}, passes=1, most=4000),
+    # (its probe: 32 conversations, the first capture batches being slow while oneDNN builds its kernels: 8 read 1.3 s
+    # a conversation where the stage captured at 0.6)
+    "dataset": Recipe({}, passes=1, most=4000, probe=32),
 }
 # Held-out acc@0 (the target's own replies) against the ShareGPT tokens a draft was trained on, one pass each
 # (BENCHMARKS.md, "What data buys": 0.09M to 0.65M from scratch, then new data in stages): more time buys more data.
@@ -153,8 +156,9 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
     plan = plan_in_force(stages)
     print(f"plan: {plan.describe()}")
     if "prepare" not in stages.done:
-        _banner(f"1/6 prepare: the target regenerates the replies of {plan.conversations} conversations, then its "
-                "states are captured")
+        replies = "the target regenerates the replies of" if RECIPES[config.replies].prepare.get("regenerate") \
+            else "the target's states are captured on the data's own replies in"
+        _banner(f"1/6 prepare: {replies} {plan.conversations} conversations (--replies {config.replies})")
         loaded = DataPlan(**stages.done["plan"]).conversations  # a re-plan ends the stage early: resumes match
         stages.record("prepare", prepare_stage(config, data, target, offset=0, count=loaded, progress=progress,
                                                pace=pace_data(stages)))
@@ -165,19 +169,21 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
                                                count=config.heldout_conversations, progress=progress,
                                                replies="regenerate"))
     if "train" not in stages.done:
-        _banner(f"3/6 train: a draft within {plan.train_minutes:g} minutes (re-run to resume)")
+        minutes = training_minutes(plan, stages.done["prepare"]["seconds"])
+        _banner(f"3/6 train: a draft within {minutes:g} minutes (re-run to resume)")
         tokens = stages.done["prepare"]["tokens"]
-        epochs = max(1, math.floor(plan.train_minutes * 60 * plan.tokens_per_second / max(tokens, 1)))
+        epochs = max(1, math.floor(minutes * 60 * plan.tokens_per_second / max(tokens, 1)))
         # validated on the held-out conversations (the target's own replies, whatever the recipe), stopped early
         # once their loss stops falling
         r = train(TrainConfig(out=str(draft), target=config.target, data=str(data), ttt_steps=config.ttt_steps,
-                              draft_vocab_size=config.draft_vocab_size, epochs=epochs, minutes=plan.train_minutes,
+                              draft_vocab_size=config.draft_vocab_size, epochs=epochs, minutes=minutes,
                               lr=1e-3, batch_tokens=BATCH_TOKENS, val_data=str(heldout),
                               val_sequences=config.heldout_conversations, eval_interval=EVAL_INTERVAL,
                               early_stop=EARLY_STOP, save_interval=25, dtype=config.dtype, device=str(target.device),
                               resume=(draft / "train_state.pt").exists()),
                   target=target, progress=progress)
-        stages.record("train", {"steps": r.steps, "epochs": round(r.epochs_done, 2), "tokens": r.train_tokens,
+        stages.record("train", {"minutes": minutes, "steps": r.steps, "epochs": round(r.epochs_done, 2),
+                                "tokens": r.train_tokens,
                                 "seconds": round(r.seconds, 1), "finished": r.finished, "stop_reason": r.stop_reason,
                                 **last_training_window(draft), **r.final_eval})
     if "doctor" not in stages.done:
@@ -215,6 +221,14 @@ def _run_quickstart(config: QuickstartConfig, target: Target | None, progress: b
     return stages.done
 
 
+def training_minutes(plan: DataPlan, data_seconds: float) -> float:
+    """The training stage's budget: what the plan's wall clock leaves after the data stage as it ran (the plan's
+    own minutes where --num-conversations fixed the slice), at least one minute."""
+    if not plan.sized:
+        return plan.train_minutes
+    return round(max(plan.budget_seconds - data_seconds, 60.0) / 60, 2)
+
+
 def last_training_window(draft: Path) -> dict[str, float]:
     """The training figures of the run's last logged window (``train_acc_0``, ``train_loss``), to set beside the
     held-out ones: a gap between them is the draft learning its data by heart."""
@@ -230,13 +244,13 @@ def plan_stage(config: QuickstartConfig, target: Target, *, progress: bool = Fal
     from eaglewire.train.train_rate import training_tokens_per_second
 
     precision = resolve_precision(config.dtype, target.device)
+    recipe = RECIPES[config.replies]
     data = data_seconds_per_conversation(target, prepare_config(config, Path(config.out) / "data", target, offset=0,
-                                                                count=None), progress=progress)
+                                                                count=None), sample=recipe.probe, progress=progress)
     # timed as training runs: a step costs its labelled (reply) positions, the data's fraction of its tokens
     speed = training_tokens_per_second(target, precision, ttt_steps=config.ttt_steps,
                                        draft_vocab_size=config.draft_vocab_size, batch_tokens=BATCH_TOKENS,
                                        label_fraction=min(1.0, max(data["reply_tokens"] / data["tokens"], 0.05)))
-    recipe = RECIPES[config.replies]
     if config.num_conversations is not None:
         return plan_data(tokens_per_second=round(speed, 1), minutes=config.minutes, precision=precision.name,
                          conversations=config.num_conversations, tokens_per_conversation=data["tokens"],

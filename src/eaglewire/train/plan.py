@@ -68,11 +68,11 @@ class DataPlan:
                 f" at the {self.tokens_per_second:,.0f} tokens/s measured here ({self.precision})")
         if not self.sized:
             return head + "; --num-conversations given"
-        data = (f", regenerating and capturing a conversation in {self.data_seconds:.1f} s" if self.data_seconds
+        data = (f", preparing a conversation (its replies and states) in {self.data_seconds:.1f} s" if self.data_seconds
                 else "")
         why = (f"re-planned at the data stage's own pace (the probe said {self.probed_seconds:.1f} s) to fill"
                if self.probed_seconds is not None else
-               f"sized so regeneration and training fill the wall clock of {BASE_CONVERSATIONS} conversations plus "
+               f"sized so the data stage and training fill the wall clock of {BASE_CONVERSATIONS} conversations plus "
                "--minutes,")
         return f"{head}{data}; {why} {self.budget_seconds / 60:.1f} min"
 
