@@ -245,7 +245,7 @@ def test_a_data_stage_6x_slower_than_its_probe_is_replanned_to_end_within_its_bu
     plan = plan_data(tokens_per_second=1000, minutes=20, precision="bf16", data_seconds=probed)
     clock = _stand_in_generation(monkeypatch, chat_tiny_target, seconds_per_turn=6 * probed)  # one turn each
     config = QuickstartConfig(out=str(tmp_path / "qs"), data=str(_chats(tmp_path / "chats.jsonl", 400, 1)),
-                              max_length=64)
+                              max_length=64, replies="regenerate")
     (tmp_path / "qs").mkdir()
     stages = Stages(tmp_path / "qs", config)
     stages.record("plan", plan.record())
@@ -331,3 +331,18 @@ def test_training_gets_what_the_plans_wall_clock_leaves_after_the_data_stage():
     assert training_minutes(plan, plan.budget_seconds) == 1.0
     fixed = plan_data(tokens_per_second=600, minutes=7, precision="bf16", conversations=100)
     assert training_minutes(fixed, 10_000) == 7
+
+
+def test_the_plans_training_speed_is_trains_own_on_the_probes_shards(tmp_path, chat_tiny_target):
+    """The plan's speed is ``train`` itself on the data probe's sample (its median step after the first two), not a
+    synthetic step (which read 2x off either way, issue 74)."""
+    from eaglewire.data.prepare import PrepareConfig, prepare
+    from eaglewire.quickstart import PROBE_STEPS, training_speed
+
+    prepare(PrepareConfig(out=str(tmp_path / "data"), data=str(_chats(tmp_path / "c.jsonl", 8, 2)), max_length=64),
+            target=chat_tiny_target, progress=False)
+    config = QuickstartConfig(out=str(tmp_path / "qs"), draft_vocab_size=512, dtype="fp32")
+    speed = training_speed(config, chat_tiny_target, tmp_path / "data", tmp_path / "draft")
+    rows = [json.loads(line) for line in (tmp_path / "draft" / "metrics.jsonl").read_text().splitlines()]
+    steps = sorted(r["tokens_per_s"] for r in rows if not r.get("eval") and r["step"] > 2)
+    assert len(steps) == PROBE_STEPS - 2 and speed == steps[len(steps) // 2] > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 from eaglewire.data.prepare import PrepareConfig, prepare
 from eaglewire.model.target import Target
@@ -20,14 +21,16 @@ PROBE_CONVERSATIONS = 8  # one batch of the stage's regeneration (PrepareConfig.
 
 
 def data_seconds_per_conversation(target: Target, config: PrepareConfig, *, sample: int = PROBE_CONVERSATIONS,
-                                  progress: bool = False) -> dict[str, float]:
+                                  progress: bool = False, keep: Path | None = None) -> dict[str, float]:
     """Seconds the data stage ``config`` spends here on one of its conversations: its first ``sample`` prepared as
     it prepares them (``config.out`` unused). Returns the parts (``regenerate``, ``capture``) and their sum
     (``seconds``), the stage's fixed costs (reading the data, the label check) left out; and what a conversation
-    yields, ``tokens`` and ``reply_tokens`` (the labelled ones), which size training."""
+    yields, ``tokens`` and ``reply_tokens`` (the labelled ones), which size training. ``keep``: the sample's
+    shards are written there and kept (the training probe trains on them)."""
     count = min(sample, config.num_conversations or sample)
     with tempfile.TemporaryDirectory(prefix="eaglewire-probe-") as scratch:
-        s = prepare(replace(config, out=scratch, num_conversations=count), target=target, progress=progress)
+        s = prepare(replace(config, out=str(keep or scratch), num_conversations=count), target=target,
+                    progress=progress)
     regenerate, capture = s.regenerate_seconds / count, s.capture_seconds / count
     return {"regenerate": regenerate, "capture": capture, "seconds": regenerate + capture,
             "tokens": s.tokens / count, "reply_tokens": s.loss_tokens / count}
