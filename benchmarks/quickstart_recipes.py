@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=24)
     ap.add_argument("--heldout-offset", type=int, default=5000)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--speed", type=float, default=None, help="training tokens/s for the schedule (default: probed)")
+    ap.add_argument("--speed", type=float, default=None, help="training tokens/s for the schedule (default: measured as the quickstart's plan does)")
     ap.add_argument("--read-at", default="10,15,20", help="minutes at which the table reads each recipe")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,13 +117,11 @@ def main() -> None:
     target = load_target(DEFAULT_TARGET, device="cpu", dtype=precision.name)
     heldout = out / "heldout"
     data_stage(heldout, target, "regenerate", args.heldout, offset=args.heldout_offset)
-    def probed_speed(data: dict) -> float:
-        """Training tokens/s as the quickstart's plan probes it, for this data's share of labelled tokens."""
-        from eaglewire.train.train_rate import training_tokens_per_second
+    def probed_speed(recipe: str) -> float:
+        """Training tokens/s as the quickstart's plan measures it: ``train`` itself on the recipe's own shards."""
+        from eaglewire.quickstart import training_speed
 
-        return args.speed or training_tokens_per_second(
-            target, precision, ttt_steps=QUICKSTART["ttt_steps"], draft_vocab_size=QUICKSTART["draft_vocab_size"],
-            batch_tokens=QUICKSTART["batch_tokens"], label_fraction=data["reply_tokens"] / data["tokens"])
+        return args.speed or training_speed(QuickstartConfig(), target, out / recipe / "data", out / recipe / "probe")
 
     results = {}
     for recipe in args.recipes.split(","):
@@ -133,7 +131,7 @@ def main() -> None:
             continue
         count = counts.get(recipe, COUNTS[recipe])
         data = data_stage(out / recipe / "data", target, recipe, count)
-        speed = probed_speed(data)
+        speed = probed_speed(recipe)
         trained = train_stage(out / recipe / "draft", out / recipe / "data", heldout, target, args.train_minutes,
                               args.eval_every, args.heldout, data["tokens"], speed)
         results[recipe] = {"recipe": recipe, "data": data, "train": trained, "cpu": cpu_name(),

@@ -258,30 +258,6 @@ def test_a_data_stage_6x_slower_than_its_probe_is_replanned_to_end_within_its_bu
     assert "re-plan after 16 conversations: " in capsys.readouterr().out  # said when it happens
 
 
-def test_the_training_probe_labels_the_datas_fraction_of_positions(chat_tiny_target, monkeypatch):
-    """A step's cost follows its labelled positions (the head and the draft run there only, on a CPU): the probe
-    labels the fraction the data has, not every position (which read 2.5x slow, issue 74)."""
-    import torch
-
-    from eaglewire.core.precision import resolve_precision
-    from eaglewire.train import train_rate
-
-    seen, real = [], train_rate.ttt_loss
-
-    def counting(draft, emb, aux, mask, *args, **kwargs):
-        seen.append(float(mask.float().mean()))
-        return real(draft, emb, aux, mask, *args, **kwargs)
-
-    monkeypatch.setattr(train_rate, "ttt_loss", counting)
-    speed = train_rate.training_tokens_per_second(chat_tiny_target, resolve_precision("fp32", torch.device("cpu")),
-                                                  ttt_steps=2, draft_vocab_size=64, batch_tokens=1024,
-                                                  label_fraction=0.4)
-    assert speed > 0 and len(seen) == 3 and all(abs(f - 0.4) < 0.01 for f in seen)
-    with pytest.raises(ValueError, match="label_fraction"):
-        train_rate.training_tokens_per_second(chat_tiny_target, resolve_precision("fp32", torch.device("cpu")),
-                                              ttt_steps=2, draft_vocab_size=64, batch_tokens=1024, label_fraction=0)
-
-
 def test_the_plan_for_the_datasets_own_replies_buys_data_not_passes():
     """--replies dataset: a conversation costs its capture only, so the plan takes as many as one pass over them
     fills (made-up rates): a training-bound machine more than a data-bound one, both within the recipe's cap, each
